@@ -1,0 +1,11 @@
+include(GNUInstallDirs)
+include(CMakePackageConfigHelpers)
+get_property(kvt_targets GLOBAL PROPERTY KVT_EXPORTED_TARGETS)
+install(TARGETS ${kvt_targets} EXPORT kvtTargets
+  ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR} LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR})
+foreach(component common kernels pool transfer)
+  if(EXISTS ${CMAKE_CURRENT_SOURCE_DIR}/${component}/include)
+    install(DIRECTORY ${component}/include/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+  endif()
+endforeach()
+install(EXPORT kvtTargets NAMESPACE kvt:: DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/kvt)

@@ -1,0 +1,23 @@
+// Logging through spdlog with one logger per component tag ("pool", "kern", "xfer", "ucx",
+// "ipc", "nccl", "ctl", "tool"). Loggers are created on first use and are thread-safe.
+// The level comes from KVT_LOG_LEVEL (trace, debug, info, warn, error, off; default info),
+// read once (see kvt/common/env.h).
+#pragma once
+
+#include <spdlog/spdlog.h>
+
+#include <memory>
+#include <string_view>
+
+namespace kvt {
+
+// The logger for a component tag. Never null.
+std::shared_ptr<spdlog::logger> Logger(std::string_view tag);
+
+}  // namespace kvt
+
+#define KVT_LOG_TRACE(tag, ...) ::kvt::Logger(tag)->trace(__VA_ARGS__)
+#define KVT_LOG_DEBUG(tag, ...) ::kvt::Logger(tag)->debug(__VA_ARGS__)
+#define KVT_LOG_INFO(tag, ...) ::kvt::Logger(tag)->info(__VA_ARGS__)
+#define KVT_LOG_WARN(tag, ...) ::kvt::Logger(tag)->warn(__VA_ARGS__)
+#define KVT_LOG_ERROR(tag, ...) ::kvt::Logger(tag)->error(__VA_ARGS__)
