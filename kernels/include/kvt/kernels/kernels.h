@@ -72,7 +72,8 @@ Status UnpackCpu(const PackArgs& args);
 // A row is `row_elems` elements (head_num * head_dim). When src_dtype == dst_dtype the bytes
 // are copied. Otherwise each element is converted as tokenspeed does: if a scale is given the
 // value is first divided by it *in the source dtype* (the result rounded to src_dtype), then
-// converted to dst_dtype (round to nearest even; fp8 saturates to the largest finite value).
+// converted to dst_dtype with round-to-nearest-even and no saturation, as torch's .to() does
+// (fp8 e4m3 overflow becomes NaN, fp8 e5m2 overflow becomes inf).
 // dst_dtype is the pool's element dtype (fp8 types are stored as their uint8 bytes).
 struct StoreArgs {
   const void* k_src = nullptr;  // [num_rows, row_elems] of src_dtype
