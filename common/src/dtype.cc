@@ -8,11 +8,14 @@ namespace kvt {
 int64_t ItemSize(DType dtype) {
   switch (dtype) {
     case DType::kBF16:
-    case DType::kFP16: return 2;
-    case DType::kFP32: return 4;
+    case DType::kFP16:
+      return 2;
+    case DType::kFP32:
+      return 4;
     case DType::kFP8E4M3:
     case DType::kFP8E5M2:
-    case DType::kUInt8: return 1;
+    case DType::kUInt8:
+      return 1;
   }
   return 0;
 }
@@ -23,12 +26,18 @@ DType StoreDType(DType dtype) {
 
 std::string_view DTypeName(DType dtype) {
   switch (dtype) {
-    case DType::kBF16: return "bf16";
-    case DType::kFP16: return "fp16";
-    case DType::kFP32: return "fp32";
-    case DType::kFP8E4M3: return "fp8_e4m3";
-    case DType::kFP8E5M2: return "fp8_e5m2";
-    case DType::kUInt8: return "uint8";
+    case DType::kBF16:
+      return "bf16";
+    case DType::kFP16:
+      return "fp16";
+    case DType::kFP32:
+      return "fp32";
+    case DType::kFP8E4M3:
+      return "fp8_e4m3";
+    case DType::kFP8E5M2:
+      return "fp8_e5m2";
+    case DType::kUInt8:
+      return "uint8";
   }
   return "unknown";
 }

@@ -10,6 +10,11 @@ namespace kvt::env {
 // KVT_LOG_LEVEL: trace | debug | info | warn | error | off (default info).
 inline constexpr const char* kLogLevel = "KVT_LOG_LEVEL";
 
+// KVT_CLUSTER_TOKEN: the shared secret control connections authenticate with (HMAC-SHA256
+// challenge-response; at least 16 bytes). Unset: servers listen on loopback only unless their
+// options explicitly allow another address.
+inline constexpr const char* kClusterToken = "KVT_CLUSTER_TOKEN";
+
 // The value of an environment variable, or nullopt when unset or empty.
 std::optional<std::string> Get(const char* name);
 

@@ -143,10 +143,10 @@ void StatusOr<T>::CheckOk() const {
 #define KVT_STATUS_CONCAT_(a, b) KVT_STATUS_CONCAT_INNER_(a, b)
 
 // Returns from the enclosing function when `expr` (a Status) is not OK.
-#define KVT_RETURN_IF_ERROR(expr)                        \
-  do {                                                   \
-    ::kvt::Status kvt_status_ = (expr);                  \
-    if (!kvt_status_.ok()) return kvt_status_;           \
+#define KVT_RETURN_IF_ERROR(expr)              \
+  do {                                         \
+    ::kvt::Status kvt_status_ = (expr);        \
+    if (!kvt_status_.ok()) return kvt_status_; \
   } while (false)
 
 // `lhs = value of expr` (a StatusOr), or returns its Status from the enclosing function.

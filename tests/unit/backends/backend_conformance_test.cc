@@ -1,0 +1,247 @@
+// One conformance suite, run against every backend that can move host memory in-process.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <memory>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "kvt/transfer/backend.h"
+#include "kvt/transfer/backends.h"
+
+namespace kvt::transfer {
+namespace {
+
+constexpr uint64_t kItem = 4096;
+constexpr uint64_t kPages = 32;
+constexpr int kBuffers = 4;
+
+// A fake pool: kBuffers buffers of kPages pages each.
+struct Buffers {
+  explicit Buffers(uint8_t fill) {
+    for (auto& b : data) b.assign(kItem * kPages, fill);
+  }
+  std::vector<LocalRegion> Regions() {
+    std::vector<LocalRegion> regions;
+    for (auto& b : data) {
+      regions.push_back(LocalRegion{reinterpret_cast<uint64_t>(b.data()), b.size(), kItem,
+                                    MemoryKind::kHost, -1});
+    }
+    return regions;
+  }
+  std::vector<std::vector<uint8_t>> data{kBuffers};
+};
+
+void Randomize(Buffers& buffers, uint32_t seed) {
+  std::mt19937 rng(seed);
+  for (auto& b : buffers.data) {
+    for (auto& byte : b) byte = static_cast<uint8_t>(rng());
+  }
+}
+
+Status WaitFor(Backend& backend, WriteId id) {
+  for (int i = 0; i < 200000; ++i) {
+    Status st = backend.Check(id);
+    if (st.code() != StatusCode::kInProgress) return st;
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+  return DeadlineExceeded("write did not finish in 10 s");
+}
+
+class BackendConformance : public ::testing::TestWithParam<std::string> {
+ protected:
+  // "name" or "name:transports" (UCX_TLS syntax for ucx).
+  std::string BackendName() const { return GetParam().substr(0, GetParam().find(':')); }
+  BackendOptions Options() const {
+    BackendOptions options;
+    if (auto colon = GetParam().find(':'); colon != std::string::npos) {
+      options.ucx_transports = GetParam().substr(colon + 1);
+    }
+    return options;
+  }
+
+  void SetUp() override {
+    auto a = CreateBackend(BackendName(), Options());
+    ASSERT_TRUE(a.ok()) << a.status();
+    auto b = CreateBackend(BackendName(), Options());
+    ASSERT_TRUE(b.ok()) << b.status();
+    sender_ = std::move(a).value();
+    receiver_ = std::move(b).value();
+    Randomize(src_, 1);
+    auto src_regions = src_.Regions();
+    auto dst_regions = dst_.Regions();
+    auto sd = sender_->Register(src_regions);
+    ASSERT_TRUE(sd.ok()) << sd.status();
+    auto rd = receiver_->Register(dst_regions);
+    ASSERT_TRUE(rd.ok()) << rd.status();
+    EXPECT_EQ(rd->backend, BackendName());
+    ASSERT_EQ(rd->regions.size(), static_cast<size_t>(kBuffers));
+    receiver_descriptor_ = *rd;
+    auto peer = sender_->Connect(receiver_descriptor_);
+    ASSERT_TRUE(peer.ok()) << peer.status();
+    peer_ = *peer;
+  }
+
+  void TearDown() override {
+    sender_.reset();  // the writer goes first, as an agent that finishes before its peer
+    receiver_.reset();
+  }
+
+  Buffers src_{0};
+  Buffers dst_{0xEE};
+  std::unique_ptr<Backend> sender_;
+  std::unique_ptr<Backend> receiver_;
+  PeerDescriptor receiver_descriptor_;
+  PeerId peer_ = 0;
+};
+
+TEST_P(BackendConformance, ReportsNameAndHostCapability) {
+  EXPECT_EQ(sender_->Name(), BackendName());
+  EXPECT_TRUE(sender_->Capabilities().host_memory);
+}
+
+TEST_P(BackendConformance, WritesRandomRunsByteExact) {
+  std::mt19937 rng(7);
+  std::vector<CopyRun> runs;
+  std::vector<uint64_t> dst_pages(kPages);
+  for (uint64_t i = 0; i < kPages; ++i) dst_pages[i] = i;
+  std::shuffle(dst_pages.begin() + 1, dst_pages.end(), rng);
+  for (uint32_t b = 0; b < kBuffers; ++b) {
+    for (uint64_t p = 1; p < 12; ++p) {
+      const uint64_t bytes = p % 3 == 0 ? kItem : 1 + rng() % kItem;  // partial units too
+      runs.push_back({b, p * kItem, dst_pages[p] * kItem, bytes});
+    }
+  }
+  auto write = sender_->PostWrite(peer_, runs);
+  ASSERT_TRUE(write.ok()) << write.status();
+  ASSERT_TRUE(WaitFor(*sender_, *write).ok());
+  sender_->Release(*write);
+  Buffers expected(0xEE);
+  for (const CopyRun& r : runs) {
+    std::memcpy(expected.data[r.buffer].data() + r.dst_offset,
+                src_.data[r.buffer].data() + r.src_offset, r.bytes);
+  }
+  for (int b = 0; b < kBuffers; ++b) EXPECT_EQ(dst_.data[b], expected.data[b]) << "buffer " << b;
+}
+
+TEST_P(BackendConformance, ManyConcurrentWritesFromTwoThreads) {
+  auto worker = [&](uint32_t buffer) {
+    for (uint64_t p = 1; p < kPages; ++p) {
+      CopyRun run{buffer, p * kItem, p * kItem, kItem};
+      auto w = sender_->PostWrite(peer_, {&run, 1});
+      ASSERT_TRUE(w.ok()) << w.status();
+      ASSERT_TRUE(WaitFor(*sender_, *w).ok());
+      sender_->Release(*w);
+    }
+  };
+  std::thread t1(worker, 0u), t2(worker, 3u);
+  t1.join();
+  t2.join();
+  for (uint32_t b : {0u, 3u}) {
+    EXPECT_TRUE(
+        std::equal(dst_.data[b].begin() + kItem, dst_.data[b].end(), src_.data[b].begin() + kItem));
+  }
+}
+
+TEST_P(BackendConformance, OutOfRangeRunsAreRefusedBeforeAnyByteMoves) {
+  std::vector<CopyRun> runs = {{0, kItem, kItem, kItem}, {1, kItem, kPages * kItem, 1}};
+  auto write = sender_->PostWrite(peer_, runs);
+  ASSERT_FALSE(write.ok());
+  EXPECT_EQ(write.status().code(), StatusCode::kOutOfRange);
+  EXPECT_NE(write.status().message().find("remote buffer 1"), std::string::npos);
+  EXPECT_EQ(dst_.data[0][kItem], 0xEE);  // the valid first run did not move either
+
+  CopyRun bad_buffer{kBuffers, 0, 0, 1};
+  EXPECT_EQ(sender_->PostWrite(peer_, {&bad_buffer, 1}).status().code(), StatusCode::kOutOfRange);
+  CopyRun bad_src{0, kPages * kItem - 1, 0, 2};
+  EXPECT_EQ(sender_->PostWrite(peer_, {&bad_src, 1}).status().code(), StatusCode::kOutOfRange);
+}
+
+TEST_P(BackendConformance, UnknownIdsAreNotFound) {
+  CopyRun run{0, 0, 0, 1};
+  EXPECT_EQ(sender_->PostWrite(peer_ + 100, {&run, 1}).status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(sender_->Check(12345).code(), StatusCode::kNotFound);
+  EXPECT_EQ(sender_->Disconnect(peer_ + 100).code(), StatusCode::kNotFound);
+  sender_->Release(12345);  // harmless
+}
+
+TEST_P(BackendConformance, DisconnectedPeerRefusesWrites) {
+  ASSERT_TRUE(sender_->Disconnect(peer_).ok());
+  CopyRun run{0, kItem, kItem, kItem};
+  EXPECT_EQ(sender_->PostWrite(peer_, {&run, 1}).status().code(), StatusCode::kNotFound);
+  // Reconnecting works.
+  auto again = sender_->Connect(receiver_descriptor_);
+  ASSERT_TRUE(again.ok()) << again.status();
+  auto w = sender_->PostWrite(*again, {&run, 1});
+  ASSERT_TRUE(w.ok());
+  EXPECT_TRUE(WaitFor(*sender_, *w).ok());
+}
+
+TEST_P(BackendConformance, RefusesMismatchedPeers) {
+  PeerDescriptor fewer = receiver_descriptor_;
+  fewer.regions.pop_back();
+  auto r = sender_->Connect(fewer);
+  EXPECT_EQ(r.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(r.status().message().find("published 3 buffers"), std::string::npos);
+
+  PeerDescriptor other = receiver_descriptor_;
+  other.backend = "carrier-pigeon";
+  EXPECT_EQ(sender_->Connect(other).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST_P(BackendConformance, RefusesNullRegions) {
+  LocalRegion null_region{0, 100, 10, MemoryKind::kHost, -1};
+  EXPECT_EQ(receiver_->Register({&null_region, 1}).status().code(), StatusCode::kInvalidArgument);
+}
+
+INSTANTIATE_TEST_SUITE_P(AllHostBackends, BackendConformance,
+                         ::testing::Values(std::string("loopback"), std::string("ucx"),
+                                           std::string("ucx:tcp"), std::string("ucx:shm,self")),
+                         [](const auto& info) {
+                           std::string name = info.param;
+                           for (char& c : name) {
+                             if (!isalnum(static_cast<unsigned char>(c))) c = '_';
+                           }
+                           return name;
+                         });
+
+TEST(UcxBackend, BadTransportListIsRefusedWithAHint) {
+  BackendOptions options;
+  options.ucx_transports = "no-such-transport";
+  auto b = CreateBackend("ucx", options);
+  ASSERT_FALSE(b.ok());
+  EXPECT_NE(b.status().message().find("no-such-transport"), std::string::npos) << b.status();
+}
+
+TEST(BackendFactory, UnknownNameListsKnownOnes) {
+  auto b = CreateBackend("smoke-signals");
+  ASSERT_FALSE(b.ok());
+  EXPECT_NE(b.status().message().find("ucx"), std::string::npos);
+}
+
+TEST(LoopbackBackend, DelayedWriteCanBeReleasedBeforeItLands) {
+  BackendOptions options;
+  options.loopback_delay_us = 200000;
+  auto a = CreateBackend("loopback", options);
+  auto b = CreateBackend("loopback", options);
+  ASSERT_TRUE(a.ok() && b.ok());
+  Buffers src(1), dst(2);
+  auto sr = src.Regions();
+  auto dr = dst.Regions();
+  ASSERT_TRUE((*a)->Register(sr).ok());
+  auto d = (*b)->Register(dr);
+  ASSERT_TRUE(d.ok());
+  auto peer = (*a)->Connect(*d);
+  ASSERT_TRUE(peer.ok());
+  CopyRun run{0, 0, 0, kItem};
+  auto w = (*a)->PostWrite(*peer, {&run, 1});
+  ASSERT_TRUE(w.ok());
+  EXPECT_EQ((*a)->Check(*w).code(), StatusCode::kInProgress);
+  (*a)->Release(*w);
+  std::this_thread::sleep_for(std::chrono::milliseconds(250));
+  EXPECT_EQ(dst.data[0][0], 2);  // never landed
+}
+
+}  // namespace
+}  // namespace kvt::transfer

@@ -1,0 +1,119 @@
+#include "kvt/transfer/plan.h"
+
+#include <gtest/gtest.h>
+
+#include <vector>
+
+namespace kvt::transfer {
+namespace {
+
+PlanSpec Spec(const std::vector<int32_t>& src, const std::vector<int32_t>& dst) {
+  PlanSpec spec;
+  spec.src_pages = src;
+  spec.dst_pages = dst;
+  spec.num_layers = 2;
+  spec.layer_begin = 0;
+  spec.layer_end = 2;
+  spec.src_item_len = spec.dst_item_len = 100;
+  spec.src_buffer_len = spec.dst_buffer_len = 100 * 16;  // 16 pages per buffer
+  return spec;
+}
+
+TEST(PlanTest, CoalescesPagesConsecutiveOnBothSides) {
+  std::vector<int32_t> src = {1, 2, 3, 7, 8};
+  std::vector<int32_t> dst = {4, 5, 9, 10, 11};
+  auto plan = BuildPlan(Spec(src, dst));
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  // Segments: (1..2 -> 4..5), (3 -> 9), (7..8 -> 10..11): 3 per buffer, 4 buffers.
+  ASSERT_EQ(plan->runs.size(), 12u);
+  EXPECT_EQ(plan->runs[0], (CopyRun{0, 100, 400, 200}));
+  EXPECT_EQ(plan->runs[1], (CopyRun{0, 300, 900, 100}));
+  EXPECT_EQ(plan->runs[2], (CopyRun{0, 700, 1000, 200}));
+  // Layer 0: K (buffer 0) then V (buffer L + 0 = 2); layer 1: buffers 1 and 3.
+  EXPECT_EQ(plan->runs[3].buffer, 2u);
+  EXPECT_EQ(plan->runs[6].buffer, 1u);
+  EXPECT_EQ(plan->runs[9].buffer, 3u);
+  EXPECT_EQ(plan->total_bytes, 4u * 500u);
+  EXPECT_EQ(plan->Layers(0, 1).size(), 6u);
+  EXPECT_EQ(plan->Layers(1, 2).front().buffer, 1u);
+  EXPECT_EQ(plan->Layers(0, 2).size(), 12u);
+}
+
+TEST(PlanTest, LayerRangeSelectsBuffers) {
+  std::vector<int32_t> src = {5};
+  std::vector<int32_t> dst = {6};
+  PlanSpec spec = Spec(src, dst);
+  spec.num_layers = 4;
+  spec.layer_begin = 2;
+  spec.layer_end = 3;
+  auto plan = BuildPlan(spec);
+  ASSERT_TRUE(plan.ok());
+  ASSERT_EQ(plan->runs.size(), 2u);
+  EXPECT_EQ(plan->runs[0].buffer, 2u);
+  EXPECT_EQ(plan->runs[1].buffer, 6u);
+  EXPECT_EQ(plan->Layers(2, 3).size(), 2u);
+}
+
+TEST(PlanTest, PartialUnitsDoNotCoalesce) {
+  std::vector<int32_t> src = {1, 2};
+  std::vector<int32_t> dst = {3, 4};
+  PlanSpec spec = Spec(src, dst);
+  spec.num_layers = 1;
+  spec.layer_end = 1;
+  spec.dst_item_len = 50;
+  spec.dst_buffer_len = 50 * 16;
+  spec.src_unit_offset = 50;
+  spec.dst_unit_offset = 0;
+  spec.unit_bytes = 50;
+  auto plan = BuildPlan(spec);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_EQ(plan->runs.size(), 4u);
+  EXPECT_EQ(plan->runs[0], (CopyRun{0, 150, 150, 50}));
+  EXPECT_EQ(plan->runs[1], (CopyRun{0, 250, 200, 50}));
+}
+
+TEST(PlanTest, RefusesBadInput) {
+  std::vector<int32_t> two = {1, 2};
+  std::vector<int32_t> one = {1};
+  EXPECT_EQ(BuildPlan(Spec(two, one)).status().code(), StatusCode::kInvalidArgument);
+
+  std::vector<int32_t> zero = {0};
+  auto dummy = BuildPlan(Spec(zero, one));
+  EXPECT_EQ(dummy.status().code(), StatusCode::kOutOfRange);
+  EXPECT_NE(dummy.status().message().find("dummy page"), std::string::npos);
+
+  std::vector<int32_t> past = {16};
+  auto out = BuildPlan(Spec(one, past));
+  EXPECT_EQ(out.status().code(), StatusCode::kOutOfRange);
+  EXPECT_NE(out.status().message().find("destination page 16"), std::string::npos);
+
+  PlanSpec layers = Spec(one, one);
+  layers.layer_begin = 1;
+  layers.layer_end = 1;
+  EXPECT_EQ(BuildPlan(layers).status().code(), StatusCode::kInvalidArgument);
+  layers.layer_begin = 0;
+  layers.layer_end = 3;
+  EXPECT_EQ(BuildPlan(layers).status().code(), StatusCode::kInvalidArgument);
+
+  PlanSpec sizes = Spec(one, one);
+  sizes.dst_item_len = 200;
+  auto mismatch = BuildPlan(sizes);
+  EXPECT_EQ(mismatch.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(mismatch.status().message().find("200"), std::string::npos);
+
+  PlanSpec unit = Spec(one, one);
+  unit.unit_bytes = 60;
+  unit.src_unit_offset = 50;
+  EXPECT_EQ(BuildPlan(unit).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(PlanTest, EmptyRequestHasNoRuns) {
+  std::vector<int32_t> none;
+  auto plan = BuildPlan(Spec(none, none));
+  ASSERT_TRUE(plan.ok());
+  EXPECT_TRUE(plan->runs.empty());
+  EXPECT_EQ(plan->total_bytes, 0u);
+}
+
+}  // namespace
+}  // namespace kvt::transfer

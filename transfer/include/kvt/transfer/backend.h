@@ -1,0 +1,102 @@
+// A transfer backend moves bytes from registered local memory into a peer's registered memory.
+//
+// Every backend (ucx, loopback, later cuda_ipc and nccl) is one class behind this interface,
+// with the same cycle: capability queries first, then register (once per pool) -> connect a peer
+// (from the descriptors the peer published in its hello) -> post a batch of copy runs -> check
+// it until it completes -> release it. A write that Check() reports complete is visible in the
+// peer's memory (the backend flushed it), so "done" may be sent right after.
+//
+// Thread safety: every method may be called from any thread; implementations serialise access
+// to their own state. Completion is polled (Check), never called back, so the caller decides on
+// which thread request state moves.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kvt/common/status.h"
+#include "kvt/transfer/plan.h"
+
+namespace kvt::transfer {
+
+enum class MemoryKind : uint8_t { kHost = 0, kCuda = 1 };
+
+// One local buffer to register: a pool's contiguous buffer (base, length, item_len).
+struct LocalRegion {
+  uint64_t base = 0;
+  uint64_t length = 0;
+  uint64_t item_len = 0;
+  MemoryKind kind = MemoryKind::kHost;
+  int32_t device = -1;  // CUDA device ordinal for kCuda
+};
+
+// What a peer needs to write into one of our buffers; travels in the hello.
+struct RemoteRegion {
+  uint64_t base = 0;
+  uint64_t length = 0;
+  uint64_t item_len = 0;
+  std::string key;  // backend-specific: UCX packed rkey, CUDA IPC handle, ...
+};
+
+// What a peer published: its backend address and one descriptor per buffer, in buffer order.
+struct PeerDescriptor {
+  std::string backend;  // must equal Backend::Name() of the connecting side
+  std::string address;  // backend-specific endpoint address (UCX worker address, ...)
+  std::vector<RemoteRegion> regions;
+};
+
+struct BackendCapabilities {
+  bool host_memory = false;    // can register and write host memory
+  bool cuda_memory = false;    // can register CUDA memory directly
+  bool inter_process = false;  // peers may live in other processes
+  bool inter_node = false;     // peers may live on other machines
+};
+
+using PeerId = uint64_t;
+using WriteId = uint64_t;
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  Backend(const Backend&) = delete;
+  Backend& operator=(const Backend&) = delete;
+
+  virtual std::string_view Name() const = 0;
+  virtual BackendCapabilities Capabilities() const = 0;
+
+  // Registers the local buffers once (replacing any earlier registration, which must have no
+  // writes in flight) and returns this side's descriptor for the hello.
+  virtual StatusOr<PeerDescriptor> Register(std::span<const LocalRegion> regions) = 0;
+
+  // Connects to a peer from its descriptor. The peer's regions must correspond one to one to
+  // ours (same buffer count); lengths may differ (the plan checks offsets against them).
+  virtual StatusOr<PeerId> Connect(const PeerDescriptor& peer) = 0;
+
+  // Forgets a peer: its writes in flight are waited for (bounded) or cancelled, after which
+  // Check reports them Aborted, and its resources are released. kPeerDead skips every exchange
+  // with the peer (use it once the control plane has declared the peer dead). Unknown ids are
+  // NotFound.
+  enum class DisconnectMode { kGraceful, kPeerDead };
+  virtual Status Disconnect(PeerId peer, DisconnectMode mode = DisconnectMode::kGraceful) = 0;
+
+  // Starts writing `runs` (source offsets in our buffers, destination offsets in the peer's)
+  // and returns a handle. The runs are copied; the memory they name must stay registered.
+  virtual StatusOr<WriteId> PostWrite(PeerId peer, std::span<const CopyRun> runs) = 0;
+
+  // OK once every byte of the write is visible at the peer; InProgress while it runs; another
+  // error when it failed (the write's bytes at the peer are then undefined).
+  virtual Status Check(WriteId write) = 0;
+
+  // Frees a write's handle. A write still in flight is cancelled first and waited for, so after
+  // Release no byte of it lands later.
+  virtual void Release(WriteId write) = 0;
+
+ protected:
+  Backend() = default;
+};
+
+}  // namespace kvt::transfer

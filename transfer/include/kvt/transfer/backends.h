@@ -1,0 +1,34 @@
+// Creating backends by name. Names: "ucx", "loopback" (and, with later work, "cuda_ipc",
+// "nccl"). Thread-safe.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kvt/common/status.h"
+#include "kvt/transfer/backend.h"
+
+namespace kvt::transfer {
+
+struct BackendOptions {
+  // ucx: UCX transports to allow (UCX_TLS syntax, e.g. "shm,self" or "tcp"); empty = UCX's
+  // default choice (or the UCX_TLS environment variable when set).
+  std::string ucx_transports;
+  // ucx: the progress thread spins this long without work before it sleeps on the worker's
+  // event fd; longer spins trade a CPU core for lower latency.
+  int ucx_spin_us = 200;
+  // loopback: a posted write completes (its bytes are copied) only once this much time has
+  // passed, so tests can abort or time out writes in flight. 0 copies at post time.
+  int loopback_delay_us = 0;
+};
+
+// The backend names this build knows, in priority order.
+std::vector<std::string> BackendNames();
+
+// A new backend instance. Unknown names → InvalidArgument listing the known ones.
+StatusOr<std::unique_ptr<Backend>> CreateBackend(std::string_view name,
+                                                 const BackendOptions& options = {});
+
+}  // namespace kvt::transfer

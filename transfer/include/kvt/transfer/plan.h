@@ -1,0 +1,69 @@
+// Transfer plans: which bytes of which pool buffers go where for one request.
+//
+// A pool registered for transfer exposes 2L buffers (K of layers 0..L-1, then V), and page p of
+// buffer b starts at base[b] + p * item_len[b] (the pool's contiguous-buffer infos). A plan turns
+// a request's source and destination page lists into copy runs (buffer, src offset, dst offset,
+// bytes), coalescing pages that are consecutive on BOTH sides into one run, ordered layer by
+// layer so that the runs of a layer batch [a, b) are one contiguous slice.
+//
+// The unit of transfer is (buffer, page, byte offset, bytes) rather than whole pages so that
+// pools of different tensor-parallel sizes (a page holding a subset of the heads) can be served
+// by the same machinery; whole-page units are the common case and the only ones coalesced.
+//
+// Pure functions and plain values: thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "kvt/common/status.h"
+
+namespace kvt::transfer {
+
+// One contiguous copy between a local and a remote buffer of the same index.
+struct CopyRun {
+  uint32_t buffer = 0;      // index into the 2L buffer list
+  uint64_t src_offset = 0;  // bytes from the source buffer's base
+  uint64_t dst_offset = 0;  // bytes from the destination buffer's base
+  uint64_t bytes = 0;
+
+  friend bool operator==(const CopyRun&, const CopyRun&) = default;
+};
+
+struct PlanSpec {
+  std::span<const int32_t> src_pages;  // the request's pages in the source pool, token order
+  std::span<const int32_t> dst_pages;  // the same count, in the destination pool
+  int32_t num_layers = 0;              // L of both pools
+  int32_t layer_begin = 0;             // layers [layer_begin, layer_end) are planned
+  int32_t layer_end = 0;
+  uint64_t src_item_len = 0;    // bytes of one page of one buffer, source pool
+  uint64_t dst_item_len = 0;    // destination pool
+  uint64_t src_buffer_len = 0;  // bytes of one buffer (pages beyond it are out of range)
+  uint64_t dst_buffer_len = 0;
+  // Part of each page to move. unit_bytes == 0 means the whole page (then both item lengths must
+  // be equal); otherwise unit_bytes at src_unit_offset of each source page go to
+  // dst_unit_offset of each destination page.
+  uint64_t src_unit_offset = 0;
+  uint64_t dst_unit_offset = 0;
+  uint64_t unit_bytes = 0;
+};
+
+struct Plan {
+  std::vector<CopyRun> runs;
+  // runs of layer l (K then V) are runs[layer_begin_index[l - layer_begin] ..
+  // layer_begin_index[l - layer_begin + 1]).
+  std::vector<size_t> layer_begin_index;
+  int32_t layer_begin = 0;
+  int32_t layer_end = 0;
+  uint64_t total_bytes = 0;
+
+  // The runs of layers [a, b), a contiguous slice; a and b must lie in the planned range.
+  std::span<const CopyRun> Layers(int32_t a, int32_t b) const;
+};
+
+// Validates the spec (page counts equal, pages >= 1 — page 0 is the dummy page — and inside
+// the buffers, layer range inside [0, L], unit inside the item) and builds the plan.
+StatusOr<Plan> BuildPlan(const PlanSpec& spec);
+
+}  // namespace kvt::transfer

@@ -1,0 +1,420 @@
+#include "backends/ucx/ucx_backend.h"
+
+#include <poll.h>
+#include <ucp/api/ucp.h>
+
+#include <atomic>
+#include <chrono>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "backends/run_check.h"
+#include "kvt/common/log.h"
+
+namespace kvt::transfer {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+Status UcsStatus(ucs_status_t status, const std::string& what) {
+  if (status == UCS_OK) return OkStatus();
+  std::string message = what + ": " + ucs_status_string(status);
+  switch (status) {
+    case UCS_ERR_NO_MEMORY:
+    case UCS_ERR_NO_RESOURCE:
+    case UCS_ERR_EXCEEDS_LIMIT:
+      return ResourceExhausted(message);
+    case UCS_ERR_CANCELED:
+      return Aborted(message);
+    case UCS_ERR_TIMED_OUT:
+      return DeadlineExceeded(message);
+    case UCS_ERR_UNREACHABLE:
+    case UCS_ERR_CONNECTION_RESET:
+    case UCS_ERR_ENDPOINT_TIMEOUT:
+    case UCS_ERR_REJECTED:
+      return Unavailable(message);
+    case UCS_ERR_INVALID_PARAM:
+      return InvalidArgument(message);
+    case UCS_ERR_UNSUPPORTED:
+      return Unimplemented(message);
+    default:
+      return Internal(message);
+  }
+}
+
+class UcxBackend final : public Backend {
+ public:
+  UcxBackend(const BackendOptions& options)
+      : spin_(std::chrono::microseconds(options.ucx_spin_us)) {}
+
+  ~UcxBackend() override {
+    stop_.store(true);
+    if (worker_ != nullptr) ucp_worker_signal(worker_);
+    if (progress_.joinable()) progress_.join();
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto& [id, write] : writes_) WaitLocked(write);
+    writes_.clear();
+    for (auto& [id, peer] : peers_) ClosePeerLocked(peer);
+    peers_.clear();
+    UnmapLocked();
+    if (worker_address_ != nullptr) ucp_worker_release_address(worker_, worker_address_);
+    if (worker_ != nullptr) ucp_worker_destroy(worker_);
+    if (context_ != nullptr) ucp_cleanup(context_);
+  }
+
+  Status Init(const BackendOptions& options) {
+    ucp_config_t* config = nullptr;
+    KVT_RETURN_IF_ERROR(UcsStatus(ucp_config_read(nullptr, nullptr, &config), "ucp_config_read"));
+    if (!options.ucx_transports.empty()) {
+      ucs_status_t st = ucp_config_modify(config, "TLS", options.ucx_transports.c_str());
+      if (st != UCS_OK) {
+        ucp_config_release(config);
+        return InvalidArgument("UCX transports '" + options.ucx_transports +
+                               "' rejected: " + ucs_status_string(st) +
+                               "; use UCX_TLS syntax such as 'shm,self' or 'tcp'");
+      }
+    }
+    ucp_params_t params = {};
+    params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
+    params.features = UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP;
+    params.mt_workers_shared = 0;
+    ucs_status_t st = ucp_init(&params, config, &context_);
+    ucp_config_release(config);
+    if (st != UCS_OK && !options.ucx_transports.empty()) {
+      return UcsStatus(st, "ucp_init with transports '" + options.ucx_transports + "'")
+          .WithContext("check the transport list against `ucx_info -d`");
+    }
+    KVT_RETURN_IF_ERROR(UcsStatus(st, "ucp_init"));
+
+    ucp_context_attr_t attr = {};
+    attr.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
+    KVT_RETURN_IF_ERROR(UcsStatus(ucp_context_query(context_, &attr), "ucp_context_query"));
+    memory_types_ = attr.memory_types;
+
+    ucp_worker_params_t wparams = {};
+    wparams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+    wparams.thread_mode = UCS_THREAD_MODE_SERIALIZED;  // serialised by mutex_
+    KVT_RETURN_IF_ERROR(
+        UcsStatus(ucp_worker_create(context_, &wparams, &worker_), "ucp_worker_create"));
+    KVT_RETURN_IF_ERROR(UcsStatus(ucp_worker_get_efd(worker_, &event_fd_), "ucp_worker_get_efd"));
+    KVT_RETURN_IF_ERROR(
+        UcsStatus(ucp_worker_get_address(worker_, &worker_address_, &worker_address_len_),
+                  "ucp_worker_get_address"));
+    progress_ = std::thread([this] { ProgressLoop(); });
+    return OkStatus();
+  }
+
+  std::string_view Name() const override { return "ucx"; }
+
+  BackendCapabilities Capabilities() const override {
+    BackendCapabilities caps;
+    caps.host_memory = (memory_types_ & UCS_BIT(UCS_MEMORY_TYPE_HOST)) != 0;
+    caps.cuda_memory = (memory_types_ & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
+    caps.inter_process = true;
+    caps.inter_node = true;
+    return caps;
+  }
+
+  StatusOr<PeerDescriptor> Register(std::span<const LocalRegion> regions) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto& [id, write] : writes_) {
+      if (write.status.code() == StatusCode::kInProgress) {
+        return FailedPrecondition("cannot re-register buffers while writes are in flight");
+      }
+    }
+    UnmapLocked();
+    PeerDescriptor descriptor;
+    descriptor.backend = "ucx";
+    descriptor.address.assign(static_cast<const char*>(static_cast<void*>(worker_address_)),
+                              worker_address_len_);
+    for (size_t i = 0; i < regions.size(); ++i) {
+      const LocalRegion& r = regions[i];
+      if (r.base == 0 || r.length == 0) {
+        UnmapLocked();
+        return InvalidArgument("buffer " + std::to_string(i) + " has a null base or zero length");
+      }
+      if (r.kind == MemoryKind::kCuda && !Capabilities().cuda_memory) {
+        UnmapLocked();
+        return Unimplemented(
+            "this UCX build has no CUDA memory support (ucp_context_query lists no cuda memory "
+            "type), so buffer " +
+            std::to_string(i) +
+            " on CUDA memory cannot be registered directly; stage through host memory");
+      }
+      ucp_mem_map_params_t mp = {};
+      mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                      UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
+      mp.address = reinterpret_cast<void*>(r.base);
+      mp.length = r.length;
+      mp.memory_type = r.kind == MemoryKind::kCuda ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST;
+      ucp_mem_h memh = nullptr;
+      Status mapped = UcsStatus(ucp_mem_map(context_, &mp, &memh), "ucp_mem_map");
+      if (!mapped.ok()) {
+        UnmapLocked();
+        return mapped.WithContext("registering buffer " + std::to_string(i));
+      }
+      memhs_.push_back(memh);
+      void* packed = nullptr;
+      size_t packed_len = 0;
+      Status packed_ok =
+          UcsStatus(ucp_rkey_pack(context_, memh, &packed, &packed_len), "ucp_rkey_pack");
+      if (!packed_ok.ok()) {
+        UnmapLocked();
+        return packed_ok;
+      }
+      descriptor.regions.push_back(RemoteRegion{
+          r.base, r.length, r.item_len, std::string(static_cast<const char*>(packed), packed_len)});
+      ucp_rkey_buffer_release(packed);
+    }
+    local_.assign(regions.begin(), regions.end());
+    return descriptor;
+  }
+
+  StatusOr<PeerId> Connect(const PeerDescriptor& descriptor) override {
+    if (descriptor.backend != "ucx") {
+      return InvalidArgument("peer uses backend '" + descriptor.backend + "', this side 'ucx'");
+    }
+    if (descriptor.address.empty()) return InvalidArgument("peer sent an empty UCX address");
+    std::lock_guard<std::mutex> lock(mutex_);
+    KVT_RETURN_IF_ERROR(CheckRegionCount(local_.size(), descriptor.regions.size()));
+    const PeerId id = next_peer_++;
+    Peer peer;
+    peer.regions = descriptor.regions;
+    peer.error = std::make_shared<std::atomic<int>>(UCS_OK);
+    ucp_ep_params_t ep = {};
+    ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                    UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    ep.address = reinterpret_cast<const ucp_address_t*>(descriptor.address.data());
+    // UCX 1.13's shared-memory transports have no peer-failure handler, so asking for
+    // UCP_ERR_HANDLING_MODE_PEER would rule them out (leaving only tcp). Peer death is detected
+    // by the control plane (connection loss, heartbeats), which then disconnects the peer here.
+    ep.err_mode = UCP_ERR_HANDLING_MODE_NONE;
+    ep.err_handler.cb = &UcxBackend::OnEndpointError;
+    ep.err_handler.arg = peer.error.get();
+    KVT_RETURN_IF_ERROR(UcsStatus(ucp_ep_create(worker_, &ep, &peer.ep), "ucp_ep_create"));
+    for (size_t i = 0; i < descriptor.regions.size(); ++i) {
+      ucp_rkey_h rkey = nullptr;
+      ucs_status_t st = ucp_ep_rkey_unpack(peer.ep, descriptor.regions[i].key.data(), &rkey);
+      if (st != UCS_OK) {
+        ClosePeerLocked(peer);
+        return UcsStatus(st, "ucp_ep_rkey_unpack of the peer's buffer " + std::to_string(i))
+            .WithContext("the peer's memory descriptor is unusable");
+      }
+      peer.rkeys.push_back(rkey);
+    }
+    peers_.emplace(id, std::move(peer));
+    return id;
+  }
+
+  Status Disconnect(PeerId id, DisconnectMode mode) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = peers_.find(id);
+    if (it == peers_.end()) return NotFound("no UCX peer " + std::to_string(id));
+    ClosePeerLocked(it->second, mode == DisconnectMode::kPeerDead);
+    peers_.erase(it);
+    for (auto& [wid, write] : writes_) {
+      if (write.peer != id) continue;
+      WaitLocked(write);
+      if (!write.status.ok()) {
+        write.status =
+            Aborted("peer disconnected during the write (" + write.status.ToString() + ")");
+      }
+    }
+    return OkStatus();
+  }
+
+  StatusOr<WriteId> PostWrite(PeerId id, std::span<const CopyRun> runs) override {
+    std::unique_lock<std::mutex> lock(mutex_);
+    auto it = peers_.find(id);
+    if (it == peers_.end()) return NotFound("no UCX peer " + std::to_string(id));
+    Peer& peer = it->second;
+    if (int err = peer.error->load(); err != UCS_OK) {
+      return UcsStatus(static_cast<ucs_status_t>(err), "UCX endpoint to the peer failed");
+    }
+    KVT_RETURN_IF_ERROR(CheckRuns(runs, local_, peer.regions));
+    ucp_request_param_t param = {};
+    for (const CopyRun& run : runs) {
+      const void* src = reinterpret_cast<const uint8_t*>(local_[run.buffer].base) + run.src_offset;
+      const uint64_t dst = peer.regions[run.buffer].base + run.dst_offset;
+      ucs_status_ptr_t req =
+          ucp_put_nbx(peer.ep, src, run.bytes, dst, peer.rkeys[run.buffer], &param);
+      if (UCS_PTR_IS_ERR(req)) {
+        return UcsStatus(UCS_PTR_STATUS(req), "ucp_put_nbx");
+      }
+      // The flush below covers this put; its own handle is not needed.
+      if (req != nullptr) ucp_request_free(req);
+    }
+    Write write;
+    write.peer = id;
+    ucs_status_ptr_t flush = ucp_ep_flush_nbx(peer.ep, &param);
+    if (UCS_PTR_IS_ERR(flush)) {
+      write.status = UcsStatus(UCS_PTR_STATUS(flush), "ucp_ep_flush_nbx");
+    } else if (flush == nullptr) {
+      write.status = OkStatus();
+    } else {
+      write.flush = flush;
+      write.status = InProgress();
+    }
+    const WriteId wid = next_write_++;
+    writes_.emplace(wid, std::move(write));
+    lock.unlock();
+    ucp_worker_signal(worker_);  // the progress thread may be asleep on the event fd
+    return wid;
+  }
+
+  Status Check(WriteId id) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = writes_.find(id);
+    if (it == writes_.end()) return NotFound("no UCX write " + std::to_string(id));
+    Write& write = it->second;
+    if (write.flush != nullptr) {
+      ucp_worker_progress(worker_);
+      PollLocked(write);
+    }
+    return write.status;
+  }
+
+  void Release(WriteId id) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = writes_.find(id);
+    if (it == writes_.end()) return;
+    WaitLocked(it->second);
+    writes_.erase(it);
+  }
+
+ private:
+  struct Peer {
+    ucp_ep_h ep = nullptr;
+    std::vector<ucp_rkey_h> rkeys;
+    std::vector<RemoteRegion> regions;
+    std::shared_ptr<std::atomic<int>> error;  // set by the endpoint's error handler
+  };
+  struct Write {
+    PeerId peer = 0;
+    void* flush = nullptr;  // outstanding flush request
+    Status status;
+  };
+
+  static void OnEndpointError(void* arg, ucp_ep_h, ucs_status_t status) {
+    static_cast<std::atomic<int>*>(arg)->store(status);
+    KVT_LOG_WARN("ucx", "endpoint error: {}", ucs_status_string(status));
+  }
+
+  // Moves a write's status forward if its flush finished. mutex_ held.
+  void PollLocked(Write& write) {
+    if (write.flush == nullptr) return;
+    ucs_status_t st = ucp_request_check_status(write.flush);
+    if (st == UCS_INPROGRESS) return;
+    ucp_request_free(write.flush);
+    write.flush = nullptr;
+    write.status = st == UCS_OK ? OkStatus() : UcsStatus(st, "UCX write failed at flush");
+  }
+
+  // Progresses until the write's flush has finished (bounded: a dead endpoint fails its flush).
+  void WaitLocked(Write& write) {
+    const auto give_up = Clock::now() + std::chrono::seconds(30);
+    while (write.flush != nullptr) {
+      ucp_worker_progress(worker_);
+      PollLocked(write);
+      if (write.flush != nullptr && Clock::now() > give_up) {
+        KVT_LOG_ERROR("ucx", "a flush did not finish in 30 s; leaking its request");
+        write.flush = nullptr;
+        write.status = DeadlineExceeded("UCX flush did not finish in 30 s");
+      }
+    }
+  }
+
+  // Closes the endpoint: flushing when the peer is alive (bounded, so a peer that died
+  // unannounced cannot hang us), forced when it is known dead. UCX documents the forced close as
+  // needing UCP_ERR_HANDLING_MODE_PEER because it may cause errors on the remote side; with the
+  // remote gone there is no remote side left to disturb.
+  void ClosePeerLocked(Peer& peer, bool peer_dead = false) {
+    for (ucp_rkey_h rkey : peer.rkeys) ucp_rkey_destroy(rkey);
+    peer.rkeys.clear();
+    if (peer.ep == nullptr) return;
+    ucp_request_param_t param = {};
+    if (peer_dead) {
+      param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+      param.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    }
+    ucs_status_ptr_t req = ucp_ep_close_nbx(peer.ep, &param);
+    peer.ep = nullptr;
+    if (req == nullptr || UCS_PTR_IS_ERR(req)) return;
+    const auto give_up = Clock::now() + std::chrono::seconds(2);
+    while (ucp_request_check_status(req) == UCS_INPROGRESS && Clock::now() < give_up) {
+      ucp_worker_progress(worker_);
+    }
+    if (ucp_request_check_status(req) == UCS_INPROGRESS) {
+      KVT_LOG_WARN("ucx", "endpoint close did not finish in 2 s (peer gone?); leaving it");
+    }
+    ucp_request_free(req);
+  }
+
+  void UnmapLocked() {
+    for (ucp_mem_h memh : memhs_) ucp_mem_unmap(context_, memh);
+    memhs_.clear();
+    local_.clear();
+  }
+
+  // Progresses the worker: spins while there is work or for spin_ after it, then sleeps on the
+  // worker's event fd (woken by network activity or by ucp_worker_signal from PostWrite).
+  void ProgressLoop() {
+    auto last_work = Clock::now();
+    while (!stop_.load(std::memory_order_relaxed)) {
+      unsigned progressed;
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        progressed = ucp_worker_progress(worker_);
+      }
+      const auto now = Clock::now();
+      if (progressed != 0) {
+        last_work = now;
+        continue;
+      }
+      if (now - last_work < spin_) continue;
+      ucs_status_t armed;
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        armed = ucp_worker_arm(worker_);
+      }
+      if (armed == UCS_ERR_BUSY) continue;
+      pollfd pfd = {event_fd_, POLLIN, 0};
+      poll(&pfd, 1, 10);  // bounded so stop_ is seen even without a signal
+      last_work = Clock::now();
+    }
+  }
+
+  const std::chrono::microseconds spin_;
+  std::atomic<bool> stop_{false};
+  std::thread progress_;
+
+  ucp_context_h context_ = nullptr;
+  uint64_t memory_types_ = 0;
+  int event_fd_ = -1;
+
+  std::mutex mutex_;  // guards the worker and everything below
+  ucp_worker_h worker_ = nullptr;
+  ucp_address_t* worker_address_ = nullptr;
+  size_t worker_address_len_ = 0;
+  std::vector<ucp_mem_h> memhs_;
+  std::vector<LocalRegion> local_;
+  std::unordered_map<PeerId, Peer> peers_;
+  std::unordered_map<WriteId, Write> writes_;
+  PeerId next_peer_ = 1;
+  WriteId next_write_ = 1;
+};
+
+}  // namespace
+
+const char* UcxVersion() { return ucp_get_version_string(); }
+
+StatusOr<std::unique_ptr<Backend>> CreateUcxBackend(const BackendOptions& options) {
+  auto backend = std::make_unique<UcxBackend>(options);
+  KVT_RETURN_IF_ERROR(backend->Init(options).WithContext("starting the UCX backend"));
+  return std::unique_ptr<Backend>(std::move(backend));
+}
+
+}  // namespace kvt::transfer
