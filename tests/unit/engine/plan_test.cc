@@ -62,14 +62,15 @@ TEST(PlanTest, PartialUnitsDoNotCoalesce) {
   spec.layer_end = 1;
   spec.dst_item_len = 50;
   spec.dst_buffer_len = 50 * 16;
-  spec.src_unit_offset = 50;
-  spec.dst_unit_offset = 0;
-  spec.unit_bytes = 50;
+  std::vector<PageUnit> units = {{50, 0, 30}, {90, 30, 10}};
+  spec.units = units;
   auto plan = BuildPlan(spec);
   ASSERT_TRUE(plan.ok()) << plan.status();
-  ASSERT_EQ(plan->runs.size(), 4u);
-  EXPECT_EQ(plan->runs[0], (CopyRun{0, 150, 150, 50}));
-  EXPECT_EQ(plan->runs[1], (CopyRun{0, 250, 200, 50}));
+  ASSERT_EQ(plan->runs.size(), 8u);  // 2 pages x 2 units x (K, V)
+  EXPECT_EQ(plan->runs[0], (CopyRun{0, 150, 150, 30}));
+  EXPECT_EQ(plan->runs[1], (CopyRun{0, 190, 180, 10}));
+  EXPECT_EQ(plan->runs[2], (CopyRun{0, 250, 200, 30}));
+  EXPECT_EQ(plan->total_bytes, 2u * 2u * 40u);
 }
 
 TEST(PlanTest, RefusesBadInput) {
@@ -102,8 +103,11 @@ TEST(PlanTest, RefusesBadInput) {
   EXPECT_NE(mismatch.status().message().find("200"), std::string::npos);
 
   PlanSpec unit = Spec(one, one);
-  unit.unit_bytes = 60;
-  unit.src_unit_offset = 50;
+  std::vector<PageUnit> too_long = {{50, 0, 60}};
+  unit.units = too_long;
+  EXPECT_EQ(BuildPlan(unit).status().code(), StatusCode::kInvalidArgument);
+  std::vector<PageUnit> empty_unit = {{0, 0, 0}};
+  unit.units = empty_unit;
   EXPECT_EQ(BuildPlan(unit).status().code(), StatusCode::kInvalidArgument);
 }
 

@@ -47,21 +47,26 @@ StatusOr<Plan> BuildPlan(const PlanSpec& spec) {
                            std::to_string(spec.src_item_len) + ", dst " +
                            std::to_string(spec.dst_item_len) + ")");
   }
-  const bool whole_pages = spec.unit_bytes == 0;
+  const bool whole_pages = spec.units.empty();
   if (whole_pages && spec.src_item_len != spec.dst_item_len) {
     return InvalidArgument("whole-page transfer needs equal page sizes, but the source item is " +
                            std::to_string(spec.src_item_len) + " bytes and the destination " +
                            std::to_string(spec.dst_item_len) +
-                           "; give a unit (offset and bytes) to move part of each page");
+                           "; give units (offset and bytes) to move part of each page");
   }
-  const uint64_t unit = whole_pages ? spec.src_item_len : spec.unit_bytes;
-  if (spec.src_unit_offset + unit > spec.src_item_len ||
-      spec.dst_unit_offset + unit > spec.dst_item_len) {
-    return InvalidArgument("unit of " + std::to_string(unit) + " bytes at source offset " +
-                           std::to_string(spec.src_unit_offset) + " / destination offset " +
-                           std::to_string(spec.dst_unit_offset) + " does not fit items of " +
-                           std::to_string(spec.src_item_len) + " / " +
-                           std::to_string(spec.dst_item_len) + " bytes");
+  const PageUnit whole{0, 0, spec.src_item_len};
+  const std::span<const PageUnit> units =
+      whole_pages ? std::span<const PageUnit>(&whole, 1) : spec.units;
+  for (size_t u = 0; u < units.size(); ++u) {
+    const PageUnit& unit = units[u];
+    if (unit.bytes == 0 || unit.src_offset + unit.bytes > spec.src_item_len ||
+        unit.dst_offset + unit.bytes > spec.dst_item_len) {
+      return InvalidArgument(
+          "unit " + std::to_string(u) + " of " + std::to_string(unit.bytes) +
+          " bytes at source offset " + std::to_string(unit.src_offset) + " / destination offset " +
+          std::to_string(unit.dst_offset) + " is empty or does not fit items of " +
+          std::to_string(spec.src_item_len) + " / " + std::to_string(spec.dst_item_len) + " bytes");
+    }
   }
   KVT_RETURN_IF_ERROR(CheckPages(spec.src_pages, spec.src_item_len, spec.src_buffer_len, "source"));
   KVT_RETURN_IF_ERROR(
@@ -90,20 +95,22 @@ StatusOr<Plan> BuildPlan(const PlanSpec& spec) {
   plan.layer_begin = spec.layer_begin;
   plan.layer_end = spec.layer_end;
   const size_t layers = static_cast<size_t>(spec.layer_end - spec.layer_begin);
-  plan.runs.reserve(layers * 2 * segments.size());
+  plan.runs.reserve(layers * 2 * segments.size() * units.size());
   plan.layer_begin_index.reserve(layers + 1);
   for (int32_t layer = spec.layer_begin; layer < spec.layer_end; ++layer) {
     plan.layer_begin_index.push_back(plan.runs.size());
     for (int kv = 0; kv < 2; ++kv) {
       const uint32_t buffer = static_cast<uint32_t>(kv * spec.num_layers + layer);
       for (const Segment& seg : segments) {
-        CopyRun run;
-        run.buffer = buffer;
-        run.src_offset = seg.src_page * spec.src_item_len + spec.src_unit_offset;
-        run.dst_offset = seg.dst_page * spec.dst_item_len + spec.dst_unit_offset;
-        run.bytes = whole_pages ? seg.count * unit : unit;
-        plan.total_bytes += run.bytes;
-        plan.runs.push_back(run);
+        for (const PageUnit& unit : units) {
+          CopyRun run;
+          run.buffer = buffer;
+          run.src_offset = seg.src_page * spec.src_item_len + unit.src_offset;
+          run.dst_offset = seg.dst_page * spec.dst_item_len + unit.dst_offset;
+          run.bytes = seg.count * unit.bytes;  // count > 1 only for whole pages
+          plan.total_bytes += run.bytes;
+          plan.runs.push_back(run);
+        }
       }
     }
   }

@@ -31,6 +31,14 @@ struct CopyRun {
   friend bool operator==(const CopyRun&, const CopyRun&) = default;
 };
 
+// A piece of every page: bytes [src_offset, src_offset + bytes) of a source page go to
+// [dst_offset, dst_offset + bytes) of the destination page.
+struct PageUnit {
+  uint64_t src_offset = 0;
+  uint64_t dst_offset = 0;
+  uint64_t bytes = 0;
+};
+
 struct PlanSpec {
   std::span<const int32_t> src_pages;  // the request's pages in the source pool, token order
   std::span<const int32_t> dst_pages;  // the same count, in the destination pool
@@ -41,12 +49,10 @@ struct PlanSpec {
   uint64_t dst_item_len = 0;    // destination pool
   uint64_t src_buffer_len = 0;  // bytes of one buffer (pages beyond it are out of range)
   uint64_t dst_buffer_len = 0;
-  // Part of each page to move. unit_bytes == 0 means the whole page (then both item lengths must
-  // be equal); otherwise unit_bytes at src_unit_offset of each source page go to
-  // dst_unit_offset of each destination page.
-  uint64_t src_unit_offset = 0;
-  uint64_t dst_unit_offset = 0;
-  uint64_t unit_bytes = 0;
+  // Parts of each page to move: empty means the whole page (then both item lengths must be
+  // equal); otherwise each unit's bytes at src_offset of every source page go to dst_offset of
+  // the matching destination page (pools of different TP sizes: a head range of each token).
+  std::span<const PageUnit> units;
 };
 
 struct Plan {

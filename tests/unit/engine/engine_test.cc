@@ -1,0 +1,293 @@
+// The transfer engine end to end inside one process: a prefill and a decode engine, each with
+// its own host pool, talking over the real control plane on loopback, parameterized over the
+// host backends.
+#include "kvt/transfer/engine.h"
+
+#include <gtest/gtest.h>
+
+#include <numeric>
+#include <random>
+#include <thread>
+
+#include "engine_test_util.h"
+#include "kvt/pool/page_allocator.h"
+
+namespace kvt::transfer {
+namespace {
+
+using namespace std::chrono_literals;
+using testing::Fill;
+using testing::MakePool;
+using testing::Mismatches;
+using testing::SmallPoolOptions;
+
+class EngineTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  void Start(const pool::PoolOptions& prefill_pool, const pool::PoolOptions& decode_pool,
+             int loopback_delay_us = 0) {
+    src_pool_ = MakePool(prefill_pool);
+    dst_pool_ = MakePool(decode_pool);
+    ASSERT_TRUE(src_pool_ && dst_pool_);
+    EngineOptions p;
+    p.name = "prefill-0";
+    p.prefill = true;
+    p.backend = GetParam();
+    p.backend_options.loopback_delay_us = loopback_delay_us;
+    p.default_deadline = 5s;
+    auto prefill = TransferEngine::Create(p, src_pool_.get());
+    ASSERT_TRUE(prefill.ok()) << prefill.status();
+    prefill_ = std::move(prefill).value();
+    EngineOptions d = p;
+    d.name = "decode-0";
+    d.prefill = false;
+    auto decode = TransferEngine::Create(d, dst_pool_.get());
+    ASSERT_TRUE(decode.ok()) << decode.status();
+    decode_ = std::move(decode).value();
+  }
+
+  void Start() { Start(SmallPoolOptions(), SmallPoolOptions()); }
+
+  PeerHandle Connect() {
+    auto peer = decode_->ConnectPeer("127.0.0.1", prefill_->port());
+    EXPECT_TRUE(peer.ok()) << peer.status();
+    return peer.ok() ? *peer : 0;
+  }
+
+  void TearDown() override {
+    decode_.reset();
+    prefill_.reset();
+  }
+
+  std::unique_ptr<pool::KvPool> src_pool_, dst_pool_;
+  std::unique_ptr<TransferEngine> prefill_, decode_;
+};
+
+TEST_P(EngineTest, WholeRequestArrivesByteExact) {
+  Start();
+  const PeerHandle peer = Connect();
+  std::vector<int32_t> src = {3, 4, 5, 9}, dst = {10, 2, 3, 40};
+  Fill(*src_pool_, 77, src);
+  ASSERT_TRUE(decode_->Receive("room-1", peer, dst).ok());
+  ASSERT_TRUE(prefill_->Send("room-1", src).ok());
+  ASSERT_TRUE(prefill_->LayersReady("room-1", 4).ok());
+  auto info = decode_->WaitRequest("room-1", 5s);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->state, RequestState::kSuccess) << info->status;
+  EXPECT_TRUE(info->pages_reusable);
+  const uint64_t item = 16 * 2 * 64 * 2;
+  EXPECT_EQ(info->bytes, 4 * 2 * 4 * item);
+  EXPECT_EQ(Mismatches(*dst_pool_, 77, dst), 0u);
+  auto sent = prefill_->WaitRequest("room-1", 1s);
+  ASSERT_TRUE(sent.ok());
+  EXPECT_EQ(sent->state, RequestState::kSuccess);
+  EXPECT_EQ(prefill_->stats().requests_succeeded, 1u);
+  EXPECT_EQ(decode_->stats().bytes, info->bytes);
+}
+
+TEST_P(EngineTest, LayersGoOutAsTheyBecomeReady) {
+  Start();
+  const PeerHandle peer = Connect();
+  std::vector<int32_t> src = {1, 2}, dst = {5, 6};
+  ASSERT_TRUE(prefill_->Send("layerwise", src).ok());  // prefill first this time
+  ASSERT_TRUE(decode_->Receive("layerwise", peer, dst).ok());
+  for (int32_t layer = 0; layer < 4; ++layer) {
+    Fill(*src_pool_, 5, src, layer, 1);  // the "forward" writes one layer
+    ASSERT_TRUE(prefill_->LayersReady("layerwise", layer + 1).ok());
+    if (layer < 3) {
+      auto info = decode_->GetRequest("layerwise");
+      ASSERT_TRUE(info.ok());
+      EXPECT_FALSE(IsFinal(info->state)) << "done before the last layer was ready";
+    }
+  }
+  auto info = decode_->WaitRequest("layerwise", 5s);
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->state, RequestState::kSuccess) << info->status;
+  EXPECT_EQ(Mismatches(*dst_pool_, 5, dst), 0u);
+  auto sent = prefill_->GetRequest("layerwise");
+  EXPECT_EQ(sent->layers_posted, 4);
+}
+
+TEST_P(EngineTest, LayerRangeMovesOnlyThoseLayers) {
+  Start();
+  const PeerHandle peer = Connect();
+  std::vector<int32_t> src = {7}, dst = {8};
+  Fill(*src_pool_, 9, src);
+  ASSERT_TRUE(decode_->Receive("half", peer, dst, 0ms, 2, 4).ok());
+  ASSERT_TRUE(prefill_->Send("half", src).ok());
+  ASSERT_TRUE(prefill_->LayersReady("half", 4).ok());
+  auto info = decode_->WaitRequest("half", 5s);
+  ASSERT_EQ(info->state, RequestState::kSuccess) << info->status;
+  auto t = testing::MakePattern(*dst_pool_, 9, dst, 16, 2, 2);
+  EXPECT_EQ(kernels::VerifyPatternCpu(t.args)->mismatches, 0u);
+  auto t0 = testing::MakePattern(*dst_pool_, 9, dst, 16, 0, 2);
+  EXPECT_GT(kernels::VerifyPatternCpu(t0.args)->mismatches, 0u);  // layers 0, 1 untouched
+}
+
+TEST_P(EngineTest, RandomRequestsAllVerify) {
+  Start(SmallPoolOptions(4, 4, 256), SmallPoolOptions(4, 4, 256));
+  const PeerHandle peer = Connect();
+  auto src_alloc = pool::PageAllocator::Create(257);
+  auto dst_alloc = pool::PageAllocator::Create(257);
+  std::mt19937 rng(3);
+  struct Req {
+    std::string room;
+    std::vector<int32_t> src, dst;
+  };
+  for (int round = 0; round < 10; ++round) {
+    std::vector<Req> reqs;
+    for (int i = 0; i < 10; ++i) {
+      const int64_t n = 1 + rng() % 24;
+      Req r{"r" + std::to_string(round) + "-" + std::to_string(i), *(*src_alloc)->Allocate(n),
+            *(*dst_alloc)->Allocate(n)};
+      std::shuffle(r.src.begin(), r.src.end(), rng);
+      Fill(*src_pool_, 1000 + round * 10 + i, r.src);
+      ASSERT_TRUE(decode_->Receive(r.room, peer, r.dst).ok());
+      ASSERT_TRUE(prefill_->Send(r.room, r.src).ok());
+      ASSERT_TRUE(prefill_->LayersReady(r.room, 4).ok());
+      reqs.push_back(std::move(r));
+    }
+    for (int i = 0; i < 10; ++i) {
+      auto info = decode_->WaitRequest(reqs[i].room, 5s);
+      ASSERT_TRUE(info.ok());
+      ASSERT_EQ(info->state, RequestState::kSuccess) << info->status;
+      EXPECT_EQ(Mismatches(*dst_pool_, 1000 + round * 10 + i, reqs[i].dst), 0u);
+      ASSERT_TRUE((*src_alloc)->Free(reqs[i].src).ok());
+      ASSERT_TRUE((*dst_alloc)->Free(reqs[i].dst).ok());
+      ASSERT_TRUE(decode_->Forget(reqs[i].room).ok());
+    }
+  }
+  EXPECT_EQ(decode_->stats().requests_succeeded, 100u);
+}
+
+TEST_P(EngineTest, LayoutMismatchIsRefusedWithBothValues) {
+  Start(SmallPoolOptions(4, 16), SmallPoolOptions(4, 32));
+  auto peer = decode_->ConnectPeer("127.0.0.1", prefill_->port());
+  ASSERT_FALSE(peer.ok());
+  EXPECT_EQ(peer.status().code(), StatusCode::kFailedPrecondition) << peer.status();
+  EXPECT_NE(peer.status().message().find("page_size prefill=16 decode=32"), std::string::npos)
+      << peer.status();
+}
+
+TEST_P(EngineTest, DecodeAbortFailsBothSidesAndIsAcknowledged) {
+  Start(SmallPoolOptions(), SmallPoolOptions(), /*loopback_delay_us=*/300000);
+  const PeerHandle peer = Connect();
+  std::vector<int32_t> src = {1}, dst = {2};
+  ASSERT_TRUE(decode_->Receive("abort-me", peer, dst).ok());
+  ASSERT_TRUE(prefill_->Send("abort-me", src).ok());
+  ASSERT_TRUE(prefill_->LayersReady("abort-me", 4).ok());
+  ASSERT_TRUE(decode_->Abort("abort-me", "user cancelled").ok());
+  auto info = decode_->GetRequest("abort-me");
+  EXPECT_EQ(info->state, RequestState::kFailed);
+  EXPECT_EQ(info->status.code(), StatusCode::kAborted);
+  auto sent = prefill_->WaitRequest("abort-me", 5s);
+  ASSERT_TRUE(sent.ok());
+  EXPECT_EQ(sent->state, RequestState::kFailed);
+  EXPECT_NE(sent->status.message().find("user cancelled"), std::string::npos) << sent->status;
+  // The ack makes the pages reusable.
+  for (int i = 0; i < 500 && !decode_->GetRequest("abort-me")->pages_reusable; ++i) {
+    std::this_thread::sleep_for(2ms);
+  }
+  EXPECT_TRUE(decode_->GetRequest("abort-me")->pages_reusable);
+  EXPECT_TRUE(decode_->Abort("abort-me").ok());  // already final: no effect
+}
+
+TEST_P(EngineTest, DeadlineFailsARequestWhosePrefillNeverComes) {
+  Start();
+  const PeerHandle peer = Connect();
+  std::vector<int32_t> dst = {2, 3};
+  ASSERT_TRUE(decode_->Receive("late", peer, dst, 200ms).ok());
+  auto info = decode_->WaitRequest("late", 5s);
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->state, RequestState::kFailed);
+  EXPECT_EQ(info->status.code(), StatusCode::kDeadlineExceeded) << info->status;
+  auto other = prefill_->WaitRequest("late", 5s);
+  ASSERT_TRUE(other.ok());
+  EXPECT_EQ(other->state, RequestState::kFailed);
+}
+
+TEST_P(EngineTest, BadRequestsAreRefusedAndOthersUnaffected) {
+  Start();
+  const PeerHandle peer = Connect();
+  std::vector<int32_t> bad = {0};
+  EXPECT_EQ(decode_->Receive("zero", peer, bad).code(), StatusCode::kOutOfRange);
+  std::vector<int32_t> past = {65};
+  EXPECT_EQ(decode_->Receive("past", peer, past).code(), StatusCode::kOutOfRange);
+  EXPECT_EQ(prefill_->Send("past", past).code(), StatusCode::kOutOfRange);
+  std::vector<int32_t> none;
+  EXPECT_EQ(decode_->Receive("none", peer, none).code(), StatusCode::kInvalidArgument);
+  std::vector<int32_t> one = {1};
+  EXPECT_EQ(decode_->Receive("nopeer", 999, one).code(), StatusCode::kUnavailable);
+  EXPECT_EQ(decode_->Receive("layers", peer, one, 0ms, 3, 9).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(prefill_->LayersReady("unknown", 1).code(), StatusCode::kNotFound);
+  EXPECT_EQ(decode_->GetRequest("unknown").status().code(), StatusCode::kNotFound);
+
+  // Page-count mismatch between the sides fails that room on both, not the next one.
+  std::vector<int32_t> two = {1, 2}, three = {4, 5, 6};
+  ASSERT_TRUE(decode_->Receive("mismatch", peer, two).ok());
+  ASSERT_TRUE(prefill_->Send("mismatch", three).ok());
+  auto info = decode_->WaitRequest("mismatch", 5s);
+  EXPECT_EQ(info->state, RequestState::kFailed);
+  EXPECT_EQ(info->status.code(), StatusCode::kInvalidArgument) << info->status;
+  EXPECT_TRUE(info->pages_reusable);
+
+  ASSERT_TRUE(decode_->Receive("fine", peer, one).ok());
+  ASSERT_TRUE(prefill_->Send("fine", {9}).ok());
+  ASSERT_TRUE(prefill_->LayersReady("fine", 4).ok());
+  EXPECT_EQ(decode_->WaitRequest("fine", 5s)->state, RequestState::kSuccess);
+
+  // Duplicate rooms.
+  EXPECT_EQ(decode_->Receive("fine", peer, one).code(), StatusCode::kAlreadyExists);
+  EXPECT_EQ(prefill_->Send("fine", one).code(), StatusCode::kAlreadyExists);
+  EXPECT_EQ(decode_->Forget("fine").code(), StatusCode::kOk);
+}
+
+TEST_P(EngineTest, LosingThePrefillEngineFailsItsRequests) {
+  Start();
+  const PeerHandle peer = Connect();
+  std::vector<int32_t> dst = {2};
+  ASSERT_TRUE(decode_->Receive("orphan", peer, dst).ok());
+  prefill_.reset();  // the prefill agent goes away
+  auto info = decode_->WaitRequest("orphan", 5s);
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->state, RequestState::kFailed);
+  EXPECT_EQ(info->status.code(), StatusCode::kUnavailable) << info->status;
+  // Nothing listens any more, so no write can land: the pages become reusable.
+  for (int i = 0; i < 500 && !decode_->GetRequest("orphan")->pages_reusable; ++i) {
+    std::this_thread::sleep_for(2ms);
+  }
+  EXPECT_TRUE(decode_->GetRequest("orphan")->pages_reusable);
+  EXPECT_EQ(decode_->Receive("after", peer, dst).code(), StatusCode::kUnavailable);
+}
+
+INSTANTIATE_TEST_SUITE_P(HostBackends, EngineTest, ::testing::Values("loopback", "ucx"),
+                         [](const auto& info) { return std::string(info.param); });
+
+TEST(EngineGuards, PoolsTheGuardsRefuseCannotBeRegistered) {
+  pool::PoolOptions o = SmallPoolOptions();
+  o.layer_types = {pool::LayerType::kFullAttention, pool::LayerType::kLinearAttention,
+                   pool::LayerType::kFullAttention, pool::LayerType::kLinearAttention};
+  o.conv_state_shape = {4, 8};
+  o.ssm_state_shape = {2, 8, 8};
+  auto pool = MakePool(o);
+  ASSERT_TRUE(pool);
+  EngineOptions e;
+  e.backend = "loopback";
+  auto engine = TransferEngine::Create(e, pool.get());
+  ASSERT_FALSE(engine.ok());
+  EXPECT_NE(engine.status().message().find("state layers"), std::string::npos) << engine.status();
+}
+
+TEST(EngineGuards, RolesAreEnforced) {
+  auto pool = MakePool(SmallPoolOptions());
+  EngineOptions e;
+  e.backend = "loopback";
+  auto prefill = TransferEngine::Create(e, pool.get());
+  ASSERT_TRUE(prefill.ok());
+  EXPECT_EQ((*prefill)->ConnectPeer("127.0.0.1", 1).status().code(),
+            StatusCode::kFailedPrecondition);
+  std::vector<int32_t> one = {1};
+  EXPECT_EQ((*prefill)->Receive("x", 1, one).code(), StatusCode::kFailedPrecondition);
+}
+
+}  // namespace
+}  // namespace kvt::transfer

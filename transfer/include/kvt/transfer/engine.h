@@ -1,0 +1,154 @@
+// TransferEngine: moves one request's KV pages from a prefill pool into a decode pool and tells
+// the decode side the moment the data is really there.
+//
+// One engine per agent (per pool). A prefill engine listens on a control port; a decode engine
+// connects to prefill engines (ConnectPeer), exchanging layouts and memory descriptors in the
+// hello and refusing incompatible layouts with both sides' values. Per request (room):
+//   decode:  Receive(room, peer, dst_pages)  -> TransferRequest to the prefill engine
+//   prefill: Send(room, src_pages), then LayersReady(room, n) as layers are written (or
+//            LayersReady(room, L) at once); layers go out as soon as both halves are known.
+// After the last layer the prefill engine waits until the backend reports every write visible
+// at the decode pool, and only then sends TransferDone; the decode request becomes Success.
+//
+// States move forward only: Bootstrapping -> WaitingForInput -> Transferring -> Success|Failed.
+//   Bootstrapping    only one half is known (prefill: no TransferRequest yet; decode: sending)
+//   WaitingForInput  both halves known; waiting for layers (prefill) / for data (decode)
+//   Transferring     writes posted (prefill) / progress reported (decode)
+// Abort works from either side and is acknowledged; every request has a deadline; losing a
+// control connection fails exactly the requests that used it. A decode request that failed
+// reports pages_reusable = false while a write into its pages may still land (the prefill side
+// has not confirmed it quiesced its writes and is not known dead).
+//
+// Thread safety: every public method may be called from any thread. Internally one mutex guards
+// the request table; a poller thread drives completions and deadlines; control-plane threads
+// deliver messages.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "kvt/common/status.h"
+#include "kvt/pool/kv_pool.h"
+#include "kvt/transfer/backends.h"
+#include "kvt/transfer/control/control_server.h"
+
+namespace kvt::transfer {
+
+enum class RequestState : uint8_t {
+  kBootstrapping = 0,
+  kWaitingForInput = 1,
+  kTransferring = 2,
+  kSuccess = 3,
+  kFailed = 4,
+};
+const char* RequestStateName(RequestState state);
+inline bool IsFinal(RequestState s) {
+  return s == RequestState::kSuccess || s == RequestState::kFailed;
+}
+
+struct RequestInfo {
+  std::string room;
+  RequestState state = RequestState::kBootstrapping;
+  Status status;              // why it failed (OK otherwise)
+  uint64_t bytes = 0;         // bytes written (prefill) / reported delivered (decode)
+  int32_t layers_posted = 0;  // prefill: layers whose writes were posted
+  // decode: true once no write into the request's pages can land any more (success, or the
+  // prefill side confirmed it quiesced, or it is known dead). Pages may be reused only then.
+  bool pages_reusable = false;
+  std::chrono::steady_clock::time_point created;
+  std::chrono::steady_clock::time_point finished;  // valid in final states
+};
+
+struct EngineStats {
+  uint64_t requests_succeeded = 0;
+  uint64_t requests_failed = 0;
+  uint64_t bytes = 0;  // bytes of successful requests
+  uint64_t writes_posted = 0;
+  uint64_t runs_posted = 0;  // coalesced copy runs
+};
+
+// A peer as seen by a decode engine.
+using PeerHandle = uint64_t;
+
+struct EngineOptions {
+  std::string name = "kvt";     // agent name (in hellos and authentication)
+  bool prefill = true;          // prefill (listens, writes) or decode (connects, receives)
+  std::string backend = "ucx";  // see BackendNames()
+  BackendOptions backend_options;
+  // Control server (prefill engines). bind_address, port, cluster_token, limits.
+  control::ControlServerOptions server;
+  // Shared secret for connections this engine makes (decode); empty: none.
+  std::string cluster_token;
+  // Used when a request gives none; also bounds how long a prefill-side Send waits for the
+  // decode side's request.
+  std::chrono::milliseconds default_deadline{30000};
+  // Final requests are forgotten this long after they ended (Forget removes them at once).
+  std::chrono::milliseconds retention{120000};
+  uint32_t tp_rank = 0;
+  uint32_t tp_size = 1;
+  // Prefill: called (on a control thread, without engine locks held) when a TransferRequest
+  // arrives for a room this engine has no Send for yet; an agent can start its forward there.
+  std::function<void(const std::string& room, size_t num_pages)> on_transfer_request;
+};
+
+class TransferEngine {
+ public:
+  // Registers the pool's buffers with the backend (the pool's guards refuse what they refuse:
+  // slab-aliased or state-layer pools cannot be registered) and, for prefill, starts listening.
+  // The pool must outlive the engine.
+  static StatusOr<std::unique_ptr<TransferEngine>> Create(const EngineOptions& options,
+                                                          pool::KvPool* pool);
+  ~TransferEngine();
+  TransferEngine(const TransferEngine&) = delete;
+  TransferEngine& operator=(const TransferEngine&) = delete;
+
+  // Prefill: the control port actually bound.
+  uint16_t port() const;
+  std::string_view backend_name() const;
+
+  // ---- decode side ----------------------------------------------------------------------------
+  // Connects to a prefill engine: hello with our layout and memory descriptors, then a
+  // compatibility check (layers, page size, dtype, heads, head_dim). A mismatch is
+  // FailedPrecondition naming both sides' values. Connecting twice to one address returns the
+  // same handle while the connection lives.
+  StatusOr<PeerHandle> ConnectPeer(const std::string& host, uint16_t port);
+
+  // Asks `peer` to send the room's KV into `dst_pages` (token order, each >= 1), layers
+  // [layer_begin, layer_end) (layer_end = -1: every layer). deadline 0 = default.
+  Status Receive(const std::string& room, PeerHandle peer, std::vector<int32_t> dst_pages,
+                 std::chrono::milliseconds deadline = std::chrono::milliseconds(0),
+                 int32_t layer_begin = 0, int32_t layer_end = -1);
+
+  // ---- prefill side ---------------------------------------------------------------------------
+  // Declares the room's source pages (token order). The transfer starts when the decode
+  // side's request for the room is known too.
+  Status Send(const std::string& room, std::vector<int32_t> src_pages);
+  // Layers [0, layers_done) of the room are written in the pool; their pages may go out.
+  // Monotone; values beyond the layer count are clamped.
+  Status LayersReady(const std::string& room, int32_t layers_done);
+
+  // ---- both sides -----------------------------------------------------------------------------
+  StatusOr<RequestInfo> GetRequest(const std::string& room) const;
+  // Waits until the room is final (or `timeout`); returns its info (DeadlineExceeded on timeout).
+  StatusOr<RequestInfo> WaitRequest(const std::string& room,
+                                    std::chrono::milliseconds timeout) const;
+  // Fails the room with Aborted and tells the peer (which acknowledges). NotFound when unknown;
+  // OK without effect when it is already final.
+  Status Abort(const std::string& room, const std::string& reason = "aborted by the caller");
+  // Drops a final room's record. FailedPrecondition while it is not final.
+  Status Forget(const std::string& room);
+
+  EngineStats stats() const;
+
+ private:
+  class Impl;
+  explicit TransferEngine(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kvt::transfer

@@ -1,0 +1,30 @@
+// Conversions between the pool / backend view of an agent and its wire form (kvt.v1.Layout,
+// PeerInfo), and the compatibility check two agents run at hello.
+#pragma once
+
+#include <span>
+#include <string>
+#include <string_view>
+
+#include "kvt/common/status.h"
+#include "kvt/pool/kv_pool.h"
+#include "kvt/transfer/backend.h"
+#include "kvt/v1/peer.pb.h"
+
+namespace kvt::transfer {
+
+StatusOr<v1::Layout> LayoutFromPool(const pool::KvPool& pool, uint32_t tp_rank, uint32_t tp_size);
+
+v1::PeerInfo MakePeerInfo(const std::string& name, bool prefill, const v1::Layout& layout,
+                          const PeerDescriptor& descriptor, std::span<const LocalRegion> regions);
+
+// The peer's descriptor for `backend` out of its PeerInfo. NotFound when the peer offers no
+// such backend; InvalidArgument when a buffer has no key for it.
+StatusOr<PeerDescriptor> DescriptorFromPeerInfo(const v1::PeerInfo& info, std::string_view backend);
+
+// OK when pages can move between the two layouts; FailedPrecondition naming every field that
+// differs with both values otherwise, e.g. "layout mismatch: page_size prefill=16 decode=32".
+Status CheckCompatible(const v1::Layout& ours, const v1::Layout& theirs, std::string_view our_role,
+                       std::string_view their_role);
+
+}  // namespace kvt::transfer
