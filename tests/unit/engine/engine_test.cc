@@ -126,8 +126,8 @@ TEST_P(EngineTest, LayerRangeMovesOnlyThoseLayers) {
 TEST_P(EngineTest, RandomRequestsAllVerify) {
   Start(SmallPoolOptions(4, 4, 256), SmallPoolOptions(4, 4, 256));
   const PeerHandle peer = Connect();
-  auto src_alloc = pool::PageAllocator::Create(257);
-  auto dst_alloc = pool::PageAllocator::Create(257);
+  auto src_alloc = pool::PageAllocator::Create(256);
+  auto dst_alloc = pool::PageAllocator::Create(256);
   std::mt19937 rng(3);
   struct Req {
     std::string room;

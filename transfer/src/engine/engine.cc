@@ -109,6 +109,8 @@ class TransferEngine::Impl : public control::ControlHandler {
     if (options_.prefill) {
       control::ControlServerOptions server = options_.server;
       server.server_id = options_.name;
+      server.limits.heartbeat_interval = options_.heartbeat_interval;
+      server.limits.idle_timeout = options_.peer_timeout;
       KVT_ASSIGN_OR_RETURN(server_, control::ControlServer::Create(server, this));
     }
     poller_ = std::thread([this] { PollLoop(); });
@@ -178,6 +180,8 @@ class TransferEngine::Impl : public control::ControlHandler {
     copts.client_id = options_.name;
     copts.role = v1::ROLE_DECODE;
     copts.cluster_token = options_.cluster_token;
+    copts.limits.heartbeat_interval = options_.heartbeat_interval;
+    copts.limits.idle_timeout = options_.peer_timeout;
     auto client = control::ControlClient::Connect(copts, raw->handler.get());
     if (!client.ok()) {
       DropPeer(id);

@@ -89,6 +89,11 @@ struct EngineOptions {
   std::chrono::milliseconds default_deadline{30000};
   // Final requests are forgotten this long after they ended (Forget removes them at once).
   std::chrono::milliseconds retention{120000};
+  // Control connections send a heartbeat this often and are declared lost after peer_timeout
+  // without any frame from the peer (a hung or partitioned peer; a killed one is noticed at once
+  // through the closed socket).
+  std::chrono::milliseconds heartbeat_interval{1000};
+  std::chrono::milliseconds peer_timeout{10000};
   uint32_t tp_rank = 0;
   uint32_t tp_size = 1;
   // Prefill: called (on a control thread, without engine locks held) when a TransferRequest

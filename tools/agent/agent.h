@@ -1,0 +1,96 @@
+// Agent: a prefill or decode node's work around a TransferEngine, as kvt-agent runs it.
+//
+// Prefill: Submit(room, tokens) allocates pages, declares them to the engine and simulates the
+// model's forward on a worker thread: layer by layer it writes the deterministic pattern of the
+// request's tokens (kernels' fill, CPU reference on host pools) and then hands the layer to the
+// engine. Decode: Submit(room, tokens, prefill address) allocates pages and asks the prefill
+// engine for the KV; when the request succeeds every received byte is verified against the
+// pattern. Pages return to the allocator once the request is final and no write can land.
+//
+// Thread safety: every public method may be called from any thread.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kvt/common/status.h"
+#include "kvt/pool/kv_pool.h"
+#include "kvt/transfer/engine.h"
+
+namespace kvt::tools {
+
+struct AgentOptions {
+  std::string name = "agent";
+  bool prefill = true;
+  pool::PoolOptions pool;
+  transfer::EngineOptions engine;  // name and role are taken from the fields above
+  // Hand pages out in a random order (as a busy pool does) instead of ascending ids.
+  bool shuffle_pages = true;
+  uint32_t seed = 1;
+  // Prefill: simulated compute time per layer before its pattern is written (0: none).
+  std::chrono::microseconds layer_time{0};
+  // Prefill: verify nothing, just mark layers ready without writing the pattern (benchmarks
+  // that measure the transfer alone).
+  bool skip_fill = false;
+  // Decode: verify every received byte (off for benchmarks that measure the transfer alone).
+  bool verify = true;
+};
+
+struct SubmitSpec {
+  std::string room;
+  int64_t tokens = 0;
+  std::string prefill_host;  // decode only
+  uint16_t prefill_port = 0;  // decode only
+  std::chrono::milliseconds deadline{0};  // 0: the engine's default
+};
+
+struct RequestReport {
+  std::string room;
+  transfer::RequestState state = transfer::RequestState::kBootstrapping;
+  Status status;
+  int64_t tokens = 0;
+  uint64_t bytes = 0;
+  double latency_us = 0;  // this side: submitted -> final
+  bool verified = false;  // decode: the pattern check ran and found no mismatch
+  uint64_t mismatches = 0;
+  std::string first_mismatch;  // where, when mismatches > 0
+};
+
+struct AgentStats {
+  uint64_t submitted = 0;
+  uint64_t succeeded = 0;
+  uint64_t failed = 0;
+  uint64_t verified = 0;
+  uint64_t corrupted = 0;  // decode: requests with mismatching bytes
+  uint64_t bytes = 0;
+  int64_t free_pages = 0;
+  int64_t total_pages = 0;
+};
+
+class Agent {
+ public:
+  static StatusOr<std::unique_ptr<Agent>> Create(const AgentOptions& options);
+  ~Agent();
+  Agent(const Agent&) = delete;
+  Agent& operator=(const Agent&) = delete;
+
+  // ResourceExhausted when the pool has too few free pages now (retry later).
+  Status Submit(const SubmitSpec& spec);
+  // Reports for these rooms (all known rooms when empty); unknown rooms are NotFound entries.
+  std::vector<RequestReport> Reports(const std::vector<std::string>& rooms) const;
+  AgentStats Stats() const;
+
+  uint16_t engine_port() const;
+  const transfer::TransferEngine& engine() const;
+  const pool::KvPool& pool() const;
+
+ private:
+  class Impl;
+  explicit Agent(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kvt::tools
