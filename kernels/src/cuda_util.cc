@@ -1,0 +1,267 @@
+#include "kvt/kernels/cuda_util.h"
+
+#include <cuda_runtime_api.h>
+
+#include <string>
+#include <utility>
+
+#include "kvt/common/log.h"
+
+namespace kvt::cuda {
+namespace {
+
+// Errors that mean "no usable GPU or driver here" rather than a bug: callers may retry elsewhere
+// or skip GPU work, so they map to Unavailable.
+bool IsNoDeviceError(cudaError_t err) {
+  switch (err) {
+    case cudaErrorNoDevice:
+    case cudaErrorInsufficientDriver:
+    case cudaErrorDevicesUnavailable:
+    case cudaErrorStubLibrary:
+    case cudaErrorSystemDriverMismatch:
+    case cudaErrorCompatNotSupportedOnDevice:
+    case cudaErrorSystemNotReady:
+    case cudaErrorCallRequiresNewerDriver:
+      return true;
+    default:
+      return false;
+  }
+}
+
+std::string Describe(cudaError_t err, const char* what) {
+  std::string out = what ? what : "cuda";
+  out += ": ";
+  out += cudaGetErrorName(err);
+  out += ": ";
+  out += cudaGetErrorString(err);
+  return out;
+}
+
+// Destructors cannot return a Status; they log instead.
+void LogIfError(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) {
+    KVT_LOG_WARN("kern", "{}", Describe(err, what));
+    (void)cudaGetLastError();
+  }
+}
+
+}  // namespace
+
+Status ToStatus(cudaError_t err, const char* what) {
+  if (err == cudaSuccess) return OkStatus();
+  // Clear the (non-sticky) last error so a later LastLaunchStatus does not report it again.
+  (void)cudaGetLastError();
+  std::string message = Describe(err, what);
+  if (IsNoDeviceError(err)) return Unavailable(std::move(message));
+  return Internal(std::move(message));
+}
+
+Status LastLaunchStatus(const char* kernel_name) {
+  cudaError_t err = cudaGetLastError();
+  if (err == cudaSuccess) return OkStatus();
+  std::string what = std::string("launch of ") + (kernel_name ? kernel_name : "kernel");
+  return ToStatus(err, what.c_str());
+}
+
+DeviceCountResult DeviceCount() {
+  DeviceCountResult result;
+  int count = 0;
+  cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    result.count = 0;
+    result.reason = Describe(err, "cudaGetDeviceCount");
+    if (err == cudaErrorInsufficientDriver) {
+      // The static runtime reports a missing libcuda this way too; say both possibilities.
+      result.reason += " (no NVIDIA driver loaded, or one older than this CUDA runtime)";
+    }
+    return result;
+  }
+  if (count <= 0) {
+    result.count = 0;
+    result.reason = "cudaGetDeviceCount: 0 devices";
+    return result;
+  }
+  result.count = count;
+  return result;
+}
+
+bool HasDevice() {
+  // The answer cannot change during a process's life in any way we support; cache it so that
+  // hot paths and every test may ask cheaply.
+  static const bool has_device = DeviceCount().count > 0;
+  return has_device;
+}
+
+// ---- DeviceBuffer -------------------------------------------------------------------------
+
+StatusOr<DeviceBuffer> DeviceBuffer::Allocate(size_t bytes, int device) {
+  DeviceBuffer buffer;
+  buffer.device_ = device;
+  if (bytes == 0) return buffer;
+  KVT_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
+  void* ptr = nullptr;
+  cudaError_t err = cudaMalloc(&ptr, bytes);
+  if (err != cudaSuccess) {
+    Status status = ToStatus(err, "cudaMalloc");
+    if (err == cudaErrorMemoryAllocation) {
+      return ResourceExhausted("cudaMalloc of " + std::to_string(bytes) + " bytes on device " +
+                               std::to_string(device) + ": " + status.message());
+    }
+    return status;
+  }
+  buffer.data_ = ptr;
+  buffer.bytes_ = bytes;
+  return buffer;
+}
+
+DeviceBuffer::~DeviceBuffer() { Reset(); }
+
+DeviceBuffer::DeviceBuffer(DeviceBuffer&& other) noexcept
+    : data_(std::exchange(other.data_, nullptr)),
+      bytes_(std::exchange(other.bytes_, 0)),
+      device_(other.device_) {}
+
+DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& other) noexcept {
+  if (this != &other) {
+    Reset();
+    data_ = std::exchange(other.data_, nullptr);
+    bytes_ = std::exchange(other.bytes_, 0);
+    device_ = other.device_;
+  }
+  return *this;
+}
+
+void DeviceBuffer::Reset() {
+  if (data_ != nullptr) LogIfError(cudaFree(data_), "cudaFree");
+  data_ = nullptr;
+  bytes_ = 0;
+}
+
+// ---- PinnedBuffer -------------------------------------------------------------------------
+
+StatusOr<PinnedBuffer> PinnedBuffer::Allocate(size_t bytes) {
+  PinnedBuffer buffer;
+  if (bytes == 0) return buffer;
+  void* ptr = nullptr;
+  cudaError_t err = cudaHostAlloc(&ptr, bytes, cudaHostAllocPortable | cudaHostAllocMapped);
+  if (err != cudaSuccess) {
+    Status status = ToStatus(err, "cudaHostAlloc");
+    if (err == cudaErrorMemoryAllocation) {
+      return ResourceExhausted("cudaHostAlloc of " + std::to_string(bytes) +
+                               " bytes: " + status.message());
+    }
+    return status;
+  }
+  buffer.data_ = ptr;
+  buffer.bytes_ = bytes;
+  return buffer;
+}
+
+PinnedBuffer::~PinnedBuffer() { Reset(); }
+
+PinnedBuffer::PinnedBuffer(PinnedBuffer&& other) noexcept
+    : data_(std::exchange(other.data_, nullptr)), bytes_(std::exchange(other.bytes_, 0)) {}
+
+PinnedBuffer& PinnedBuffer::operator=(PinnedBuffer&& other) noexcept {
+  if (this != &other) {
+    Reset();
+    data_ = std::exchange(other.data_, nullptr);
+    bytes_ = std::exchange(other.bytes_, 0);
+  }
+  return *this;
+}
+
+void PinnedBuffer::Reset() {
+  if (data_ != nullptr) LogIfError(cudaFreeHost(data_), "cudaFreeHost");
+  data_ = nullptr;
+  bytes_ = 0;
+}
+
+// ---- Stream -------------------------------------------------------------------------------
+
+StatusOr<Stream> Stream::Create(int device) {
+  KVT_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
+  Stream stream;
+  KVT_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream.stream_, cudaStreamNonBlocking));
+  return stream;
+}
+
+Stream::~Stream() { Reset(); }
+
+Stream::Stream(Stream&& other) noexcept : stream_(std::exchange(other.stream_, nullptr)) {}
+
+Stream& Stream::operator=(Stream&& other) noexcept {
+  if (this != &other) {
+    Reset();
+    stream_ = std::exchange(other.stream_, nullptr);
+  }
+  return *this;
+}
+
+Status Stream::Synchronize() const {
+  return ToStatus(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
+}
+
+void Stream::Reset() {
+  if (stream_ != nullptr) LogIfError(cudaStreamDestroy(stream_), "cudaStreamDestroy");
+  stream_ = nullptr;
+}
+
+// ---- Event --------------------------------------------------------------------------------
+
+StatusOr<Event> Event::Create(bool timing) {
+  Event event;
+  unsigned flags = timing ? cudaEventDefault : cudaEventDisableTiming;
+  KVT_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&event.event_, flags));
+  return event;
+}
+
+Event::~Event() { Reset(); }
+
+Event::Event(Event&& other) noexcept : event_(std::exchange(other.event_, nullptr)) {}
+
+Event& Event::operator=(Event&& other) noexcept {
+  if (this != &other) {
+    Reset();
+    event_ = std::exchange(other.event_, nullptr);
+  }
+  return *this;
+}
+
+Status Event::Record(cudaStream_t stream) const {
+  if (event_ == nullptr) return FailedPrecondition("Event::Record on an empty Event");
+  return ToStatus(cudaEventRecord(event_, stream), "cudaEventRecord");
+}
+
+Status Event::Synchronize() const {
+  if (event_ == nullptr) return FailedPrecondition("Event::Synchronize on an empty Event");
+  return ToStatus(cudaEventSynchronize(event_), "cudaEventSynchronize");
+}
+
+StatusOr<float> Event::ElapsedMsSince(const Event& start) const {
+  if (event_ == nullptr || start.event_ == nullptr) {
+    return FailedPrecondition("Event::ElapsedMsSince on an empty Event");
+  }
+  float ms = 0.0f;
+  KVT_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, start.event_, event_));
+  return ms;
+}
+
+void Event::Reset() {
+  if (event_ != nullptr) LogIfError(cudaEventDestroy(event_), "cudaEventDestroy");
+  event_ = nullptr;
+}
+
+// ---- Copy ---------------------------------------------------------------------------------
+
+Status Copy(void* dst, const void* src, size_t bytes) {
+  if (bytes == 0) return OkStatus();
+  if (dst == nullptr || src == nullptr) {
+    return InvalidArgument("cuda::Copy of " + std::to_string(bytes) + " bytes with a null " +
+                           (dst == nullptr ? "dst" : "src") + " pointer");
+  }
+  return ToStatus(cudaMemcpy(dst, src, bytes, cudaMemcpyDefault), "cudaMemcpy");
+}
+
+}  // namespace kvt::cuda

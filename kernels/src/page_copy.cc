@@ -1,0 +1,103 @@
+// Validation and CPU reference of page copy / pack / unpack (host compiler), shared with the
+// CUDA entry points in page_copy.cu.
+#include <cstring>
+#include <string>
+#include <utility>
+
+#include "kvt/kernels/kernels.h"
+#include "page_copy_internal.h"
+#include "validate.h"
+
+namespace kvt::kernels {
+namespace internal {
+CopyDesc DescFromPageCopy(const PageCopyArgs& a) {
+  CopyDesc d;
+  d.src.bases = a.src_bases;
+  d.src.pages = a.src_pages;
+  d.src.page_stride = a.src_page_stride;
+  d.src.offset = a.src_offset;
+  d.dst.bases = a.dst_bases;
+  d.dst.pages = a.dst_pages;
+  d.dst.page_stride = a.dst_page_stride;
+  d.dst.offset = a.dst_offset;
+  d.num_buffers = a.num_buffers;
+  d.num_pages = a.num_pages;
+  d.bytes = a.bytes;
+  return d;
+}
+
+namespace {
+
+CopySide PoolSide(const PackArgs& a) {
+  CopySide s;
+  s.bases = a.bases;
+  s.pages = a.pages;
+  s.page_stride = a.page_stride;
+  s.offset = a.offset;
+  return s;
+}
+
+// The staging side: buffer b's pages are contiguous at staging + b * num_pages * bytes.
+CopySide StagingSide(const PackArgs& a) {
+  CopySide s;
+  s.base = reinterpret_cast<uint64_t>(a.staging);
+  s.buffer_stride = static_cast<uint64_t>(a.num_pages) * static_cast<uint64_t>(a.bytes);
+  s.page_stride = a.bytes;
+  return s;
+}
+
+}  // namespace
+
+CopyDesc DescFromPack(const PackArgs& a) {
+  CopyDesc d;
+  d.src = PoolSide(a);
+  d.dst = StagingSide(a);
+  d.num_buffers = a.num_buffers;
+  d.num_pages = a.num_pages;
+  d.bytes = a.bytes;
+  return d;
+}
+
+CopyDesc DescFromUnpack(const PackArgs& a) {
+  CopyDesc d = DescFromPack(a);
+  std::swap(d.src, d.dst);
+  return d;
+}
+
+void CopyHost(const CopyDesc& d) {
+  if (d.num_buffers <= 0 || d.num_pages <= 0 || d.bytes <= 0) return;
+  for (int32_t b = 0; b < d.num_buffers; ++b) {
+    uint64_t src_base = d.src.bases ? d.src.bases[b] : d.src.base + b * d.src.buffer_stride;
+    uint64_t dst_base = d.dst.bases ? d.dst.bases[b] : d.dst.base + b * d.dst.buffer_stride;
+    for (int64_t i = 0; i < d.num_pages; ++i) {
+      int64_t sp = d.src.pages ? d.src.pages[i] : i;
+      int64_t dp = d.dst.pages ? d.dst.pages[i] : i;
+      uint64_t s = src_base + static_cast<uint64_t>(sp * d.src.page_stride + d.src.offset);
+      uint64_t t = dst_base + static_cast<uint64_t>(dp * d.dst.page_stride + d.dst.offset);
+      std::memcpy(reinterpret_cast<void*>(t), reinterpret_cast<const void*>(s),
+                  static_cast<size_t>(d.bytes));
+    }
+  }
+}
+
+}  // namespace internal
+
+Status PageCopyCpu(const PageCopyArgs& args) {
+  KVT_RETURN_IF_ERROR(internal::ValidatePageCopy(args, "PageCopyCpu"));
+  internal::CopyHost(internal::DescFromPageCopy(args));
+  return OkStatus();
+}
+
+Status PackCpu(const PackArgs& args) {
+  KVT_RETURN_IF_ERROR(internal::ValidatePack(args, "PackCpu"));
+  internal::CopyHost(internal::DescFromPack(args));
+  return OkStatus();
+}
+
+Status UnpackCpu(const PackArgs& args) {
+  KVT_RETURN_IF_ERROR(internal::ValidatePack(args, "UnpackCpu"));
+  internal::CopyHost(internal::DescFromUnpack(args));
+  return OkStatus();
+}
+
+}  // namespace kvt::kernels

@@ -1,0 +1,321 @@
+// The page gather/scatter kernel behind PageCopyCuda, PackCuda, UnpackCuda and the same-dtype
+// StoreCuda.
+//
+// Design (DESIGN.md: one launch moves every (buffer, page) item of a batch):
+//  - persistent grid (as many blocks as fit per SM), one warp (by default; a larger power-of-two
+//    group is a tuning knob) per item in a grid-stride loop; items are
+//    enumerated buffer-major so concurrently running warps stay within one buffer (fewer TLB
+//    entries live at once);
+//  - access width chosen per item on the device from the actual addresses: 16-byte vectors when
+//    source and destination are 16-aligned, else 8/4/2/1; the remainder (< width) byte-wise;
+//  - each lane issues `kUnroll` independent loads before its stores, and the next item's table
+//    reads are issued before the current item's copy, so the dependent index->address->data
+//    chain of one item overlaps the copy of the previous one.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <string>
+
+#include "kvt/kernels/cuda_util.h"
+#include "kvt/kernels/kernels.h"
+#include "kvt/kernels/tuning.h"
+#include "page_copy_internal.h"
+#include "validate.h"
+
+namespace kvt::kernels {
+namespace internal {
+namespace {
+
+// Blocks of up to 512 threads: lets the compiler use up to 128 registers (the unrolled paths
+// need more than 64 without spilling), so 1024-thread blocks are refused by ValidateTuning.
+constexpr int kMaxPageCopyThreads = 512;
+
+template <bool kStreaming, typename T>
+__device__ __forceinline__ T LoadOnce(const T* p) {
+  if constexpr (kStreaming) {
+    return __ldcs(p);
+  } else {
+    return __ldg(p);
+  }
+}
+
+template <bool kStreaming, typename T>
+__device__ __forceinline__ void StoreOnce(T* p, const T& v) {
+  if constexpr (kStreaming) {
+    __stcs(p, v);
+  } else {
+    *p = v;
+  }
+}
+
+// Copies n elements of T with the `group` threads copying one item: lane-interleaved
+// (coalesced), kUnroll loads in flight per thread before its stores. Pointers advance by the
+// step so each unrolled access is base + immediate offset (fewer registers than 64-bit indices).
+template <typename T, int kUnroll, bool kStreaming, int kGroup>
+__device__ __forceinline__ void CopyRun(const T* __restrict__ src, T* __restrict__ dst, int64_t n,
+                                        int lane) {
+  constexpr int group = kGroup;
+  constexpr int64_t step = static_cast<int64_t>(group) * kUnroll;
+  const T* s = src + lane;
+  T* d = dst + lane;
+  int64_t left = n - lane;  // elements from this thread's position to the end
+  for (; left > static_cast<int64_t>(kUnroll - 1) * group; left -= step, s += step, d += step) {
+    T r[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) r[u] = LoadOnce<kStreaming>(s + u * group);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) StoreOnce<kStreaming>(d + u * group, r[u]);
+  }
+  if (left > 0) {
+    T r[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (static_cast<int64_t>(u) * group < left) r[u] = LoadOnce<kStreaming>(s + u * group);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (static_cast<int64_t>(u) * group < left) StoreOnce<kStreaming>(d + u * group, r[u]);
+    }
+  }
+}
+
+template <int kUnroll, bool kStreaming, int kGroup>
+__device__ __forceinline__ void CopyItem(uint64_t s, uint64_t d, int64_t bytes, int lane) {
+  // Only the 16-byte path (pool pages are 16-aligned) is unrolled kUnroll deep; the narrow
+  // fallbacks use 2, which keeps the kernel's register count (and so its occupancy) set by the
+  // path that matters.
+  const uint64_t mis = s | d;
+  int64_t done;
+  if ((mis & 15) == 0) {
+    const int64_t n = bytes >> 4;
+    CopyRun<uint4, kUnroll, kStreaming, kGroup>(reinterpret_cast<const uint4*>(s),
+                                                reinterpret_cast<uint4*>(d), n, lane);
+    done = n << 4;
+  } else if ((mis & 7) == 0) {
+    const int64_t n = bytes >> 3;
+    CopyRun<uint2, 2, kStreaming, kGroup>(reinterpret_cast<const uint2*>(s),
+                                          reinterpret_cast<uint2*>(d), n, lane);
+    done = n << 3;
+  } else if ((mis & 3) == 0) {
+    const int64_t n = bytes >> 2;
+    CopyRun<unsigned int, 2, kStreaming, kGroup>(reinterpret_cast<const unsigned int*>(s),
+                                                 reinterpret_cast<unsigned int*>(d), n, lane);
+    done = n << 2;
+  } else if ((mis & 1) == 0) {
+    const int64_t n = bytes >> 1;
+    CopyRun<unsigned short, 2, kStreaming, kGroup>(reinterpret_cast<const unsigned short*>(s),
+                                                   reinterpret_cast<unsigned short*>(d), n, lane);
+    done = n << 1;
+  } else {
+    CopyRun<unsigned char, 2, kStreaming, kGroup>(reinterpret_cast<const unsigned char*>(s),
+                                                  reinterpret_cast<unsigned char*>(d), bytes, lane);
+    done = bytes;
+  }
+  // Tail shorter than the access width.
+  for (int64_t k = done + lane; k < bytes; k += kGroup) {
+    reinterpret_cast<unsigned char*>(d)[k] = reinterpret_cast<const unsigned char*>(s)[k];
+  }
+}
+
+struct ItemAddr {
+  uint64_t src;
+  uint64_t dst;
+};
+
+__device__ __forceinline__ uint64_t SideAddr(const CopySide& side, uint64_t b, uint64_t i) {
+  const uint64_t base = side.bases ? __ldg(side.bases + b) : side.base + b * side.buffer_stride;
+  const int64_t page =
+      side.pages ? static_cast<int64_t>(__ldg(side.pages + i)) : static_cast<int64_t>(i);
+  return base + static_cast<uint64_t>(page * side.page_stride + side.offset);
+}
+
+__device__ __forceinline__ ItemAddr AddrOf(const CopyDesc& d, uint64_t item, bool narrow) {
+  // item = outer * inner_count + inner; buffer-major: (b, i), page-major: (i, b).
+  const uint64_t inner_count =
+      d.page_major ? static_cast<uint64_t>(d.num_buffers) : static_cast<uint64_t>(d.num_pages);
+  uint64_t outer, inner;
+  if (narrow) {  // 32-bit division is several times cheaper than 64-bit
+    const uint32_t n = static_cast<uint32_t>(inner_count);
+    outer = static_cast<uint32_t>(item) / n;
+    inner = static_cast<uint32_t>(item) - static_cast<uint32_t>(outer) * n;
+  } else {
+    outer = item / inner_count;
+    inner = item - outer * inner_count;
+  }
+  const uint64_t b = d.page_major ? inner : outer;
+  const uint64_t i = d.page_major ? outer : inner;
+  return ItemAddr{SideAddr(d.src, b, i), SideAddr(d.dst, b, i)};
+}
+
+// A group of 2^group_shift threads (a warp or more; groups never straddle blocks) copies one
+// item at a time, in a grid-stride loop over items.
+template <int kUnroll, bool kStreaming, int kGroup>
+__global__ void __launch_bounds__(kMaxPageCopyThreads, 2)
+    PageCopyKernel(const CopyDesc d, const uint64_t num_items) {
+  const int lane = threadIdx.x & (kGroup - 1);
+  const uint64_t first = (static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kGroup;
+  const uint64_t num_groups = (static_cast<uint64_t>(gridDim.x) * blockDim.x) / kGroup;
+  const bool narrow = num_items <= 0xFFFFFFFFull;
+  uint64_t item = first;
+  if (item >= num_items) return;
+  ItemAddr cur = AddrOf(d, item, narrow);
+  while (true) {
+    const uint64_t next = item + num_groups;
+    const bool has_next = next < num_items;
+    ItemAddr nxt{0, 0};
+    if (has_next) nxt = AddrOf(d, next, narrow);
+    CopyItem<kUnroll, kStreaming, kGroup>(cur.src, cur.dst, d.bytes, lane);
+    if (!has_next) break;
+    cur = nxt;
+    item = next;
+  }
+}
+
+using KernelFn = void (*)(CopyDesc, uint64_t);
+
+template <int kUnroll, bool kStreaming>
+KernelFn PickGroup(int group) {
+  switch (group) {
+    case 512:
+      return PageCopyKernel<kUnroll, kStreaming, 512>;
+    case 256:
+      return PageCopyKernel<kUnroll, kStreaming, 256>;
+    case 128:
+      return PageCopyKernel<kUnroll, kStreaming, 128>;
+    case 64:
+      return PageCopyKernel<kUnroll, kStreaming, 64>;
+    default:
+      return PageCopyKernel<kUnroll, kStreaming, 32>;
+  }
+}
+
+// The stride between a thread's unrolled accesses is a compile-time constant (group size), so
+// each access is one base register plus an immediate offset.
+KernelFn PickKernel(int unroll, bool streaming, int group) {
+  if (unroll == 8) return streaming ? PickGroup<8, true>(group) : PickGroup<8, false>(group);
+  return streaming ? PickGroup<4, true>(group) : PickGroup<4, false>(group);
+}
+
+// Occupancy of each kernel variant at each block size, computed once (host-side query).
+StatusOr<int> BlocksPerSm(int unroll, bool streaming, int group, int threads) {
+  static std::atomic<int> cache[2][2][5][17] = {};
+  int group_index = 0;
+  while ((32 << group_index) < group) ++group_index;
+  std::atomic<int>& slot = cache[unroll == 8 ? 1 : 0][streaming ? 1 : 0][group_index][threads / 32];
+  int v = slot.load(std::memory_order_relaxed);
+  if (v > 0) return v;
+  int blocks = 0;
+  KVT_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &blocks, PickKernel(unroll, streaming, group), threads, 0));
+  blocks = std::max(blocks, 1);
+  slot.store(blocks, std::memory_order_relaxed);
+  return blocks;
+}
+
+// Threads that copy one item. 0 (auto): the largest power of two (32 .. threads_per_block)
+// whose one round of kUnroll 16-byte accesses still fits in the item. It was meant to keep the
+// concurrently touched addresses in fewer, longer runs for DRAM; on an H200 it did not beat one
+// warp per item (docs/kernels.md), so the default tuning asks for 32.
+int ThreadsPerItem(const PageCopyTuning& t, int64_t bytes) {
+  if (t.threads_per_item > 0) return t.threads_per_item;
+  int g = 32;
+  while (g * 2 <= t.threads_per_block && static_cast<int64_t>(g) * 2 * 16 * t.unroll <= bytes) {
+    g *= 2;
+  }
+  return g;
+}
+
+Status ValidateTuning(const PageCopyTuning& t) {
+  if (t.unroll != 4 && t.unroll != 8) {
+    return InvalidArgument("PageCopyTuning: unroll is " + std::to_string(t.unroll) +
+                           "; it must be 4 or 8");
+  }
+  if (t.threads_per_block < 32 || t.threads_per_block > kMaxPageCopyThreads ||
+      t.threads_per_block % 32 != 0) {
+    return InvalidArgument(
+        "PageCopyTuning: threads_per_block is " + std::to_string(t.threads_per_block) +
+        "; it must be a multiple of 32 in [32, " + std::to_string(kMaxPageCopyThreads) + "]");
+  }
+  const int32_t g = t.threads_per_item;
+  if (g != 0 && (g < 32 || g > t.threads_per_block || g > 512 || (g & (g - 1)) != 0 ||
+                 t.threads_per_block % g != 0)) {
+    return InvalidArgument("PageCopyTuning: threads_per_item is " + std::to_string(g) +
+                           "; it must be 0 (auto) or a power of two in [32, 512] dividing "
+                           "threads_per_block (" +
+                           std::to_string(t.threads_per_block) + ")");
+  }
+  if (t.blocks_per_sm < 0) {
+    return InvalidArgument("PageCopyTuning: blocks_per_sm is " + std::to_string(t.blocks_per_sm) +
+                           "; it must be >= 0 (0: as many as fit)");
+  }
+  return OkStatus();
+}
+
+}  // namespace
+
+StatusOr<int> CurrentDeviceSmCount() {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cache[kMaxDevices] = {};
+  int device = 0;
+  KVT_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  if (device >= 0 && device < kMaxDevices) {
+    int v = cache[device].load(std::memory_order_relaxed);
+    if (v > 0) return v;
+  }
+  int sms = 0;
+  KVT_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  if (sms <= 0) return Internal("cudaDevAttrMultiProcessorCount answered " + std::to_string(sms));
+  if (device >= 0 && device < kMaxDevices) cache[device].store(sms, std::memory_order_relaxed);
+  return sms;
+}
+
+Status CopyDevice(const CopyDesc& desc, const PageCopyTuning& t, cudaStream_t stream) {
+  if (desc.num_buffers <= 0 || desc.num_pages <= 0 || desc.bytes <= 0) return OkStatus();
+  CopyDesc d = desc;
+  d.page_major = t.page_major;
+  const uint64_t num_items =
+      static_cast<uint64_t>(d.num_buffers) * static_cast<uint64_t>(d.num_pages);
+  KVT_ASSIGN_OR_RETURN(int sms, CurrentDeviceSmCount());
+  const int group = ThreadsPerItem(t, d.bytes);
+  int blocks_per_sm = t.blocks_per_sm;
+  if (blocks_per_sm == 0) {
+    KVT_ASSIGN_OR_RETURN(blocks_per_sm,
+                         BlocksPerSm(t.unroll, t.streaming, group, t.threads_per_block));
+  }
+  const uint64_t groups_per_block = static_cast<uint64_t>(t.threads_per_block / group);
+  const uint64_t wanted = (num_items + groups_per_block - 1) / groups_per_block;
+  const unsigned grid =
+      static_cast<unsigned>(std::min<uint64_t>(wanted, static_cast<uint64_t>(sms) * blocks_per_sm));
+  PickKernel(t.unroll, t.streaming, group)<<<grid, t.threads_per_block, 0, stream>>>(d, num_items);
+  return cuda::LastLaunchStatus("PageCopyKernel");
+}
+
+}  // namespace internal
+
+PageCopyTuning DefaultPageCopyTuning() { return PageCopyTuning{}; }
+
+Status PageCopyCudaTuned(const PageCopyArgs& args, const PageCopyTuning& tuning,
+                         cudaStream_t stream) {
+  KVT_RETURN_IF_ERROR(internal::ValidateTuning(tuning));
+  KVT_RETURN_IF_ERROR(internal::ValidatePageCopy(args, "PageCopyCuda"));
+  return internal::CopyDevice(internal::DescFromPageCopy(args), tuning, stream);
+}
+
+Status PageCopyCuda(const PageCopyArgs& args, cudaStream_t stream) {
+  KVT_RETURN_IF_ERROR(internal::ValidatePageCopy(args, "PageCopyCuda"));
+  return internal::CopyDevice(internal::DescFromPageCopy(args), DefaultPageCopyTuning(), stream);
+}
+
+Status PackCuda(const PackArgs& args, cudaStream_t stream) {
+  KVT_RETURN_IF_ERROR(internal::ValidatePack(args, "PackCuda"));
+  return internal::CopyDevice(internal::DescFromPack(args), DefaultPageCopyTuning(), stream);
+}
+
+Status UnpackCuda(const PackArgs& args, cudaStream_t stream) {
+  KVT_RETURN_IF_ERROR(internal::ValidatePack(args, "UnpackCuda"));
+  return internal::CopyDevice(internal::DescFromUnpack(args), DefaultPageCopyTuning(), stream);
+}
+
+}  // namespace kvt::kernels

@@ -1,0 +1,56 @@
+// Private to kvt::kernels: the one description of a batched (buffer, page) copy that PageCopy,
+// Pack, Unpack and the same-dtype Store all lower to, so that one CUDA kernel and one CPU loop
+// serve every caller. Thread safety: plain values.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "kvt/common/status.h"
+#include "kvt/kernels/host_device.h"
+#include "kvt/kernels/kernels.h"
+#include "kvt/kernels/tuning.h"
+
+namespace kvt::kernels::internal {
+
+// One side (source or destination) of a copy. Item (b, i) lives at
+//   BufferBase(b) + (pages ? pages[i] : i) * page_stride + offset
+// where BufferBase(b) is bases[b] when a table is given, else base + b * buffer_stride. The
+// second form describes a staging area (pack/unpack) or two raw pointers (K and V of a store;
+// the stride is then their difference modulo 2^64, which unsigned arithmetic undoes exactly).
+struct CopySide {
+  const uint64_t* bases = nullptr;
+  uint64_t base = 0;
+  uint64_t buffer_stride = 0;
+  const int32_t* pages = nullptr;
+  int64_t page_stride = 0;
+  int64_t offset = 0;
+};
+
+struct CopyDesc {
+  CopySide src;
+  CopySide dst;
+  int32_t num_buffers = 0;
+  int64_t num_pages = 0;
+  int64_t bytes = 0;
+  bool page_major = false;  // see the note below; a tuning knob for experiments
+};
+
+// Items are enumerated buffer-major (b * num_pages + i): warps working at the same time then
+// touch the same buffer, which keeps their pages within fewer GPU TLB entries.
+
+CopyDesc DescFromPageCopy(const PageCopyArgs& args);
+CopyDesc DescFromPack(const PackArgs& args);    // pool -> staging
+CopyDesc DescFromUnpack(const PackArgs& args);  // staging -> pool
+
+// The CPU copy of every item.
+void CopyHost(const CopyDesc& desc);
+
+// Launches the CUDA copy (no validation: callers validated). Empty descriptions are no-ops.
+Status CopyDevice(const CopyDesc& desc, const PageCopyTuning& tuning, cudaStream_t stream);
+
+// Multiprocessor count of the current device, read once per device and cached.
+StatusOr<int> CurrentDeviceSmCount();
+
+}  // namespace kvt::kernels::internal

@@ -1,0 +1,67 @@
+// The CUDA entry points validate before touching the device, so these run on any machine:
+// invalid arguments give InvalidArgument naming the value, empty inputs are no-ops.
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "kvt/kernels/kernels.h"
+#include "kvt/kernels/tuning.h"
+
+namespace kvt::kernels {
+namespace {
+
+TEST(CudaEntryValidationTest, InvalidArgumentsNeverReachTheDevice) {
+  PageCopyArgs p;
+  p.num_buffers = -4;
+  Status s = PageCopyCuda(p, nullptr);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("PageCopyCuda: num_buffers is -4"), std::string::npos) << s;
+
+  PackArgs k;
+  k.num_pages = -1;
+  s = PackCuda(k, nullptr);
+  EXPECT_NE(s.message().find("PackCuda: num_pages is -1"), std::string::npos) << s;
+  s = UnpackCuda(k, nullptr);
+  EXPECT_NE(s.message().find("UnpackCuda: num_pages is -1"), std::string::npos) << s;
+
+  StoreArgs st;
+  st.row_elems = -3;
+  s = StoreCuda(st, nullptr);
+  EXPECT_NE(s.message().find("StoreCuda: row_elems is -3"), std::string::npos) << s;
+
+  TiledCopyArgs t;
+  t.max_row_bytes = -9;
+  s = TiledCopyCuda(t, nullptr);
+  EXPECT_NE(s.message().find("TiledCopyCuda: max_row_bytes is -9"), std::string::npos) << s;
+
+  PatternArgs pa;
+  pa.num_layers = -1;
+  s = FillPatternCuda(pa, nullptr);
+  EXPECT_NE(s.message().find("FillPatternCuda: num_layers is -1"), std::string::npos) << s;
+  s = VerifyPatternCuda(pa, nullptr).status();
+  EXPECT_NE(s.message().find("VerifyPatternCuda: num_layers is -1"), std::string::npos) << s;
+
+  PageCopyTuning tuning;
+  tuning.unroll = 3;
+  s = PageCopyCudaTuned(PageCopyArgs{}, tuning, nullptr);
+  EXPECT_NE(s.message().find("unroll is 3"), std::string::npos) << s;
+  tuning.unroll = 4;
+  tuning.threads_per_item = 48;
+  s = PageCopyCudaTuned(PageCopyArgs{}, tuning, nullptr);
+  EXPECT_NE(s.message().find("threads_per_item is 48"), std::string::npos) << s;
+}
+
+TEST(CudaEntryValidationTest, EmptyInputsAreNoOpsEvenWithoutDevice) {
+  EXPECT_TRUE(PageCopyCuda(PageCopyArgs{}, nullptr).ok());
+  EXPECT_TRUE(PackCuda(PackArgs{}, nullptr).ok());
+  EXPECT_TRUE(UnpackCuda(PackArgs{}, nullptr).ok());
+  EXPECT_TRUE(StoreCuda(StoreArgs{}, nullptr).ok());
+  EXPECT_TRUE(TiledCopyCuda(TiledCopyArgs{}, nullptr).ok());
+  EXPECT_TRUE(FillPatternCuda(PatternArgs{}, nullptr).ok());
+  auto r = VerifyPatternCuda(PatternArgs{}, nullptr);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->mismatches, 0u);
+}
+
+}  // namespace
+}  // namespace kvt::kernels

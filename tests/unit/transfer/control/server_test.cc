@@ -1,0 +1,790 @@
+// ControlServer and ControlClient over 127.0.0.1. Every wait is bounded; raw POSIX sockets play
+// the misbehaving peers.
+#include <arpa/inet.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kvt/transfer/control/auth.h"
+#include "kvt/transfer/control/control_client.h"
+#include "kvt/transfer/control/control_server.h"
+#include "kvt/transfer/control/framing.h"
+#include "kvt/transfer/control/protocol.h"
+#include "test_messages.h"
+
+namespace kvt::control {
+namespace {
+
+using ::testing::HasSubstr;
+using namespace std::chrono_literals;
+
+const std::string kToken = "test-cluster-token-0123456789abcdef";
+constexpr auto kWait = 5s;  // upper bound for anything that should happen "soon"
+
+// Records the server's events; echoes every message back with reply_to set.
+class RecordingHandler : public ControlHandler {
+ public:
+  void set_server(ControlServer* server) { server_.store(server); }
+
+  void OnConnect(ConnectionId id, const ConnectionInfo& info) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    connects_.push_back(info);
+    changed_.notify_all();
+  }
+  void OnMessage(ConnectionId id, const v1::Envelope& envelope) override {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      messages_.emplace_back(id, envelope);
+      changed_.notify_all();
+    }
+    if (ControlServer* server = server_.load()) {
+      v1::Envelope reply = envelope;
+      reply.set_reply_to(envelope.id());
+      (void)server->Send(id, reply);
+    }
+  }
+  void OnDisconnect(ConnectionId id, const Status& why) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    disconnects_.emplace_back(id, why);
+    changed_.notify_all();
+  }
+
+  bool WaitFor(const std::function<bool()>& done, std::chrono::milliseconds timeout = kWait) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    return changed_.wait_for(lock, timeout, done);
+  }
+  size_t connects() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return connects_.size();
+  }
+  std::vector<ConnectionInfo> connect_infos() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return connects_;
+  }
+  std::vector<std::pair<ConnectionId, v1::Envelope>> messages() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return messages_;
+  }
+  std::vector<std::pair<ConnectionId, Status>> disconnects() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return disconnects_;
+  }
+  // Unlocked views for WaitFor predicates (which run under the lock).
+  size_t connects_locked() const { return connects_.size(); }
+  size_t messages_locked() const { return messages_.size(); }
+  size_t disconnects_locked() const { return disconnects_.size(); }
+
+ private:
+  std::atomic<ControlServer*> server_{nullptr};
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  std::vector<ConnectionInfo> connects_;
+  std::vector<std::pair<ConnectionId, v1::Envelope>> messages_;
+  std::vector<std::pair<ConnectionId, Status>> disconnects_;
+};
+
+// A blocking TCP client with receive timeouts, to send arbitrary bytes.
+class RawClient {
+ public:
+  explicit RawClient(uint16_t port) {
+    fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    timeval tv{};
+    tv.tv_sec = 5;
+    ::setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    ::setsockopt(fd_, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(port);
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    connected_ = ::connect(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+  }
+  ~RawClient() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  RawClient(const RawClient&) = delete;
+  RawClient& operator=(const RawClient&) = delete;
+
+  bool connected() const { return connected_; }
+
+  bool SendBytes(std::string_view bytes) {
+    while (!bytes.empty()) {
+      ssize_t n = ::send(fd_, bytes.data(), bytes.size(), MSG_NOSIGNAL);
+      if (n <= 0) return false;
+      bytes.remove_prefix(static_cast<size_t>(n));
+    }
+    return true;
+  }
+  bool SendEnvelope(const v1::Envelope& envelope) { return SendBytes(*EncodeFrame(envelope)); }
+  void ShutdownWrite() { ::shutdown(fd_, SHUT_WR); }
+
+  // The next frame; Unavailable at EOF / reset, DeadlineExceeded after 5 s of silence.
+  StatusOr<v1::Envelope> ReadFrame() {
+    char buffer[4096];
+    while (true) {
+      if (decoder_.frame_ready()) {
+        v1::Envelope envelope;
+        KVT_RETURN_IF_ERROR(decoder_.Take(&envelope));
+        return envelope;
+      }
+      if (!pending_.empty()) {
+        KVT_ASSIGN_OR_RETURN(size_t used, decoder_.Feed(pending_));
+        pending_.erase(0, used);
+        continue;
+      }
+      ssize_t n = ::recv(fd_, buffer, sizeof(buffer), 0);
+      if (n == 0) return Unavailable("eof");
+      if (n < 0) {
+        if (errno == EAGAIN || errno == EWOULDBLOCK) return DeadlineExceeded("recv timed out");
+        return Unavailable("recv failed");
+      }
+      pending_.append(buffer, static_cast<size_t>(n));
+    }
+  }
+
+  // Reads frames until an Error frame (skipping the challenge and any echoes).
+  StatusOr<v1::Error> ReadError() {
+    for (int i = 0; i < 100; ++i) {
+      KVT_ASSIGN_OR_RETURN(v1::Envelope envelope, ReadFrame());
+      if (envelope.has_error()) return envelope.error();
+    }
+    return Internal("no error frame among 100 frames");
+  }
+
+  // True when the server closed the connection (EOF or reset) within the receive timeout.
+  bool WaitForClose() {
+    char buffer[4096];
+    while (true) {
+      ssize_t n = ::recv(fd_, buffer, sizeof(buffer), 0);
+      if (n == 0) return true;
+      if (n < 0) return errno == ECONNRESET;
+    }
+  }
+
+ private:
+  int fd_ = -1;
+  bool connected_ = false;
+  FrameDecoder decoder_;
+  std::string pending_;
+};
+
+std::string Header(uint32_t length) {
+  return std::string{static_cast<char>(length >> 24), static_cast<char>(length >> 16),
+                     static_cast<char>(length >> 8), static_cast<char>(length)};
+}
+
+class ControlServerTest : public ::testing::Test {
+ protected:
+  void StartServer(ControlServerOptions options = {}) {
+    options.bind_address = "127.0.0.1";
+    options_ = options;
+    auto server = ControlServer::Create(options, &handler_);
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = std::move(server).value();
+    handler_.set_server(server_.get());
+  }
+
+  void TearDown() override {
+    handler_.set_server(nullptr);
+    if (server_) server_->Stop();
+  }
+
+  ControlClientOptions ClientOptions(const std::string& id = "client") {
+    ControlClientOptions options;
+    options.port = server_->port();
+    options.client_id = id;
+    options.connect_timeout = 2000ms;
+    options.limits.handshake_timeout = 2000ms;
+    return options;
+  }
+
+  std::unique_ptr<ControlClient> Connect(ControlClientOptions options) {
+    auto client = ControlClient::Connect(options);
+    EXPECT_TRUE(client.ok()) << client.status();
+    return client.ok() ? std::move(client).value() : nullptr;
+  }
+
+  // One echo round trip through `client`.
+  void ExpectEcho(ControlClient& client, uint64_t id = 77) {
+    v1::Envelope request = testing::MakeAgentRegistration();
+    request.set_id(id);
+    ASSERT_TRUE(client.Send(request).ok());
+    StatusOr<v1::Envelope> reply = client.Receive(kWait);
+    ASSERT_TRUE(reply.ok()) << reply.status();
+    EXPECT_EQ(reply->reply_to(), id);
+    EXPECT_TRUE(reply->has_register_agent());
+  }
+
+  RecordingHandler handler_;
+  ControlServerOptions options_;
+  std::unique_ptr<ControlServer> server_;
+};
+
+TEST_F(ControlServerTest, EchoesToSeveralClients) {
+  ControlServerOptions options;
+  options.num_threads = 2;
+  StartServer(options);
+  constexpr int kClients = 4;
+  constexpr int kMessages = 25;
+  std::vector<std::unique_ptr<ControlClient>> clients;
+  for (int c = 0; c < kClients; ++c) {
+    clients.push_back(Connect(ClientOptions("client-" + std::to_string(c))));
+    ASSERT_NE(clients.back(), nullptr);
+  }
+  ASSERT_TRUE(handler_.WaitFor([&] { return handler_.connects_locked() == kClients; }));
+  for (int c = 0; c < kClients; ++c) {
+    v1::Envelope hello = testing::MakeHello();
+    hello.set_id(1000);
+    ASSERT_TRUE(clients[c]->Send(hello).ok());
+    for (int m = 0; m < kMessages; ++m) {
+      v1::Envelope request =
+          testing::MakeTransferRequest("room-" + std::to_string(c) + "-" + std::to_string(m));
+      request.set_id(m + 1);
+      ASSERT_TRUE(clients[c]->Send(request).ok());
+    }
+  }
+  for (int c = 0; c < kClients; ++c) {
+    StatusOr<v1::Envelope> hello = clients[c]->Receive(kWait);
+    ASSERT_TRUE(hello.ok()) << hello.status();
+    EXPECT_TRUE(hello->has_hello());
+    for (int m = 0; m < kMessages; ++m) {
+      StatusOr<v1::Envelope> reply = clients[c]->Receive(kWait);
+      ASSERT_TRUE(reply.ok()) << reply.status();
+      EXPECT_EQ(reply->reply_to(), static_cast<uint64_t>(m + 1));
+      EXPECT_EQ(reply->transfer_request().room_id(),
+                "room-" + std::to_string(c) + "-" + std::to_string(m));
+    }
+  }
+  EXPECT_EQ(handler_.messages().size(), static_cast<size_t>(kClients * (kMessages + 1)));
+  EXPECT_EQ(server_->connection_count(), static_cast<size_t>(kClients));
+  clients.clear();
+  ASSERT_TRUE(handler_.WaitFor([&] { return handler_.disconnects_locked() == kClients; }));
+  EXPECT_EQ(server_->connection_count(), 0u);
+}
+
+TEST_F(ControlServerTest, ClientWithHandlerGetsMessagesAndDisconnect) {
+  StartServer();
+  struct Handler : ControlClient::Handler {
+    std::mutex mutex;
+    std::condition_variable changed;
+    std::vector<v1::Envelope> messages;
+    std::optional<Status> disconnected;
+    void OnMessage(const v1::Envelope& envelope) override {
+      std::lock_guard<std::mutex> lock(mutex);
+      messages.push_back(envelope);
+      changed.notify_all();
+    }
+    void OnDisconnect(const Status& why) override {
+      std::lock_guard<std::mutex> lock(mutex);
+      disconnected = why;
+      changed.notify_all();
+    }
+  } client_handler;
+  auto client = ControlClient::Connect(ClientOptions(), &client_handler);
+  ASSERT_TRUE(client.ok()) << client.status();
+  EXPECT_EQ((*client)->server_id(), "kvt");
+  EXPECT_EQ((*client)->Receive(10ms).status().code(), StatusCode::kFailedPrecondition);
+  ASSERT_TRUE((*client)->Send(testing::MakeAgentRegistration()).ok());
+  {
+    std::unique_lock<std::mutex> lock(client_handler.mutex);
+    ASSERT_TRUE(client_handler.changed.wait_for(lock, kWait,
+                                                [&] { return !client_handler.messages.empty(); }));
+  }
+  ASSERT_TRUE(handler_.WaitFor([&] { return handler_.connects_locked() == 1; }));
+  const ConnectionId id = handler_.connect_infos()[0].id;
+  ASSERT_TRUE(server_->Disconnect(id, Aborted("test says bye")).ok());
+  {
+    std::unique_lock<std::mutex> lock(client_handler.mutex);
+    ASSERT_TRUE(client_handler.changed.wait_for(
+        lock, kWait, [&] { return client_handler.disconnected.has_value(); }));
+  }
+  EXPECT_FALSE((*client)->connected());
+  EXPECT_EQ((*client)->Send(testing::MakeHeartbeat()).code(), StatusCode::kUnavailable);
+  ASSERT_TRUE(handler_.WaitFor([&] { return handler_.disconnects_locked() == 1; }));
+  EXPECT_EQ(handler_.disconnects()[0].second.code(), StatusCode::kAborted);
+  EXPECT_EQ(server_->Send(id, testing::MakeHeartbeat()).code(), StatusCode::kNotFound);
+}
+
+TEST_F(ControlServerTest, GarbageGetsErrorFrameAndDisconnectOthersUnaffected) {
+  StartServer();
+  auto good = Connect(ClientOptions("good"));
+  ASSERT_NE(good, nullptr);
+  RawClient raw(server_->port());
+  ASSERT_TRUE(raw.connected());
+  ASSERT_TRUE(raw.SendBytes(Header(8) + std::string(8, '\xff')));
+  StatusOr<v1::Error> error = raw.ReadError();
+  ASSERT_TRUE(error.ok()) << error.status();
+  EXPECT_EQ(error->code(), v1::STATUS_CODE_MALFORMED_FRAME);
+  EXPECT_THAT(error->message(), HasSubstr("not a kvt.v1.Envelope"));
+  EXPECT_TRUE(raw.WaitForClose());
+  ExpectEcho(*good);
+  ASSERT_TRUE(handler_.WaitFor([&] { return handler_.disconnects_locked() == 1; }));
+  EXPECT_EQ(handler_.disconnects()[0].second.code(), StatusCode::kDataLoss);
+}
+
+TEST_F(ControlServerTest, OversizedFrameIsRefusedFromItsHeader) {
+  ControlServerOptions options;
+  options.limits.max_frame_bytes = 4096;
+  StartServer(options);
+  auto good = Connect(ClientOptions("good"));
+  ASSERT_NE(good, nullptr);
+  RawClient raw(server_->port());
+  ASSERT_TRUE(raw.SendBytes(Header(1u << 20)));  // no payload follows: refused from the header
+  StatusOr<v1::Error> error = raw.ReadError();
+  ASSERT_TRUE(error.ok()) << error.status();
+  EXPECT_EQ(error->code(), v1::STATUS_CODE_MALFORMED_FRAME);
+  EXPECT_THAT(error->message(), HasSubstr("1048576 bytes exceeds max_frame_bytes = 4096"));
+  EXPECT_TRUE(raw.WaitForClose());
+  ExpectEcho(*good);
+}
+
+TEST_F(ControlServerTest, ZeroLengthFrameIsRefused) {
+  StartServer();
+  RawClient raw(server_->port());
+  ASSERT_TRUE(raw.SendBytes(Header(0)));
+  StatusOr<v1::Error> error = raw.ReadError();
+  ASSERT_TRUE(error.ok()) << error.status();
+  EXPECT_THAT(error->message(), HasSubstr("zero-length frame"));
+  EXPECT_TRUE(raw.WaitForClose());
+}
+
+TEST_F(ControlServerTest, EnvelopeWithoutBodyIsRefused) {
+  StartServer();
+  RawClient raw(server_->port());
+  v1::Envelope empty;
+  empty.set_id(5);
+  const std::string payload = empty.SerializeAsString();
+  ASSERT_TRUE(raw.SendBytes(Header(static_cast<uint32_t>(payload.size())) + payload));
+  StatusOr<v1::Error> error = raw.ReadError();
+  ASSERT_TRUE(error.ok()) << error.status();
+  EXPECT_EQ(error->code(), v1::STATUS_CODE_MALFORMED_FRAME);
+  EXPECT_THAT(error->message(), HasSubstr("no message body"));
+  EXPECT_TRUE(raw.WaitForClose());
+}
+
+TEST_F(ControlServerTest, TruncatedFrameThenCloseDisconnectsOnlyThatPeer) {
+  StartServer();
+  auto good = Connect(ClientOptions("good"));
+  ASSERT_NE(good, nullptr);
+  {
+    RawClient raw(server_->port());
+    ASSERT_TRUE(raw.SendBytes(Header(100) + std::string(10, 'x')));
+    raw.ShutdownWrite();
+    EXPECT_TRUE(raw.WaitForClose());
+  }
+  ASSERT_TRUE(handler_.WaitFor([&] { return handler_.disconnects_locked() == 1; }));
+  EXPECT_EQ(handler_.disconnects()[0].second.code(), StatusCode::kUnavailable);
+  ExpectEcho(*good);
+  EXPECT_EQ(server_->connection_count(), 1u);
+}
+
+TEST_F(ControlServerTest, StalledTruncatedFrameHitsIdleTimeout) {
+  ControlServerOptions options;
+  options.limits.idle_timeout = 300ms;
+  StartServer(options);
+  RawClient raw(server_->port());
+  ASSERT_TRUE(raw.SendBytes(Header(100) + std::string(10, 'x')));
+  const auto start = std::chrono::steady_clock::now();
+  StatusOr<v1::Error> error = raw.ReadError();
+  ASSERT_TRUE(error.ok()) << error.status();
+  EXPECT_EQ(error->code(), v1::STATUS_CODE_DEADLINE_EXCEEDED);
+  EXPECT_THAT(error->message(), HasSubstr("idle timeout"));
+  EXPECT_TRUE(raw.WaitForClose());
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 3s);
+}
+
+TEST_F(ControlServerTest, InvalidMessageIsRefusedAndNotDispatched) {
+  StartServer();
+  auto bad = Connect(ClientOptions("bad"));
+  auto good = Connect(ClientOptions("good"));
+  ASSERT_NE(bad, nullptr);
+  ASSERT_NE(good, nullptr);
+  ASSERT_TRUE(bad->Send(testing::MakeHello()).ok());  // advertises 65 pages
+  v1::Envelope request = testing::MakeTransferRequest();
+  request.mutable_transfer_request()->set_dst_page_ids(3, 65);
+  ASSERT_TRUE(bad->Send(request).ok());
+  StatusOr<v1::Envelope> echo = bad->Receive(kWait);
+  ASSERT_TRUE(echo.ok()) << echo.status();
+  EXPECT_TRUE(echo->has_hello());
+  StatusOr<v1::Envelope> error = bad->Receive(kWait);
+  ASSERT_TRUE(error.ok()) << error.status();
+  ASSERT_TRUE(error->has_error());
+  EXPECT_EQ(error->error().code(), v1::STATUS_CODE_INVALID_ARGUMENT);
+  EXPECT_THAT(error->error().message(),
+              HasSubstr("transfer_request.dst_page_ids[3] = 65: the pool has pages 1..64"));
+  StatusOr<v1::Envelope> after = bad->Receive(kWait);
+  EXPECT_FALSE(after.ok());
+  EXPECT_NE(after.status().code(), StatusCode::kDeadlineExceeded) << after.status();
+  ExpectEcho(*good);
+  for (const auto& [id, envelope] : handler_.messages()) {
+    EXPECT_FALSE(envelope.has_transfer_request()) << "an invalid request reached the handler";
+  }
+}
+
+TEST_F(ControlServerTest, ProtocolVersionMismatchAtHello) {
+  StartServer();
+  auto client = Connect(ClientOptions());
+  ASSERT_NE(client, nullptr);
+  ASSERT_TRUE(client->Send(testing::MakeHello(kProtocolVersion + 98)).ok());
+  StatusOr<v1::Envelope> reply = client->Receive(kWait);
+  ASSERT_TRUE(reply.ok()) << reply.status();
+  ASSERT_TRUE(reply->has_error());
+  EXPECT_EQ(reply->error().code(), v1::STATUS_CODE_PROTOCOL_VERSION_MISMATCH);
+  EXPECT_THAT(reply->error().message(), HasSubstr("peer speaks 99, this side speaks 1"));
+  StatusOr<v1::Envelope> after = client->Receive(kWait);
+  EXPECT_FALSE(after.ok());
+  EXPECT_NE(after.status().code(), StatusCode::kDeadlineExceeded) << after.status();
+  EXPECT_TRUE(handler_.messages().empty());
+}
+
+TEST_F(ControlServerTest, ClientChecksTheServersHelloAckVersionToo) {
+  StartServer();
+  auto client = Connect(ClientOptions());
+  ASSERT_NE(client, nullptr);
+  // The echo handler sends our HelloAck straight back: the client must refuse version 7.
+  v1::Envelope ack;
+  ack.mutable_hello_ack()->set_protocol_version(7);
+  *ack.mutable_hello_ack()->mutable_peer() = testing::MakePeerInfo();
+  ASSERT_TRUE(client->Send(ack).ok());
+  // The server refuses it first (it checks too), so either side's refusal closes the link.
+  StatusOr<v1::Envelope> reply = client->Receive(kWait);
+  ASSERT_TRUE(reply.ok()) << reply.status();
+  ASSERT_TRUE(reply->has_error());
+  EXPECT_THAT(reply->error().message(), HasSubstr("peer speaks 7, this side speaks 1"));
+}
+
+TEST_F(ControlServerTest, AuthWithTheRightTokenSucceeds) {
+  ControlServerOptions options;
+  options.cluster_token = kToken;
+  options.server_id = "registry";
+  StartServer(options);
+  ControlClientOptions client_options = ClientOptions("decode-7");
+  client_options.cluster_token = kToken;
+  client_options.role = v1::ROLE_DECODE;
+  auto client = Connect(client_options);
+  ASSERT_NE(client, nullptr);
+  EXPECT_EQ(client->server_id(), "registry");
+  ExpectEcho(*client);
+  ASSERT_TRUE(handler_.WaitFor([&] { return handler_.connects_locked() == 1; }));
+  const ConnectionInfo info = handler_.connect_infos()[0];
+  EXPECT_TRUE(info.authenticated);
+  EXPECT_EQ(info.peer_id, "decode-7");
+  EXPECT_EQ(info.role, v1::ROLE_DECODE);
+  EXPECT_THAT(info.remote_address, HasSubstr("127.0.0.1:"));
+}
+
+TEST_F(ControlServerTest, AuthWithoutMutualProofSucceeds) {
+  ControlServerOptions options;
+  options.cluster_token = kToken;
+  StartServer(options);
+  ControlClientOptions client_options = ClientOptions();
+  client_options.cluster_token = kToken;
+  client_options.require_server_proof = false;
+  auto client = Connect(client_options);
+  ASSERT_NE(client, nullptr);
+  ExpectEcho(*client);
+}
+
+TEST_F(ControlServerTest, AuthWithAWrongTokenIsRefused) {
+  ControlServerOptions options;
+  options.cluster_token = kToken;
+  StartServer(options);
+  ControlClientOptions client_options = ClientOptions("intruder");
+  client_options.cluster_token = "a-different-token-0123456789";
+  auto client = ControlClient::Connect(client_options);
+  ASSERT_FALSE(client.ok());
+  EXPECT_EQ(client.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_THAT(client.status().message(), HasSubstr("authentication failed"));
+  EXPECT_EQ(handler_.connects(), 0u);
+  // The server goes on serving the others.
+  ControlClientOptions good = ClientOptions("good");
+  good.cluster_token = kToken;
+  auto good_client = Connect(good);
+  ASSERT_NE(good_client, nullptr);
+  ExpectEcho(*good_client);
+}
+
+TEST_F(ControlServerTest, ClientWithoutTokenIsToldToSetOne) {
+  ControlServerOptions options;
+  options.cluster_token = kToken;
+  StartServer(options);
+  auto client = ControlClient::Connect(ClientOptions());
+  ASSERT_FALSE(client.ok());
+  EXPECT_THAT(client.status().message(), HasSubstr("requires authentication"));
+  EXPECT_THAT(client.status().message(), HasSubstr("KVT_CLUSTER_TOKEN"));
+}
+
+TEST_F(ControlServerTest, NoAuthResponseWithinTheTimeout) {
+  ControlServerOptions options;
+  options.cluster_token = kToken;
+  options.limits.handshake_timeout = 300ms;
+  StartServer(options);
+  RawClient raw(server_->port());
+  StatusOr<v1::Envelope> challenge = raw.ReadFrame();
+  ASSERT_TRUE(challenge.ok()) << challenge.status();
+  ASSERT_TRUE(challenge->has_auth_challenge());
+  EXPECT_TRUE(challenge->auth_challenge().auth_required());
+  EXPECT_EQ(challenge->auth_challenge().nonce().size(), kAuthNonceBytes);
+  const auto start = std::chrono::steady_clock::now();
+  StatusOr<v1::Error> error = raw.ReadError();
+  ASSERT_TRUE(error.ok()) << error.status();
+  EXPECT_EQ(error->code(), v1::STATUS_CODE_UNAUTHENTICATED);
+  EXPECT_THAT(error->message(), HasSubstr("authentication timed out"));
+  EXPECT_TRUE(raw.WaitForClose());
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 3s);
+  EXPECT_EQ(handler_.connects(), 0u);
+}
+
+TEST_F(ControlServerTest, MessagesBeforeAuthAreRefused) {
+  ControlServerOptions options;
+  options.cluster_token = kToken;
+  StartServer(options);
+  RawClient raw(server_->port());
+  ASSERT_TRUE(raw.SendEnvelope(testing::MakeTransferRequest()));
+  StatusOr<v1::Error> error = raw.ReadError();
+  ASSERT_TRUE(error.ok()) << error.status();
+  EXPECT_EQ(error->code(), v1::STATUS_CODE_UNAUTHENTICATED);
+  EXPECT_THAT(error->message(), HasSubstr("must be auth_response, got transfer_request"));
+  EXPECT_TRUE(raw.WaitForClose());
+  EXPECT_TRUE(handler_.messages().empty());
+}
+
+TEST_F(ControlServerTest, ClientWithTokenRefusesUnauthenticatedServer) {
+  StartServer();
+  ControlClientOptions client_options = ClientOptions();
+  client_options.cluster_token = kToken;
+  auto client = ControlClient::Connect(client_options);
+  ASSERT_FALSE(client.ok());
+  EXPECT_THAT(client.status().message(), HasSubstr("does not authenticate"));
+  client_options.require_server_proof = false;
+  auto lenient = Connect(client_options);
+  ASSERT_NE(lenient, nullptr);
+  ExpectEcho(*lenient);
+}
+
+// A fake server that knows a different token: the client's mutual check must catch it.
+TEST(ControlClientTest, RefusesServerThatCannotProveTheToken) {
+  int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(::listen(listener, 1), 0);
+  socklen_t len = sizeof(addr);
+  ::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len);
+  const uint16_t port = ntohs(addr.sin_port);
+
+  std::thread fake([listener] {
+    int fd = ::accept(listener, nullptr, nullptr);
+    if (fd < 0) return;
+    timeval tv{};
+    tv.tv_sec = 5;
+    ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    v1::Envelope challenge;
+    challenge.mutable_auth_challenge()->set_auth_required(true);
+    challenge.mutable_auth_challenge()->set_nonce(std::string(kAuthNonceBytes, 'n'));
+    challenge.mutable_auth_challenge()->set_server_id("impostor");
+    const std::string frame = *EncodeFrame(challenge);
+    (void)::send(fd, frame.data(), frame.size(), MSG_NOSIGNAL);
+    char buffer[1024];
+    (void)::recv(fd, buffer, sizeof(buffer), 0);  // the client's AuthResponse
+    v1::Envelope result;
+    result.mutable_auth_result()->set_server_mac(std::string(kAuthMacBytes, '\0'));
+    const std::string reply = *EncodeFrame(result);
+    (void)::send(fd, reply.data(), reply.size(), MSG_NOSIGNAL);
+    while (::recv(fd, buffer, sizeof(buffer), 0) > 0) {
+    }
+    ::close(fd);
+  });
+  ControlClientOptions options;
+  options.port = port;
+  options.cluster_token = kToken;
+  options.connect_timeout = 2000ms;
+  options.limits.handshake_timeout = 2000ms;
+  auto client = ControlClient::Connect(options);
+  fake.join();
+  ::close(listener);
+  ASSERT_FALSE(client.ok());
+  EXPECT_THAT(client.status().message(), HasSubstr("failed to prove the cluster token"));
+}
+
+// A peer that greets without authentication and then never reads: the client's send queue must
+// fill up and refuse, not grow without bound.
+TEST(ControlClientTest, SendQueueIsBounded) {
+  int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(::listen(listener, 1), 0);
+  socklen_t len = sizeof(addr);
+  ::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len);
+  std::atomic<bool> done{false};
+  std::thread silent([listener, &done] {
+    int fd = ::accept(listener, nullptr, nullptr);
+    if (fd < 0) return;
+    v1::Envelope challenge;
+    challenge.mutable_auth_challenge()->set_server_id("silent");
+    const std::string frame = *EncodeFrame(challenge);
+    (void)::send(fd, frame.data(), frame.size(), MSG_NOSIGNAL);
+    const auto deadline = std::chrono::steady_clock::now() + 20s;
+    while (!done.load() && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(10ms);
+    }
+    ::close(fd);
+  });
+  ControlClientOptions options;
+  options.port = ntohs(addr.sin_port);
+  options.limits.max_queued_bytes = 4u << 20;
+  options.limits.close_linger = 100ms;
+  auto client = ControlClient::Connect(options);
+  ASSERT_TRUE(client.ok()) << client.status();
+  v1::Envelope big = MakeErrorEnvelope(v1::STATUS_CODE_INTERNAL, "x");
+  big.mutable_error()->set_message(std::string(256u << 10, 'b'));
+  Status status;
+  int sent = 0;
+  for (; sent < 1000 && status.ok(); ++sent) status = (*client)->Send(big);
+  EXPECT_EQ(status.code(), StatusCode::kResourceExhausted) << "sent " << sent << " frames";
+  EXPECT_THAT(status.message(), HasSubstr("the peer reads too slowly"));
+  (*client)->Close();
+  done.store(true);
+  silent.join();
+  ::close(listener);
+}
+
+TEST(ControlClientTest, ConnectToAClosedPortFailsFast) {
+  int probe = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(probe, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  socklen_t len = sizeof(addr);
+  ::getsockname(probe, reinterpret_cast<sockaddr*>(&addr), &len);
+  ::close(probe);  // bound, never listened: connecting is refused
+  ControlClientOptions options;
+  options.port = ntohs(addr.sin_port);
+  options.connect_timeout = 2000ms;
+  auto client = ControlClient::Connect(options);
+  ASSERT_FALSE(client.ok());
+  EXPECT_EQ(client.status().code(), StatusCode::kUnavailable);
+}
+
+TEST_F(ControlServerTest, RefusesConnectionsBeyondTheLimit) {
+  ControlServerOptions options;
+  options.max_connections = 1;
+  StartServer(options);
+  auto first = Connect(ClientOptions("first"));
+  ASSERT_NE(first, nullptr);
+  auto second = ControlClient::Connect(ClientOptions("second"));
+  ASSERT_FALSE(second.ok());
+  EXPECT_THAT(second.status().message(), HasSubstr("too many connections"));
+  ExpectEcho(*first);
+}
+
+TEST_F(ControlServerTest, HeartbeatsKeepAnIdleConnectionOpen) {
+  ControlServerOptions options;
+  options.limits.idle_timeout = 300ms;
+  StartServer(options);
+  ControlClientOptions client_options = ClientOptions();
+  client_options.limits.heartbeat_interval = 50ms;
+  auto client = Connect(client_options);
+  ASSERT_NE(client, nullptr);
+  std::this_thread::sleep_for(900ms);
+  EXPECT_TRUE(client->connected());
+  ExpectEcho(*client);
+  EXPECT_TRUE(handler_.messages().size() == 1u) << "heartbeats must not reach the handler";
+}
+
+TEST_F(ControlServerTest, SilentClientHitsTheIdleTimeout) {
+  ControlServerOptions options;
+  options.limits.idle_timeout = 300ms;
+  StartServer(options);
+  auto client = Connect(ClientOptions());
+  ASSERT_NE(client, nullptr);
+  StatusOr<v1::Envelope> error = client->Receive(kWait);
+  ASSERT_TRUE(error.ok()) << error.status();
+  ASSERT_TRUE(error->has_error());
+  EXPECT_THAT(error->error().message(), HasSubstr("idle timeout"));
+  StatusOr<v1::Envelope> after = client->Receive(kWait);
+  EXPECT_FALSE(after.ok());
+  EXPECT_FALSE(client->connected());
+}
+
+TEST_F(ControlServerTest, StopDisconnectsEveryone) {
+  StartServer();
+  auto a = Connect(ClientOptions("a"));
+  auto b = Connect(ClientOptions("b"));
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  ASSERT_TRUE(handler_.WaitFor([&] { return handler_.connects_locked() == 2; }));
+  server_->Stop();
+  EXPECT_EQ(handler_.disconnects().size(), 2u);
+  for (const auto& [id, why] : handler_.disconnects()) EXPECT_EQ(why.code(), StatusCode::kAborted);
+  StatusOr<v1::Envelope> after = a->Receive(kWait);
+  EXPECT_FALSE(after.ok());
+  EXPECT_NE(after.status().code(), StatusCode::kDeadlineExceeded) << after.status();
+  server_->Stop();  // idempotent
+}
+
+TEST_F(ControlServerTest, SendRefusesOversizedEnvelopes) {
+  StartServer();
+  ControlClientOptions client_options = ClientOptions();
+  client_options.limits.max_frame_bytes = 256;
+  auto client = Connect(client_options);
+  ASSERT_NE(client, nullptr);
+  Status status = client->Send(testing::MakeHello());
+  EXPECT_EQ(status.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(status.message(), HasSubstr("max_frame_bytes = 256"));
+  EXPECT_EQ(client->Send(v1::Envelope()).code(), StatusCode::kInvalidArgument);
+}
+
+TEST(ControlServerOptionsTest, RefusesRemoteBindWithoutToken) {
+  RecordingHandler handler;
+  ControlServerOptions options;
+  options.bind_address = "0.0.0.0";
+  auto server = ControlServer::Create(options, &handler);
+  ASSERT_FALSE(server.ok());
+  EXPECT_EQ(server.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(server.status().message(), HasSubstr("without a cluster token"));
+  EXPECT_THAT(server.status().message(), HasSubstr("KVT_CLUSTER_TOKEN"));
+}
+
+TEST(ControlServerOptionsTest, RefusesBadOptions) {
+  RecordingHandler handler;
+  ControlServerOptions options;
+  options.cluster_token = "short";
+  EXPECT_THAT(ControlServer::Create(options, &handler).status().message(),
+              HasSubstr("cluster token is 5 bytes"));
+  options = {};
+  options.bind_address = "not-an-address";
+  EXPECT_THAT(ControlServer::Create(options, &handler).status().message(),
+              HasSubstr("is not an IP address"));
+  options = {};
+  EXPECT_FALSE(ControlServer::Create(options, nullptr).ok());
+  options.num_threads = 0;
+  EXPECT_FALSE(ControlServer::Create(options, &handler).ok());
+}
+
+TEST(ControlServerOptionsTest, LocalhostAndIpv6LoopbackAreLoopback) {
+  RecordingHandler handler;
+  ControlServerOptions options;
+  options.bind_address = "localhost";
+  auto server = ControlServer::Create(options, &handler);
+  ASSERT_TRUE(server.ok()) << server.status();
+  EXPECT_NE((*server)->port(), 0);
+}
+
+}  // namespace
+}  // namespace kvt::control

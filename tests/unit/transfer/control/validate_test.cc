@@ -1,0 +1,427 @@
+#include "kvt/transfer/control/validate.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <string>
+
+#include "kvt/transfer/control/auth.h"
+#include "test_messages.h"
+
+namespace kvt::control {
+namespace {
+
+using ::testing::HasSubstr;
+
+// The peer on the other side of the connection: 4 layers, 65 pages (1..64 valid).
+PeerContext KnownPeer() { return PeerContextFrom(testing::MakePeerInfo()); }
+
+v1::Envelope AuthChallenge() {
+  v1::Envelope e;
+  e.mutable_auth_challenge()->set_nonce(std::string(kAuthNonceBytes, 'n'));
+  e.mutable_auth_challenge()->set_auth_required(true);
+  e.mutable_auth_challenge()->set_server_id("registry");
+  e.mutable_auth_challenge()->set_protocol_version(kProtocolVersion);
+  return e;
+}
+
+v1::Envelope AuthResponse() {
+  v1::Envelope e;
+  e.mutable_auth_response()->set_client_id("decode-0");
+  e.mutable_auth_response()->set_role(v1::ROLE_DECODE);
+  e.mutable_auth_response()->set_mac(std::string(kAuthMacBytes, 'm'));
+  return e;
+}
+
+v1::Envelope HelloAck() {
+  v1::Envelope e;
+  e.mutable_hello_ack()->set_protocol_version(kProtocolVersion);
+  *e.mutable_hello_ack()->mutable_peer() = testing::MakePeerInfo("prefill-0");
+  e.mutable_hello_ack()->mutable_peer()->set_role(v1::ROLE_PREFILL);
+  return e;
+}
+
+v1::Envelope LayerProgress() {
+  v1::Envelope e;
+  e.mutable_layer_progress()->set_room_id("room-1");
+  e.mutable_layer_progress()->set_layers_done(2);
+  e.mutable_layer_progress()->set_bytes_done(1 << 20);
+  return e;
+}
+
+v1::Envelope TransferDone() {
+  v1::Envelope e;
+  e.mutable_transfer_done()->set_room_id("room-1");
+  e.mutable_transfer_done()->set_status(v1::STATUS_CODE_OK);
+  e.mutable_transfer_done()->set_bytes(4 * testing::kItemLen * 8);
+  e.mutable_transfer_done()->mutable_checksum()->set_algorithm(v1::CHECKSUM_ALGORITHM_XXH3_64);
+  e.mutable_transfer_done()->mutable_checksum()->set_value(0x1234);
+  return e;
+}
+
+v1::Envelope Abort() {
+  v1::Envelope e;
+  e.mutable_abort()->set_room_id("room-1");
+  e.mutable_abort()->set_code(v1::STATUS_CODE_DEADLINE_EXCEEDED);
+  e.mutable_abort()->set_reason("deadline passed");
+  return e;
+}
+
+v1::Envelope AbortAck() {
+  v1::Envelope e;
+  e.mutable_abort_ack()->set_room_id("room-1");
+  e.mutable_abort_ack()->set_writes_quiesced(true);
+  return e;
+}
+
+v1::Envelope Lookup() {
+  v1::Envelope e;
+  e.mutable_lookup_agents()->set_name("prefill-a");
+  e.mutable_lookup_agents()->set_role(v1::ROLE_PREFILL);
+  e.mutable_lookup_agents()->set_tp_rank(1);
+  return e;
+}
+
+v1::Envelope LookupReply() {
+  v1::Envelope e;
+  *e.mutable_lookup_agents_reply()->add_agents() =
+      testing::MakeAgentRegistration().register_agent().agent();
+  return e;
+}
+
+v1::Envelope RegisterReply() {
+  v1::Envelope e;
+  e.mutable_register_agent_reply()->set_status(v1::STATUS_CODE_OK);
+  e.mutable_register_agent_reply()->set_heartbeat_interval_ms(1000);
+  return e;
+}
+
+struct Case {
+  std::string name;
+  std::function<v1::Envelope()> make;
+  std::function<void(v1::Envelope&)> mutate;  // null: the valid message
+  std::string expect;                         // substring of the error; empty: must be OK
+  bool known_peer = true;
+};
+
+class ValidateTest : public ::testing::TestWithParam<Case> {};
+
+TEST_P(ValidateTest, Checks) {
+  const Case& c = GetParam();
+  v1::Envelope envelope = c.make();
+  if (c.mutate) c.mutate(envelope);
+  Status status = Validate(envelope, c.known_peer ? KnownPeer() : PeerContext{});
+  if (c.expect.empty()) {
+    EXPECT_TRUE(status.ok()) << status;
+  } else {
+    ASSERT_FALSE(status.ok());
+    EXPECT_EQ(status.code(), StatusCode::kInvalidArgument);
+    EXPECT_THAT(status.message(), HasSubstr(c.expect));
+  }
+}
+
+auto TR = [] { return testing::MakeTransferRequest(); };
+auto HELLO = [] { return testing::MakeHello(); };
+auto REG = [] { return testing::MakeAgentRegistration(); };
+
+INSTANTIATE_TEST_SUITE_P(
+    Messages, ValidateTest,
+    ::testing::Values(
+        // Envelope.
+        Case{"EmptyEnvelope", [] { v1::Envelope e; e.set_id(5); return e; }, nullptr,
+             "no message body"},
+        // Auth.
+        Case{"ChallengeOk", AuthChallenge, nullptr, ""},
+        Case{"ChallengeShortNonce", AuthChallenge,
+             [](v1::Envelope& e) { e.mutable_auth_challenge()->set_nonce("abc"); },
+             "auth_challenge.nonce is 3 bytes; expected 32"},
+        Case{"ChallengeNonceWithoutAuth", AuthChallenge,
+             [](v1::Envelope& e) { e.mutable_auth_challenge()->set_auth_required(false); },
+             "auth_challenge.nonce"},
+        Case{"ResponseOk", AuthResponse, nullptr, ""},
+        Case{"ResponseNoClientId", AuthResponse,
+             [](v1::Envelope& e) { e.mutable_auth_response()->clear_client_id(); },
+             "auth_response.client_id is empty"},
+        Case{"ResponseControlCharInId", AuthResponse,
+             [](v1::Envelope& e) { e.mutable_auth_response()->set_client_id("bad\nname"); },
+             "auth_response.client_id = \"bad\\x0aname\": byte 0x0a at offset 3"},
+        Case{"ResponseShortMac", AuthResponse,
+             [](v1::Envelope& e) { e.mutable_auth_response()->set_mac("x"); },
+             "auth_response.mac is 1 bytes; expected 32"},
+        Case{"ResponseNoRole", AuthResponse,
+             [](v1::Envelope& e) { e.mutable_auth_response()->clear_role(); },
+             "auth_response.role = UNSPECIFIED"},
+        Case{"ResponseUnknownRole", AuthResponse,
+             [](v1::Envelope& e) { e.mutable_auth_response()->set_role(static_cast<v1::Role>(77)); },
+             "auth_response.role = 77: not a known value"},
+        // Registry.
+        Case{"RegisterOk", REG, nullptr, ""},
+        Case{"RegisterNoAgent", REG,
+             [](v1::Envelope& e) { e.mutable_register_agent()->clear_agent(); },
+             "register_agent.agent is missing"},
+        Case{"RegisterRankTooBig", REG,
+             [](v1::Envelope& e) { e.mutable_register_agent()->mutable_agent()->set_tp_rank(2); },
+             "register_agent.agent.tp_rank = 2: must be < tp_size = 2"},
+        Case{"RegisterBadAddress", REG,
+             [](v1::Envelope& e) {
+               e.mutable_register_agent()->mutable_agent()->set_control_address("10.0.0.5");
+             },
+             "register_agent.agent.control_address = \"10.0.0.5\": expected \"host:port\""},
+        Case{"RegisterLongName", REG,
+             [](v1::Envelope& e) {
+               e.mutable_register_agent()->mutable_agent()->set_name(std::string(200, 'a'));
+             },
+             "register_agent.agent.name is 200 bytes long; the limit is 128"},
+        Case{"RegisterLayoutNoDtype", REG,
+             [](v1::Envelope& e) {
+               e.mutable_register_agent()->mutable_agent()->mutable_layout()->clear_dtype();
+             },
+             "register_agent.agent.layout.dtype = UNSPECIFIED"},
+        Case{"RegisterLayoutTpDiffers", REG,
+             [](v1::Envelope& e) {
+               e.mutable_register_agent()->mutable_agent()->mutable_layout()->set_tp_rank(0);
+             },
+             "register_agent.agent.layout.tp_rank/tp_size = 0/2"},
+        Case{"RegisterReplyOk", RegisterReply, nullptr, ""},
+        Case{"RegisterReplyNoStatus", RegisterReply,
+             [](v1::Envelope& e) { e.mutable_register_agent_reply()->clear_status(); },
+             "register_agent_reply.status = UNSPECIFIED"},
+        Case{"LookupOk", Lookup, nullptr, ""},
+        Case{"LookupAnyOk", [] { v1::Envelope e; e.mutable_lookup_agents(); return e; }, nullptr,
+             ""},
+        Case{"LookupBadName", Lookup,
+             [](v1::Envelope& e) { e.mutable_lookup_agents()->set_name(std::string(1, '\0')); },
+             "lookup_agents.name"},
+        Case{"LookupReplyOk", LookupReply, nullptr, ""},
+        Case{"LookupReplyBadAgent", LookupReply,
+             [](v1::Envelope& e) {
+               e.mutable_lookup_agents_reply()->mutable_agents(0)->set_tp_size(0);
+             },
+             "lookup_agents_reply.agents[0].tp_size = 0: must be in 1..65536"},
+        // Hello / HelloAck.
+        Case{"HelloOk", HELLO, nullptr, ""},
+        Case{"HelloAckOk", HelloAck, nullptr, ""},
+        Case{"HelloNoVersion", HELLO,
+             [](v1::Envelope& e) { e.mutable_hello()->set_protocol_version(0); },
+             "hello.protocol_version = 0: must be set"},
+        Case{"HelloNoPeer", HELLO, [](v1::Envelope& e) { e.mutable_hello()->clear_peer(); },
+             "hello.peer is missing"},
+        Case{"HelloNoLayout", HELLO,
+             [](v1::Envelope& e) { e.mutable_hello()->mutable_peer()->clear_layout(); },
+             "hello.peer.layout is missing"},
+        Case{"HelloZeroLayers", HELLO,
+             [](v1::Envelope& e) {
+               e.mutable_hello()->mutable_peer()->mutable_layout()->set_num_layers(0);
+             },
+             "hello.peer.layout.num_layers = 0: must be in 1..4096"},
+        Case{"HelloOnlyDummyPage", HELLO,
+             [](v1::Envelope& e) {
+               e.mutable_hello()->mutable_peer()->mutable_layout()->set_num_pages(1);
+             },
+             "hello.peer.layout.num_pages = 1"},
+        Case{"HelloTokensDisagree", HELLO,
+             [](v1::Envelope& e) {
+               e.mutable_hello()->mutable_peer()->mutable_layout()->set_num_tokens(17);
+             },
+             "hello.peer.layout.num_tokens = 17: 17 tokens make 2 pages of 16"},
+        Case{"HelloTooManyBuffers", HELLO,
+             [](v1::Envelope& e) { *e.mutable_hello()->mutable_peer()->add_buffers() =
+                                       e.hello().peer().buffers(0); },
+             "hello.peer.buffers has 9 entries; the limit is 8"},
+        Case{"HelloBufferIndexTwice", HELLO,
+             [](v1::Envelope& e) {
+               e.mutable_hello()->mutable_peer()->mutable_buffers(1)->set_buffer_index(0);
+             },
+             "hello.peer.buffers[1].buffer_index = 0: appears twice"},
+        Case{"HelloBufferIndexTooBig", HELLO,
+             [](v1::Envelope& e) {
+               e.mutable_hello()->mutable_peer()->mutable_buffers(1)->set_buffer_index(8);
+             },
+             "hello.peer.buffers[1].buffer_index = 8: must be < 2 * num_layers = 8"},
+        Case{"HelloBufferTooShort", HELLO,
+             [](v1::Envelope& e) {
+               e.mutable_hello()->mutable_peer()->mutable_buffers(2)->set_length(100);
+             },
+             "hello.peer.buffers[2].length = 100: too short for num_pages = 65"},
+        Case{"HelloBufferZeroItem", HELLO,
+             [](v1::Envelope& e) {
+               e.mutable_hello()->mutable_peer()->mutable_buffers(0)->set_item_len(0);
+             },
+             "hello.peer.buffers[0].item_len = 0"},
+        Case{"HelloBufferWraps", HELLO,
+             [](v1::Envelope& e) {
+               e.mutable_hello()->mutable_peer()->mutable_buffers(0)->set_base(~0ull - 10);
+             },
+             "hello.peer.buffers[0].base"},
+        Case{"HelloBufferNoKind", HELLO,
+             [](v1::Envelope& e) {
+               e.mutable_hello()->mutable_peer()->mutable_buffers(0)->clear_kind();
+             },
+             "hello.peer.buffers[0].kind = UNSPECIFIED"},
+        Case{"HelloBlobTooBig", HELLO,
+             [](v1::Envelope& e) {
+               e.mutable_hello()->mutable_peer()->mutable_buffers(3)->mutable_keys(0)->set_blob(
+                   std::string(70000, 'k'));
+             },
+             "hello.peer.buffers[3].keys[0].blob is 70000 bytes long; the limit is 65536"},
+        Case{"HelloEndpointNoBackend", HELLO,
+             [](v1::Envelope& e) {
+               e.mutable_hello()->mutable_peer()->mutable_endpoints(0)->clear_backend();
+             },
+             "hello.peer.endpoints[0].backend is empty"},
+        Case{"HelloAckBadRank", HelloAck,
+             [](v1::Envelope& e) {
+               e.mutable_hello_ack()->mutable_peer()->mutable_layout()->set_tp_rank(1);
+             },
+             "hello_ack.peer.layout.tp_rank = 1: must be < tp_size = 1"},
+        // TransferRequest.
+        Case{"RequestOk", TR, nullptr, ""},
+        Case{"RequestOkUnknownPeer", TR, nullptr, "", false},
+        Case{"RequestNoRoom", TR,
+             [](v1::Envelope& e) { e.mutable_transfer_request()->clear_room_id(); },
+             "transfer_request.room_id is empty"},
+        Case{"RequestLongRoom", TR,
+             [](v1::Envelope& e) {
+               e.mutable_transfer_request()->set_room_id(std::string(300, 'r'));
+             },
+             "transfer_request.room_id is 300 bytes long; the limit is 256"},
+        Case{"RequestNoMode", TR,
+             [](v1::Envelope& e) { e.mutable_transfer_request()->clear_mode(); },
+             "transfer_request.mode = UNSPECIFIED"},
+        Case{"RequestNoPages", TR,
+             [](v1::Envelope& e) { e.mutable_transfer_request()->clear_dst_page_ids(); },
+             "transfer_request.dst_page_ids is empty"},
+        Case{"RequestDummyPage", TR,
+             [](v1::Envelope& e) { e.mutable_transfer_request()->set_dst_page_ids(2, 0); },
+             "transfer_request.dst_page_ids[2] = 0: page 0 is the dummy page"},
+        Case{"RequestNegativePage", TR,
+             [](v1::Envelope& e) { e.mutable_transfer_request()->set_dst_page_ids(0, -3); },
+             "transfer_request.dst_page_ids[0] = -3: page ids are >= 1"},
+        Case{"RequestPagePastPool", TR,
+             [](v1::Envelope& e) { e.mutable_transfer_request()->set_dst_page_ids(3, 65); },
+             "transfer_request.dst_page_ids[3] = 65: the pool has pages 1..64"},
+        Case{"RequestPagePastPoolUnknownPeer", TR,
+             [](v1::Envelope& e) { e.mutable_transfer_request()->set_dst_page_ids(3, 65); }, "",
+             false},
+        Case{"RequestTooManyPages", TR,
+             [](v1::Envelope& e) {
+               auto* pages = e.mutable_transfer_request()->mutable_dst_page_ids();
+               pages->Resize((1 << 20) + 1, 1);
+             },
+             "transfer_request.dst_page_ids has 1048577 entries; the limit is 1048576"},
+        Case{"RequestEmptyLayerRange", TR,
+             [](v1::Envelope& e) {
+               e.mutable_transfer_request()->mutable_layers()->set_begin(2);
+               e.mutable_transfer_request()->mutable_layers()->set_end(2);
+             },
+             "transfer_request.layers = [2, 2): need begin < end <= 4"},
+        Case{"RequestLayersPastPool", TR,
+             [](v1::Envelope& e) { e.mutable_transfer_request()->mutable_layers()->set_end(5); },
+             "transfer_request.layers = [0, 5): need begin < end <= 4 (the pool's layer count)"},
+        Case{"RequestNoDeadline", TR,
+             [](v1::Envelope& e) { e.mutable_transfer_request()->clear_deadline_ms(); },
+             "transfer_request.deadline_ms = 0: must be in 1..3600000"},
+        Case{"RequestDeadlineTooFar", TR,
+             [](v1::Envelope& e) { e.mutable_transfer_request()->set_deadline_ms(4000000); },
+             "transfer_request.deadline_ms = 4000000"},
+        Case{"RequestSliceOk", TR,
+             [](v1::Envelope& e) {
+               auto* slice = e.mutable_transfer_request()->add_slices();
+               slice->set_src_offset(256);
+               slice->set_dst_offset(0);
+               slice->set_bytes(256);
+             },
+             ""},
+        Case{"RequestSliceZeroBytes", TR,
+             [](v1::Envelope& e) { e.mutable_transfer_request()->add_slices(); },
+             "transfer_request.slices[0].bytes = 0"},
+        Case{"RequestSlicePastItem", TR,
+             [](v1::Envelope& e) {
+               auto* slice = e.mutable_transfer_request()->add_slices();
+               slice->set_dst_offset(testing::kItemLen - 10);
+               slice->set_bytes(11);
+             },
+             "transfer_request.slices[0] = {dst_offset 32758, bytes 11}: ends past the "
+             "destination item (32768 bytes)"},
+        Case{"RequestSliceOverflow", TR,
+             [](v1::Envelope& e) {
+               auto* slice = e.mutable_transfer_request()->add_slices();
+               slice->set_src_offset(~0ull);
+               slice->set_bytes(2);
+             },
+             "offset + bytes overflows"},
+        Case{"RequestBadBackend", TR,
+             [](v1::Envelope& e) { e.mutable_transfer_request()->set_backend("u c x\t"); },
+             "transfer_request.backend"},
+        // Progress, done, abort.
+        Case{"ProgressOk", LayerProgress, nullptr, ""},
+        Case{"ProgressTooManyLayers", LayerProgress,
+             [](v1::Envelope& e) { e.mutable_layer_progress()->set_layers_done(5); },
+             "layer_progress.layers_done = 5: must be in 0..4"},
+        Case{"ProgressDummySourcePage", LayerProgress,
+             [](v1::Envelope& e) { e.mutable_layer_progress()->add_src_page_ids(0); },
+             "layer_progress.src_page_ids[0] = 0: page 0 is the dummy page"},
+        Case{"ProgressNoRoom", LayerProgress,
+             [](v1::Envelope& e) { e.mutable_layer_progress()->clear_room_id(); },
+             "layer_progress.room_id is empty"},
+        Case{"DoneOk", TransferDone, nullptr, ""},
+        Case{"DoneNoStatus", TransferDone,
+             [](v1::Envelope& e) { e.mutable_transfer_done()->clear_status(); },
+             "transfer_done.status = UNSPECIFIED"},
+        Case{"DoneChecksumNoAlgorithm", TransferDone,
+             [](v1::Envelope& e) {
+               e.mutable_transfer_done()->mutable_checksum()->clear_algorithm();
+             },
+             "transfer_done.checksum.algorithm = UNSPECIFIED"},
+        Case{"DoneLongMessage", TransferDone,
+             [](v1::Envelope& e) {
+               e.mutable_transfer_done()->set_message(std::string(5000, 'm'));
+             },
+             "transfer_done.message is 5000 bytes long; the limit is 4096"},
+        Case{"AbortOk", Abort, nullptr, ""},
+        Case{"AbortUnknownCode", Abort,
+             [](v1::Envelope& e) { e.mutable_abort()->set_code(static_cast<v1::StatusCode>(55)); },
+             "abort.code = 55"},
+        Case{"AbortAckOk", AbortAck, nullptr, ""},
+        Case{"AbortAckNoRoom", AbortAck,
+             [](v1::Envelope& e) { e.mutable_abort_ack()->clear_room_id(); },
+             "abort_ack.room_id is empty"},
+        // Heartbeat and error.
+        Case{"HeartbeatOk", [] { return testing::MakeHeartbeat(); }, nullptr, ""},
+        Case{"ErrorOk",
+             [] { return MakeErrorEnvelope(v1::STATUS_CODE_NOT_FOUND, "no room", "room-1"); },
+             nullptr, ""},
+        Case{"ErrorSaysOk",
+             [] { return MakeErrorEnvelope(v1::STATUS_CODE_NOT_FOUND, "no room"); },
+             [](v1::Envelope& e) { e.mutable_error()->set_code(v1::STATUS_CODE_OK); },
+             "error.code = OK"},
+        Case{"ErrorNoCode",
+             [] { return MakeErrorEnvelope(v1::STATUS_CODE_NOT_FOUND, "no room"); },
+             [](v1::Envelope& e) { e.mutable_error()->clear_code(); },
+             "error.code = UNSPECIFIED"}),
+    [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
+
+TEST(CheckProtocolVersionTest, NamesBothVersions) {
+  EXPECT_TRUE(CheckProtocolVersion(kProtocolVersion).ok());
+  Status status = CheckProtocolVersion(kProtocolVersion + 1);
+  EXPECT_EQ(status.code(), StatusCode::kFailedPrecondition);
+  EXPECT_THAT(status.message(), HasSubstr("peer speaks 2, this side speaks 1"));
+}
+
+TEST(PeerContextTest, ComesFromTheHello) {
+  PeerContext context = PeerContextFrom(testing::MakePeerInfo("d", 6, 129));
+  EXPECT_EQ(context.num_layers, 6u);
+  EXPECT_EQ(context.num_pages, 129u);
+  EXPECT_EQ(context.min_item_len, testing::kItemLen);
+}
+
+TEST(ValidationLimitsTest, AreAdjustable) {
+  ValidationLimits limits;
+  limits.max_pages_per_request = 2;
+  Status status = Validate(testing::MakeTransferRequest(), {}, limits);
+  EXPECT_THAT(status.message(), HasSubstr("dst_page_ids has 4 entries; the limit is 2"));
+}
+
+}  // namespace
+}  // namespace kvt::control

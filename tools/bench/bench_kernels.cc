@@ -1,0 +1,588 @@
+// `kvt-bench kernels`: moves the same random (buffer, page) items of a pool-like layout
+//   (a) with kvt's one-launch page gather/scatter (PageCopyCuda / PageCopyCpu),
+//   (b) as one contiguous copy of the same byte count (the ceiling, measured in the same run),
+//   (c) the peers' way: one cudaMemcpyAsync (memcpy on the CPU) per (buffer, page) item,
+//   (d) cudaMemcpyBatchAsync over the same items (GPU only),
+// and prints GB/s (bytes copied per second) with ratios; --json writes every figure.
+// (c) and (d) are timed on an evenly spread subset of the items and scaled by bytes; the
+// output says how many items.
+#include <cuda_runtime_api.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "bench_common.h"
+#include "commands.h"
+#include "kvt/common/dtype.h"
+#include "kvt/kernels/cuda_util.h"
+#include "kvt/kernels/kernels.h"
+#include "kvt/kernels/tuning.h"
+
+namespace kvt::bench {
+namespace {
+
+using nlohmann::json;
+
+struct KernelsOptions {
+  std::string json_path;
+  std::string page_tokens = "1,16,64";
+  int layers = 32;
+  int heads = 8;
+  int head_dim = 128;
+  std::string dtype = "bf16";
+  std::string bytes;  // empty: 1GiB on the GPU, 64MiB on the CPU
+  int iters = 0;      // 0: 20 on the GPU, 5 on the CPU
+  bool cpu = false;
+  int64_t peer_items = 4096;
+  bool sweep = false;
+  double pool_factor = 2.0;
+  uint32_t seed = 1;
+};
+
+// One page-token size: the layout and the figures measured for it.
+struct Layout {
+  int page_tokens = 0;
+  int64_t item_bytes = 0;
+  int32_t num_buffers = 0;
+  int64_t num_pages = 0;   // pages moved per buffer
+  int64_t pool_pages = 0;  // pages per pool buffer (page 0 is the dummy page, never moved)
+  int64_t moved_bytes = 0;
+  std::vector<int32_t> src_pages, dst_pages;
+
+  int64_t items() const { return static_cast<int64_t>(num_buffers) * num_pages; }
+  int64_t buffer_bytes() const { return pool_pages * item_bytes; }
+  int64_t slab_bytes() const { return buffer_bytes() * num_buffers; }
+};
+
+Layout MakeLayout(const KernelsOptions& o, int page_tokens, int64_t target_bytes, int64_t elem,
+                  std::mt19937& rng) {
+  Layout l;
+  l.page_tokens = page_tokens;
+  l.item_bytes = static_cast<int64_t>(page_tokens) * o.heads * o.head_dim * elem;
+  l.num_buffers = 2 * o.layers;
+  const int64_t per_page = l.item_bytes * l.num_buffers;
+  l.num_pages = std::max<int64_t>(1, (target_bytes + per_page - 1) / per_page);
+  l.pool_pages = static_cast<int64_t>(static_cast<double>(l.num_pages) * o.pool_factor) + 2;
+  l.moved_bytes = l.num_pages * per_page;
+  for (auto* pages : {&l.src_pages, &l.dst_pages}) {
+    std::vector<int32_t> all(static_cast<size_t>(l.pool_pages - 1));
+    std::iota(all.begin(), all.end(), 1);
+    std::shuffle(all.begin(), all.end(), rng);
+    all.resize(static_cast<size_t>(l.num_pages));
+    *pages = std::move(all);
+  }
+  return l;
+}
+
+// Evenly spread item indices (buffer-major) for the per-item peers.
+std::vector<int64_t> PeerSubset(const Layout& l, int64_t limit) {
+  const int64_t n = std::min(limit, l.items());
+  std::vector<int64_t> out;
+  out.reserve(static_cast<size_t>(n));
+  for (int64_t k = 0; k < n; ++k) out.push_back(k * l.items() / n);
+  return out;
+}
+
+struct Figure {
+  double ms = 0;      // median per run of what was timed
+  double gbps = 0;    // bytes copied per second
+  int64_t items = 0;  // items timed (subset for the peers)
+  std::string error;  // set when the method failed
+  json ToJson() const {
+    json j;
+    if (!error.empty()) {
+      j["error"] = error;
+      return j;
+    }
+    j["median_ms"] = ms;
+    j["gbps"] = gbps;
+    if (items > 0) j["items_timed"] = items;
+    return j;
+  }
+  std::string Cell() const { return error.empty() ? fmt::format("{:.1f}", gbps) : "error"; }
+};
+
+double Ratio(const Figure& a, const Figure& b) {
+  return (a.error.empty() && b.error.empty() && b.gbps > 0) ? a.gbps / b.gbps : 0.0;
+}
+
+std::string RatioCell(double r) { return r > 0 ? fmt::format("{:.3f}", r) : "-"; }
+std::string RatioCellX(double r) { return r > 0 ? fmt::format("{:.0f}x", r) : "-"; }
+
+// ---- GPU ------------------------------------------------------------------------------------
+
+#define BENCH_CUDA(call) KVT_RETURN_IF_ERROR(::kvt::cuda::ToStatus((call), #call))
+
+// Times `op` with CUDA events: `warmup` untimed runs, then `iters` runs, median in ms.
+StatusOr<double> TimeGpu(cudaStream_t stream, int warmup, int iters,
+                         const std::function<Status()>& op) {
+  KVT_ASSIGN_OR_RETURN(cuda::Event start, cuda::Event::Create());
+  KVT_ASSIGN_OR_RETURN(cuda::Event stop, cuda::Event::Create());
+  for (int i = 0; i < warmup; ++i) KVT_RETURN_IF_ERROR(op());
+  BENCH_CUDA(cudaStreamSynchronize(stream));
+  std::vector<double> ms;
+  for (int i = 0; i < iters; ++i) {
+    KVT_RETURN_IF_ERROR(start.Record(stream));
+    KVT_RETURN_IF_ERROR(op());
+    KVT_RETURN_IF_ERROR(stop.Record(stream));
+    KVT_RETURN_IF_ERROR(stop.Synchronize());
+    KVT_ASSIGN_OR_RETURN(float t, stop.ElapsedMsSince(start));
+    ms.push_back(t);
+  }
+  return Median(ms);
+}
+
+struct GpuPools {
+  cuda::DeviceBuffer src, dst, src_bases, dst_bases, src_pages, dst_pages;
+  std::vector<uint64_t> src_base_host, dst_base_host;
+};
+
+StatusOr<GpuPools> MakeGpuPools(const Layout& l) {
+  GpuPools p;
+  KVT_ASSIGN_OR_RETURN(p.src, cuda::DeviceBuffer::Allocate(l.slab_bytes()));
+  KVT_ASSIGN_OR_RETURN(p.dst, cuda::DeviceBuffer::Allocate(l.slab_bytes()));
+  for (int32_t b = 0; b < l.num_buffers; ++b) {
+    p.src_base_host.push_back(reinterpret_cast<uint64_t>(p.src.data()) + b * l.buffer_bytes());
+    p.dst_base_host.push_back(reinterpret_cast<uint64_t>(p.dst.data()) + b * l.buffer_bytes());
+  }
+  auto upload = [](const auto& v) -> StatusOr<cuda::DeviceBuffer> {
+    const size_t bytes = v.size() * sizeof(v[0]);
+    KVT_ASSIGN_OR_RETURN(cuda::DeviceBuffer d, cuda::DeviceBuffer::Allocate(bytes));
+    KVT_RETURN_IF_ERROR(cuda::Copy(d.data(), v.data(), bytes));
+    return d;
+  };
+  KVT_ASSIGN_OR_RETURN(p.src_bases, upload(p.src_base_host));
+  KVT_ASSIGN_OR_RETURN(p.dst_bases, upload(p.dst_base_host));
+  KVT_ASSIGN_OR_RETURN(p.src_pages, upload(l.src_pages));
+  KVT_ASSIGN_OR_RETURN(p.dst_pages, upload(l.dst_pages));
+  return p;
+}
+
+// Pattern args that view buffer b's moved page i as token i of "layer" b % L, K or V: fill the
+// source through src_pages, verify the destination through dst_pages.
+kernels::PatternArgs PatternOf(const Layout& l, const uint64_t* bases, const int32_t* pages,
+                               int layers) {
+  kernels::PatternArgs a;
+  a.request = 0xC0FFEE;
+  a.k_bases = bases;
+  a.v_bases = bases + layers;
+  a.num_layers = layers;
+  a.pages = pages;
+  a.num_tokens = l.num_pages;
+  a.page_size = 1;
+  a.row_bytes = l.item_bytes;
+  return a;
+}
+
+kernels::PageCopyArgs CopyArgs(const Layout& l, const uint64_t* src_bases,
+                               const uint64_t* dst_bases, const int32_t* src_pages,
+                               const int32_t* dst_pages) {
+  kernels::PageCopyArgs a;
+  a.src_bases = src_bases;
+  a.dst_bases = dst_bases;
+  a.num_buffers = l.num_buffers;
+  a.src_pages = src_pages;
+  a.dst_pages = dst_pages;
+  a.num_pages = l.num_pages;
+  a.src_page_stride = l.item_bytes;
+  a.dst_page_stride = l.item_bytes;
+  a.bytes = l.item_bytes;
+  return a;
+}
+
+std::vector<kernels::PageCopyTuning> SweepTunings() {
+  struct V {
+    int unroll, threads, per_item;
+    bool streaming, page_major;
+    int blocks_per_sm;
+  };
+  const V variants[] = {
+      {4, 512, 0, true, false, 0},   {8, 512, 0, true, false, 0},   {4, 256, 0, true, false, 0},
+      {8, 256, 0, true, false, 0},   {4, 512, 0, false, false, 0},  {4, 128, 0, true, false, 0},
+      {4, 512, 32, true, false, 0},  {8, 256, 32, true, false, 0},  {4, 512, 128, true, false, 0},
+      {4, 512, 256, true, false, 0}, {8, 512, 512, true, false, 0}, {4, 512, 0, true, true, 0},
+      {4, 512, 0, true, false, 2},
+  };
+  std::vector<kernels::PageCopyTuning> out;
+  for (const V& v : variants) {
+    kernels::PageCopyTuning t;
+    t.unroll = v.unroll;
+    t.threads_per_block = v.threads;
+    t.threads_per_item = v.per_item;
+    t.streaming = v.streaming;
+    t.page_major = v.page_major;
+    t.blocks_per_sm = v.blocks_per_sm;
+    out.push_back(t);
+  }
+  return out;
+}
+
+json TuningJson(const kernels::PageCopyTuning& t) {
+  return json{{"unroll", t.unroll},
+              {"streaming", t.streaming},
+              {"threads_per_block", t.threads_per_block},
+              {"threads_per_item", t.threads_per_item},
+              {"blocks_per_sm", t.blocks_per_sm},
+              {"page_major", t.page_major}};
+}
+
+Status RunGpuSize(const KernelsOptions& o, const Layout& l, int iters, json& out) {
+  KVT_ASSIGN_OR_RETURN(cuda::Stream stream_obj, cuda::Stream::Create());
+  cudaStream_t stream = stream_obj.get();
+  KVT_ASSIGN_OR_RETURN(GpuPools p, MakeGpuPools(l));
+  const auto* d_src_bases = p.src_bases.as<uint64_t>();
+  const auto* d_dst_bases = p.dst_bases.as<uint64_t>();
+  const auto* d_src_pages = p.src_pages.as<int32_t>();
+  const auto* d_dst_pages = p.dst_pages.as<int32_t>();
+
+  // Random (pattern) data in the moved source pages; poison the destination.
+  KVT_RETURN_IF_ERROR(
+      kernels::FillPatternCuda(PatternOf(l, d_src_bases, d_src_pages, o.layers), stream));
+  BENCH_CUDA(cudaMemsetAsync(p.dst.data(), 0xA5, l.slab_bytes(), stream));
+  const kernels::PageCopyArgs args =
+      CopyArgs(l, d_src_bases, d_dst_bases, d_src_pages, d_dst_pages);
+
+  // Correctness of what we time: one copy, then every destination byte checked.
+  KVT_RETURN_IF_ERROR(kernels::PageCopyCuda(args, stream));
+  KVT_ASSIGN_OR_RETURN(
+      kernels::PatternCheck check,
+      kernels::VerifyPatternCuda(PatternOf(l, d_dst_bases, d_dst_pages, o.layers), stream));
+
+  Figure ours, contig, per_item, batch;
+  KVT_ASSIGN_OR_RETURN(
+      ours.ms, TimeGpu(stream, 3, iters, [&] { return kernels::PageCopyCuda(args, stream); }));
+  ours.gbps = GBps(static_cast<double>(l.moved_bytes), ours.ms);
+  KVT_ASSIGN_OR_RETURN(contig.ms, TimeGpu(stream, 3, iters, [&] {
+                         return cuda::ToStatus(
+                             cudaMemcpyAsync(p.dst.data(), p.src.data(), l.moved_bytes,
+                                             cudaMemcpyDeviceToDevice, stream),
+                             "cudaMemcpyAsync");
+                       }));
+  contig.gbps = GBps(static_cast<double>(l.moved_bytes), contig.ms);
+
+  // The peers' ways on an evenly spread subset of the items.
+  const std::vector<int64_t> subset = PeerSubset(l, o.peer_items);
+  std::vector<void*> dsts;
+  std::vector<const void*> srcs;
+  std::vector<size_t> sizes;
+  for (int64_t item : subset) {
+    const int64_t b = item / l.num_pages, i = item % l.num_pages;
+    srcs.push_back(
+        reinterpret_cast<const void*>(p.src_base_host[b] + l.src_pages[i] * l.item_bytes));
+    dsts.push_back(reinterpret_cast<void*>(p.dst_base_host[b] + l.dst_pages[i] * l.item_bytes));
+    sizes.push_back(static_cast<size_t>(l.item_bytes));
+  }
+  const double subset_bytes = static_cast<double>(subset.size()) * l.item_bytes;
+  const int peer_iters = std::max(1, std::min(iters, 5));
+  per_item.items = batch.items = static_cast<int64_t>(subset.size());
+  auto per_item_ms = TimeGpu(stream, 1, peer_iters, [&]() -> Status {
+    for (size_t k = 0; k < dsts.size(); ++k) {
+      BENCH_CUDA(cudaMemcpyAsync(dsts[k], srcs[k], sizes[k], cudaMemcpyDeviceToDevice, stream));
+    }
+    return OkStatus();
+  });
+  if (per_item_ms.ok()) {
+    per_item.ms = *per_item_ms;
+    per_item.gbps = GBps(subset_bytes, per_item.ms);
+  } else {
+    per_item.error = per_item_ms.status().ToString();
+  }
+  cudaMemcpyAttributes attr{};
+  attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+  size_t attr_index = 0;
+  auto batch_ms = TimeGpu(stream, 1, peer_iters, [&]() -> Status {
+    return cuda::ToStatus(cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), dsts.size(),
+                                               &attr, &attr_index, 1, stream),
+                          "cudaMemcpyBatchAsync");
+  });
+  if (batch_ms.ok()) {
+    batch.ms = *batch_ms;
+    batch.gbps = GBps(subset_bytes, batch.ms);
+  } else {
+    batch.error = batch_ms.status().ToString();
+  }
+
+  json sweep = json::array();
+  if (o.sweep) {
+    for (const auto& t : SweepTunings()) {
+      auto ms =
+          TimeGpu(stream, 2, iters, [&] { return kernels::PageCopyCudaTuned(args, t, stream); });
+      json row = TuningJson(t);
+      if (ms.ok()) {
+        row["median_ms"] = *ms;
+        row["gbps"] = GBps(static_cast<double>(l.moved_bytes), *ms);
+        row["ratio_to_contiguous"] = contig.gbps > 0 ? row["gbps"].get<double>() / contig.gbps : 0;
+      } else {
+        row["error"] = ms.status().ToString();
+      }
+      sweep.push_back(row);
+    }
+  }
+
+  out = json{{"page_tokens", l.page_tokens},
+             {"item_bytes", l.item_bytes},
+             {"buffers", l.num_buffers},
+             {"pages_moved_per_buffer", l.num_pages},
+             {"pool_pages_per_buffer", l.pool_pages},
+             {"items", l.items()},
+             {"bytes_moved", l.moved_bytes},
+             {"verified_mismatches", check.mismatches},
+             {"ours_page_copy_cuda", ours.ToJson()},
+             {"contiguous_memcpy_d2d", contig.ToJson()},
+             {"memcpy_async_per_item", per_item.ToJson()},
+             {"memcpy_batch_async", batch.ToJson()},
+             {"ratio_ours_to_contiguous", Ratio(ours, contig)},
+             {"ratio_ours_to_per_item", Ratio(ours, per_item)},
+             {"ratio_ours_to_batch", Ratio(ours, batch)},
+             {"tuning", TuningJson(kernels::DefaultPageCopyTuning())},
+             {"sweep", sweep}};
+  fmt::print("{:>6} {:>9} {:>8} {:>9} {:>11} {:>8} {:>9} {:>9} {:>9} {:>9} {:>8}\n", l.page_tokens,
+             l.item_bytes, l.items(), ours.Cell(), contig.Cell(), RatioCell(Ratio(ours, contig)),
+             per_item.Cell(), batch.Cell(), RatioCellX(Ratio(ours, per_item)),
+             RatioCellX(Ratio(ours, batch)), check.mismatches == 0 ? "ok" : "MISMATCH");
+  if (o.sweep) {
+    for (const auto& row : sweep) {
+      if (row.contains("error")) {
+        fmt::print("         sweep u{} s{} t{} g{} b{} pm{}: {}\n", row["unroll"].get<int>(),
+                   row["streaming"].get<bool>() ? 1 : 0, row["threads_per_block"].get<int>(),
+                   row["threads_per_item"].get<int>(), row["blocks_per_sm"].get<int>(),
+                   row["page_major"].get<bool>() ? 1 : 0, row["error"].get<std::string>());
+        continue;
+      }
+      fmt::print(
+          "         sweep u{} s{} t{:<4} g{:<3} b{} pm{}: {:8.1f} GB/s  {:.3f} of contiguous\n",
+          row["unroll"].get<int>(), row["streaming"].get<bool>() ? 1 : 0,
+          row["threads_per_block"].get<int>(), row["threads_per_item"].get<int>(),
+          row["blocks_per_sm"].get<int>(), row["page_major"].get<bool>() ? 1 : 0,
+          row["gbps"].get<double>(), row["ratio_to_contiguous"].get<double>());
+    }
+  }
+  if (!batch.error.empty()) fmt::print("         cudaMemcpyBatchAsync: {}\n", batch.error);
+  if (check.mismatches != 0) {
+    return DataLoss(fmt::format(
+        "page copy of {}-token pages left {} wrong bytes (first at "
+        "layer {} kv {} page {} byte {})",
+        l.page_tokens, check.mismatches, check.layer, check.kv, check.token, check.byte));
+  }
+  return OkStatus();
+}
+
+// ---- CPU ------------------------------------------------------------------------------------
+
+struct AlignedFree {
+  void operator()(uint8_t* p) const { std::free(p); }
+};
+using HostSlab = std::unique_ptr<uint8_t, AlignedFree>;
+
+HostSlab AllocHost(int64_t bytes) {
+  const size_t rounded = (static_cast<size_t>(bytes) + 4095) & ~size_t{4095};
+  return HostSlab(static_cast<uint8_t*>(std::aligned_alloc(4096, rounded)));
+}
+
+double TimeCpu(int warmup, int iters, const std::function<void()>& op) {
+  for (int i = 0; i < warmup; ++i) op();
+  std::vector<double> ms;
+  for (int i = 0; i < iters; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    op();
+    const auto t1 = std::chrono::steady_clock::now();
+    ms.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
+  }
+  return Median(ms);
+}
+
+Status RunCpuSize(const KernelsOptions& o, const Layout& l, int iters, json& out) {
+  HostSlab src = AllocHost(l.slab_bytes()), dst = AllocHost(l.slab_bytes());
+  if (!src || !dst) {
+    return ResourceExhausted(
+        fmt::format("cannot allocate 2 x {} bytes of host memory; use a "
+                    "smaller --bytes",
+                    l.slab_bytes()));
+  }
+  std::vector<uint64_t> src_bases, dst_bases;
+  for (int32_t b = 0; b < l.num_buffers; ++b) {
+    src_bases.push_back(reinterpret_cast<uint64_t>(src.get()) + b * l.buffer_bytes());
+    dst_bases.push_back(reinterpret_cast<uint64_t>(dst.get()) + b * l.buffer_bytes());
+  }
+  KVT_RETURN_IF_ERROR(
+      kernels::FillPatternCpu(PatternOf(l, src_bases.data(), l.src_pages.data(), o.layers)));
+  std::memset(dst.get(), 0xA5, static_cast<size_t>(l.slab_bytes()));
+  const kernels::PageCopyArgs args =
+      CopyArgs(l, src_bases.data(), dst_bases.data(), l.src_pages.data(), l.dst_pages.data());
+  KVT_RETURN_IF_ERROR(kernels::PageCopyCpu(args));
+  KVT_ASSIGN_OR_RETURN(
+      kernels::PatternCheck check,
+      kernels::VerifyPatternCpu(PatternOf(l, dst_bases.data(), l.dst_pages.data(), o.layers)));
+
+  Figure ours, contig, per_item;
+  Status copy_status;
+  ours.ms = TimeCpu(1, iters, [&] { copy_status = kernels::PageCopyCpu(args); });
+  KVT_RETURN_IF_ERROR(copy_status);
+  ours.gbps = GBps(static_cast<double>(l.moved_bytes), ours.ms);
+  contig.ms = TimeCpu(
+      1, iters, [&] { std::memcpy(dst.get(), src.get(), static_cast<size_t>(l.moved_bytes)); });
+  contig.gbps = GBps(static_cast<double>(l.moved_bytes), contig.ms);
+  // On the CPU a memcpy call costs nanoseconds, so the peer runs over every item.
+  const std::vector<int64_t> subset = PeerSubset(l, l.items());
+  per_item.items = static_cast<int64_t>(subset.size());
+  per_item.ms = TimeCpu(1, iters, [&] {
+    for (int64_t item : subset) {
+      const int64_t b = item / l.num_pages, i = item % l.num_pages;
+      std::memcpy(reinterpret_cast<void*>(dst_bases[b] + l.dst_pages[i] * l.item_bytes),
+                  reinterpret_cast<const void*>(src_bases[b] + l.src_pages[i] * l.item_bytes),
+                  static_cast<size_t>(l.item_bytes));
+    }
+  });
+  per_item.gbps = GBps(static_cast<double>(subset.size()) * l.item_bytes, per_item.ms);
+
+  out = json{{"page_tokens", l.page_tokens},
+             {"item_bytes", l.item_bytes},
+             {"buffers", l.num_buffers},
+             {"pages_moved_per_buffer", l.num_pages},
+             {"pool_pages_per_buffer", l.pool_pages},
+             {"items", l.items()},
+             {"bytes_moved", l.moved_bytes},
+             {"verified_mismatches", check.mismatches},
+             {"ours_page_copy_cpu", ours.ToJson()},
+             {"contiguous_memcpy", contig.ToJson()},
+             {"memcpy_per_item", per_item.ToJson()},
+             {"ratio_ours_to_contiguous", Ratio(ours, contig)},
+             {"ratio_ours_to_per_item", Ratio(ours, per_item)}};
+  fmt::print("{:>6} {:>9} {:>8} {:>9} {:>11} {:>8} {:>9} {:>9} {:>8}\n", l.page_tokens,
+             l.item_bytes, l.items(), ours.Cell(), contig.Cell(), RatioCell(Ratio(ours, contig)),
+             per_item.Cell(), RatioCell(Ratio(ours, per_item)),
+             check.mismatches == 0 ? "ok" : "MISMATCH");
+  if (check.mismatches != 0) {
+    return DataLoss(fmt::format("PageCopyCpu of {}-token pages left {} wrong bytes", l.page_tokens,
+                                check.mismatches));
+  }
+  return OkStatus();
+}
+
+// ---- Command --------------------------------------------------------------------------------
+
+Status RunKernels(const KernelsOptions& o) {
+  KVT_ASSIGN_OR_RETURN(std::vector<int> page_tokens, ParseIntList(o.page_tokens));
+  KVT_ASSIGN_OR_RETURN(DType dtype, ParseDType(o.dtype));
+  if (o.layers <= 0 || o.heads <= 0 || o.head_dim <= 0) {
+    return InvalidArgument(
+        fmt::format("--layers ({}), --heads ({}) and --head-dim ({}) must be > 0", o.layers,
+                    o.heads, o.head_dim));
+  }
+  if (o.pool_factor < 1.0) {
+    return InvalidArgument(fmt::format("--pool-factor is {}; it must be >= 1", o.pool_factor));
+  }
+  const auto devices = cuda::DeviceCount();
+  const bool use_gpu = !o.cpu && devices.count > 0;
+  if (!o.cpu && !use_gpu)
+    fmt::print("no CUDA device ({}); running the CPU variant\n", devices.reason);
+  KVT_ASSIGN_OR_RETURN(int64_t target,
+                       ParseBytes(o.bytes.empty() ? (use_gpu ? "1GiB" : "64MiB") : o.bytes));
+  const int iters = o.iters > 0 ? o.iters : (use_gpu ? 20 : 5);
+  const int64_t elem = ItemSize(dtype);
+
+  json doc;
+  doc["tool"] = "kvt-bench kernels";
+  doc["date_utc"] = NowUtc();
+  doc["command"] = CommandLine();
+  doc["mode"] = use_gpu ? "gpu" : "cpu";
+  doc["machine"] = DescribeMachine(use_gpu);
+  doc["config"] = json{{"layers", o.layers},
+                       {"heads", o.heads},
+                       {"head_dim", o.head_dim},
+                       {"dtype", std::string(DTypeName(dtype))},
+                       {"target_bytes", target},
+                       {"iters", iters},
+                       {"peer_items", o.peer_items},
+                       {"pool_factor", o.pool_factor},
+                       {"seed", o.seed}};
+  doc["notes"] =
+      "GB/s = bytes copied / median time (1e9). Per-item peers are timed on an evenly spread "
+      "subset of items_timed items and scaled by bytes. Pages are random and distinct on both "
+      "sides, drawn from pools of pool_pages_per_buffer pages.";
+  const std::string card = use_gpu ? doc["machine"].value("gpu", std::string("?")) : "CPU";
+  fmt::print(
+      "kvt-bench kernels on {} ({}), {} buffers, {} {} x {} heads x {} dims, ~{:.0f} MiB "
+      "per run, median of {}\n",
+      card, doc["date_utc"].get<std::string>(), 2 * o.layers, std::string(DTypeName(dtype)),
+      "elements", o.heads, o.head_dim, static_cast<double>(target) / (1 << 20), iters);
+  if (use_gpu) {
+    fmt::print("{:>6} {:>9} {:>8} {:>9} {:>11} {:>8} {:>9} {:>9} {:>9} {:>9} {:>8}\n", "tokens",
+               "item B", "items", "ours", "contiguous", "ours/ctg", "per-item", "batch", "ours/pi",
+               "ours/bat", "check");
+  } else {
+    fmt::print("{:>6} {:>9} {:>8} {:>9} {:>11} {:>8} {:>9} {:>9} {:>8}\n", "tokens", "item B",
+               "items", "ours", "contiguous", "ours/ctg", "per-item", "ours/pi", "check");
+  }
+  std::mt19937 rng(o.seed);
+  json results = json::array();
+  Status first_error;
+  for (int pt : page_tokens) {
+    const Layout l = MakeLayout(o, pt, target, elem, rng);
+    json r;
+    Status s = use_gpu ? RunGpuSize(o, l, iters, r) : RunCpuSize(o, l, iters, r);
+    if (!s.ok()) {
+      fmt::print("page_tokens {}: {}\n", pt, s.ToString());
+      r["page_tokens"] = pt;
+      r["error"] = s.ToString();
+      if (first_error.ok()) first_error = s;
+    }
+    results.push_back(r);
+  }
+  doc["results"] = results;
+  fmt::print(
+      "GB/s of bytes copied; per-item and batch timed on up to {} items per size "
+      "(scaled); ratios vs the same run's contiguous copy.\n",
+      o.peer_items);
+  if (!o.json_path.empty()) {
+    KVT_RETURN_IF_ERROR(WriteJson(o.json_path, doc));
+    fmt::print("wrote {}\n", o.json_path);
+  }
+  return first_error;
+}
+
+}  // namespace
+
+void AddKernelsCommand(CLI::App& app, int& exit_code) {
+  auto opts = std::make_shared<KernelsOptions>();
+  CLI::App* cmd =
+      app.add_subcommand("kernels",
+                         "page gather/scatter kernel vs contiguous memcpy, per-page memcpy and "
+                         "cudaMemcpyBatchAsync (CPU variant with --cpu or without a GPU)");
+  cmd->add_option("--json", opts->json_path, "write all figures to this JSON file");
+  cmd->add_option("--page-tokens", opts->page_tokens, "tokens per page, comma-separated")
+      ->capture_default_str();
+  cmd->add_option("--layers", opts->layers, "layers (2 x layers buffers)")->capture_default_str();
+  cmd->add_option("--heads", opts->heads, "KV heads")->capture_default_str();
+  cmd->add_option("--head-dim", opts->head_dim, "head dimension")->capture_default_str();
+  cmd->add_option("--dtype", opts->dtype, "element type (bf16, fp16, fp32, fp8_e4m3, ...)")
+      ->capture_default_str();
+  cmd->add_option("--bytes", opts->bytes, "bytes moved per run (default 1GiB GPU, 64MiB CPU)");
+  cmd->add_option("--iters", opts->iters, "timed runs per figure (default 20 GPU, 5 CPU)");
+  cmd->add_flag("--cpu", opts->cpu, "run the CPU variant (PageCopyCpu vs memcpy)");
+  cmd->add_option("--peer-items", opts->peer_items,
+                  "items timed for the per-item memcpy and batch peers")
+      ->capture_default_str();
+  cmd->add_flag("--sweep", opts->sweep, "also time the kernel's tuning variants (GPU)");
+  cmd->add_option("--pool-factor", opts->pool_factor, "pool pages per moved page")
+      ->capture_default_str();
+  cmd->add_option("--seed", opts->seed, "random page choice")->capture_default_str();
+  cmd->callback([opts, &exit_code] {
+    Status s = RunKernels(*opts);
+    if (!s.ok()) {
+      fmt::print(stderr, "kvt-bench kernels: {}\n", s.ToString());
+      exit_code = 1;
+    }
+  });
+}
+
+}  // namespace kvt::bench

@@ -1,0 +1,12 @@
+// The subcommands of kvt-bench. Each lives in its own bench_<name>.cc and adds itself to the
+// CLI11 app; main.cc calls every Add*Command. Not thread-safe (runs once at startup).
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+namespace kvt::bench {
+
+// `kvt-bench kernels`: page gather/scatter kernel vs contiguous memcpy and the peers' ways.
+void AddKernelsCommand(CLI::App& app, int& exit_code);
+
+}  // namespace kvt::bench

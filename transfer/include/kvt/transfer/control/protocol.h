@@ -1,0 +1,43 @@
+// The control protocol's constants and the conversions between kvt::Status and the wire's
+// kvt.v1 types (StatusCode, Error, DType).
+//
+// Thread safety: every function here is pure; call from any thread.
+#pragma once
+
+#include <cstdint>
+#include <string_view>
+
+#include "kvt/common/dtype.h"
+#include "kvt/common/status.h"
+#include "kvt/v1/control.pb.h"
+
+namespace kvt::control {
+
+// The version of the wire contract in proto/kvt/v1. Bump it only for a change an older peer
+// cannot ignore safely; peers with different versions refuse each other at Hello.
+inline constexpr uint32_t kProtocolVersion = 1;
+
+// kvt::StatusCode <-> kvt.v1.StatusCode. Wire-only codes (UNAUTHENTICATED, ...) map to the
+// closest kvt code; UNSPECIFIED and unknown values map to kInternal.
+v1::StatusCode ToProtoCode(StatusCode code);
+StatusCode FromProtoCode(v1::StatusCode code);
+
+// kvt::DType <-> kvt.v1.DType. kUInt8 (a store type, never a pool type) and UNSPECIFIED have no
+// counterpart: InvalidArgument.
+StatusOr<v1::DType> ToProtoDType(DType dtype);
+StatusOr<DType> FromProtoDType(v1::DType dtype);
+
+// An Envelope carrying Error{code, message (truncated to the wire limit), room_id}.
+v1::Envelope MakeErrorEnvelope(v1::StatusCode code, std::string_view message,
+                               std::string_view room_id = {});
+// The same from a non-OK Status (its code mapped by ToProtoCode).
+v1::Envelope MakeErrorEnvelope(const Status& status, std::string_view room_id = {});
+
+// The Status a received Error stands for: "<peer said>: <message>" with the mapped code.
+Status StatusFromError(const v1::Error& error);
+
+// The oneof field name of the envelope's body ("transfer_request", ...), or "<empty>" when no
+// body is set (an unknown message from a newer peer looks like that too). For logs and errors.
+std::string_view BodyName(const v1::Envelope& envelope);
+
+}  // namespace kvt::control

@@ -1,0 +1,64 @@
+// Validation of every received control message before any of it is used.
+//
+// Validate() checks one Envelope against fixed bounds (ValidationLimits) and, where the peer has
+// already described its pool (PeerContext, filled from its Hello / HelloAck), against that pool:
+// page ids in 1..num_pages-1 (page 0 is the dummy page), layer ranges begin < end <= num_layers,
+// slices inside one item. Every error is InvalidArgument naming the field path and the value,
+// e.g. "transfer_request.dst_page_ids[3] = 0: page 0 is the dummy page; valid pages are 1..1023".
+//
+// Validate() does not compare protocol versions: CheckProtocolVersion() does, and the control
+// plane calls it on Hello / HelloAck before Validate() (a newer peer's Hello may be otherwise
+// unreadable, and the version error is the one that explains it).
+//
+// Thread safety: pure functions; call from any thread.
+#pragma once
+
+#include <cstdint>
+
+#include "kvt/common/status.h"
+#include "kvt/v1/control.pb.h"
+
+namespace kvt::control {
+
+// Bounds for fields whose size a peer chooses. The defaults match the comments in the .proto
+// files; tests may lower them.
+struct ValidationLimits {
+  size_t max_name_bytes = 128;         // agent / client / server names, host ids
+  size_t max_room_id_bytes = 256;      // room ids
+  size_t max_address_bytes = 256;      // "host:port"
+  size_t max_message_bytes = 4096;     // free text (error messages, reasons)
+  size_t max_backend_name_bytes = 32;  // "ucx", "cuda_ipc", ...
+  size_t max_blob_bytes = 64u << 10;   // rkeys, IPC handles, worker addresses
+  size_t max_backends = 16;            // keys per buffer, endpoints per peer
+  uint32_t max_layers = 4096;
+  uint32_t max_page_size = 65536;
+  uint32_t max_heads = 65536;
+  uint32_t max_head_dim = 65536;
+  uint32_t max_tp_size = 65536;
+  size_t max_pages_per_request = 1u << 20;
+  size_t max_slices = 4096;
+  uint32_t max_deadline_ms = 3600 * 1000;
+  size_t max_agents_per_reply = 4096;
+};
+
+// What is known about the peer on this connection. Zero means "not known yet" (before Hello);
+// checks that need the value are skipped then.
+struct PeerContext {
+  uint32_t num_layers = 0;    // the peer's Layout.num_layers
+  uint64_t num_pages = 0;     // the peer's Layout.num_pages (including the dummy page 0)
+  uint64_t min_item_len = 0;  // the smallest item_len among the peer's buffers
+};
+
+// InvalidArgument naming the field and value when `envelope` breaks a rule; OK otherwise.
+// An envelope without a body (or with one this build does not know) is invalid.
+Status Validate(const v1::Envelope& envelope, const PeerContext& peer = {},
+                const ValidationLimits& limits = {});
+
+// OK when peer_version == kProtocolVersion; otherwise FailedPrecondition naming both versions
+// ("protocol version mismatch: peer speaks 2, this side speaks 1; ...").
+Status CheckProtocolVersion(uint32_t peer_version);
+
+// The PeerContext a (valid) PeerInfo describes.
+PeerContext PeerContextFrom(const v1::PeerInfo& peer);
+
+}  // namespace kvt::control

@@ -1,0 +1,150 @@
+// Connection (private to the control plane): one framed, authenticated, validated TCP
+// connection, server or client side. ControlServer and ControlClient own these.
+//
+// Thread contract: every member except Send(), Close() and Fail() runs on the connection's
+// strand (the executor of the socket it was given). Those three are thread-safe: they post onto
+// the strand. Callbacks run on the strand; on_close runs exactly once, last, and the callbacks
+// are released after it. Keep a Connection in a shared_ptr (handlers hold references).
+#pragma once
+
+#include <atomic>
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kvt/common/status.h"
+#include "kvt/transfer/control/control_server.h"
+#include "kvt/transfer/control/framing.h"
+#include "kvt/transfer/control/options.h"
+#include "kvt/transfer/control/validate.h"
+#include "kvt/v1/control.pb.h"
+
+namespace kvt::control::internal {
+
+namespace asio = boost::asio;
+using tcp = asio::ip::tcp;
+
+enum class Side { kServer, kClient };
+
+struct ConnectionConfig {
+  Side side = Side::kServer;
+  ConnectionId id = 0;
+  std::string local_id;              // our server_id or client_id
+  v1::Role role = v1::ROLE_TOOL;     // client side: our role (bound into the MAC)
+  std::string cluster_token;         // empty: no authentication
+  bool require_server_proof = true;  // client side, with a token: mutual authentication
+  ConnectionLimits limits;
+  ValidationLimits validation;
+};
+
+struct ConnectionCallbacks {
+  // The handshake is done.
+  std::function<void(const ConnectionInfo&)> on_open;
+  // A validated message. A non-OK result closes the connection (Error frame first).
+  std::function<Status(const v1::Envelope&)> on_message;
+  // The connection is closed; was_open tells whether on_open ran.
+  std::function<void(const Status& why, bool was_open)> on_close;
+};
+
+class Connection : public std::enable_shared_from_this<Connection> {
+ public:
+  // `socket` is connected; its executor must be a strand.
+  Connection(tcp::socket socket, ConnectionConfig config, ConnectionCallbacks callbacks);
+  ~Connection();
+
+  Connection(const Connection&) = delete;
+  Connection& operator=(const Connection&) = delete;
+
+  // Begins the handshake (server: sends AuthChallenge) and reading. Call once.
+  void Start();
+
+  // Thread-safe: encodes on the caller's thread and queues the frame (see ControlServer::Send).
+  Status Send(const v1::Envelope& envelope);
+
+  // Thread-safe: closes after queued frames are sent (bounded by close_linger).
+  void Close(Status why);
+
+  // Thread-safe: sends Error{code, why.message()}, then closes with `why`.
+  void Fail(v1::StatusCode code, Status why);
+
+  ConnectionId id() const { return config_.id; }
+  const std::string& remote_address() const { return remote_address_; }
+
+ private:
+  enum class State {
+    kNew,
+    kAwaitAuthResponse,  // server: challenge sent, waiting for the client's MAC
+    kAwaitChallenge,     // client: waiting for the server's first frame
+    kAwaitAuthResult,    // client: MAC sent, waiting for the server's verdict
+    kOpen,
+    kDraining,  // closing: sending what is queued, reading nothing
+    kClosed,
+  };
+
+  void DoStart();
+  void ReadSome();
+  void OnRead(const boost::system::error_code& ec, size_t bytes);
+  void HandleFrame(const v1::Envelope& envelope);
+  void OnAuthResponse(const v1::Envelope& envelope);
+  void OnChallenge(const v1::Envelope& envelope);
+  void OnAuthResult(const v1::Envelope& envelope);
+  void Open();
+
+  // Strand-only counterparts of the public calls.
+  void FailNow(v1::StatusCode code, Status why);
+  void BeginClose(Status why, bool flush);
+  void FinishClose();
+  // Queues a frame built on the strand; `bypass_limits` for the final Error frame.
+  Status SendNow(const v1::Envelope& envelope, bool bypass_limits);
+  void EnqueueFrame(std::string frame);
+  void WriteNext();
+  void OnWrite(const boost::system::error_code& ec);
+
+  void ArmIdleTimer(std::chrono::steady_clock::duration after);
+  void ArmHeartbeatTimer();
+  bool closing_or_closed() const { return state_ == State::kDraining || state_ == State::kClosed; }
+
+  const ConnectionConfig config_;
+  ConnectionCallbacks callbacks_;
+  tcp::socket socket_;
+  asio::any_io_executor strand_;  // == socket_.get_executor()
+  std::string remote_address_;
+
+  // Confined to the strand.
+  State state_ = State::kNew;
+  bool was_open_ = false;
+  Status close_reason_;
+  FrameDecoder decoder_;
+  std::vector<char> read_buffer_;
+  std::deque<std::string> write_queue_;
+  bool writing_ = false;
+  bool reading_ = false;
+  std::string nonce_;         // server: the challenge nonce; client: the server's nonce
+  std::string client_nonce_;  // client: ours, when asking for the server's proof
+  std::string peer_id_;
+  v1::Role peer_role_ = v1::ROLE_UNSPECIFIED;
+  bool authenticated_ = false;
+  PeerContext peer_;  // from the peer's Hello / HelloAck
+  std::chrono::steady_clock::time_point last_receive_;
+  uint64_t heartbeat_sequence_ = 0;
+  asio::steady_timer handshake_timer_;
+  asio::steady_timer idle_timer_;
+  asio::steady_timer heartbeat_timer_;
+  asio::steady_timer linger_timer_;
+
+  // Shared with Send() callers on other threads.
+  std::atomic<bool> closing_{false};
+  std::atomic<size_t> queued_frames_{0};
+  std::atomic<size_t> queued_bytes_{0};
+};
+
+// "ip:port" of an endpoint.
+std::string EndpointString(const tcp::endpoint& endpoint);
+
+}  // namespace kvt::control::internal
