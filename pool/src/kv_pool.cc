@@ -195,7 +195,8 @@ StatusOr<std::unique_ptr<KvPool>> KvPool::Create(const PoolOptions& options) {
   for (int32_t i = 0; i < layout.num_kv_buffers(); ++i) {
     for (auto* side : {&impl->k_memory, &impl->v_memory}) {
       KVT_ASSIGN_OR_RETURN(
-          auto mem, PoolMemory::Allocate(impl->kind, layout.buffer_bytes(), impl->device, pin));
+          auto mem, PoolMemory::Allocate(impl->kind, layout.buffer_bytes(), impl->device, pin,
+                                   options.prefault_host_memory));
       side->push_back(std::move(mem));
     }
   }

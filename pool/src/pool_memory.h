@@ -20,7 +20,7 @@ namespace kvt::pool {
 class PoolMemory {
  public:
   static StatusOr<std::unique_ptr<PoolMemory>> Allocate(MemoryKind kind, int64_t bytes, int device,
-                                                        bool pin_host);
+                                                      bool pin_host, bool prefault = false);
   ~PoolMemory();
   PoolMemory(const PoolMemory&) = delete;
   PoolMemory& operator=(const PoolMemory&) = delete;

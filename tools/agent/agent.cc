@@ -40,8 +40,9 @@ class Agent::Impl {
 
   Status Init() {
     if (options_.pool.memory != pool::MemoryKind::kHost) {
-      return Unimplemented("kvt-agent runs host pools in this build; CUDA pools come with the "
-                           "cuda_ipc backend");
+      return Unimplemented(
+          "kvt-agent runs host pools in this build; CUDA pools come with the "
+          "cuda_ipc backend");
     }
     pool::PoolOptions pool_options = options_.pool;
     pool_options.pd_disaggregation_enabled = true;
@@ -91,10 +92,10 @@ class Agent::Impl {
     if (options_.prefill) {
       started = engine_->Send(spec.room, pages);
     } else {
-      StatusOr<transfer::PeerHandle> peer = engine_->ConnectPeer(spec.prefill_host,
-                                                                 spec.prefill_port);
-      started = peer.ok() ? engine_->Receive(spec.room, *peer, pages, spec.deadline)
-                          : peer.status();
+      StatusOr<transfer::PeerHandle> peer =
+          engine_->ConnectPeer(spec.prefill_host, spec.prefill_port);
+      started =
+          peer.ok() ? engine_->Receive(spec.room, *peer, pages, spec.deadline) : peer.status();
     }
     if (!started.ok()) {
       (void)allocator_->Free(pages);
@@ -180,6 +181,7 @@ class Agent::Impl {
       forward_queue_.pop_front();
       const Request* request = &requests_.at(room);  // stable: map nodes do not move
       lock.unlock();
+      const auto forward_start = Clock::now();
       for (int32_t layer = 0; layer < layers && !stop_; ++layer) {
         if (options_.layer_time.count() > 0) std::this_thread::sleep_for(options_.layer_time);
         auto info = engine_->GetRequest(room);
@@ -195,6 +197,10 @@ class Agent::Impl {
         Status ready = engine_->LayersReady(room, layer + 1);
         if (!ready.ok()) break;  // the room is gone (failed and forgotten)
       }
+      KVT_LOG_DEBUG(
+          "tool", "forward of room '{}' ({} tokens) took {} us", room, request->spec.tokens,
+          std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - forward_start)
+              .count());
       lock.lock();
       requests_.at(room).forward_done = true;
     }
@@ -222,8 +228,8 @@ class Agent::Impl {
       for (const std::string& room : finished) {
         pending_.erase(std::find(pending_.begin(), pending_.end(), room));
       }
-      cv_.wait_for(lock, finished.empty() ? std::chrono::microseconds(500)
-                                          : std::chrono::microseconds(0));
+      cv_.wait_for(
+          lock, finished.empty() ? std::chrono::microseconds(500) : std::chrono::microseconds(0));
     }
   }
 
@@ -255,13 +261,12 @@ class Agent::Impl {
         report.mismatches = check->mismatches;
         report.verified = check->mismatches == 0;
         if (check->mismatches > 0) {
-          report.first_mismatch = "layer " + std::to_string(check->layer) +
-                                  (check->kv == 0 ? " K" : " V") + " token " +
-                                  std::to_string(check->token) + " byte " +
-                                  std::to_string(check->byte);
-          report.status = DataLoss("room '" + room + "': " + std::to_string(check->mismatches) +
-                                   " bytes differ from the pattern, first at " +
-                                   report.first_mismatch);
+          report.first_mismatch =
+              "layer " + std::to_string(check->layer) + (check->kv == 0 ? " K" : " V") + " token " +
+              std::to_string(check->token) + " byte " + std::to_string(check->byte);
+          report.status =
+              DataLoss("room '" + room + "': " + std::to_string(check->mismatches) +
+                       " bytes differ from the pattern, first at " + report.first_mismatch);
         }
       }
     }

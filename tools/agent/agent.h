@@ -42,8 +42,8 @@ struct AgentOptions {
 struct SubmitSpec {
   std::string room;
   int64_t tokens = 0;
-  std::string prefill_host;  // decode only
-  uint16_t prefill_port = 0;  // decode only
+  std::string prefill_host;               // decode only
+  uint16_t prefill_port = 0;              // decode only
   std::chrono::milliseconds deadline{0};  // 0: the engine's default
 };
 

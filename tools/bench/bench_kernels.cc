@@ -199,29 +199,70 @@ kernels::PageCopyArgs CopyArgs(const Layout& l, const uint64_t* src_bases,
   return a;
 }
 
-std::vector<kernels::PageCopyTuning> SweepTunings() {
+// Where the sweep's copy reads and writes: the benchmark's random pages, or a contiguous run
+// (null index lists over contiguous buffers) on one or both sides. The contiguous layouts
+// separate the kernel's own ceiling from the cost of random pages.
+enum class SweepLayout { kRandom, kBothContiguous, kSrcContiguous, kDstContiguous };
+
+const char* SweepLayoutName(SweepLayout l) {
+  switch (l) {
+    case SweepLayout::kBothContiguous:
+      return "contiguous";
+    case SweepLayout::kSrcContiguous:
+      return "src-contig";
+    case SweepLayout::kDstContiguous:
+      return "dst-contig";
+    default:
+      return "random";
+  }
+}
+
+struct SweepEntry {
+  kernels::PageCopyTuning tuning;
+  SweepLayout layout = SweepLayout::kRandom;
+};
+
+std::vector<SweepEntry> SweepTunings() {
   struct V {
-    int unroll, threads, per_item;
-    bool streaming, page_major;
-    int blocks_per_sm;
+    int unroll, threads, per_item, chunk;
+    bool streaming, prefetch;
+    SweepLayout layout;
   };
+  constexpr SweepLayout R = SweepLayout::kRandom;
   const V variants[] = {
-      {4, 512, 0, true, false, 0},   {8, 512, 0, true, false, 0},   {4, 256, 0, true, false, 0},
-      {8, 256, 0, true, false, 0},   {4, 512, 0, false, false, 0},  {4, 128, 0, true, false, 0},
-      {4, 512, 32, true, false, 0},  {8, 256, 32, true, false, 0},  {4, 512, 128, true, false, 0},
-      {4, 512, 256, true, false, 0}, {8, 512, 512, true, false, 0}, {4, 512, 0, true, true, 0},
-      {4, 512, 0, true, false, 2},
+      {4, 512, 32, 0, true, false, R},      // the previous default
+      {4, 512, 32, 2048, true, false, R},   // chunked units (2 KiB: one round per unit)
+      {4, 512, 32, 4096, true, false, R},   //
+      {4, 512, 32, 8192, true, false, R},   //
+      {4, 512, 32, 16384, true, false, R},  //
+      {4, 512, 32, 32768, true, false, R},  //
+      {4, 256, 32, 8192, true, false, R},   //
+      {4, 512, 32, 8192, false, false, R},  // ld.nc + plain stores
+      {8, 512, 32, 0, true, false, R},      // unroll 8, uncapped registers
+      {8, 256, 32, 0, true, false, R},      //
+      {8, 256, 32, 8192, true, false, R},   //
+      {4, 512, 32, 0, true, true, R},       // L2 bulk prefetch of each unit's source
+      {4, 512, 32, 8192, true, true, R},    //
+      {4, 512, 32, 16384, true, true, R},   //
+      {8, 256, 32, 8192, true, true, R},    //
+      {4, 512, 32, 0, true, false, SweepLayout::kBothContiguous},  // calibration
+      {4, 512, 32, 8192, true, false, SweepLayout::kBothContiguous},
+      {8, 256, 32, 8192, true, true, SweepLayout::kBothContiguous},
+      {4, 512, 32, 0, true, false, SweepLayout::kSrcContiguous},
+      {4, 512, 32, 0, true, false, SweepLayout::kDstContiguous},
+      {4, 512, 32, 0, true, false, R},  // the first row again: run-to-run spread
   };
-  std::vector<kernels::PageCopyTuning> out;
+  std::vector<SweepEntry> out;
   for (const V& v : variants) {
-    kernels::PageCopyTuning t;
-    t.unroll = v.unroll;
-    t.threads_per_block = v.threads;
-    t.threads_per_item = v.per_item;
-    t.streaming = v.streaming;
-    t.page_major = v.page_major;
-    t.blocks_per_sm = v.blocks_per_sm;
-    out.push_back(t);
+    SweepEntry e;
+    e.tuning.unroll = v.unroll;
+    e.tuning.threads_per_block = v.threads;
+    e.tuning.threads_per_item = v.per_item;
+    e.tuning.chunk_bytes = v.chunk;
+    e.tuning.streaming = v.streaming;
+    e.tuning.prefetch_l2 = v.prefetch;
+    e.layout = v.layout;
+    out.push_back(e);
   }
   return out;
 }
@@ -232,7 +273,9 @@ json TuningJson(const kernels::PageCopyTuning& t) {
               {"threads_per_block", t.threads_per_block},
               {"threads_per_item", t.threads_per_item},
               {"blocks_per_sm", t.blocks_per_sm},
-              {"page_major", t.page_major}};
+              {"page_major", t.page_major},
+              {"chunk_bytes", t.chunk_bytes},
+              {"prefetch_l2", t.prefetch_l2}};
 }
 
 Status RunGpuSize(const KernelsOptions& o, const Layout& l, int iters, json& out) {
@@ -313,10 +356,34 @@ Status RunGpuSize(const KernelsOptions& o, const Layout& l, int iters, json& out
 
   json sweep = json::array();
   if (o.sweep) {
-    for (const auto& t : SweepTunings()) {
-      auto ms =
-          TimeGpu(stream, 2, iters, [&] { return kernels::PageCopyCudaTuned(args, t, stream); });
+    // Contiguous views of the same slabs: buffer b's moved pages are the b-th run of
+    // num_pages * item_bytes bytes from the slab's start, index lists null.
+    std::vector<uint64_t> src_contig, dst_contig;
+    for (int32_t b = 0; b < l.num_buffers; ++b) {
+      src_contig.push_back(reinterpret_cast<uint64_t>(p.src.data()) +
+                           static_cast<uint64_t>(b) * l.num_pages * l.item_bytes);
+      dst_contig.push_back(reinterpret_cast<uint64_t>(p.dst.data()) +
+                           static_cast<uint64_t>(b) * l.num_pages * l.item_bytes);
+    }
+    const size_t table_bytes = src_contig.size() * sizeof(uint64_t);
+    KVT_ASSIGN_OR_RETURN(cuda::DeviceBuffer d_src_contig, cuda::DeviceBuffer::Allocate(table_bytes));
+    KVT_ASSIGN_OR_RETURN(cuda::DeviceBuffer d_dst_contig, cuda::DeviceBuffer::Allocate(table_bytes));
+    KVT_RETURN_IF_ERROR(cuda::Copy(d_src_contig.data(), src_contig.data(), table_bytes));
+    KVT_RETURN_IF_ERROR(cuda::Copy(d_dst_contig.data(), dst_contig.data(), table_bytes));
+    for (const SweepEntry& e : SweepTunings()) {
+      const kernels::PageCopyTuning& t = e.tuning;
+      kernels::PageCopyArgs a = args;
+      if (e.layout == SweepLayout::kBothContiguous || e.layout == SweepLayout::kSrcContiguous) {
+        a.src_bases = d_src_contig.as<uint64_t>();
+        a.src_pages = nullptr;
+      }
+      if (e.layout == SweepLayout::kBothContiguous || e.layout == SweepLayout::kDstContiguous) {
+        a.dst_bases = d_dst_contig.as<uint64_t>();
+        a.dst_pages = nullptr;
+      }
+      auto ms = TimeGpu(stream, 2, iters, [&] { return kernels::PageCopyCudaTuned(a, t, stream); });
       json row = TuningJson(t);
+      row["layout"] = SweepLayoutName(e.layout);
       if (ms.ok()) {
         row["median_ms"] = *ms;
         row["gbps"] = GBps(static_cast<double>(l.moved_bytes), *ms);
@@ -351,19 +418,17 @@ Status RunGpuSize(const KernelsOptions& o, const Layout& l, int iters, json& out
              RatioCellX(Ratio(ours, batch)), check.mismatches == 0 ? "ok" : "MISMATCH");
   if (o.sweep) {
     for (const auto& row : sweep) {
+      const std::string head = fmt::format(
+          "         sweep u{} s{} t{:<4} g{:<3} c{:<5} pf{} {:<10}", row["unroll"].get<int>(),
+          row["streaming"].get<bool>() ? 1 : 0, row["threads_per_block"].get<int>(),
+          row["threads_per_item"].get<int>(), row["chunk_bytes"].get<int>(),
+          row["prefetch_l2"].get<bool>() ? 1 : 0, row["layout"].get<std::string>());
       if (row.contains("error")) {
-        fmt::print("         sweep u{} s{} t{} g{} b{} pm{}: {}\n", row["unroll"].get<int>(),
-                   row["streaming"].get<bool>() ? 1 : 0, row["threads_per_block"].get<int>(),
-                   row["threads_per_item"].get<int>(), row["blocks_per_sm"].get<int>(),
-                   row["page_major"].get<bool>() ? 1 : 0, row["error"].get<std::string>());
+        fmt::print("{}: {}\n", head, row["error"].get<std::string>());
         continue;
       }
-      fmt::print(
-          "         sweep u{} s{} t{:<4} g{:<3} b{} pm{}: {:8.1f} GB/s  {:.3f} of contiguous\n",
-          row["unroll"].get<int>(), row["streaming"].get<bool>() ? 1 : 0,
-          row["threads_per_block"].get<int>(), row["threads_per_item"].get<int>(),
-          row["blocks_per_sm"].get<int>(), row["page_major"].get<bool>() ? 1 : 0,
-          row["gbps"].get<double>(), row["ratio_to_contiguous"].get<double>());
+      fmt::print("{}: {:8.1f} GB/s  {:.3f} of contiguous\n", head, row["gbps"].get<double>(),
+                 row["ratio_to_contiguous"].get<double>());
     }
   }
   if (!batch.error.empty()) fmt::print("         cudaMemcpyBatchAsync: {}\n", batch.error);

@@ -11,9 +11,10 @@ echo "== ldd"; for b in kernels_test kernels_gpu_test kvt-bench; do
   ldd "$bin/$b" | grep 'not found' && echo "MISSING LIBS for $b"; done
 echo "== card"; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu \
   --format=csv 2>&1 | tee "$out/card.txt"
-echo "== cpu tests"; "$bin/kernels_test" --gtest_brief=1 2>&1 | tail -3
-echo "== gpu tests"; "$bin/kernels_gpu_test" --gtest_brief=1 2>&1 | tee "$out/gpu_test.log" | tail -25
-echo "== bench"; "$bin/kvt-bench" kernels --sweep --json "$out/kernels.json" 2>&1 |
+echo "== cpu tests"; timeout 120 "$bin/kernels_test" --gtest_brief=1 2>&1 | tail -3
+echo "== gpu tests"; timeout 180 "$bin/kernels_gpu_test" --gtest_brief=1 2>&1 |
+  tee "$out/gpu_test.log" | tail -25
+echo "== bench"; timeout 300 "$bin/kvt-bench" kernels --sweep --json "$out/kernels.json" 2>&1 |
   tee "$out/bench.log"
 if [ "${KVT_MEMCHECK:-1}" = 1 ] && command -v compute-sanitizer >/dev/null; then
   echo "== memcheck"

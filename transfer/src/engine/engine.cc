@@ -655,6 +655,10 @@ class TransferEngine::Impl : public control::ControlHandler {
       room.status = OkStatus();
       AdvanceState(room, RequestState::kSuccess);
       SendDoneLocked(room);
+      KVT_LOG_DEBUG(
+          "xfer", "room '{}' done: {} bytes, {} us after it was created", room.id, room.bytes,
+          std::chrono::duration_cast<std::chrono::microseconds>(room.finished - room.created)
+              .count());
     }
   }
 

@@ -75,6 +75,10 @@ struct PoolOptions {
   // Host pools: pin the buffers with cudaHostRegister when a CUDA device is present. Turn off
   // for pools that are only inspected (kvt-info), where pinning would commit all the memory.
   bool pin_host_memory = true;
+  // Host pools: fault every page in at creation (as torch.zeros does by writing the zeros), so
+  // the first transfers into or out of the pool do not pay page faults. Off by default because
+  // pools that are only inspected (kvt-info) would commit all their memory; agents turn it on.
+  bool prefault_host_memory = false;
 };
 
 }  // namespace kvt::pool

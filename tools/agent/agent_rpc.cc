@@ -1,0 +1,146 @@
+#include "agent_rpc.h"
+
+#include "kvt/common/log.h"
+#include "kvt/transfer/control/protocol.h"
+
+namespace kvt::tools {
+namespace {
+
+v1::RequestState ToProto(transfer::RequestState s) {
+  switch (s) {
+    case transfer::RequestState::kBootstrapping:
+      return v1::REQUEST_STATE_BOOTSTRAPPING;
+    case transfer::RequestState::kWaitingForInput:
+      return v1::REQUEST_STATE_WAITING_FOR_INPUT;
+    case transfer::RequestState::kTransferring:
+      return v1::REQUEST_STATE_TRANSFERRING;
+    case transfer::RequestState::kSuccess:
+      return v1::REQUEST_STATE_SUCCESS;
+    case transfer::RequestState::kFailed:
+      return v1::REQUEST_STATE_FAILED;
+  }
+  return v1::REQUEST_STATE_UNSPECIFIED;
+}
+
+constexpr auto kResolveTtl = std::chrono::seconds(2);
+
+}  // namespace
+
+AgentRpc::AgentRpc(Agent* agent, std::string name, bool prefill,
+                   std::optional<transfer::RegistryClientOptions> registry)
+    : agent_(agent), name_(std::move(name)), prefill_(prefill), registry_(std::move(registry)) {}
+
+StatusOr<std::unique_ptr<control::ControlServer>> AgentRpc::Serve(
+    const control::ControlServerOptions& options) {
+  KVT_ASSIGN_OR_RETURN(auto server, control::ControlServer::Create(options, this));
+  server_ = server.get();
+  return server;
+}
+
+StatusOr<HostPort> AgentRpc::ResolvePrefill(const std::string& name) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = resolved_.find(name);
+    if (it != resolved_.end() && std::chrono::steady_clock::now() - it->second.at < kResolveTtl) {
+      return it->second.address;
+    }
+  }
+  if (!registry_) {
+    return FailedPrecondition("this agent runs without --bootstrap, so it cannot look up '" + name +
+                              "'; give prefill_address instead");
+  }
+  KVT_ASSIGN_OR_RETURN(auto agents,
+                       transfer::RegistryClient::Lookup(*registry_, name, v1::ROLE_PREFILL, 0u));
+  if (agents.empty()) {
+    return NotFound("no prefill agent named '" + name + "' (rank 0) is registered");
+  }
+  KVT_ASSIGN_OR_RETURN(HostPort address, ParseHostPort(agents.front().control_address()));
+  std::lock_guard<std::mutex> lock(mu_);
+  resolved_[name] = Resolved{address, std::chrono::steady_clock::now()};
+  return address;
+}
+
+v1::Envelope AgentRpc::Submit(const v1::SubmitRequest& request) {
+  SubmitSpec spec;
+  spec.room = request.room_id();
+  spec.tokens = static_cast<int64_t>(request.num_tokens());
+  spec.deadline = std::chrono::milliseconds(request.deadline_ms());
+  Status status;
+  if (!prefill_) {
+    StatusOr<HostPort> prefill =
+        !request.prefill_address().empty() ? ParseHostPort(request.prefill_address())
+        : !request.prefill_name().empty()
+            ? ResolvePrefill(request.prefill_name())
+            : StatusOr<HostPort>(InvalidArgument(
+                  "a decode agent needs prefill_address or prefill_name for room '" +
+                  request.room_id() + "'"));
+    if (prefill.ok()) {
+      spec.prefill_host = prefill->host;
+      spec.prefill_port = prefill->port;
+    } else {
+      status = prefill.status();
+    }
+  }
+  if (status.ok()) status = agent_->Submit(spec);
+  v1::Envelope reply;
+  auto* r = reply.mutable_submit_reply();
+  r->set_room_id(request.room_id());
+  r->set_status(control::ToProtoCode(status.code()));
+  if (!status.ok()) r->set_message(status.message().substr(0, 4000));
+  return reply;
+}
+
+void AgentRpc::OnMessage(control::ConnectionId id, const v1::Envelope& envelope) {
+  v1::Envelope reply;
+  switch (envelope.body_case()) {
+    case v1::Envelope::kSubmitRequest:
+      reply = Submit(envelope.submit_request());
+      break;
+    case v1::Envelope::kQueryRequests: {
+      std::vector<std::string> rooms(envelope.query_requests().room_ids().begin(),
+                                     envelope.query_requests().room_ids().end());
+      auto* out = reply.mutable_query_requests_reply();
+      for (const RequestReport& r : agent_->Reports(rooms)) {
+        v1::RequestReport* p = out->add_reports();
+        p->set_room_id(r.room);
+        p->set_state(ToProto(r.state));
+        p->set_status(control::ToProtoCode(r.status.code()));
+        if (!r.status.ok()) p->set_message(r.status.message().substr(0, 4000));
+        p->set_num_tokens(static_cast<uint64_t>(r.tokens));
+        p->set_bytes(r.bytes);
+        p->set_latency_us(r.latency_us);
+        p->set_verified(r.verified);
+        p->set_mismatches(r.mismatches);
+      }
+      break;
+    }
+    case v1::Envelope::kQueryStats: {
+      const AgentStats s = agent_->Stats();
+      auto* out = reply.mutable_agent_stats_reply();
+      out->set_name(name_);
+      out->set_role(prefill_ ? v1::ROLE_PREFILL : v1::ROLE_DECODE);
+      out->set_backend(std::string(agent_->engine().backend_name()));
+      out->set_memory(pool::MemoryKindName(agent_->pool().memory_kind()));
+      out->set_engine_port(agent_->engine_port());
+      out->set_submitted(s.submitted);
+      out->set_succeeded(s.succeeded);
+      out->set_failed(s.failed);
+      out->set_verified(s.verified);
+      out->set_corrupted(s.corrupted);
+      out->set_bytes(s.bytes);
+      out->set_free_pages(s.free_pages);
+      out->set_total_pages(s.total_pages);
+      break;
+    }
+    default:
+      reply = control::MakeErrorEnvelope(
+          v1::STATUS_CODE_INVALID_ARGUMENT,
+          "kvt-agent's RPC answers SubmitRequest, QueryRequests and QueryStats, not " +
+              std::string(control::BodyName(envelope)));
+  }
+  reply.set_reply_to(envelope.id());
+  Status sent = server_->Send(id, reply);
+  if (!sent.ok()) KVT_LOG_WARN("tool", "RPC reply not sent: {}", sent.ToString());
+}
+
+}  // namespace kvt::tools

@@ -1,0 +1,177 @@
+// kvt-agent: a prefill or decode node agent. It owns a KV pool, runs a transfer engine,
+// registers with the bootstrap registry (when given) and serves a driver RPC (SubmitRequest,
+// QueryRequests, QueryStats). Runs until SIGINT/SIGTERM (or its parent exits, with
+// --exit-with-parent).
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <iostream>
+#include <nlohmann/json.hpp>
+
+#include "agent.h"
+#include "agent_rpc.h"
+#include "kvt/common/log.h"
+#include "kvt/transfer/control/auth.h"
+#include "kvt/transfer/control/protocol.h"
+#include "kvt/transfer/registry.h"
+#include "tool_util.h"
+
+namespace {
+
+using namespace kvt;
+
+int Fail(const Status& status) {
+  std::cerr << "kvt-agent: " << status.ToString() << "\n";
+  return 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"kvt-agent: a prefill or decode node agent moving KV pages"};
+  std::string role = "prefill";
+  std::string name;
+  std::string listen = "127.0.0.1:0";
+  std::string rpc = "127.0.0.1:0";
+  std::string bootstrap;
+  std::string backend = "ucx";
+  std::string ucx_tls;
+  std::string device = "host";
+  std::string dtype = "bf16";
+  std::string ready_file;
+  int64_t layers = 32, heads = 8, head_dim = 128, page_size = 16, tokens = 65536;
+  int64_t deadline_ms = 30000, layer_time_us = 0;
+  uint32_t tp_rank = 0, tp_size = 1, seed = 1;
+  bool exit_with_parent = false, no_shuffle = false, no_verify = false, skip_fill = false;
+  app.add_option("--role", role, "prefill or decode")->check(CLI::IsMember({"prefill", "decode"}));
+  app.add_option("--name", name, "agent (instance) name; default kvt-<role>");
+  app.add_option("--listen", listen, "engine control address (prefill), host:port");
+  app.add_option("--rpc", rpc, "driver RPC address, host:port");
+  app.add_option("--bootstrap", bootstrap, "bootstrap registry host:port (optional)");
+  app.add_option("--backend", backend, "transfer backend: ucx or loopback");
+  app.add_option("--ucx-tls", ucx_tls, "UCX transports (UCX_TLS syntax), e.g. shm,self or tcp");
+  app.add_option("--device", device, "pool memory: host (cuda:N with the GPU backends)");
+  app.add_option("--layers", layers, "layers")->check(CLI::PositiveNumber);
+  app.add_option("--heads", heads, "KV heads of this rank")->check(CLI::PositiveNumber);
+  app.add_option("--head-dim", head_dim, "elements per head")->check(CLI::PositiveNumber);
+  app.add_option("--dtype", dtype, "bf16, fp16, fp32, fp8_e4m3, fp8_e5m2");
+  app.add_option("--page-size", page_size, "tokens per page")->check(CLI::PositiveNumber);
+  app.add_option("--tokens", tokens, "pool size in token slots")->check(CLI::PositiveNumber);
+  app.add_option("--tp-rank", tp_rank, "tensor-parallel rank");
+  app.add_option("--tp-size", tp_size, "tensor-parallel size");
+  app.add_option("--deadline-ms", deadline_ms, "default request deadline")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--layer-time-us", layer_time_us, "prefill: simulated compute per layer");
+  app.add_option("--seed", seed, "page shuffling seed");
+  app.add_flag("--no-shuffle", no_shuffle, "hand pages out in ascending order");
+  app.add_flag("--no-verify", no_verify, "decode: skip the byte check (benchmarks)");
+  app.add_flag("--skip-fill", skip_fill, "prefill: do not write the pattern (benchmarks)");
+  app.add_option("--ready-file", ready_file, "write the bound ports here as JSON when ready");
+  app.add_flag("--exit-with-parent", exit_with_parent, "exit when the parent process exits");
+  CLI11_PARSE(app, argc, argv);
+
+  tools::BlockTerminationSignals();
+  if (exit_with_parent) {
+    if (Status st = tools::ExitWithParent(); !st.ok()) return Fail(st);
+  }
+  const bool prefill = role == "prefill";
+  if (name.empty()) name = "kvt-" + role;
+  if (device != "host") {
+    return Fail(Unimplemented("--device " + device +
+                              ": this build's agent runs host pools; use --device host"));
+  }
+  auto parsed_dtype = ParseDType(dtype);
+  if (!parsed_dtype.ok()) return Fail(parsed_dtype.status().WithContext("--dtype"));
+  auto listen_at = tools::ParseHostPort(listen);
+  if (!listen_at.ok()) return Fail(listen_at.status().WithContext("--listen"));
+  auto rpc_at = tools::ParseHostPort(rpc);
+  if (!rpc_at.ok()) return Fail(rpc_at.status().WithContext("--rpc"));
+  const std::string token = control::ClusterTokenFromEnv();
+
+  tools::AgentOptions options;
+  options.name = name;
+  options.prefill = prefill;
+  options.pool.size = tokens;
+  options.pool.page_size = page_size;
+  options.pool.head_num = heads;
+  options.pool.head_dim = head_dim;
+  options.pool.layer_num = layers;
+  options.pool.dtype = *parsed_dtype;
+  options.pool.pin_host_memory = false;      // host backends do not need page-locked memory
+  options.pool.prefault_host_memory = true;  // no page faults on the transfer path
+  options.engine.backend = backend;
+  options.engine.backend_options.ucx_transports = ucx_tls;
+  options.engine.server.bind_address = listen_at->host;
+  options.engine.server.port = listen_at->port;
+  options.engine.server.cluster_token = token;
+  options.engine.cluster_token = token;
+  options.engine.default_deadline = std::chrono::milliseconds(deadline_ms);
+  options.engine.tp_rank = tp_rank;
+  options.engine.tp_size = tp_size;
+  options.shuffle_pages = !no_shuffle;
+  options.seed = seed;
+  options.layer_time = std::chrono::microseconds(layer_time_us);
+  options.skip_fill = skip_fill;
+  options.verify = !no_verify;
+  auto agent = tools::Agent::Create(options);
+  if (!agent.ok()) return Fail(agent.status());
+
+  std::optional<transfer::RegistryClientOptions> registry;
+  std::unique_ptr<transfer::RegistryClient> registration;
+  if (!bootstrap.empty()) {
+    auto at = tools::ParseHostPort(bootstrap);
+    if (!at.ok()) return Fail(at.status().WithContext("--bootstrap"));
+    transfer::RegistryClientOptions r;
+    r.host = at->host;
+    r.port = at->port;
+    r.client_id = name;
+    r.role = prefill ? v1::ROLE_PREFILL : v1::ROLE_DECODE;
+    r.cluster_token = token;
+    registry = r;
+    v1::AgentInfo self;
+    self.set_name(name);
+    self.set_role(r.role);
+    self.set_tp_rank(tp_rank);
+    self.set_tp_size(tp_size);
+    const uint16_t port = prefill ? (*agent)->engine_port() : 0;
+    self.set_control_address(listen_at->host + ":" + std::to_string(port));
+    auto* layout = self.mutable_layout();
+    layout->set_num_layers(static_cast<uint32_t>(layers));
+    layout->set_page_size(static_cast<uint32_t>(page_size));
+    layout->set_dtype(*control::ToProtoDType(*parsed_dtype));
+    layout->set_head_num(static_cast<uint32_t>(heads));
+    layout->set_head_dim(static_cast<uint32_t>(head_dim));
+    layout->set_tp_rank(tp_rank);
+    layout->set_tp_size(tp_size);
+    layout->set_num_pages(static_cast<uint64_t>(tokens / page_size + 1));
+    layout->set_num_tokens(static_cast<uint64_t>(tokens));
+    auto client = transfer::RegistryClient::Start(r, self);
+    if (!client.ok()) return Fail(client.status());
+    registration = std::move(client).value();
+  }
+
+  tools::AgentRpc handler(agent->get(), name, prefill, registry);
+  control::ControlServerOptions rpc_options;
+  rpc_options.bind_address = rpc_at->host;
+  rpc_options.port = rpc_at->port;
+  rpc_options.server_id = name + "-rpc";
+  rpc_options.cluster_token = token;
+  auto server = handler.Serve(rpc_options);
+  if (!server.ok()) return Fail(server.status().WithContext("--rpc"));
+
+  nlohmann::json ready = {{"name", name},
+                          {"role", role},
+                          {"pid", getpid()},
+                          {"rpc_port", (*server)->port()},
+                          {"engine_port", (*agent)->engine_port()},
+                          {"backend", backend}};
+  KVT_LOG_INFO("tool", "kvt-agent {} ready: {}", name, ready.dump());
+  if (!ready_file.empty()) {
+    if (Status st = tools::WriteReadyFile(ready_file, ready.dump()); !st.ok()) return Fail(st);
+  }
+  const int sig = tools::WaitForTerminationSignal();
+  KVT_LOG_INFO("tool", "kvt-agent {} stopping on signal {}", name, sig);
+  (*server)->Stop();
+  registration.reset();
+  agent->reset();
+  return 0;
+}
