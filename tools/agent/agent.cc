@@ -110,6 +110,18 @@ class Agent::Impl {
     return OkStatus();
   }
 
+  Status Abort(const std::string& room, const std::string& reason) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (requests_.count(room) == 0) {
+        return NotFound("room '" + room + "' was not submitted to this agent");
+      }
+    }
+    Status st = engine_->Abort(room, reason);
+    // The monitor may already have finished and forgotten the room: nothing left to abort.
+    return st.code() == StatusCode::kNotFound ? OkStatus() : st;
+  }
+
   std::vector<RequestReport> Reports(const std::vector<std::string>& rooms) const {
     std::lock_guard<std::mutex> lock(mu_);
     std::vector<RequestReport> out;
@@ -313,6 +325,9 @@ StatusOr<std::unique_ptr<Agent>> Agent::Create(const AgentOptions& options) {
 }
 
 Status Agent::Submit(const SubmitSpec& spec) { return impl_->Submit(spec); }
+Status Agent::Abort(const std::string& room, const std::string& reason) {
+  return impl_->Abort(room, reason);
+}
 std::vector<RequestReport> Agent::Reports(const std::vector<std::string>& rooms) const {
   return impl_->Reports(rooms);
 }

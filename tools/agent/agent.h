@@ -79,6 +79,8 @@ class Agent {
 
   // ResourceExhausted when the pool has too few free pages now (retry later).
   Status Submit(const SubmitSpec& spec);
+  // Aborts a submitted room (its engine tells the peer). NotFound for unknown rooms.
+  Status Abort(const std::string& room, const std::string& reason);
   // Reports for these rooms (all known rooms when empty); unknown rooms are NotFound entries.
   std::vector<RequestReport> Reports(const std::vector<std::string>& rooms) const;
   AgentStats Stats() const;

@@ -96,6 +96,17 @@ void AgentRpc::OnMessage(control::ConnectionId id, const v1::Envelope& envelope)
     case v1::Envelope::kSubmitRequest:
       reply = Submit(envelope.submit_request());
       break;
+    case v1::Envelope::kAbortRoom: {
+      const Status st = agent_->Abort(envelope.abort_room().room_id(),
+                                      envelope.abort_room().reason().empty()
+                                          ? "aborted by the driver"
+                                          : envelope.abort_room().reason());
+      auto* r = reply.mutable_submit_reply();
+      r->set_room_id(envelope.abort_room().room_id());
+      r->set_status(control::ToProtoCode(st.code()));
+      if (!st.ok()) r->set_message(st.message().substr(0, 4000));
+      break;
+    }
     case v1::Envelope::kQueryRequests: {
       std::vector<std::string> rooms(envelope.query_requests().room_ids().begin(),
                                      envelope.query_requests().room_ids().end());
@@ -135,7 +146,7 @@ void AgentRpc::OnMessage(control::ConnectionId id, const v1::Envelope& envelope)
     default:
       reply = control::MakeErrorEnvelope(
           v1::STATUS_CODE_INVALID_ARGUMENT,
-          "kvt-agent's RPC answers SubmitRequest, QueryRequests and QueryStats, not " +
+          "kvt-agent's RPC answers SubmitRequest, AbortRoom, QueryRequests and QueryStats, not " +
               std::string(control::BodyName(envelope)));
   }
   reply.set_reply_to(envelope.id());

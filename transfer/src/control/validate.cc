@@ -426,6 +426,12 @@ Status Validate(const v1::Envelope& envelope, const PeerContext& peer,
     case v1::Envelope::kQueryStats:
     case v1::Envelope::kAgentStatsReply:
       return OkStatus();
+    case v1::Envelope::kAbortRoom: {
+      const v1::AbortRoom& m = envelope.abort_room();
+      KVT_RETURN_IF_ERROR(
+          CheckId("abort_room.room_id", m.room_id(), limits.max_room_id_bytes, true));
+      return CheckSize("abort_room.reason", m.reason().size(), limits.max_message_bytes);
+    }
     case v1::Envelope::BODY_NOT_SET:
       break;
   }
