@@ -3,14 +3,18 @@
 //
 // Design (DESIGN.md: one launch moves every (buffer, page) item of a batch):
 //  - persistent grid (as many blocks as fit per SM), one warp (by default; a larger power-of-two
-//    group is a tuning knob) per item in a grid-stride loop; items are
-//    enumerated buffer-major so concurrently running warps stay within one buffer (fewer TLB
-//    entries live at once);
-//  - access width chosen per item on the device from the actual addresses: 16-byte vectors when
+//    group is a tuning knob) per unit of work in a grid-stride loop; a unit is a whole item or,
+//    with PageCopyTuning::chunk_bytes, one fixed-size chunk of it (balances the grid's last
+//    round when items are few and large); items are enumerated buffer-major so concurrently
+//    running warps stay within one buffer (fewer TLB entries live at once);
+//  - access width chosen per unit on the device from the actual addresses: 16-byte vectors when
 //    source and destination are 16-aligned, else 8/4/2/1; the remainder (< width) byte-wise;
-//  - each lane issues `kUnroll` independent loads before its stores, and the next item's table
-//    reads are issued before the current item's copy, so the dependent index->address->data
-//    chain of one item overlaps the copy of the previous one.
+//    chunk starts are multiples of 16 bytes into the item, so a chunk keeps the item's alignment;
+//  - each lane issues `kUnroll` independent loads before its stores, and the next unit's table
+//    reads are issued before the current unit's copy, so the dependent index->address->data
+//    chain of one unit overlaps the copy of the previous one;
+//  - optionally (prefetch_l2) the group's first lane asks L2 for the unit's whole source range
+//    with one bulk prefetch before the copy.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -28,8 +32,8 @@ namespace kvt::kernels {
 namespace internal {
 namespace {
 
-// Blocks of up to 512 threads: lets the compiler use up to 128 registers (the unrolled paths
-// need more than 64 without spilling), so 1024-thread blocks are refused by ValidateTuning.
+// Blocks of up to 512 threads: lets the compiler use up to 128 registers (the unroll-8 path
+// needs about 100 without spilling), so 1024-thread blocks are refused by ValidateTuning.
 constexpr int kMaxPageCopyThreads = 512;
 
 template <bool kStreaming, typename T>
@@ -61,6 +65,9 @@ __device__ __forceinline__ void CopyRun(const T* __restrict__ src, T* __restrict
   const T* s = src + lane;
   T* d = dst + lane;
   int64_t left = n - lane;  // elements from this thread's position to the end
+  // Not unrolled further: kUnroll accesses in flight are the design, and a compiler unroll of
+  // this loop multiplies the live registers (spills under the 64-register cap).
+#pragma unroll 1
   for (; left > static_cast<int64_t>(kUnroll - 1) * group; left -= step, s += step, d += step) {
     T r[kUnroll];
 #pragma unroll
@@ -81,19 +88,13 @@ __device__ __forceinline__ void CopyRun(const T* __restrict__ src, T* __restrict
   }
 }
 
-template <int kUnroll, bool kStreaming, int kGroup>
-__device__ __forceinline__ void CopyItem(uint64_t s, uint64_t d, int64_t bytes, int lane) {
-  // Only the 16-byte path (pool pages are 16-aligned) is unrolled kUnroll deep; the narrow
-  // fallbacks use 2, which keeps the kernel's register count (and so its occupancy) set by the
-  // path that matters.
+// Units whose source or destination is not 16-aligned: 8/4/2/1-byte accesses (unrolled 2 deep,
+// so the 16-byte path sets the kernel's register count), then the tail.
+template <bool kStreaming, int kGroup>
+__device__ __forceinline__ void CopyNarrow(uint64_t s, uint64_t d, int64_t bytes, int lane) {
   const uint64_t mis = s | d;
   int64_t done;
-  if ((mis & 15) == 0) {
-    const int64_t n = bytes >> 4;
-    CopyRun<uint4, kUnroll, kStreaming, kGroup>(reinterpret_cast<const uint4*>(s),
-                                                reinterpret_cast<uint4*>(d), n, lane);
-    done = n << 4;
-  } else if ((mis & 7) == 0) {
+  if ((mis & 7) == 0) {
     const int64_t n = bytes >> 3;
     CopyRun<uint2, 2, kStreaming, kGroup>(reinterpret_cast<const uint2*>(s),
                                           reinterpret_cast<uint2*>(d), n, lane);
@@ -115,6 +116,22 @@ __device__ __forceinline__ void CopyItem(uint64_t s, uint64_t d, int64_t bytes, 
   }
   // Tail shorter than the access width.
   for (int64_t k = done + lane; k < bytes; k += kGroup) {
+    reinterpret_cast<unsigned char*>(d)[k] = reinterpret_cast<const unsigned char*>(s)[k];
+  }
+}
+
+template <int kUnroll, bool kStreaming, int kGroup>
+__device__ __forceinline__ void CopyItem(uint64_t s, uint64_t d, int64_t bytes, int lane) {
+  // Only the 16-byte path (pool pages are 16-aligned) is unrolled kUnroll deep.
+  if (((s | d) & 15) != 0) {
+    CopyNarrow<kStreaming, kGroup>(s, d, bytes, lane);
+    return;
+  }
+  const int64_t n = bytes >> 4;
+  CopyRun<uint4, kUnroll, kStreaming, kGroup>(reinterpret_cast<const uint4*>(s),
+                                              reinterpret_cast<uint4*>(d), n, lane);
+  // Tail shorter than 16 bytes.
+  for (int64_t k = (n << 4) + lane; k < bytes; k += kGroup) {
     reinterpret_cast<unsigned char*>(d)[k] = reinterpret_cast<const unsigned char*>(s)[k];
   }
 }
@@ -149,27 +166,74 @@ __device__ __forceinline__ ItemAddr AddrOf(const CopyDesc& d, uint64_t item, boo
   return ItemAddr{SideAddr(d.src, b, i), SideAddr(d.dst, b, i)};
 }
 
-// A group of 2^group_shift threads (a warp or more; groups never straddle blocks) copies one
-// item at a time, in a grid-stride loop over items.
+// One unit of work: a whole item, or chunk `chunk` of it (CopyDesc::chunks_per_item > 1); the
+// addresses already include the chunk's offset. The length is derived from the 32-bit chunk
+// index when the unit is copied (fewer live registers across the copy than a 64-bit length).
+struct Unit {
+  uint64_t src;
+  uint64_t dst;
+  uint32_t chunk;
+};
+
+__device__ __forceinline__ Unit UnitOf(const CopyDesc& d, uint64_t unit, bool narrow) {
+  if (d.chunks_per_item <= 1) {
+    const ItemAddr a = AddrOf(d, unit, narrow);
+    return Unit{a.src, a.dst, 0};
+  }
+  uint64_t item;
+  uint32_t chunk;
+  if (narrow) {
+    const uint32_t q = static_cast<uint32_t>(unit) / d.chunks_per_item;
+    chunk = static_cast<uint32_t>(unit) - q * d.chunks_per_item;
+    item = q;
+  } else {
+    item = unit / d.chunks_per_item;
+    chunk = static_cast<uint32_t>(unit - item * d.chunks_per_item);
+  }
+  const ItemAddr a = AddrOf(d, item, narrow);
+  const uint64_t off = static_cast<uint64_t>(chunk) * static_cast<uint64_t>(d.chunk_bytes);
+  return Unit{a.src + off, a.dst + off, chunk};
+}
+
+__device__ __forceinline__ int64_t UnitBytes(const CopyDesc& d, uint32_t chunk) {
+  const int64_t left = d.bytes - static_cast<int64_t>(chunk) * d.chunk_bytes;
+  return left < d.chunk_bytes ? left : d.chunk_bytes;
+}
+
+// Asks L2 to fetch [src, src + bytes) from memory (a hint: no completion to wait for). The bulk
+// prefetch wants a 16-aligned address and a multiple of 16 bytes; other units skip it.
+__device__ __forceinline__ void PrefetchL2(uint64_t src, int64_t bytes) {
+  if (((src | static_cast<uint64_t>(bytes)) & 15) != 0 || bytes <= 0 || bytes > 0x7FFFFFF0) return;
+  const size_t g = __cvta_generic_to_global(reinterpret_cast<const void*>(src));
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(g),
+               "r"(static_cast<uint32_t>(bytes))
+               : "memory");
+}
+
+// A group of kGroup threads (a warp or more; groups never straddle blocks) copies one unit at a
+// time, in a grid-stride loop over units. The unroll-8 paths get the whole register file (no
+// second-block cap): capped at 64 registers they spilled (docs/kernels.md).
 template <int kUnroll, bool kStreaming, int kGroup>
-__global__ void __launch_bounds__(kMaxPageCopyThreads, 2)
-    PageCopyKernel(const CopyDesc d, const uint64_t num_items) {
+__global__ void __launch_bounds__(kMaxPageCopyThreads, kUnroll == 8 ? 1 : 2)
+    PageCopyKernel(const CopyDesc d, const uint64_t num_units) {
   const int lane = threadIdx.x & (kGroup - 1);
   const uint64_t first = (static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kGroup;
   const uint64_t num_groups = (static_cast<uint64_t>(gridDim.x) * blockDim.x) / kGroup;
-  const bool narrow = num_items <= 0xFFFFFFFFull;
-  uint64_t item = first;
-  if (item >= num_items) return;
-  ItemAddr cur = AddrOf(d, item, narrow);
+  const bool narrow = num_units <= 0xFFFFFFFFull;
+  uint64_t unit = first;
+  if (unit >= num_units) return;
+  Unit cur = UnitOf(d, unit, narrow);
   while (true) {
-    const uint64_t next = item + num_groups;
-    const bool has_next = next < num_items;
-    ItemAddr nxt{0, 0};
-    if (has_next) nxt = AddrOf(d, next, narrow);
-    CopyItem<kUnroll, kStreaming, kGroup>(cur.src, cur.dst, d.bytes, lane);
+    const uint64_t next = unit + num_groups;
+    const bool has_next = next < num_units;
+    Unit nxt{0, 0, 0};
+    if (has_next) nxt = UnitOf(d, next, narrow);
+    const int64_t bytes = UnitBytes(d, cur.chunk);
+    if (d.prefetch_l2 && lane == 0) PrefetchL2(cur.src, bytes);
+    CopyItem<kUnroll, kStreaming, kGroup>(cur.src, cur.dst, bytes, lane);
     if (!has_next) break;
     cur = nxt;
-    item = next;
+    unit = next;
   }
 }
 
@@ -246,6 +310,10 @@ Status ValidateTuning(const PageCopyTuning& t) {
                            "threads_per_block (" +
                            std::to_string(t.threads_per_block) + ")");
   }
+  if (t.chunk_bytes < 0 || t.chunk_bytes % 16 != 0) {
+    return InvalidArgument("PageCopyTuning: chunk_bytes is " + std::to_string(t.chunk_bytes) +
+                           "; it must be 0 (whole items) or a positive multiple of 16");
+  }
   if (t.blocks_per_sm < 0) {
     return InvalidArgument("PageCopyTuning: blocks_per_sm is " + std::to_string(t.blocks_per_sm) +
                            "; it must be >= 0 (0: as many as fit)");
@@ -275,20 +343,32 @@ Status CopyDevice(const CopyDesc& desc, const PageCopyTuning& t, cudaStream_t st
   if (desc.num_buffers <= 0 || desc.num_pages <= 0 || desc.bytes <= 0) return OkStatus();
   CopyDesc d = desc;
   d.page_major = t.page_major;
+  d.prefetch_l2 = t.prefetch_l2;
   const uint64_t num_items =
       static_cast<uint64_t>(d.num_buffers) * static_cast<uint64_t>(d.num_pages);
+  d.chunks_per_item = 1;
+  d.chunk_bytes = d.bytes;
+  if (t.chunk_bytes > 0 && d.bytes > t.chunk_bytes) {
+    const int64_t chunks = (d.bytes + t.chunk_bytes - 1) / t.chunk_bytes;
+    // Absurdly many chunks (items of gigabytes in small chunks): keep whole items.
+    if (chunks <= 0x7FFFFFFF) {
+      d.chunks_per_item = static_cast<uint32_t>(chunks);
+      d.chunk_bytes = t.chunk_bytes;
+    }
+  }
+  const uint64_t num_units = num_items * d.chunks_per_item;
   KVT_ASSIGN_OR_RETURN(int sms, CurrentDeviceSmCount());
-  const int group = ThreadsPerItem(t, d.bytes);
+  const int group = ThreadsPerItem(t, d.chunk_bytes);
   int blocks_per_sm = t.blocks_per_sm;
   if (blocks_per_sm == 0) {
     KVT_ASSIGN_OR_RETURN(blocks_per_sm,
                          BlocksPerSm(t.unroll, t.streaming, group, t.threads_per_block));
   }
   const uint64_t groups_per_block = static_cast<uint64_t>(t.threads_per_block / group);
-  const uint64_t wanted = (num_items + groups_per_block - 1) / groups_per_block;
+  const uint64_t wanted = (num_units + groups_per_block - 1) / groups_per_block;
   const unsigned grid =
       static_cast<unsigned>(std::min<uint64_t>(wanted, static_cast<uint64_t>(sms) * blocks_per_sm));
-  PickKernel(t.unroll, t.streaming, group)<<<grid, t.threads_per_block, 0, stream>>>(d, num_items);
+  PickKernel(t.unroll, t.streaming, group)<<<grid, t.threads_per_block, 0, stream>>>(d, num_units);
   return cuda::LastLaunchStatus("PageCopyKernel");
 }
 

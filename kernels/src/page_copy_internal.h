@@ -35,6 +35,11 @@ struct CopyDesc {
   int64_t num_pages = 0;
   int64_t bytes = 0;
   bool page_major = false;  // see the note below; a tuning knob for experiments
+  // Work split (set by CopyDevice from the tuning): each item is chunks_per_item units of
+  // chunk_bytes (the last one shorter); chunks_per_item == 1 means whole items.
+  int64_t chunk_bytes = 0;
+  uint32_t chunks_per_item = 1;
+  bool prefetch_l2 = false;
 };
 
 // Items are enumerated buffer-major (b * num_pages + i): warps working at the same time then

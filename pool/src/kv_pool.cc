@@ -196,7 +196,7 @@ StatusOr<std::unique_ptr<KvPool>> KvPool::Create(const PoolOptions& options) {
     for (auto* side : {&impl->k_memory, &impl->v_memory}) {
       KVT_ASSIGN_OR_RETURN(
           auto mem, PoolMemory::Allocate(impl->kind, layout.buffer_bytes(), impl->device, pin,
-                                   options.prefault_host_memory));
+                                         options.prefault_host_memory, options.host_allocator));
       side->push_back(std::move(mem));
     }
   }

@@ -13,7 +13,8 @@ namespace kvt::pool {
 
 StatusOr<std::unique_ptr<PoolMemory>> PoolMemory::Allocate(MemoryKind kind, int64_t bytes,
                                                            int device, bool pin_host,
-                                                           bool prefault) {
+                                                           bool prefault,
+                                                           std::shared_ptr<HostAllocator> allocator) {
   if (bytes <= 0) return InvalidArgument("pool allocation of " + std::to_string(bytes) + " bytes");
   std::unique_ptr<PoolMemory> mem(new PoolMemory());
   mem->kind_ = kind;
@@ -26,6 +27,19 @@ StatusOr<std::unique_ptr<PoolMemory>> PoolMemory::Allocate(MemoryKind kind, int6
                          kvt::cuda::DeviceBuffer::Allocate(static_cast<size_t>(bytes), device));
     mem->data_ = mem->device_buffer_.data();
     KVT_RETURN_IF_ERROR(mem->Zero());
+    return mem;
+  }
+  if (allocator) {
+    KVT_ASSIGN_OR_RETURN(void* block, allocator->Allocate(bytes));
+    if (reinterpret_cast<uintptr_t>(block) % 4096 != 0) {
+      allocator->Free(block, bytes);
+      return Internal(std::string("host allocator '") + std::string(allocator->name()) +
+                      "' returned memory that is not page-aligned");
+    }
+    mem->data_ = block;
+    mem->allocator_ = std::move(allocator);
+    // Zeroing writes every page, which also prefaults it.
+    std::memset(block, 0, static_cast<size_t>(bytes));
     return mem;
   }
   // MAP_NORESERVE: the pool may be far larger than what is ever touched (kvt-info layouts).
@@ -68,7 +82,9 @@ PoolMemory::~PoolMemory() {
         KVT_LOG_WARN("pool", "cudaHostUnregister failed: {}", cudaGetErrorString(err));
       }
     }
-    if (munmap(data_, static_cast<size_t>(bytes_)) != 0) {
+    if (allocator_) {
+      allocator_->Free(data_, bytes_);
+    } else if (munmap(data_, static_cast<size_t>(bytes_)) != 0) {
       KVT_LOG_WARN("pool", "munmap of {} bytes failed: {}", bytes_, std::strerror(errno));
     }
   }

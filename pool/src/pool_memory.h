@@ -20,7 +20,8 @@ namespace kvt::pool {
 class PoolMemory {
  public:
   static StatusOr<std::unique_ptr<PoolMemory>> Allocate(MemoryKind kind, int64_t bytes, int device,
-                                                      bool pin_host, bool prefault = false);
+                                                      bool pin_host, bool prefault = false,
+                                                      std::shared_ptr<HostAllocator> allocator = {});
   ~PoolMemory();
   PoolMemory(const PoolMemory&) = delete;
   PoolMemory& operator=(const PoolMemory&) = delete;
@@ -38,6 +39,7 @@ class PoolMemory {
 
   MemoryKind kind_ = MemoryKind::kHost;
   void* data_ = nullptr;
+  std::shared_ptr<HostAllocator> allocator_;  // set when data_ came from it
   int64_t bytes_ = 0;
   int device_ = 0;
   bool pinned_ = false;

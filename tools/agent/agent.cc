@@ -44,8 +44,16 @@ class Agent::Impl {
           "kvt-agent runs host pools in this build; CUDA pools come with the "
           "cuda_ipc backend");
     }
+    // The backend first, so that the pool's memory can come from it: UCX's shared-memory
+    // transports write straight into a peer's buffers only when UCX allocated them.
+    KVT_ASSIGN_OR_RETURN(std::shared_ptr<transfer::Backend> backend,
+                         transfer::CreateBackend(options_.engine.backend,
+                                                 options_.engine.backend_options));
     pool::PoolOptions pool_options = options_.pool;
     pool_options.pd_disaggregation_enabled = true;
+    if (pool_options.memory == pool::MemoryKind::kHost) {
+      pool_options.host_allocator = transfer::BackendHostAllocator(backend);
+    }
     KVT_ASSIGN_OR_RETURN(pool_, pool::KvPool::Create(pool_options));
     const int64_t pages = pool_->layout().num_pages();
     KVT_ASSIGN_OR_RETURN(allocator_, pool::PageAllocator::Create(pages));
@@ -59,7 +67,8 @@ class Agent::Impl {
     transfer::EngineOptions engine = options_.engine;
     engine.name = options_.name;
     engine.prefill = options_.prefill;
-    KVT_ASSIGN_OR_RETURN(engine_, transfer::TransferEngine::Create(engine, pool_.get()));
+    KVT_ASSIGN_OR_RETURN(engine_,
+                         transfer::TransferEngine::Create(engine, pool_.get(), std::move(backend)));
     auto infos = pool_->GetContiguousBufInfos();
     const int64_t layers = pool_->options().layer_num;
     k_bases_.assign(infos->data_ptrs.begin(), infos->data_ptrs.begin() + layers);
@@ -296,6 +305,11 @@ class Agent::Impl {
     if (report.mismatches > 0) ++stats_.corrupted;
     request->done = true;
     request->report = std::move(report);
+    finished_.push_back(room);
+    while (finished_.size() > options_.max_reports) {
+      requests_.erase(finished_.front());
+      finished_.pop_front();
+    }
   }
 
   const AgentOptions options_;
@@ -312,6 +326,7 @@ class Agent::Impl {
   std::map<std::string, Request> requests_;
   std::deque<std::string> pending_;        // submitted, not yet final
   std::deque<std::string> forward_queue_;  // prefill: rooms whose forward has not run
+  std::deque<std::string> finished_;       // final rooms, oldest first (bounded report memory)
   AgentStats stats_;
 };
 

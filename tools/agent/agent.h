@@ -37,6 +37,8 @@ struct AgentOptions {
   bool skip_fill = false;
   // Decode: verify every received byte (off for benchmarks that measure the transfer alone).
   bool verify = true;
+  // Reports of finished requests kept for QueryRequests; the oldest are dropped beyond this.
+  size_t max_reports = 65536;
 };
 
 struct SubmitSpec {

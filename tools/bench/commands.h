@@ -9,4 +9,8 @@ namespace kvt::bench {
 // `kvt-bench kernels`: page gather/scatter kernel vs contiguous memcpy and the peers' ways.
 void AddKernelsCommand(CLI::App& app, int& exit_code);
 
+// `kvt-bench transfer`: TransferEngine host path between two processes vs memcpy and a
+// contiguous put in the same run (also registers its hidden `transfer-peer` child command).
+void AddTransferCommand(CLI::App& app, int& exit_code);
+
 }  // namespace kvt::bench

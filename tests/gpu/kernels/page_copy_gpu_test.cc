@@ -144,6 +144,7 @@ TEST_P(PageCopyGpuTest, EveryTuningMatchesCpuReference) {
             t.threads_per_block = threads;
             t.threads_per_item = per_item;
             t.page_major = page_major;
+            t.chunk_bytes = 0;  // whole items here; chunks in ChunkedTuningsMatchCpuReference
             t.blocks_per_sm = unroll == 8 ? 1 : 0;  // also a grid smaller than the work
             SCOPED_TRACE(::testing::Message()
                          << "unroll " << unroll << " streaming " << streaming << " threads "
@@ -153,6 +154,32 @@ TEST_P(PageCopyGpuTest, EveryTuningMatchesCpuReference) {
             });
             if (HasFatalFailure()) return;
           }
+        }
+      }
+    }
+  }
+}
+
+// Items split into chunks (the last one shorter, tails and narrow accesses per chunk), with and
+// without the L2 bulk prefetch, on every layout.
+TEST_P(PageCopyGpuTest, ChunkedTuningsMatchCpuReference) {
+  KVT_SKIP_WITHOUT_GPU();
+  for (int unroll : {4, 8}) {
+    for (int chunk : {16, 48, 512, 4096, 8192}) {
+      for (bool prefetch : {false, true}) {
+        for (int threads : {256, 512}) {
+          PageCopyTuning t = DefaultPageCopyTuning();
+          t.unroll = unroll;
+          t.chunk_bytes = chunk;
+          t.prefetch_l2 = prefetch;
+          t.threads_per_block = threads;
+          t.blocks_per_sm = chunk == 48 ? 1 : 0;  // also a grid smaller than the work
+          SCOPED_TRACE(::testing::Message() << "unroll " << unroll << " chunk " << chunk
+                                            << " prefetch " << prefetch << " threads " << threads);
+          CheckCopy(GetParam(), 17, [&](const PageCopyArgs& a, cudaStream_t s) {
+            return PageCopyCudaTuned(a, t, s);
+          });
+          if (HasFatalFailure()) return;
         }
       }
     }

@@ -49,6 +49,13 @@ TEST(CudaEntryValidationTest, InvalidArgumentsNeverReachTheDevice) {
   tuning.threads_per_item = 48;
   s = PageCopyCudaTuned(PageCopyArgs{}, tuning, nullptr);
   EXPECT_NE(s.message().find("threads_per_item is 48"), std::string::npos) << s;
+  tuning.threads_per_item = 32;
+  tuning.chunk_bytes = 1000;
+  s = PageCopyCudaTuned(PageCopyArgs{}, tuning, nullptr);
+  EXPECT_NE(s.message().find("chunk_bytes is 1000"), std::string::npos) << s;
+  tuning.chunk_bytes = -16;
+  s = PageCopyCudaTuned(PageCopyArgs{}, tuning, nullptr);
+  EXPECT_NE(s.message().find("chunk_bytes is -16"), std::string::npos) << s;
 }
 
 TEST(CudaEntryValidationTest, EmptyInputsAreNoOpsEvenWithoutDevice) {

@@ -81,7 +81,8 @@ bool PeerPortRefuses(const std::string& host, uint16_t port) {
 
 class TransferEngine::Impl : public control::ControlHandler {
  public:
-  Impl(const EngineOptions& options, pool::KvPool* pool) : options_(options), pool_(pool) {}
+  Impl(const EngineOptions& options, pool::KvPool* pool, std::shared_ptr<Backend> backend)
+      : options_(options), pool_(pool), backend_(std::move(backend)) {}
 
   ~Impl() override { Shutdown(); }
 
@@ -90,7 +91,9 @@ class TransferEngine::Impl : public control::ControlHandler {
     // The pool's guards decide what may be registered for transfer.
     KVT_ASSIGN_OR_RETURN(pool::ContiguousBufInfos infos, pool_->GetContiguousBufInfos());
     KVT_ASSIGN_OR_RETURN(local_layout_, LayoutFromPool(*pool_, options_.tp_rank, options_.tp_size));
-    KVT_ASSIGN_OR_RETURN(backend_, CreateBackend(options_.backend, options_.backend_options));
+    if (!backend_) {
+      KVT_ASSIGN_OR_RETURN(backend_, CreateBackend(options_.backend, options_.backend_options));
+    }
     std::vector<LocalRegion> regions;
     for (size_t i = 0; i < infos.data_ptrs.size(); ++i) {
       LocalRegion r;
@@ -957,7 +960,7 @@ class TransferEngine::Impl : public control::ControlHandler {
 
   const EngineOptions options_;
   pool::KvPool* const pool_;
-  std::unique_ptr<Backend> backend_;
+  std::shared_ptr<Backend> backend_;
   std::unique_ptr<control::ControlServer> server_;
   v1::Layout local_layout_;
   v1::PeerInfo local_info_;
@@ -984,9 +987,9 @@ class TransferEngine::Impl : public control::ControlHandler {
 TransferEngine::TransferEngine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 TransferEngine::~TransferEngine() = default;
 
-StatusOr<std::unique_ptr<TransferEngine>> TransferEngine::Create(const EngineOptions& options,
-                                                                 pool::KvPool* pool) {
-  auto impl = std::make_unique<Impl>(options, pool);
+StatusOr<std::unique_ptr<TransferEngine>> TransferEngine::Create(
+    const EngineOptions& options, pool::KvPool* pool, std::shared_ptr<Backend> backend) {
+  auto impl = std::make_unique<Impl>(options, pool, std::move(backend));
   KVT_RETURN_IF_ERROR(impl->Init());
   return std::unique_ptr<TransferEngine>(new TransferEngine(std::move(impl)));
 }

@@ -6,10 +6,12 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <vector>
 
 #include "kvt/common/dtype.h"
+#include "kvt/pool/host_allocator.h"
 #include "kvt/pool/layer_type.h"
 
 namespace kvt::pool {
@@ -79,6 +81,9 @@ struct PoolOptions {
   // the first transfers into or out of the pool do not pay page faults. Off by default because
   // pools that are only inspected (kvt-info) would commit all their memory; agents turn it on.
   bool prefault_host_memory = false;
+  // Host pools: take the K/V buffers from this allocator instead of mmap (e.g. a transfer
+  // backend's, so that it can reach them directly). Null: mmap. The pool zeroes the memory.
+  std::shared_ptr<HostAllocator> host_allocator;
 };
 
 }  // namespace kvt::pool

@@ -95,6 +95,16 @@ class Backend {
   // Release no byte of it lands later.
   virtual void Release(WriteId write) = 0;
 
+  // Host memory this backend reaches best (UCX: memory from its shared-memory transports, which
+  // peers on the same host write into directly). Page-aligned, contents undefined. Unimplemented
+  // when the backend has nothing better than ordinary memory. Registering a region inside such
+  // a block reuses the block's registration.
+  virtual StatusOr<void*> AllocateHost(size_t bytes) {
+    return Unimplemented(std::string(Name()) + " has no host allocator");
+  }
+  // Frees a block from AllocateHost; it must no longer be registered by a live write.
+  virtual void FreeHost(void* block) {}
+
  protected:
   Backend() = default;
 };

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "kvt/common/status.h"
+#include "kvt/pool/host_allocator.h"
 #include "kvt/transfer/backend.h"
 
 namespace kvt::transfer {
@@ -30,5 +31,10 @@ std::vector<std::string> BackendNames();
 // A new backend instance. Unknown names → InvalidArgument listing the known ones.
 StatusOr<std::unique_ptr<Backend>> CreateBackend(std::string_view name,
                                                  const BackendOptions& options = {});
+
+// An allocator for host pools (PoolOptions::host_allocator) that takes memory from `backend`,
+// keeping the backend alive until the last block is freed; null when the backend has no host
+// allocator of its own (then pools use ordinary memory).
+std::shared_ptr<pool::HostAllocator> BackendHostAllocator(std::shared_ptr<Backend> backend);
 
 }  // namespace kvt::transfer

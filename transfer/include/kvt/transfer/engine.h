@@ -105,9 +105,11 @@ class TransferEngine {
  public:
   // Registers the pool's buffers with the backend (the pool's guards refuse what they refuse:
   // slab-aliased or state-layer pools cannot be registered) and, for prefill, starts listening.
-  // The pool must outlive the engine.
-  static StatusOr<std::unique_ptr<TransferEngine>> Create(const EngineOptions& options,
-                                                          pool::KvPool* pool);
+  // The pool must outlive the engine. `backend`: one made beforehand (e.g. to allocate the
+  // pool's memory through BackendHostAllocator); null: the engine creates options.backend.
+  static StatusOr<std::unique_ptr<TransferEngine>> Create(
+      const EngineOptions& options, pool::KvPool* pool,
+      std::shared_ptr<Backend> backend = nullptr);
   ~TransferEngine();
   TransferEngine(const TransferEngine&) = delete;
   TransferEngine& operator=(const TransferEngine&) = delete;

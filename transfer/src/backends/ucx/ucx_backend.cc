@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <map>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -60,6 +61,8 @@ class UcxBackend final : public Backend {
     for (auto& [id, peer] : peers_) ClosePeerLocked(peer);
     peers_.clear();
     UnmapLocked();
+    for (auto& [address, allocation] : allocations_) ucp_mem_unmap(context_, allocation.memh);
+    allocations_.clear();
     if (worker_address_ != nullptr) ucp_worker_release_address(worker_, worker_address_);
     if (worker_ != nullptr) ucp_worker_destroy(worker_);
     if (context_ != nullptr) ucp_cleanup(context_);
@@ -144,19 +147,22 @@ class UcxBackend final : public Backend {
             std::to_string(i) +
             " on CUDA memory cannot be registered directly; stage through host memory");
       }
-      ucp_mem_map_params_t mp = {};
-      mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
-                      UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
-      mp.address = reinterpret_cast<void*>(r.base);
-      mp.length = r.length;
-      mp.memory_type = r.kind == MemoryKind::kCuda ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST;
-      ucp_mem_h memh = nullptr;
-      Status mapped = UcsStatus(ucp_mem_map(context_, &mp, &memh), "ucp_mem_map");
-      if (!mapped.ok()) {
-        UnmapLocked();
-        return mapped.WithContext("registering buffer " + std::to_string(i));
+      ucp_mem_h memh = AllocationContaining(r.base, r.length);
+      if (memh == nullptr) {
+        ucp_mem_map_params_t mp = {};
+        mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                        UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
+        mp.address = reinterpret_cast<void*>(r.base);
+        mp.length = r.length;
+        mp.memory_type =
+            r.kind == MemoryKind::kCuda ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST;
+        Status mapped = UcsStatus(ucp_mem_map(context_, &mp, &memh), "ucp_mem_map");
+        if (!mapped.ok()) {
+          UnmapLocked();
+          return mapped.WithContext("registering buffer " + std::to_string(i));
+        }
+        memhs_.push_back(memh);  // ours to unmap; allocation handles stay with FreeHost
       }
-      memhs_.push_back(memh);
       void* packed = nullptr;
       size_t packed_len = 0;
       Status packed_ok =
@@ -277,6 +283,45 @@ class UcxBackend final : public Backend {
     return write.status;
   }
 
+  StatusOr<void*> AllocateHost(size_t bytes) override {
+    if (bytes == 0) return InvalidArgument("host allocation of 0 bytes");
+    ucp_mem_map_params_t mp = {};
+    mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_LENGTH | UCP_MEM_MAP_PARAM_FIELD_FLAGS |
+                    UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE | UCP_MEM_MAP_PARAM_FIELD_ADDRESS;
+    mp.address = nullptr;
+    mp.length = bytes;
+    mp.flags = UCP_MEM_MAP_ALLOCATE;
+    mp.memory_type = UCS_MEMORY_TYPE_HOST;
+    std::lock_guard<std::mutex> lock(mutex_);
+    ucp_mem_h memh = nullptr;
+    KVT_RETURN_IF_ERROR(UcsStatus(ucp_mem_map(context_, &mp, &memh),
+                                  "ucp_mem_map(ALLOCATE, " + std::to_string(bytes) + " bytes)"));
+    ucp_mem_attr_t attr = {};
+    attr.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH;
+    Status queried = UcsStatus(ucp_mem_query(memh, &attr), "ucp_mem_query");
+    if (!queried.ok()) {
+      ucp_mem_unmap(context_, memh);
+      return queried;
+    }
+    if (reinterpret_cast<uintptr_t>(attr.address) % 4096 != 0) {
+      ucp_mem_unmap(context_, memh);
+      return Internal("UCX allocated host memory that is not page-aligned");
+    }
+    allocations_[reinterpret_cast<uint64_t>(attr.address)] = Allocation{memh, attr.length};
+    return attr.address;
+  }
+
+  void FreeHost(void* block) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = allocations_.find(reinterpret_cast<uint64_t>(block));
+    if (it == allocations_.end()) {
+      KVT_LOG_ERROR("ucx", "FreeHost of a block this backend did not allocate");
+      return;
+    }
+    ucp_mem_unmap(context_, it->second.memh);
+    allocations_.erase(it);
+  }
+
   void Release(WriteId id) override {
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = writes_.find(id);
@@ -297,6 +342,19 @@ class UcxBackend final : public Backend {
     void* flush = nullptr;  // outstanding flush request
     Status status;
   };
+  struct Allocation {
+    ucp_mem_h memh = nullptr;
+    size_t length = 0;
+  };
+
+  // The registration of an AllocateHost block holding [base, base + length), or null. mutex_ held.
+  ucp_mem_h AllocationContaining(uint64_t base, uint64_t length) const {
+    auto it = allocations_.upper_bound(base);
+    if (it == allocations_.begin()) return nullptr;
+    --it;
+    if (base + length > it->first + it->second.length) return nullptr;
+    return it->second.memh;
+  }
 
   static void OnEndpointError(void* arg, ucp_ep_h, ucs_status_t status) {
     static_cast<std::atomic<int>*>(arg)->store(status);
@@ -399,7 +457,8 @@ class UcxBackend final : public Backend {
   ucp_worker_h worker_ = nullptr;
   ucp_address_t* worker_address_ = nullptr;
   size_t worker_address_len_ = 0;
-  std::vector<ucp_mem_h> memhs_;
+  std::vector<ucp_mem_h> memhs_;            // registrations made by Register
+  std::map<uint64_t, Allocation> allocations_;  // AllocateHost blocks by address
   std::vector<LocalRegion> local_;
   std::unordered_map<PeerId, Peer> peers_;
   std::unordered_map<WriteId, Write> writes_;
