@@ -11,10 +11,9 @@
 
 namespace kvt::pool {
 
-StatusOr<std::unique_ptr<PoolMemory>> PoolMemory::Allocate(MemoryKind kind, int64_t bytes,
-                                                           int device, bool pin_host,
-                                                           bool prefault,
-                                                           std::shared_ptr<HostAllocator> allocator) {
+StatusOr<std::unique_ptr<PoolMemory>> PoolMemory::Allocate(
+    MemoryKind kind, int64_t bytes, int device, bool pin_host, bool prefault,
+    std::shared_ptr<HostAllocator> allocator) {
   if (bytes <= 0) return InvalidArgument("pool allocation of " + std::to_string(bytes) + " bytes");
   std::unique_ptr<PoolMemory> mem(new PoolMemory());
   mem->kind_ = kind;

@@ -46,9 +46,9 @@ class Agent::Impl {
     }
     // The backend first, so that the pool's memory can come from it: UCX's shared-memory
     // transports write straight into a peer's buffers only when UCX allocated them.
-    KVT_ASSIGN_OR_RETURN(std::shared_ptr<transfer::Backend> backend,
-                         transfer::CreateBackend(options_.engine.backend,
-                                                 options_.engine.backend_options));
+    KVT_ASSIGN_OR_RETURN(
+        std::shared_ptr<transfer::Backend> backend,
+        transfer::CreateBackend(options_.engine.backend, options_.engine.backend_options));
     pool::PoolOptions pool_options = options_.pool;
     pool_options.pd_disaggregation_enabled = true;
     if (pool_options.memory == pool::MemoryKind::kHost) {

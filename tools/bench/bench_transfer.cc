@@ -329,8 +329,8 @@ struct BackendBlock {
 };
 
 struct RawSide {
-  HostSlab contiguous;          // used when the backend has no allocator of its own
-  BackendBlock backend_memory;  // else the contiguous region comes from the backend
+  HostSlab contiguous;               // used when the backend has no allocator of its own
+  BackendBlock backend_memory;       // else the contiguous region comes from the backend
   std::shared_ptr<Backend> backend;  // declared after the memory it registers
   PeerDescriptor descriptor;
   transfer::PeerId peer = 0;
@@ -731,8 +731,7 @@ class DecodeSide {
     e.backend = c.backend;
     e.backend_options = c.BackendOptions();
     e.default_deadline = std::chrono::seconds(c.timeout_s);
-    KVT_ASSIGN_OR_RETURN(d->engine_,
-                         transfer::TransferEngine::Create(e, d->pool_.get(), backend));
+    KVT_ASSIGN_OR_RETURN(d->engine_, transfer::TransferEngine::Create(e, d->pool_.get(), backend));
     KVT_ASSIGN_OR_RETURN(d->peer_, d->engine_->ConnectPeer("127.0.0.1", port));
     return d;
   }

@@ -987,8 +987,9 @@ class TransferEngine::Impl : public control::ControlHandler {
 TransferEngine::TransferEngine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 TransferEngine::~TransferEngine() = default;
 
-StatusOr<std::unique_ptr<TransferEngine>> TransferEngine::Create(
-    const EngineOptions& options, pool::KvPool* pool, std::shared_ptr<Backend> backend) {
+StatusOr<std::unique_ptr<TransferEngine>> TransferEngine::Create(const EngineOptions& options,
+                                                                 pool::KvPool* pool,
+                                                                 std::shared_ptr<Backend> backend) {
   auto impl = std::make_unique<Impl>(options, pool, std::move(backend));
   KVT_RETURN_IF_ERROR(impl->Init());
   return std::unique_ptr<TransferEngine>(new TransferEngine(std::move(impl)));

@@ -20,6 +20,9 @@ struct BackendOptions {
   // ucx: the progress thread spins this long without work before it sleeps on the worker's
   // event fd; longer spins trade a CPU core for lower latency.
   int ucx_spin_us = 200;
+  // ucx: when UCX maps a peer's buffers into this process (shared memory on the same host,
+  // ucp_rkey_ptr), write them with plain copies instead of one UCX put per run.
+  bool ucx_direct_shm = true;
   // loopback: a posted write completes (its bytes are copied) only once this much time has
   // passed, so tests can abort or time out writes in flight. 0 copies at post time.
   int loopback_delay_us = 0;

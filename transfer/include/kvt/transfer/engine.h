@@ -108,8 +108,7 @@ class TransferEngine {
   // The pool must outlive the engine. `backend`: one made beforehand (e.g. to allocate the
   // pool's memory through BackendHostAllocator); null: the engine creates options.backend.
   static StatusOr<std::unique_ptr<TransferEngine>> Create(
-      const EngineOptions& options, pool::KvPool* pool,
-      std::shared_ptr<Backend> backend = nullptr);
+      const EngineOptions& options, pool::KvPool* pool, std::shared_ptr<Backend> backend = nullptr);
   ~TransferEngine();
   TransferEngine(const TransferEngine&) = delete;
   TransferEngine& operator=(const TransferEngine&) = delete;

@@ -1,10 +1,12 @@
 #include "backends/ucx/ucx_backend.h"
 
 #include <poll.h>
+#include <sys/mman.h>
 #include <ucp/api/ucp.h>
 
 #include <atomic>
 #include <chrono>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <string>
@@ -47,15 +49,32 @@ Status UcsStatus(ucs_status_t status, const std::string& what) {
 }
 
 class UcxBackend final : public Backend {
+  // Takes mutex_ for an API call, announcing itself first so that the progress thread (which
+  // otherwise re-takes the mutex in a tight loop while it spins) steps aside.
+  class ApiLock {
+   public:
+    explicit ApiLock(UcxBackend& b) : b_(b) {
+      b_.api_waiters_.fetch_add(1, std::memory_order_acq_rel);
+      lock_ = std::unique_lock<std::mutex>(b_.mutex_);
+      b_.api_waiters_.fetch_sub(1, std::memory_order_acq_rel);
+    }
+    void unlock() { lock_.unlock(); }
+
+   private:
+    UcxBackend& b_;
+    std::unique_lock<std::mutex> lock_;
+  };
+
  public:
-  UcxBackend(const BackendOptions& options)
-      : spin_(std::chrono::microseconds(options.ucx_spin_us)) {}
+  explicit UcxBackend(const BackendOptions& options)
+      : spin_(std::chrono::microseconds(options.ucx_spin_us)),
+        direct_shm_(options.ucx_direct_shm) {}
 
   ~UcxBackend() override {
     stop_.store(true);
     if (worker_ != nullptr) ucp_worker_signal(worker_);
     if (progress_.joinable()) progress_.join();
-    std::lock_guard<std::mutex> lock(mutex_);
+    ApiLock lock(*this);
     for (auto& [id, write] : writes_) WaitLocked(write);
     writes_.clear();
     for (auto& [id, peer] : peers_) ClosePeerLocked(peer);
@@ -122,7 +141,7 @@ class UcxBackend final : public Backend {
   }
 
   StatusOr<PeerDescriptor> Register(std::span<const LocalRegion> regions) override {
-    std::lock_guard<std::mutex> lock(mutex_);
+    ApiLock lock(*this);
     for (auto& [id, write] : writes_) {
       if (write.status.code() == StatusCode::kInProgress) {
         return FailedPrecondition("cannot re-register buffers while writes are in flight");
@@ -154,8 +173,7 @@ class UcxBackend final : public Backend {
                         UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
         mp.address = reinterpret_cast<void*>(r.base);
         mp.length = r.length;
-        mp.memory_type =
-            r.kind == MemoryKind::kCuda ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST;
+        mp.memory_type = r.kind == MemoryKind::kCuda ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST;
         Status mapped = UcsStatus(ucp_mem_map(context_, &mp, &memh), "ucp_mem_map");
         if (!mapped.ok()) {
           UnmapLocked();
@@ -184,7 +202,7 @@ class UcxBackend final : public Backend {
       return InvalidArgument("peer uses backend '" + descriptor.backend + "', this side 'ucx'");
     }
     if (descriptor.address.empty()) return InvalidArgument("peer sent an empty UCX address");
-    std::lock_guard<std::mutex> lock(mutex_);
+    ApiLock lock(*this);
     KVT_RETURN_IF_ERROR(CheckRegionCount(local_.size(), descriptor.regions.size()));
     const PeerId id = next_peer_++;
     Peer peer;
@@ -211,12 +229,13 @@ class UcxBackend final : public Backend {
       }
       peer.rkeys.push_back(rkey);
     }
+    if (direct_shm_) MapDirectLocked(peer);
     peers_.emplace(id, std::move(peer));
     return id;
   }
 
   Status Disconnect(PeerId id, DisconnectMode mode) override {
-    std::lock_guard<std::mutex> lock(mutex_);
+    ApiLock lock(*this);
     auto it = peers_.find(id);
     if (it == peers_.end()) return NotFound("no UCX peer " + std::to_string(id));
     ClosePeerLocked(it->second, mode == DisconnectMode::kPeerDead);
@@ -233,7 +252,7 @@ class UcxBackend final : public Backend {
   }
 
   StatusOr<WriteId> PostWrite(PeerId id, std::span<const CopyRun> runs) override {
-    std::unique_lock<std::mutex> lock(mutex_);
+    ApiLock lock(*this);
     auto it = peers_.find(id);
     if (it == peers_.end()) return NotFound("no UCX peer " + std::to_string(id));
     Peer& peer = it->second;
@@ -241,6 +260,21 @@ class UcxBackend final : public Backend {
       return UcsStatus(static_cast<ucs_status_t>(err), "UCX endpoint to the peer failed");
     }
     KVT_RETURN_IF_ERROR(CheckRuns(runs, local_, peer.regions));
+    if (!peer.direct.empty()) {
+      // Shared memory mapped here: copy, and publish the stores before "done" can be sent.
+      for (const CopyRun& run : runs) {
+        std::memcpy(peer.direct[run.buffer] + run.dst_offset,
+                    reinterpret_cast<const uint8_t*>(local_[run.buffer].base) + run.src_offset,
+                    run.bytes);
+      }
+      std::atomic_thread_fence(std::memory_order_release);
+      Write write;
+      write.peer = id;
+      write.status = OkStatus();
+      const WriteId wid = next_write_++;
+      writes_.emplace(wid, std::move(write));
+      return wid;
+    }
     ucp_request_param_t param = {};
     for (const CopyRun& run : runs) {
       const void* src = reinterpret_cast<const uint8_t*>(local_[run.buffer].base) + run.src_offset;
@@ -272,7 +306,7 @@ class UcxBackend final : public Backend {
   }
 
   Status Check(WriteId id) override {
-    std::lock_guard<std::mutex> lock(mutex_);
+    ApiLock lock(*this);
     auto it = writes_.find(id);
     if (it == writes_.end()) return NotFound("no UCX write " + std::to_string(id));
     Write& write = it->second;
@@ -292,7 +326,7 @@ class UcxBackend final : public Backend {
     mp.length = bytes;
     mp.flags = UCP_MEM_MAP_ALLOCATE;
     mp.memory_type = UCS_MEMORY_TYPE_HOST;
-    std::lock_guard<std::mutex> lock(mutex_);
+    ApiLock lock(*this);
     ucp_mem_h memh = nullptr;
     KVT_RETURN_IF_ERROR(UcsStatus(ucp_mem_map(context_, &mp, &memh),
                                   "ucp_mem_map(ALLOCATE, " + std::to_string(bytes) + " bytes)"));
@@ -312,7 +346,7 @@ class UcxBackend final : public Backend {
   }
 
   void FreeHost(void* block) override {
-    std::lock_guard<std::mutex> lock(mutex_);
+    ApiLock lock(*this);
     auto it = allocations_.find(reinterpret_cast<uint64_t>(block));
     if (it == allocations_.end()) {
       KVT_LOG_ERROR("ucx", "FreeHost of a block this backend did not allocate");
@@ -323,7 +357,7 @@ class UcxBackend final : public Backend {
   }
 
   void Release(WriteId id) override {
-    std::lock_guard<std::mutex> lock(mutex_);
+    ApiLock lock(*this);
     auto it = writes_.find(id);
     if (it == writes_.end()) return;
     WaitLocked(it->second);
@@ -336,7 +370,33 @@ class UcxBackend final : public Backend {
     std::vector<ucp_rkey_h> rkeys;
     std::vector<RemoteRegion> regions;
     std::shared_ptr<std::atomic<int>> error;  // set by the endpoint's error handler
+    // When every peer buffer lives in shared memory UCX has mapped into this process
+    // (ucp_rkey_ptr), its local address per buffer: writes are then plain copies.
+    std::vector<uint8_t*> direct;
   };
+
+  // Finds local mappings of all the peer's buffers; on success pre-faults them, because the
+  // first store to each 4 KiB page of a fresh mapping costs a page fault (a few microseconds
+  // here), which would otherwise land on every first write to a page. mutex_ held.
+  void MapDirectLocked(Peer& peer) {
+    std::vector<uint8_t*> direct;
+    for (size_t i = 0; i < peer.rkeys.size(); ++i) {
+      void* local = nullptr;
+      if (ucp_rkey_ptr(peer.rkeys[i], peer.regions[i].base, &local) != UCS_OK) return;
+      direct.push_back(static_cast<uint8_t*>(local));
+    }
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+    for (size_t i = 0; i < direct.size(); ++i) {
+      const uintptr_t begin = reinterpret_cast<uintptr_t>(direct[i]) & ~uintptr_t{4095};
+      const uintptr_t end = reinterpret_cast<uintptr_t>(direct[i]) + peer.regions[i].length;
+      madvise(reinterpret_cast<void*>(begin), end - begin, MADV_POPULATE_WRITE);  // best effort
+    }
+    peer.direct = std::move(direct);
+    KVT_LOG_DEBUG("ucx", "peer buffers mapped directly ({} buffers): writes are plain copies",
+                  peer.direct.size());
+  }
   struct Write {
     PeerId peer = 0;
     void* flush = nullptr;  // outstanding flush request
@@ -422,6 +482,10 @@ class UcxBackend final : public Backend {
   void ProgressLoop() {
     auto last_work = Clock::now();
     while (!stop_.load(std::memory_order_relaxed)) {
+      if (api_waiters_.load(std::memory_order_acquire) > 0) {
+        std::this_thread::yield();  // an API call wants the worker; it progresses it too
+        continue;
+      }
       unsigned progressed;
       {
         std::lock_guard<std::mutex> lock(mutex_);
@@ -446,7 +510,9 @@ class UcxBackend final : public Backend {
   }
 
   const std::chrono::microseconds spin_;
+  const bool direct_shm_;
   std::atomic<bool> stop_{false};
+  std::atomic<int> api_waiters_{0};  // API calls waiting for mutex_
   std::thread progress_;
 
   ucp_context_h context_ = nullptr;
@@ -457,7 +523,7 @@ class UcxBackend final : public Backend {
   ucp_worker_h worker_ = nullptr;
   ucp_address_t* worker_address_ = nullptr;
   size_t worker_address_len_ = 0;
-  std::vector<ucp_mem_h> memhs_;            // registrations made by Register
+  std::vector<ucp_mem_h> memhs_;                // registrations made by Register
   std::map<uint64_t, Allocation> allocations_;  // AllocateHost blocks by address
   std::vector<LocalRegion> local_;
   std::unordered_map<PeerId, Peer> peers_;
