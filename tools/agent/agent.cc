@@ -143,7 +143,18 @@ class Agent::Impl {
         r.status = NotFound("no room '" + room + "' on this agent");
         return r;
       }
-      return it->second.report;
+      if (it->second.done) return it->second.report;
+      // Still in flight: the engine's view.
+      RequestReport r;
+      r.room = room;
+      r.tokens = it->second.spec.tokens;
+      StatusOr<transfer::RequestInfo> info = engine_->GetRequest(room);
+      if (info.ok()) {
+        // Final in the engine but not yet finished here (verification, page release).
+        r.state = IsFinal(info->state) ? RequestState::kTransferring : info->state;
+        r.bytes = info->bytes;
+      }
+      return r;
     };
     if (rooms.empty()) {
       for (const auto& [room, req] : requests_) out.push_back(report_of(room));

@@ -390,6 +390,11 @@ class TransferEngine::Impl : public control::ControlHandler {
         return OnTransferRequest(conn, envelope);
       case v1::Envelope::kAbort:
         return OnPrefillAbort(conn, envelope.abort());
+      case v1::Envelope::kAbortAck:
+        // The decode side acknowledged an abort this engine sent; the room is already final
+        // here and its writes were released before the abort went out.
+        KVT_LOG_DEBUG("xfer", "abort of room '{}' acknowledged", envelope.abort_ack().room_id());
+        return;
       case v1::Envelope::kError:
         KVT_LOG_WARN("xfer", "connection {} reported: {}", conn,
                      control::StatusFromError(envelope.error()).ToString());
@@ -878,7 +883,20 @@ class TransferEngine::Impl : public control::ControlHandler {
       // Writes into those pages may still land unless the peer process is gone: find out off
       // the control thread.
       probes_.emplace_back([this, host, port, affected, peer_id] {
-        const bool dead = PeerPortRefuses(host, port);
+        // A killed process's sockets are released one by one, so the listener may still accept
+        // for a moment after the connection closed: probe until it refuses, for up to
+        // peer_timeout.
+        const auto give_up = std::chrono::steady_clock::now() + options_.peer_timeout;
+        bool dead = PeerPortRefuses(host, port);
+        while (!dead && std::chrono::steady_clock::now() < give_up) {
+          {
+            std::unique_lock<std::mutex> wait(mu_);
+            if (cv_.wait_for(wait, std::chrono::milliseconds(50), [this] { return stop_; })) {
+              return;
+            }
+          }
+          dead = PeerPortRefuses(host, port);
+        }
         std::lock_guard<std::mutex> lock(mu_);
         if (!dead) {
           KVT_LOG_WARN("xfer",

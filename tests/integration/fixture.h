@@ -1,0 +1,89 @@
+// The gtest side of the integration harness: a fixture that owns a Cluster (bootstrap started
+// in SetUp, everything stopped in TearDown, logs printed and kept when a test failed) and
+// assertion macros for Status / StatusOr.
+#pragma once
+
+#include <gtest/gtest.h>
+#include <stdlib.h>
+
+#include <iostream>
+#include <memory>
+#include <string>
+
+#include "cluster.h"
+
+// Fails the test (and returns) when `expr`, a Status, is not OK.
+#define IT_ASSERT_OK(expr)                                                  \
+  do {                                                                      \
+    const ::kvt::Status it_status_ = (expr);                                \
+    ASSERT_TRUE(it_status_.ok()) << #expr << ": " << it_status_.ToString(); \
+  } while (false)
+
+// `lhs = value of expr` (a StatusOr), or fails the test and returns.
+#define IT_ASSERT_OK_AND_ASSIGN(lhs, expr) \
+  IT_ASSERT_OK_AND_ASSIGN_IMPL_(KVT_STATUS_CONCAT_(it_statusor_, __LINE__), lhs, expr)
+#define IT_ASSERT_OK_AND_ASSIGN_IMPL_(tmp, lhs, expr)                \
+  auto tmp = (expr);                                                 \
+  ASSERT_TRUE(tmp.ok()) << #expr << ": " << tmp.status().ToString(); \
+  lhs = std::move(tmp).value()
+
+namespace kvt::integration {
+
+inline constexpr char kClusterTokenEnv[] = "KVT_CLUSTER_TOKEN";
+
+class ClusterTest : public ::testing::Test {
+ protected:
+  // A fixture that wants authentication returns the token here; every process inherits it
+  // from this process's environment (servers and clients read KVT_CLUSTER_TOKEN).
+  virtual std::string ClusterToken() const { return ""; }
+
+  void SetUp() override {
+    token_ = ClusterToken();
+    if (!token_.empty()) {
+      setenv(kClusterTokenEnv, token_.c_str(), 1);
+    } else {
+      // A token leaked in from the caller's shell would change what these tests exercise.
+      unsetenv(kClusterTokenEnv);
+    }
+    auto cluster = Cluster::Create();
+    ASSERT_TRUE(cluster.ok()) << cluster.status().ToString();
+    cluster_ = std::move(cluster).value();
+  }
+
+  void TearDown() override {
+    if (cluster_ != nullptr && HasFailure()) {
+      cluster_->KeepScratch();
+      std::cerr << "logs of the failed test:\n" << cluster_->LogTails() << std::flush;
+    }
+    cluster_.reset();
+    if (!token_.empty()) unsetenv(kClusterTokenEnv);
+  }
+
+  static AgentSpec Prefill(const std::string& name, int64_t layer_time_us = 0) {
+    AgentSpec spec;
+    spec.role = "prefill";
+    spec.name = name;
+    spec.layer_time_us = layer_time_us;
+    return spec;
+  }
+
+  static AgentSpec Decode(const std::string& name) {
+    AgentSpec spec;
+    spec.role = "decode";
+    spec.name = name;
+    return spec;
+  }
+
+  // KV bytes one request moves: whole pages, K and V of every layer.
+  static uint64_t ExpectedBytes(const AgentLayout& l, uint64_t tokens) {
+    const uint64_t pages = (tokens + l.page_size - 1) / l.page_size;
+    return pages * l.page_size * 2 * l.layers * l.heads * l.head_dim * 2 /* bf16 */;
+  }
+
+  std::unique_ptr<Cluster> cluster_;
+
+ private:
+  std::string token_;
+};
+
+}  // namespace kvt::integration
