@@ -19,9 +19,9 @@ namespace kvt::pool {
 
 class PoolMemory {
  public:
-  static StatusOr<std::unique_ptr<PoolMemory>> Allocate(MemoryKind kind, int64_t bytes, int device,
-                                                      bool pin_host, bool prefault = false,
-                                                      std::shared_ptr<HostAllocator> allocator = {});
+  static StatusOr<std::unique_ptr<PoolMemory>> Allocate(
+      MemoryKind kind, int64_t bytes, int device, bool pin_host, bool prefault = false,
+      std::shared_ptr<HostAllocator> allocator = {});
   ~PoolMemory();
   PoolMemory(const PoolMemory&) = delete;
   PoolMemory& operator=(const PoolMemory&) = delete;

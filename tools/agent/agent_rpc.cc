@@ -97,10 +97,10 @@ void AgentRpc::OnMessage(control::ConnectionId id, const v1::Envelope& envelope)
       reply = Submit(envelope.submit_request());
       break;
     case v1::Envelope::kAbortRoom: {
-      const Status st = agent_->Abort(envelope.abort_room().room_id(),
-                                      envelope.abort_room().reason().empty()
-                                          ? "aborted by the driver"
-                                          : envelope.abort_room().reason());
+      const Status st =
+          agent_->Abort(envelope.abort_room().room_id(), envelope.abort_room().reason().empty()
+                                                             ? "aborted by the driver"
+                                                             : envelope.abort_room().reason());
       auto* r = reply.mutable_submit_reply();
       r->set_room_id(envelope.abort_room().room_id());
       r->set_status(control::ToProtoCode(st.code()));

@@ -49,7 +49,9 @@ class DeviceBuffer {
   size_t size() const { return bytes_; }
   int device() const { return device_; }
   template <typename T>
-  T* as() const { return static_cast<T*>(data_); }
+  T* as() const {
+    return static_cast<T*>(data_);
+  }
 
  private:
   void Reset();
@@ -72,7 +74,9 @@ class PinnedBuffer {
   void* data() const { return data_; }
   size_t size() const { return bytes_; }
   template <typename T>
-  T* as() const { return static_cast<T*>(data_); }
+  T* as() const {
+    return static_cast<T*>(data_);
+  }
 
  private:
   void Reset();
