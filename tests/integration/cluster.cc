@@ -20,18 +20,6 @@ using namespace std::chrono_literals;
 constexpr auto kReadyTimeout = 30s;
 constexpr auto kRpcTimeout = 10s;
 
-std::string Tail(const std::string& path, size_t max_lines) {
-  std::ifstream in(path);
-  std::vector<std::string> lines;
-  for (std::string line; std::getline(in, line);) {
-    lines.push_back(line);
-    if (lines.size() > max_lines) lines.erase(lines.begin());
-  }
-  std::string out;
-  for (const std::string& l : lines) out += "    " + l + "\n";
-  return out;
-}
-
 StatusOr<nlohmann::json> ParseReady(const std::string& text, const std::string& path) {
   nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) return DataLoss("ready file '" + path + "' is not JSON: " + text);
@@ -128,9 +116,9 @@ StatusOr<AgentProcess*> Cluster::StartAgent(const AgentSpec& spec) {
 
 std::string Cluster::LogTails(size_t lines_per_log) const {
   std::string out = "scratch folder: " + dir_ + "\n  bootstrap.log:\n" +
-                    Tail(dir_ + "/bootstrap.log", lines_per_log);
+                    tools::LogTail(dir_ + "/bootstrap.log", lines_per_log);
   for (const auto& agent : agents_) {
-    out += "  " + agent->spec.name + ".log:\n" + Tail(agent->log_path, lines_per_log);
+    out += "  " + agent->spec.name + ".log:\n" + tools::LogTail(agent->log_path, lines_per_log);
   }
   return out;
 }

@@ -9,6 +9,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <deque>
 #include <fstream>
 #include <sstream>
 #include <thread>
@@ -180,6 +181,18 @@ int ChildProcess::Stop(std::chrono::milliseconds grace) {
   waitpid(pid_, &status, 0);
   pid_ = -1;
   return status;
+}
+
+std::string LogTail(const std::string& path, size_t max_lines) {
+  std::ifstream in(path);
+  std::deque<std::string> lines;
+  for (std::string line; std::getline(in, line);) {
+    lines.push_back(std::move(line));
+    if (lines.size() > max_lines) lines.pop_front();
+  }
+  std::string out;
+  for (const std::string& l : lines) out += "    " + l + "\n";
+  return out;
 }
 
 std::string ExecutableDir() {

@@ -66,6 +66,10 @@ class ChildProcess {
   pid_t pid_ = -1;
 };
 
+// The last `max_lines` lines of a text file (a child's log), each indented by four spaces;
+// empty when the file cannot be read.
+std::string LogTail(const std::string& path, size_t max_lines);
+
 // The folder holding this executable (from /proc/self/exe).
 std::string ExecutableDir();
 

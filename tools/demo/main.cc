@@ -62,18 +62,6 @@ double Percentile(std::vector<double> v, double p) {
   return v[i];
 }
 
-std::string Tail(const std::string& path, size_t max_lines) {
-  std::ifstream in(path);
-  std::vector<std::string> lines;
-  for (std::string line; std::getline(in, line);) {
-    lines.push_back(line);
-    if (lines.size() > max_lines) lines.erase(lines.begin());
-  }
-  std::string out;
-  for (auto& l : lines) out += "    " + l + "\n";
-  return out;
-}
-
 class Demo {
  public:
   explicit Demo(DemoOptions o) : o_(std::move(o)) {}
@@ -100,7 +88,7 @@ class Demo {
     for (const char* who : {"bootstrap", "prefill", "decode"}) {
       const std::string log = dir_ + "/" + who + ".log";
       if (std::filesystem::exists(log)) {
-        std::cerr << "  last lines of " << log << ":\n" << Tail(log, 8);
+        std::cerr << "  last lines of " << log << ":\n" << tools::LogTail(log, 8);
       }
     }
     std::cerr << "  logs kept in " << dir_ << "\n";
