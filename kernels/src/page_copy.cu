@@ -237,155 +237,6 @@ __global__ void __launch_bounds__(kMaxPageCopyThreads, kUnroll == 8 ? 1 : 2)
   }
 }
 
-// ---- Bulk copy engine path (PageCopyTuning::bulk) ----
-//
-// Each warp owns a ring of `slots` shared-memory slots of `slot_bytes` (plus one mbarrier, a
-// destination address and a length per slot). Lane j of the warp computes the addresses of the
-// warp's (k*32 + j)-th unit, so 32 units' table reads are in flight at once; lane 0 then walks
-// them in order: bulk load of unit n into slot n % slots (mbarrier complete_tx), and once
-// slots - 1 loads are ahead, waits for the oldest load and issues its bulk store
-// (shared -> global, one bulk group per store). A slot is reloaded only after the store that
-// read it has finished reading (wait_group.read 1: the store of unit n - slots is always the
-// second most recent group when unit n is loaded). Units whose addresses or length are not
-// 16-byte multiples are copied by the whole warp with ordinary accesses.
-struct BulkRing {
-  uint32_t data;  // shared address of slot 0
-  uint32_t bars;  // shared address of slot 0's mbarrier (8 bytes each)
-  uint64_t* dst;  // per-slot destination (generic pointer into shared memory)
-  uint32_t* len;  // per-slot length
-  uint32_t slots;
-  uint32_t slot_bytes;
-};
-
-__device__ __forceinline__ void BulkLoad(const BulkRing& r, uint32_t slot, uint64_t src,
-                                         uint32_t bytes) {
-  const uint32_t bar = r.bars + slot * 8u;
-  const uint32_t dst = r.data + slot * r.slot_bytes;
-  const size_t g = __cvta_generic_to_global(reinterpret_cast<const void*>(src));
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
-               : "memory");
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
-          "r"(dst),
-      "l"(g), "r"(bytes), "r"(bar)
-      : "memory");
-}
-
-__device__ __forceinline__ void BulkWait(uint32_t bar, uint32_t parity) {
-  uint32_t done = 0;
-  while (!done) {
-    asm volatile(
-        "{\n\t.reg .pred p;\n\t"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
-        "selp.u32 %0, 1, 0, p;\n\t}"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  }
-}
-
-// Waits for unit m's load and issues its store.
-__device__ __forceinline__ void BulkStore(const BulkRing& r, uint32_t m) {
-  const uint32_t slot = m % r.slots;
-  const uint32_t parity = (m / r.slots) & 1u;
-  BulkWait(r.bars + slot * 8u, parity);
-  const uint32_t src = r.data + slot * r.slot_bytes;
-  const size_t g = __cvta_generic_to_global(reinterpret_cast<void*>(r.dst[slot]));
-  // Both the write (bulk load) and the read (bulk store) of the slot are in the async proxy;
-  // the fence is cheap insurance per multi-KiB unit.
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(g), "r"(src),
-               "r"(r.len[slot])
-               : "memory");
-  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-}
-
-// Shared memory of one warp's ring: data, then per-slot mbarrier (8), destination (8) and
-// length (4).
-__host__ __device__ constexpr uint32_t BulkWarpBytes(uint32_t slots, uint32_t slot_bytes) {
-  return ((slots * slot_bytes + 127u) & ~127u) + slots * 20u;
-}
-
-__global__ void __launch_bounds__(kMaxPageCopyThreads)
-    BulkPageCopyKernel(const CopyDesc d, const uint64_t num_units, const uint32_t slots,
-                       const uint32_t slot_bytes) {
-  extern __shared__ __align__(128) unsigned char bulk_smem[];
-  const int lane = threadIdx.x & 31;
-  const uint32_t warp_in_block = threadIdx.x >> 5;
-  const uint64_t warp = static_cast<uint64_t>(blockIdx.x) * (blockDim.x >> 5) + warp_in_block;
-  const uint64_t num_warps = static_cast<uint64_t>(gridDim.x) * (blockDim.x >> 5);
-  const bool narrow = num_units <= 0xFFFFFFFFull;
-  if (warp >= num_units) return;
-
-  unsigned char* base = bulk_smem + warp_in_block * BulkWarpBytes(slots, slot_bytes);
-  const uint32_t data_bytes = (slots * slot_bytes + 127u) & ~127u;
-  BulkRing r;
-  r.data = static_cast<uint32_t>(__cvta_generic_to_shared(base));
-  r.bars = r.data + data_bytes;
-  r.dst = reinterpret_cast<uint64_t*>(base + data_bytes + slots * 8u);
-  r.len = reinterpret_cast<uint32_t*>(base + data_bytes + slots * 16u);
-  r.slots = slots;
-  r.slot_bytes = slot_bytes;
-  if (lane == 0) {
-    for (uint32_t k = 0; k < slots; ++k) {
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(r.bars + k * 8u) : "memory");
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-  }
-  __syncwarp();
-
-  uint32_t n = 0;  // bulk loads issued by this warp
-  const uint64_t round = 32ull * num_warps;
-  for (uint64_t first = warp; first < num_units; first += round) {
-    const uint64_t mine = first + static_cast<uint64_t>(lane) * num_warps;
-    Unit u{0, 0, 0};
-    int64_t ub = 0;
-    if (mine < num_units) {
-      u = UnitOf(d, mine, narrow);
-      ub = UnitBytes(d, u.chunk);
-    }
-    const bool ok = ((u.src | u.dst | static_cast<uint64_t>(ub)) & 15) == 0;
-    const unsigned bulk_mask = __ballot_sync(0xFFFFFFFFu, ok && ub > 0);
-    const unsigned valid_mask = __ballot_sync(0xFFFFFFFFu, ub > 0);
-    for (int j = 0; j < 32; ++j) {
-      if (!((valid_mask >> j) & 1u)) break;  // units past the end come last
-      const uint64_t s = __shfl_sync(0xFFFFFFFFu, u.src, j);
-      const uint64_t t = __shfl_sync(0xFFFFFFFFu, u.dst, j);
-      const int64_t b = __shfl_sync(0xFFFFFFFFu, ub, j);
-      if (!((bulk_mask >> j) & 1u)) {
-        CopyItem<4, true, 32>(s, t, b, lane);
-        continue;
-      }
-      if (lane == 0) {
-        if (n >= slots - 1) BulkStore(r, n - (slots - 1));
-        const uint32_t slot = n % slots;
-        // The store that last read this slot (unit n - slots) is the second most recent group.
-        asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
-        r.dst[slot] = t;
-        r.len[slot] = static_cast<uint32_t>(b);
-        BulkLoad(r, slot, s, static_cast<uint32_t>(b));
-      }
-      ++n;
-    }
-  }
-  if (lane == 0) {
-    for (uint32_t m = n > slots - 1 ? n - (slots - 1) : 0; m < n; ++m) BulkStore(r, m);
-    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-  }
-}
-
-// Slots of the ring for units of at most `unit_bytes`: the stages' bytes re-cut into slots no
-// larger than a unit (at most 64), so small items keep the same bytes in flight.
-void BulkRingShape(const PageCopyTuning& t, int64_t unit_bytes, uint32_t* slots,
-                   uint32_t* slot_bytes) {
-  const int64_t ring = static_cast<int64_t>(t.bulk_stages) * t.bulk_stage_bytes;
-  int64_t sb = std::min<int64_t>(t.bulk_stage_bytes, (unit_bytes + 15) & ~int64_t{15});
-  int64_t n = std::max<int64_t>(t.bulk_stages, std::min<int64_t>(64, ring / sb));
-  *slots = static_cast<uint32_t>(n);
-  *slot_bytes = static_cast<uint32_t>(sb);
-}
-
 using KernelFn = void (*)(CopyDesc, uint64_t);
 
 template <int kUnroll, bool kStreaming>
@@ -463,27 +314,6 @@ Status ValidateTuning(const PageCopyTuning& t) {
     return InvalidArgument("PageCopyTuning: chunk_bytes is " + std::to_string(t.chunk_bytes) +
                            "; it must be 0 (whole items) or a positive multiple of 16");
   }
-  if (t.bulk && (t.bulk_stages < 2 || t.bulk_stages > 64)) {
-    return InvalidArgument("PageCopyTuning: bulk_stages is " + std::to_string(t.bulk_stages) +
-                           "; it must be in [2, 64]");
-  }
-  if (t.bulk && (t.bulk_stage_bytes < 16 || t.bulk_stage_bytes % 16 != 0)) {
-    return InvalidArgument("PageCopyTuning: bulk_stage_bytes is " +
-                           std::to_string(t.bulk_stage_bytes) +
-                           "; it must be a positive multiple of 16");
-  }
-  if (t.bulk && static_cast<int64_t>(t.threads_per_block / 32) *
-                        BulkWarpBytes(static_cast<uint32_t>(t.bulk_stages),
-                                      static_cast<uint32_t>(t.bulk_stage_bytes)) >
-                    227 * 1024) {
-    return InvalidArgument(
-        "PageCopyTuning: bulk ring of " + std::to_string(t.threads_per_block / 32) + " warps x " +
-        std::to_string(t.bulk_stages) + " x " + std::to_string(t.bulk_stage_bytes) +
-        " bytes exceeds 227 KiB of shared memory per block");
-  }
-  if (t.bulk_min_item_bytes < 0) {
-    return InvalidArgument("PageCopyTuning: bulk_min_item_bytes must be >= 0");
-  }
   if (t.blocks_per_sm < 0) {
     return InvalidArgument("PageCopyTuning: blocks_per_sm is " + std::to_string(t.blocks_per_sm) +
                            "; it must be >= 0 (0: as many as fit)");
@@ -509,63 +339,6 @@ StatusOr<int> CurrentDeviceSmCount() {
   return sms;
 }
 
-namespace {
-
-// Host-side part of the bulk path's alignment rule: everything but the buffer bases (which live
-// in device tables and are checked per unit on the device) must be a 16-byte multiple.
-bool SideAligned16(const CopySide& c) {
-  const uint64_t m = static_cast<uint64_t>(c.page_stride) | static_cast<uint64_t>(c.offset) |
-                     (c.bases ? 0 : (c.base | c.buffer_stride));
-  return (m & 15) == 0;
-}
-
-bool BulkEligible(const CopyDesc& d) {
-  return (d.bytes & 15) == 0 && SideAligned16(d.src) && SideAligned16(d.dst);
-}
-
-Status CopyDeviceBulk(CopyDesc d, const PageCopyTuning& t, uint64_t num_items,
-                      cudaStream_t stream) {
-  d.chunks_per_item = 1;
-  d.chunk_bytes = d.bytes;
-  if (d.bytes > t.bulk_stage_bytes) {
-    const int64_t chunks = (d.bytes + t.bulk_stage_bytes - 1) / t.bulk_stage_bytes;
-    if (chunks > 0x7FFFFFFF) return InvalidArgument("PageCopyTuning: too many bulk chunks");
-    d.chunks_per_item = static_cast<uint32_t>(chunks);
-    d.chunk_bytes = t.bulk_stage_bytes;
-  }
-  const uint64_t num_units = num_items * d.chunks_per_item;
-  uint32_t slots = 0, slot_bytes = 0;
-  BulkRingShape(t, d.chunk_bytes, &slots, &slot_bytes);
-  const int warps = t.threads_per_block / 32;
-  const size_t smem = static_cast<size_t>(warps) * BulkWarpBytes(slots, slot_bytes);
-  int device = 0;
-  KVT_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
-  int optin = 0;
-  KVT_CUDA_RETURN_IF_ERROR(
-      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  if (smem > static_cast<size_t>(optin)) {
-    return InvalidArgument("PageCopyTuning: bulk ring needs " + std::to_string(smem) +
-                           " bytes of shared memory per block; the device allows " +
-                           std::to_string(optin));
-  }
-  KVT_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-      BulkPageCopyKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  KVT_ASSIGN_OR_RETURN(int sms, CurrentDeviceSmCount());
-  int blocks_per_sm = t.blocks_per_sm;
-  if (blocks_per_sm == 0) {
-    KVT_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &blocks_per_sm, BulkPageCopyKernel, t.threads_per_block, smem));
-    blocks_per_sm = std::max(blocks_per_sm, 1);
-  }
-  const uint64_t wanted = (num_units + warps - 1) / warps;
-  const unsigned grid =
-      static_cast<unsigned>(std::min<uint64_t>(wanted, static_cast<uint64_t>(sms) * blocks_per_sm));
-  BulkPageCopyKernel<<<grid, t.threads_per_block, smem, stream>>>(d, num_units, slots, slot_bytes);
-  return cuda::LastLaunchStatus("BulkPageCopyKernel");
-}
-
-}  // namespace
-
 Status CopyDevice(const CopyDesc& desc, const PageCopyTuning& t, cudaStream_t stream) {
   if (desc.num_buffers <= 0 || desc.num_pages <= 0 || desc.bytes <= 0) return OkStatus();
   CopyDesc d = desc;
@@ -573,9 +346,6 @@ Status CopyDevice(const CopyDesc& desc, const PageCopyTuning& t, cudaStream_t st
   d.prefetch_l2 = t.prefetch_l2;
   const uint64_t num_items =
       static_cast<uint64_t>(d.num_buffers) * static_cast<uint64_t>(d.num_pages);
-  if (t.bulk && d.bytes >= t.bulk_min_item_bytes && BulkEligible(d)) {
-    return CopyDeviceBulk(d, t, num_items, stream);
-  }
   d.chunks_per_item = 1;
   d.chunk_bytes = d.bytes;
   if (t.chunk_bytes > 0 && d.bytes > t.chunk_bytes) {

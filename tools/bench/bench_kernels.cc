@@ -252,23 +252,6 @@ std::vector<SweepEntry> SweepTunings() {
       {4, 512, 32, 0, true, false, SweepLayout::kDstContiguous},
       {4, 512, 32, 0, true, false, R},  // the first row again: run-to-run spread
   };
-  // Bulk copy engine rows: warps per block (threads / 32), stages, stage bytes, layout.
-  struct B {
-    int threads, stages, stage_bytes;
-    SweepLayout layout;
-  };
-  const B bulk_variants[] = {
-      {32, 4, 16384, R},
-      {32, 3, 32768, R},
-      {32, 8, 8192, R},
-      {32, 2, 32768, R},
-      {32, 4, 8192, R},
-      {64, 2, 16384, R},
-      {128, 4, 8192, R},
-      {32, 6, 16384, R},
-      {32, 4, 16384, SweepLayout::kBothContiguous},
-      {32, 3, 32768, SweepLayout::kBothContiguous},
-  };
   std::vector<SweepEntry> out;
   for (const V& v : variants) {
     SweepEntry e;
@@ -281,17 +264,6 @@ std::vector<SweepEntry> SweepTunings() {
     e.layout = v.layout;
     out.push_back(e);
   }
-  for (const B& v : bulk_variants) {
-    SweepEntry e;
-    e.tuning.bulk = true;
-    e.tuning.threads_per_block = v.threads;
-    e.tuning.bulk_stages = v.stages;
-    e.tuning.bulk_stage_bytes = v.stage_bytes;
-    e.layout = v.layout;
-    out.push_back(e);
-  }
-  // The default once more, last: drift over the bulk rows.
-  out.push_back(SweepEntry{kernels::DefaultPageCopyTuning(), R});
   return out;
 }
 
@@ -303,11 +275,7 @@ json TuningJson(const kernels::PageCopyTuning& t) {
               {"blocks_per_sm", t.blocks_per_sm},
               {"page_major", t.page_major},
               {"chunk_bytes", t.chunk_bytes},
-              {"prefetch_l2", t.prefetch_l2},
-              {"bulk", t.bulk},
-              {"bulk_stages", t.bulk_stages},
-              {"bulk_stage_bytes", t.bulk_stage_bytes},
-              {"bulk_min_item_bytes", t.bulk_min_item_bytes}};
+              {"prefetch_l2", t.prefetch_l2}};
 }
 
 Status RunGpuSize(const KernelsOptions& o, const Layout& l, int iters, json& out) {
@@ -452,16 +420,11 @@ Status RunGpuSize(const KernelsOptions& o, const Layout& l, int iters, json& out
              RatioCellX(Ratio(ours, batch)), check.mismatches == 0 ? "ok" : "MISMATCH");
   if (o.sweep) {
     for (const auto& row : sweep) {
-      const std::string head =
-          row["bulk"].get<bool>()
-              ? fmt::format("         sweep BULK t{:<4} stages {:<2} x {:<6}      {:<10}",
-                            row["threads_per_block"].get<int>(), row["bulk_stages"].get<int>(),
-                            row["bulk_stage_bytes"].get<int>(), row["layout"].get<std::string>())
-              : fmt::format("         sweep u{} s{} t{:<4} g{:<3} c{:<5} pf{} {:<10}",
-                            row["unroll"].get<int>(), row["streaming"].get<bool>() ? 1 : 0,
-                            row["threads_per_block"].get<int>(), row["threads_per_item"].get<int>(),
-                            row["chunk_bytes"].get<int>(), row["prefetch_l2"].get<bool>() ? 1 : 0,
-                            row["layout"].get<std::string>());
+      const std::string head = fmt::format(
+          "         sweep u{} s{} t{:<4} g{:<3} c{:<5} pf{} {:<10}", row["unroll"].get<int>(),
+          row["streaming"].get<bool>() ? 1 : 0, row["threads_per_block"].get<int>(),
+          row["threads_per_item"].get<int>(), row["chunk_bytes"].get<int>(),
+          row["prefetch_l2"].get<bool>() ? 1 : 0, row["layout"].get<std::string>());
       if (row.contains("error")) {
         fmt::print("{}: {}\n", head, row["error"].get<std::string>());
         continue;

@@ -186,43 +186,6 @@ TEST_P(PageCopyGpuTest, ChunkedTuningsMatchCpuReference) {
   }
 }
 
-// The bulk copy engine path (cp.async.bulk via shared memory): ring shapes from 2 tiny stages
-// to large ones, one or several warps per block, a grid smaller than the work; layouts that are
-// not 16-aligned take the load/store fallbacks (whole launch or per unit).
-TEST_P(PageCopyGpuTest, BulkTuningsMatchCpuReference) {
-  KVT_SKIP_WITHOUT_GPU();
-  struct Shape {
-    int stages, stage_bytes;
-  };
-  for (Shape sh : {Shape{2, 16}, Shape{2, 48}, Shape{3, 4096}, Shape{4, 16384}, Shape{3, 32768},
-                   Shape{8, 8192}, Shape{64, 1024}}) {
-    for (int threads : {32, 128}) {
-      for (int blocks : {0, 1}) {
-        PageCopyTuning t = DefaultPageCopyTuning();
-        t.bulk = true;
-        t.bulk_stages = sh.stages;
-        t.bulk_stage_bytes = sh.stage_bytes;
-        t.threads_per_block = threads;
-        t.blocks_per_sm = blocks;
-        if (threads / 32 * sh.stages * sh.stage_bytes > 200 * 1024) continue;
-        SCOPED_TRACE(::testing::Message()
-                     << "stages " << sh.stages << " stage_bytes " << sh.stage_bytes << " threads "
-                     << threads << " blocks " << blocks);
-        CheckCopy(GetParam(), 23, [&](const PageCopyArgs& a, cudaStream_t s) {
-          return PageCopyCudaTuned(a, t, s);
-        });
-        if (HasFatalFailure()) return;
-      }
-    }
-  }
-  // Bulk requested but items below bulk_min_item_bytes: the load/store kernel.
-  PageCopyTuning t = DefaultPageCopyTuning();
-  t.bulk = true;
-  t.bulk_min_item_bytes = 1 << 30;
-  CheckCopy(GetParam(), 29,
-            [&](const PageCopyArgs& a, cudaStream_t s) { return PageCopyCudaTuned(a, t, s); });
-}
-
 INSTANTIATE_TEST_SUITE_P(Layouts, PageCopyGpuTest, ::testing::ValuesIn(kCases),
                          [](const auto& info) { return std::string(info.param.name); });
 
@@ -248,13 +211,6 @@ TEST(PageCopyGpuRandomTest, RandomLayouts) {
     SCOPED_TRACE(iter);
     CheckCopy(c, static_cast<uint32_t>(iter),
               [](const PageCopyArgs& a, cudaStream_t s) { return PageCopyCuda(a, s); });
-    if (HasFatalFailure()) return;
-    PageCopyTuning bulk = DefaultPageCopyTuning();
-    bulk.bulk = true;
-    bulk.bulk_stages = 3;
-    bulk.bulk_stage_bytes = 1024;
-    CheckCopy(c, static_cast<uint32_t>(iter) + 1000,
-              [&](const PageCopyArgs& a, cudaStream_t s) { return PageCopyCudaTuned(a, bulk, s); });
     if (HasFatalFailure()) return;
   }
 }

@@ -39,21 +39,6 @@ struct PageCopyTuning {
   // (cp.async.bulk.prefetch.L2; skipped when the source or length is not 16-aligned). Measured
   // slower on an H200 (docs/kernels.md); kept as an experiment knob.
   bool prefetch_l2 = false;
-  // Bulk copy engine path (cp.async.bulk global -> shared -> global): each warp's first lane
-  // runs a ring of `bulk_stages` shared-memory stages of `bulk_stage_bytes`, loads completing on
-  // mbarriers, stores in bulk groups. Units are chunks of at most bulk_stage_bytes (chunk_bytes,
-  // unroll and threads_per_item are then unused); when units are smaller, the ring holds more,
-  // smaller slots (same bytes, at most 64 slots). Used only where every unit's addresses and
-  // size are 16-byte multiples: a launch whose strides/offsets/size are not falls back to the
-  // load/store kernel above, and a unit with a misaligned buffer base is copied by its warp
-  // with 16/8/4/2/1-byte accesses. threads_per_block / 32 warps per block, each with its own
-  // ring (dynamic shared memory: warps x stages x stage bytes, at most the device's opt-in
-  // limit).
-  bool bulk = false;
-  int32_t bulk_stages = 4;           // 2 .. 64
-  int32_t bulk_stage_bytes = 16384;  // positive multiple of 16
-  // Items smaller than this use the load/store kernel even when `bulk` is set (0: no limit).
-  int64_t bulk_min_item_bytes = 0;
 };
 
 // The tuning PageCopyCuda uses.
