@@ -47,6 +47,9 @@ fi
 build_dir=${KVT_BUILD_DIR:-$root/build}
 jobs=${KVT_JOBS:-$(nproc)}
 # shellcheck disable=SC2086
-cmake -S "$root" -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE="${KVT_BUILD_TYPE:-Release}" \
+generator=(-G Ninja)
+# An existing build folder keeps the generator it was configured with.
+[[ -f "$build_dir/CMakeCache.txt" ]] && generator=()
+cmake -S "$root" -B "$build_dir" "${generator[@]}" -DCMAKE_BUILD_TYPE="${KVT_BUILD_TYPE:-Release}" \
   ${KVT_CMAKE_ARGS:-} >/dev/null
 cmake --build "$build_dir" -j "$jobs"
