@@ -237,11 +237,14 @@ StatusOr<std::map<std::string, v1::RequestReport>> WaitFinal(tools::RpcClient& r
       return Internal("asked for " + std::to_string(open.size()) + " reports, got " +
                       std::to_string(reports.size()));
     }
-    // Matched by position, not by room_id: kvt-agent answers a room that is still in flight
-    // with an empty placeholder report (no room_id, state BOOTSTRAPPING).
+    // Reports come back in the order asked for; each also names its room.
     std::vector<std::string> still_open;
     std::string states;
     for (size_t i = 0; i < open.size(); ++i) {
+      if (reports[i].room_id() != open[i]) {
+        return Internal("report " + std::to_string(i) + " names room '" + reports[i].room_id() +
+                        "', expected '" + open[i] + "'");
+      }
       if (IsFinal(reports[i])) {
         final_reports[open[i]] = reports[i];
       } else {
