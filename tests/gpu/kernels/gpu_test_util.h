@@ -4,8 +4,10 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <numeric>
 #include <random>
 #include <vector>
 
@@ -22,6 +24,15 @@
   } while (false)
 
 namespace kvt::kernels::testing {
+
+// `n` distinct values from [0, range) in random order.
+inline std::vector<int32_t> Distinct(int64_t n, int64_t range, std::mt19937& rng) {
+  std::vector<int32_t> all(static_cast<size_t>(range));
+  std::iota(all.begin(), all.end(), 0);
+  std::shuffle(all.begin(), all.end(), rng);
+  all.resize(static_cast<size_t>(n));
+  return all;
+}
 
 // A device allocation of `size` usable bytes starting `misalign` bytes past a 256-byte
 // boundary, with a host mirror. Upload/Download move the usable bytes.

@@ -18,15 +18,8 @@ namespace kvt::kernels {
 namespace {
 
 using testing::DeviceBytes;
+using testing::Distinct;
 using testing::ToDevice;
-
-std::vector<int32_t> Distinct(int64_t n, int64_t range, std::mt19937& rng) {
-  std::vector<int32_t> all(static_cast<size_t>(range));
-  std::iota(all.begin(), all.end(), 0);
-  std::shuffle(all.begin(), all.end(), rng);
-  all.resize(static_cast<size_t>(n));
-  return all;
-}
 
 struct CopyCase {
   const char* name;
