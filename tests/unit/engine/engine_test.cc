@@ -31,7 +31,9 @@ class EngineTest : public ::testing::TestWithParam<std::string> {
     EngineOptions p;
     p.name = "prefill-0";
     p.prefill = true;
-    p.backend = GetParam();
+    // "loopback_pages": the loopback backend taking page lists (the device backends' path).
+    p.backend = GetParam() == "loopback_pages" ? "loopback" : GetParam();
+    p.backend_options.loopback_page_writes = GetParam() == "loopback_pages";
     p.backend_options.loopback_delay_us = loopback_delay_us;
     p.default_deadline = 5s;
     auto prefill = TransferEngine::Create(p, src_pool_.get());
@@ -260,7 +262,8 @@ TEST_P(EngineTest, LosingThePrefillEngineFailsItsRequests) {
   EXPECT_EQ(decode_->Receive("after", peer, dst).code(), StatusCode::kUnavailable);
 }
 
-INSTANTIATE_TEST_SUITE_P(HostBackends, EngineTest, ::testing::Values("loopback", "ucx"),
+INSTANTIATE_TEST_SUITE_P(HostBackends, EngineTest,
+                         ::testing::Values("loopback", "loopback_pages", "ucx"),
                          [](const auto& info) { return std::string(info.param); });
 
 TEST(EngineGuards, PoolsTheGuardsRefuseCannotBeRegistered) {

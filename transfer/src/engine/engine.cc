@@ -19,6 +19,7 @@
 
 #include "engine/layout_codec.h"
 #include "kvt/common/log.h"
+#include "kvt/kernels/cuda_util.h"
 #include "kvt/transfer/control/control_client.h"
 #include "kvt/transfer/control/protocol.h"
 #include "kvt/transfer/plan.h"
@@ -108,6 +109,8 @@ class TransferEngine::Impl : public control::ControlHandler {
     item_len_ = regions.empty() ? 0 : regions.front().item_len;
     buffer_len_ = regions.empty() ? 0 : regions.front().length;
     KVT_ASSIGN_OR_RETURN(PeerDescriptor descriptor, backend_->Register(regions));
+    // Device backends take page lists (one gather/scatter launch per layer batch).
+    page_writes_ = backend_->Capabilities().page_writes;
     local_info_ = MakePeerInfo(options_.name, options_.prefill, local_layout_, descriptor, regions);
     if (options_.prefill) {
       control::ControlServerOptions server = options_.server;
@@ -302,13 +305,15 @@ class TransferEngine::Impl : public control::ControlHandler {
     return OkStatus();
   }
 
-  Status LayersReady(const std::string& room_id, int32_t layers_done) {
+  Status LayersReady(const std::string& room_id, int32_t layers_done, cudaEvent_t ready) {
+    if (!options_.prefill) return FailedPrecondition("LayersReady is for prefill engines");
     std::lock_guard<std::mutex> lock(mu_);
     auto it = rooms_.find(room_id);
     if (it == rooms_.end()) return NotFound("no room '" + room_id + "'; call Send first");
     Room& room = it->second;
     const int32_t clamped =
         std::clamp(layers_done, 0, static_cast<int32_t>(local_layout_.num_layers()));
+    if (clamped > room.layers_ready && ready != nullptr) room.ready = ready;
     room.layers_ready = std::max(room.layers_ready, clamped);
     AdvanceLocked(room);
     cv_.notify_all();
@@ -445,6 +450,8 @@ class TransferEngine::Impl : public control::ControlHandler {
     ConnectionId conn = 0;
     std::vector<int32_t> dst_pages;
     std::vector<PageUnit> units;
+    cudaEvent_t ready = nullptr;  // the producer's event covering layers [0, layers_ready)
+    bool planned = false;         // the spec was validated (and, for run backends, planned)
     std::optional<Plan> plan;
     int32_t posted_end = 0;  // layers [layer_begin, posted_end) posted
     std::vector<WriteId> writes;
@@ -587,7 +594,7 @@ class TransferEngine::Impl : public control::ControlHandler {
       FailLocked(room, Unavailable("the decode peer's session is gone"));
       return;
     }
-    if (!room.plan) {
+    if (!room.planned) {
       if (room.src_pages.size() != room.dst_pages.size()) {
         FailAndReportLocked(room,
                             InvalidArgument("room '" + room.id + "': the decode side asked for " +
@@ -608,21 +615,31 @@ class TransferEngine::Impl : public control::ControlHandler {
       spec.src_buffer_len = buffer_len_;
       spec.dst_buffer_len = remote0.length();
       spec.units = room.units;
-      StatusOr<Plan> plan = BuildPlan(spec);
-      if (!plan.ok()) {
-        FailAndReportLocked(room, plan.status().WithContext("room '" + room.id + "'"));
-        return;
+      if (page_writes_) {
+        // The backend takes the page lists themselves; validate them as a plan would.
+        Status valid = ValidatePlanSpec(spec);
+        if (!valid.ok()) {
+          FailAndReportLocked(room, valid.WithContext("room '" + room.id + "'"));
+          return;
+        }
+      } else {
+        StatusOr<Plan> plan = BuildPlan(spec);
+        if (!plan.ok()) {
+          FailAndReportLocked(room, plan.status().WithContext("room '" + room.id + "'"));
+          return;
+        }
+        room.plan = std::move(plan).value();
       }
-      room.plan = std::move(plan).value();
+      room.planned = true;
       room.posted_end = room.layer_begin;
       AdvanceState(room, RequestState::kWaitingForInput);
     }
     const int32_t ready_end = std::min(room.layers_ready, room.layer_end);
     if (ready_end > room.posted_end) {
-      std::span<const CopyRun> runs = room.plan->Layers(room.posted_end, ready_end);
       uint64_t bytes = 0;
-      for (const CopyRun& r : runs) bytes += r.bytes;
-      StatusOr<WriteId> write = backend_->PostWrite(session->second.backend_peer, runs);
+      size_t num_runs = 0;
+      StatusOr<WriteId> write =
+          PostLayersLocked(room, session->second, ready_end, &bytes, &num_runs);
       if (!write.ok()) {
         FailAndReportLocked(room,
                             write.status().WithContext("posting layers of room '" + room.id + "'"));
@@ -632,7 +649,7 @@ class TransferEngine::Impl : public control::ControlHandler {
       room.bytes += bytes;
       room.posted_end = ready_end;
       ++stats_.writes_posted;
-      stats_.runs_posted += runs.size();
+      stats_.runs_posted += num_runs;
       AdvanceState(room, RequestState::kTransferring);
       if (room.posted_end < room.layer_end) {
         v1::Envelope progress;
@@ -646,9 +663,47 @@ class TransferEngine::Impl : public control::ControlHandler {
     CheckWritesLocked(room);
   }
 
+  // Prefill: posts layers [room.posted_end, ready_end) of the room to the backend: as page lists
+  // (device backends: one gather/scatter per batch, waiting on the producer's event on the GPU)
+  // or as the plan's copy runs (after the producer's event, when one was given, completed).
+  StatusOr<WriteId> PostLayersLocked(Room& room, const Session& session, int32_t ready_end,
+                                     uint64_t* bytes, size_t* num_runs) {
+    if (page_writes_) {
+      PageWrite write;
+      write.src_pages = room.src_pages;
+      write.dst_pages = room.dst_pages;
+      write.num_layers = static_cast<int32_t>(local_layout_.num_layers());
+      write.layer_begin = room.posted_end;
+      write.layer_end = ready_end;
+      write.units = room.units;
+      PlanSpec spec;
+      spec.src_pages = room.src_pages;
+      spec.layer_begin = room.posted_end;
+      spec.layer_end = ready_end;
+      spec.src_item_len = item_len_;
+      spec.units = room.units;
+      write.bytes = PlanBytes(spec);
+      write.ready = room.ready;
+      *bytes = write.bytes;
+      *num_runs = 0;
+      return backend_->PostPages(session.backend_peer, write);
+    }
+    if (room.ready != nullptr) {
+      // A CPU copy cannot wait on the GPU: the layers must be complete before it reads them.
+      Status synced = kvt::cuda::ToStatus(cudaEventSynchronize(room.ready),
+                                          "cudaEventSynchronize on the room's ready event");
+      if (!synced.ok()) return synced;
+    }
+    std::span<const CopyRun> runs = room.plan->Layers(room.posted_end, ready_end);
+    *bytes = 0;
+    for (const CopyRun& r : runs) *bytes += r.bytes;
+    *num_runs = runs.size();
+    return backend_->PostWrite(session.backend_peer, runs);
+  }
+
   // Prefill: completes the room once all layers are posted and every write is visible.
   void CheckWritesLocked(Room& room) {
-    if (IsFinal(room.state) || !room.plan) return;
+    if (IsFinal(room.state) || !room.planned) return;
     for (auto it = room.writes.begin(); it != room.writes.end();) {
       Status st = backend_->Check(*it);
       if (st.code() == StatusCode::kInProgress) return;  // later writes cannot be done sooner
@@ -984,6 +1039,7 @@ class TransferEngine::Impl : public control::ControlHandler {
   v1::PeerInfo local_info_;
   uint64_t item_len_ = 0;
   uint64_t buffer_len_ = 0;
+  bool page_writes_ = false;
   std::atomic<bool> shut_down_{false};
   std::thread poller_;
 
@@ -1026,8 +1082,9 @@ Status TransferEngine::Receive(const std::string& room, PeerHandle peer,
 Status TransferEngine::Send(const std::string& room, std::vector<int32_t> src_pages) {
   return impl_->Send(room, std::move(src_pages));
 }
-Status TransferEngine::LayersReady(const std::string& room, int32_t layers_done) {
-  return impl_->LayersReady(room, layers_done);
+Status TransferEngine::LayersReady(const std::string& room, int32_t layers_done,
+                                   cudaEvent_t ready) {
+  return impl_->LayersReady(room, layers_done, ready);
 }
 StatusOr<RequestInfo> TransferEngine::GetRequest(const std::string& room) const {
   return impl_->GetRequest(room);

@@ -1,5 +1,6 @@
 #include "kvt/transfer/plan.h"
 
+#include <algorithm>
 #include <string>
 
 namespace kvt::transfer {
@@ -27,7 +28,7 @@ std::span<const CopyRun> Plan::Layers(int32_t a, int32_t b) const {
   return std::span<const CopyRun>(runs).subspan(begin, end - begin);
 }
 
-StatusOr<Plan> BuildPlan(const PlanSpec& spec) {
+Status ValidatePlanSpec(const PlanSpec& spec) {
   if (spec.src_pages.size() != spec.dst_pages.size()) {
     return InvalidArgument("source has " + std::to_string(spec.src_pages.size()) +
                            " pages but destination has " + std::to_string(spec.dst_pages.size()) +
@@ -71,6 +72,27 @@ StatusOr<Plan> BuildPlan(const PlanSpec& spec) {
   KVT_RETURN_IF_ERROR(CheckPages(spec.src_pages, spec.src_item_len, spec.src_buffer_len, "source"));
   KVT_RETURN_IF_ERROR(
       CheckPages(spec.dst_pages, spec.dst_item_len, spec.dst_buffer_len, "destination"));
+
+  return OkStatus();
+}
+
+uint64_t PlanBytes(const PlanSpec& spec) {
+  uint64_t per_page = 0;
+  if (spec.units.empty()) {
+    per_page = spec.src_item_len;
+  } else {
+    for (const PageUnit& unit : spec.units) per_page += unit.bytes;
+  }
+  return per_page * spec.src_pages.size() * 2 *
+         static_cast<uint64_t>(std::max(0, spec.layer_end - spec.layer_begin));
+}
+
+StatusOr<Plan> BuildPlan(const PlanSpec& spec) {
+  KVT_RETURN_IF_ERROR(ValidatePlanSpec(spec));
+  const bool whole_pages = spec.units.empty();
+  const PageUnit whole{0, 0, spec.src_item_len};
+  const std::span<const PageUnit> units =
+      whole_pages ? std::span<const PageUnit>(&whole, 1) : spec.units;
 
   // Page pairs that are consecutive on both sides form one segment; only whole pages coalesce
   // because a partial unit leaves gaps between consecutive pages.

@@ -11,6 +11,8 @@
 // which thread request state moves.
 #pragma once
 
+#include <cuda_runtime_api.h>
+
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -54,6 +56,27 @@ struct BackendCapabilities {
   bool cuda_memory = false;    // can register CUDA memory directly
   bool inter_process = false;  // peers may live in other processes
   bool inter_node = false;     // peers may live on other machines
+  // Writes are posted as page lists (PostPages: one gather/scatter per layer batch, device
+  // memory) rather than as copy runs; PostWrite may then be Unimplemented. May change with
+  // Register (the ucx backend stages CUDA pools through bounce buffers page by page).
+  bool page_writes = false;
+};
+
+// A page-indexed write: for every layer l in [layer_begin, layer_end), buffers l (K) and
+// num_layers + l (V), page src_pages[i] of ours goes to page dst_pages[i] of the peer's; whole
+// pages when `units` is empty, else each unit's bytes of every page. The engine validated the
+// pages against both sides' buffers (ValidatePlanSpec) before posting.
+struct PageWrite {
+  std::span<const int32_t> src_pages;
+  std::span<const int32_t> dst_pages;
+  int32_t num_layers = 0;
+  int32_t layer_begin = 0;
+  int32_t layer_end = 0;
+  std::span<const PageUnit> units;
+  uint64_t bytes = 0;  // total bytes (PlanBytes), for accounting
+  // Device backends: the copy waits (on the GPU, cudaStreamWaitEvent at post time) for this
+  // event, recorded by the producer after it wrote the layers. Null: the source is ready now.
+  cudaEvent_t ready = nullptr;
 };
 
 using PeerId = uint64_t;
@@ -86,6 +109,12 @@ class Backend {
   // Starts writing `runs` (source offsets in our buffers, destination offsets in the peer's)
   // and returns a handle. The runs are copied; the memory they name must stay registered.
   virtual StatusOr<WriteId> PostWrite(PeerId peer, std::span<const CopyRun> runs) = 0;
+
+  // Starts a page-indexed write (backends with Capabilities().page_writes); the spans are copied
+  // before returning, and `ready` is waited for on the GPU, never on this thread.
+  virtual StatusOr<WriteId> PostPages(PeerId peer, const PageWrite& write) {
+    return Unimplemented(std::string(Name()) + " posts copy runs, not page lists");
+  }
 
   // OK once every byte of the write is visible at the peer; InProgress while it runs; another
   // error when it failed (the write's bytes at the peer are then undefined).

@@ -1,4 +1,4 @@
-// Creating backends by name. Names: "ucx", "loopback" (and, with later work, "cuda_ipc",
+// Creating backends by name. Names: "ucx", "cuda_ipc", "loopback" (and, with later work,
 // "nccl"). Thread-safe.
 #pragma once
 
@@ -26,6 +26,17 @@ struct BackendOptions {
   // loopback: a posted write completes (its bytes are copied) only once this much time has
   // passed, so tests can abort or time out writes in flight. 0 copies at post time.
   int loopback_delay_us = 0;
+  // loopback: report page_writes and take PostPages (CPU gather/scatter), so the engine's page
+  // path runs without a GPU.
+  bool loopback_page_writes = false;
+  // ucx on CUDA pools: "auto" registers device memory directly when the UCX build handles CUDA
+  // memory and stages through pinned host bounce buffers otherwise; "staged" always stages;
+  // "direct" refuses CUDA pools unless UCX handles CUDA memory.
+  std::string ucx_cuda_mode = "auto";
+  // ucx staging: bounce slots per side and bytes per slot (bounded memory; the sender holds a
+  // credit per receiver slot).
+  int ucx_staging_slots = 8;
+  size_t ucx_staging_slot_bytes = size_t{4} << 20;
 };
 
 // The backend names this build knows, in priority order.

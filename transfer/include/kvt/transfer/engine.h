@@ -136,7 +136,13 @@ class TransferEngine {
   Status Send(const std::string& room, std::vector<int32_t> src_pages);
   // Layers [0, layers_done) of the room are written in the pool; their pages may go out.
   // Monotone; values beyond the layer count are clamped.
-  Status LayersReady(const std::string& room, int32_t layers_done);
+  // CUDA pools: `ready` is an event the producer recorded on its compute stream after writing
+  // those layers; the copy waits for it on the GPU (no CPU polling), so LayersReady may be
+  // called as soon as the layer's work is enqueued. The engine keeps the latest event of the
+  // room and waits on it when it posts, so events of one room must come from one stream and
+  // an event must not be re-recorded until layers_posted covers its layers (or the room is
+  // final). Backends that copy on the CPU synchronise on it before reading.
+  Status LayersReady(const std::string& room, int32_t layers_done, cudaEvent_t ready = nullptr);
 
   // ---- both sides -----------------------------------------------------------------------------
   StatusOr<RequestInfo> GetRequest(const std::string& room) const;

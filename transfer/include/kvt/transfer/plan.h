@@ -68,8 +68,14 @@ struct Plan {
   std::span<const CopyRun> Layers(int32_t a, int32_t b) const;
 };
 
-// Validates the spec (page counts equal, pages >= 1 — page 0 is the dummy page — and inside
-// the buffers, layer range inside [0, L], unit inside the item) and builds the plan.
+// Validates the spec: page counts equal, pages >= 1 (page 0 is the dummy page) and inside the
+// buffers, layer range inside [0, L], units inside the items (whole pages need equal items).
+Status ValidatePlanSpec(const PlanSpec& spec);
+
+// Bytes the spec moves: pages x 2 buffers per layer x layers x bytes per page (or per units).
+uint64_t PlanBytes(const PlanSpec& spec);
+
+// Validates the spec (ValidatePlanSpec) and builds the plan.
 StatusOr<Plan> BuildPlan(const PlanSpec& spec);
 
 }  // namespace kvt::transfer

@@ -8,10 +8,13 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <unordered_map>
 
 #include "backends/run_check.h"
+#include "kvt/kernels/cuda_util.h"
+#include "kvt/kernels/kernels.h"
 
 namespace kvt::transfer {
 namespace {
@@ -58,6 +61,7 @@ class LoopbackBackend final : public Backend {
  public:
   explicit LoopbackBackend(const BackendOptions& options)
       : delay_(std::chrono::microseconds(options.loopback_delay_us)),
+        page_writes_(options.loopback_page_writes),
         self_(std::make_shared<Target>()) {
     address_ = Directory::Get().Add(self_);
   }
@@ -75,6 +79,7 @@ class LoopbackBackend final : public Backend {
   BackendCapabilities Capabilities() const override {
     BackendCapabilities caps;
     caps.host_memory = true;
+    caps.page_writes = page_writes_;
     return caps;
   }
 
@@ -144,6 +149,59 @@ class LoopbackBackend final : public Backend {
     return id;
   }
 
+  // Page lists are kept and scattered with the gather/scatter kernel's CPU reference.
+  StatusOr<WriteId> PostPages(PeerId peer, const PageWrite& pages) override {
+    if (!page_writes_) return Backend::PostPages(peer, pages);
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = peers_.find(peer);
+    if (it == peers_.end()) return NotFound("no loopback peer " + std::to_string(peer));
+    const size_t buffers = local_.size();
+    if (pages.num_layers <= 0 || static_cast<size_t>(pages.num_layers) * 2 != buffers ||
+        pages.layer_begin < 0 || pages.layer_begin >= pages.layer_end ||
+        pages.layer_end > pages.num_layers || pages.src_pages.size() != pages.dst_pages.size()) {
+      return InvalidArgument(
+          "page write of layers [" + std::to_string(pages.layer_begin) + ", " +
+          std::to_string(pages.layer_end) + ") of " + std::to_string(pages.num_layers) + " with " +
+          std::to_string(pages.src_pages.size()) + " / " + std::to_string(pages.dst_pages.size()) +
+          " pages does not fit " + std::to_string(buffers) + " registered buffers");
+    }
+    // Express the write as runs too, so the range checks are the same as PostWrite's.
+    std::vector<CopyRun> runs;
+    const PageUnit whole{0, 0, local_.front().item_len};
+    const std::span<const PageUnit> units =
+        pages.units.empty() ? std::span<const PageUnit>(&whole, 1) : pages.units;
+    for (int32_t l = pages.layer_begin; l < pages.layer_end; ++l) {
+      for (uint32_t b : {static_cast<uint32_t>(l), static_cast<uint32_t>(pages.num_layers + l)}) {
+        for (size_t i = 0; i < pages.src_pages.size(); ++i) {
+          for (const PageUnit& u : units) {
+            runs.push_back(CopyRun{
+                b, pages.src_pages[i] * local_[b].item_len + u.src_offset,
+                pages.dst_pages[i] * it->second.regions[b].item_len + u.dst_offset, u.bytes});
+          }
+        }
+      }
+    }
+    KVT_RETURN_IF_ERROR(CheckRuns(runs, local_, it->second.regions));
+    if (pages.ready != nullptr) {
+      KVT_RETURN_IF_ERROR(kvt::cuda::ToStatus(cudaEventSynchronize(pages.ready),
+                                              "cudaEventSynchronize on the write's ready event"));
+    }
+    const WriteId id = next_write_++;
+    Write& write = writes_[id];
+    write.peer = peer;
+    write.runs = std::move(runs);
+    write.pages = PageJob{{pages.src_pages.begin(), pages.src_pages.end()},
+                          {pages.dst_pages.begin(), pages.dst_pages.end()},
+                          pages.num_layers,
+                          pages.layer_begin,
+                          pages.layer_end,
+                          {units.begin(), units.end()}};
+    write.ready_at = Clock::now() + delay_;
+    write.status = InProgress();
+    if (delay_.count() == 0) Complete(write);
+    return id;
+  }
+
   Status Check(WriteId id) override {
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = writes_.find(id);
@@ -165,9 +223,18 @@ class LoopbackBackend final : public Backend {
     std::shared_ptr<Target> target;
     std::vector<RemoteRegion> regions;
   };
+  struct PageJob {
+    std::vector<int32_t> src_pages;
+    std::vector<int32_t> dst_pages;
+    int32_t num_layers = 0;
+    int32_t layer_begin = 0;
+    int32_t layer_end = 0;
+    std::vector<PageUnit> units;
+  };
   struct Write {
     PeerId peer = 0;
-    std::vector<CopyRun> runs;
+    std::vector<CopyRun> runs;     // what the write moves (checked against the peer)
+    std::optional<PageJob> pages;  // set for PostPages: performed as a page gather/scatter
     Clock::time_point ready_at;
     Status status;
   };
@@ -194,6 +261,10 @@ class LoopbackBackend final : public Backend {
       write.status = fits;
       return;
     }
+    if (write.pages) {
+      write.status = CopyPages(*write.pages, target);
+      return;
+    }
     for (const CopyRun& run : write.runs) {
       auto* dst = reinterpret_cast<uint8_t*>(target.regions[run.buffer].base) + run.dst_offset;
       const auto* src = reinterpret_cast<const uint8_t*>(local_[run.buffer].base) + run.src_offset;
@@ -202,7 +273,35 @@ class LoopbackBackend final : public Backend {
     write.status = OkStatus();
   }
 
+  // One gather/scatter (CPU reference of the kernel) per unit over every buffer of the batch.
+  Status CopyPages(const PageJob& job, const Target& target) const {
+    std::vector<uint64_t> src_bases, dst_bases;
+    for (int32_t l = job.layer_begin; l < job.layer_end; ++l) {
+      for (int32_t b : {l, job.num_layers + l}) {
+        src_bases.push_back(local_[b].base);
+        dst_bases.push_back(target.regions[b].base);
+      }
+    }
+    for (const PageUnit& unit : job.units) {
+      kernels::PageCopyArgs args;
+      args.src_bases = src_bases.data();
+      args.dst_bases = dst_bases.data();
+      args.num_buffers = static_cast<int32_t>(src_bases.size());
+      args.src_pages = job.src_pages.data();
+      args.dst_pages = job.dst_pages.data();
+      args.num_pages = static_cast<int64_t>(job.src_pages.size());
+      args.src_page_stride = static_cast<int64_t>(local_.front().item_len);
+      args.dst_page_stride = static_cast<int64_t>(target.regions.front().item_len);
+      args.src_offset = static_cast<int64_t>(unit.src_offset);
+      args.dst_offset = static_cast<int64_t>(unit.dst_offset);
+      args.bytes = static_cast<int64_t>(unit.bytes);
+      KVT_RETURN_IF_ERROR(kernels::PageCopyCpu(args));
+    }
+    return OkStatus();
+  }
+
   const std::chrono::microseconds delay_;
+  const bool page_writes_;
   const std::shared_ptr<Target> self_;
   std::string address_;
 
