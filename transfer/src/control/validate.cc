@@ -14,6 +14,8 @@
 namespace kvt::control {
 namespace {
 
+constexpr size_t kMaxBackendTokenBytes = 4096;  // HelloAck.backend_token
+
 // Strings from the peer go into our error messages and logs: show a bounded, escaped prefix.
 std::string Shown(std::string_view value) {
   constexpr size_t kShow = 64;
@@ -346,6 +348,11 @@ Status Validate(const v1::Envelope& envelope, const PeerContext& peer,
       if (version == 0)
         return Invalid(fmt::format("{}.protocol_version", name), "0", "must be set");
       if (!has_peer) return InvalidArgument(fmt::format("{}.peer is missing", name));
+      if (!is_hello && envelope.hello_ack().backend_token().size() > kMaxBackendTokenBytes) {
+        return Invalid("hello_ack.backend_token",
+                       std::to_string(envelope.hello_ack().backend_token().size()) + " bytes",
+                       "must be at most " + std::to_string(kMaxBackendTokenBytes) + " bytes");
+      }
       return ValidatePeerInfo(is_hello ? envelope.hello().peer() : envelope.hello_ack().peer(),
                               fmt::format("{}.peer", name), limits);
     }

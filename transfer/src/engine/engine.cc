@@ -144,6 +144,7 @@ class TransferEngine::Impl : public control::ControlHandler {
     }
     for (auto& peer : peers) {
       if (peer->client) peer->client->Close();
+      if (peer->backend_peer) (void)backend_->Disconnect(*peer->backend_peer);
     }
     for (auto& t : probes_) t.join();
     std::lock_guard<std::mutex> lock(mu_);
@@ -170,7 +171,7 @@ class TransferEngine::Impl : public control::ControlHandler {
     peer->host = host;
     peer->port = port;
     peer->handler = std::make_unique<PeerClientHandler>(this);
-    std::future<StatusOr<v1::PeerInfo>> hello_reply = peer->hello_reply.get_future();
+    std::future<StatusOr<v1::HelloAck>> hello_reply = peer->hello_reply.get_future();
     PeerHandle id;
     DecodePeer* raw = peer.get();
     {
@@ -209,22 +210,39 @@ class TransferEngine::Impl : public control::ControlHandler {
       DropPeer(id);
       return DeadlineExceeded("prefill engine at " + address + " did not answer hello in 10 s");
     }
-    StatusOr<v1::PeerInfo> reply = hello_reply.get();
-    if (!reply.ok()) {
+    StatusOr<v1::HelloAck> ack = hello_reply.get();
+    if (!ack.ok()) {
       DropPeer(id);
-      return reply.status().WithContext("hello to " + address);
+      return ack.status().WithContext("hello to " + address);
     }
+    const v1::PeerInfo& reply = ack->peer();
     // The prefill side checked compatibility too; check here as well so the error names both
     // sides' values from this side's point of view.
-    Status compatible = CheckCompatible(local_layout_, reply->layout(), "decode", "prefill");
+    Status compatible = CheckCompatible(local_layout_, reply.layout(), "decode", "prefill");
     if (!compatible.ok()) {
       DropPeer(id);
       return compatible;
     }
+    std::optional<PeerId> backend_peer;
+    if (backend_->Capabilities().two_sided) {
+      // The receiving side takes part in the transfers: join the connection the prefill side
+      // made for us.
+      StatusOr<PeerDescriptor> descriptor = DescriptorFromPeerInfo(reply, backend_->Name());
+      StatusOr<PeerId> joined = descriptor.ok()
+                                    ? backend_->Accept(*descriptor, ack->backend_token())
+                                    : StatusOr<PeerId>(descriptor.status());
+      if (!joined.ok()) {
+        DropPeer(id);
+        return joined.status().WithContext("joining the " + std::string(backend_->Name()) +
+                                           " connection of prefill engine at " + address);
+      }
+      backend_peer = *joined;
+    }
     std::lock_guard<std::mutex> lock(mu_);
-    raw->info = *reply;
+    raw->info = reply;
+    raw->backend_peer = backend_peer;
     raw->alive = true;
-    KVT_LOG_INFO("xfer", "connected to prefill '{}' at {}", reply->name(), address);
+    KVT_LOG_INFO("xfer", "connected to prefill '{}' at {}", reply.name(), address);
     return id;
   }
 
@@ -481,9 +499,10 @@ class TransferEngine::Impl : public control::ControlHandler {
     uint16_t port = 0;
     std::unique_ptr<PeerClientHandler> handler;  // outlives client (declared first)
     std::unique_ptr<control::ControlClient> client;
-    std::promise<StatusOr<v1::PeerInfo>> hello_reply;
+    std::promise<StatusOr<v1::HelloAck>> hello_reply;
     bool hello_answered = false;
     v1::PeerInfo info;
+    std::optional<PeerId> backend_peer;  // two-sided backends: this side's end of the pair
     bool alive = false;
   };
 
@@ -754,6 +773,22 @@ class TransferEngine::Impl : public control::ControlHandler {
     v1::Envelope ack;
     ack.mutable_hello_ack()->set_protocol_version(control::kProtocolVersion);
     *ack.mutable_hello_ack()->mutable_peer() = local_info_;
+    if (backend_->Capabilities().two_sided) {
+      StatusOr<std::string> token = backend_->ConnectToken(*backend_peer);
+      if (!token.ok()) {
+        KVT_LOG_WARN("xfer", "refusing decode peer '{}': {}", hello.peer().name(),
+                     token.status().ToString());
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          sessions_.erase(conn);
+        }
+        (void)backend_->Disconnect(*backend_peer, Backend::DisconnectMode::kPeerDead);
+        (void)server_->Send(conn, control::MakeErrorEnvelope(token.status()));
+        (void)server_->Disconnect(conn, token.status());
+        return;
+      }
+      ack.mutable_hello_ack()->set_backend_token(*token);
+    }
     (void)server_->Send(conn, ack);
     KVT_LOG_INFO("xfer", "decode peer '{}' connected", hello.peer().name());
   }
@@ -841,7 +876,7 @@ class TransferEngine::Impl : public control::ControlHandler {
       if (p.hello_answered) return;
       p.hello_answered = true;
       if (envelope.has_hello_ack()) {
-        p.hello_reply.set_value(envelope.hello_ack().peer());
+        p.hello_reply.set_value(envelope.hello_ack());
       } else {
         p.hello_reply.set_value(control::StatusFromError(envelope.error()));
       }
@@ -913,12 +948,25 @@ class TransferEngine::Impl : public control::ControlHandler {
     std::string host;
     uint16_t port = 0;
     std::vector<std::string> affected;
+    std::optional<PeerId> backend_peer;
+    // Two-sided backends: this side's end of the pair goes with the control connection (after
+    // the lock is released: tearing down a communicator may take a while).
+    struct BackendRelease {
+      Backend* backend;
+      std::optional<PeerId>* peer;
+      ~BackendRelease() {
+        if (peer->has_value()) {
+          (void)backend->Disconnect(**peer, Backend::DisconnectMode::kPeerDead);
+        }
+      }
+    } release{backend_.get(), &backend_peer};
     {
       std::lock_guard<std::mutex> lock(mu_);
       auto peer = peers_.find(peer_id);
       if (peer == peers_.end()) return;
       DecodePeer& p = *peer->second;
       p.alive = false;
+      backend_peer = std::exchange(p.backend_peer, std::nullopt);
       if (!p.hello_answered) {
         p.hello_answered = true;
         p.hello_reply.set_value(

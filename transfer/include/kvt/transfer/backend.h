@@ -60,6 +60,10 @@ struct BackendCapabilities {
   // memory) rather than as copy runs; PostWrite may then be Unimplemented. May change with
   // Register (the ucx backend stages CUDA pools through bounce buffers page by page).
   bool page_writes = false;
+  // The receiving side takes part in every transfer (nccl: matching receives on a two-rank
+  // communicator). The engine then calls ConnectToken after Connect on the sending side, carries
+  // the token in the hello-ack, and the receiving side joins with Accept.
+  bool two_sided = false;
 };
 
 // A page-indexed write: for every layer l in [layer_begin, layer_end), buffers l (K) and
@@ -98,6 +102,18 @@ class Backend {
   // Connects to a peer from its descriptor. The peer's regions must correspond one to one to
   // ours (same buffer count); lengths may differ (the plan checks offsets against them).
   virtual StatusOr<PeerId> Connect(const PeerDescriptor& peer) = 0;
+
+  // Two-sided backends, sending side: what the peer needs to join the connection made by
+  // Connect (sent back in the hello-ack). Empty for one-sided backends.
+  virtual StatusOr<std::string> ConnectToken(PeerId peer) { return std::string(); }
+
+  // Two-sided backends, receiving side: joins the connection the peer (described by its
+  // hello-ack) made to us, with the peer's token. The returned id is Disconnected like one from
+  // Connect when the control connection ends. May complete the join in the background; the
+  // peer's writes wait for it.
+  virtual StatusOr<PeerId> Accept(const PeerDescriptor& peer, const std::string& token) {
+    return Unimplemented(std::string(Name()) + " is one-sided: the receiver does not join");
+  }
 
   // Forgets a peer: its writes in flight are waited for (bounded) or cancelled, after which
   // Check reports them Aborted, and its resources are released. kPeerDead skips every exchange
