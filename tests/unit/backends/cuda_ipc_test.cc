@@ -1,0 +1,582 @@
+// The cuda_ipc backend's pieces that need no GPU: creation without a device, its place among
+// the backend names, the buffer-key and address codecs, and the planner that turns writes into
+// page-copy launches (executed here with the CPU reference of the kernel, so the tables and
+// launches the GPU would get are checked byte for byte).
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "backends/cuda_ipc/cuda_ipc_codec.h"
+#include "backends/cuda_ipc/cuda_ipc_program.h"
+#include "kvt/kernels/cuda_util.h"
+#include "kvt/kernels/kernels.h"
+#include "kvt/transfer/backend.h"
+#include "kvt/transfer/backends.h"
+
+namespace kvt::transfer::cuda_ipc {
+namespace {
+
+using ::testing::HasSubstr;
+
+// ---- Creation and names -------------------------------------------------------------------
+
+TEST(CudaIpcBackendTest, CreateNamesTheMissingDevice) {
+  auto backend = CreateBackend("cuda_ipc");
+  if (cuda::HasDevice()) {
+    // On a GPU machine the same call must succeed and describe the backend.
+    ASSERT_TRUE(backend.ok()) << backend.status();
+    EXPECT_EQ((*backend)->Name(), "cuda_ipc");
+    const BackendCapabilities caps = (*backend)->Capabilities();
+    EXPECT_TRUE(caps.cuda_memory && caps.inter_process && caps.page_writes);
+    EXPECT_FALSE(caps.host_memory || caps.inter_node);
+    return;
+  }
+  ASSERT_FALSE(backend.ok());
+  EXPECT_EQ(backend.status().code(), StatusCode::kUnavailable) << backend.status();
+  EXPECT_THAT(backend.status().message(), HasSubstr("cuda_ipc needs a CUDA device: "));
+  const std::string reason = cuda::DeviceCount().reason;
+  ASSERT_FALSE(reason.empty());
+  EXPECT_THAT(backend.status().message(), HasSubstr(reason));
+}
+
+TEST(CudaIpcBackendTest, BackendNamesListCudaIpcAfterUcx) {
+  const std::vector<std::string> names = BackendNames();
+  auto ucx = std::find(names.begin(), names.end(), "ucx");
+  auto ipc = std::find(names.begin(), names.end(), "cuda_ipc");
+  ASSERT_NE(ipc, names.end());
+  ASSERT_NE(ucx, names.end());
+  EXPECT_EQ(ipc, ucx + 1);
+  auto unknown = CreateBackend("nvlink");
+  ASSERT_FALSE(unknown.ok());
+  EXPECT_EQ(unknown.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(unknown.status().message(), HasSubstr("cuda_ipc"));
+}
+
+// ---- Buffer keys --------------------------------------------------------------------------
+
+RegionKey SampleKey() {
+  RegionKey key;
+  for (size_t i = 0; i < key.handle.size(); ++i) key.handle[i] = static_cast<char>(i * 37 + 1);
+  key.offset = 4096;
+  key.allocation_bytes = uint64_t{3} << 32;  // above 4 GiB: all eight bytes matter
+  return key;
+}
+
+TEST(CudaIpcKeyTest, RoundTrips) {
+  const RegionKey key = SampleKey();
+  const std::string bytes = EncodeRegionKey(key);
+  EXPECT_EQ(bytes.size(), kKeyBytes);
+  auto decoded = DecodeRegionKey(bytes, 1 << 20);
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  EXPECT_EQ(*decoded, key);
+}
+
+TEST(CudaIpcKeyTest, AcceptsABufferEndingExactlyAtTheAllocationEnd) {
+  RegionKey key = SampleKey();
+  key.allocation_bytes = 10000;
+  key.offset = 6000;
+  EXPECT_TRUE(DecodeRegionKey(EncodeRegionKey(key), 4000).ok());
+  auto past = DecodeRegionKey(EncodeRegionKey(key), 4001);
+  ASSERT_FALSE(past.ok());
+  EXPECT_EQ(past.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(past.status().message(), HasSubstr("past its end"));
+  EXPECT_THAT(past.status().message(), HasSubstr("6000"));
+}
+
+TEST(CudaIpcKeyTest, RefusesShortAndLongKeys) {
+  const std::string bytes = EncodeRegionKey(SampleKey());
+  for (size_t size : {size_t{0}, size_t{3}, size_t{8}, kKeyBytes - 1, kKeyBytes + 1}) {
+    std::string key = size <= bytes.size() ? bytes.substr(0, size) : bytes + std::string(1, 'x');
+    auto decoded = DecodeRegionKey(key, 64);
+    ASSERT_FALSE(decoded.ok()) << size;
+    EXPECT_EQ(decoded.status().code(), StatusCode::kInvalidArgument);
+    if (size >= 5) {
+      EXPECT_THAT(decoded.status().message(), HasSubstr(std::to_string(size) + " bytes"));
+      EXPECT_THAT(decoded.status().message(), HasSubstr(std::to_string(kKeyBytes)));
+    }
+  }
+}
+
+TEST(CudaIpcKeyTest, RefusesOtherMagicVersionAndHandleSize) {
+  const std::string good = EncodeRegionKey(SampleKey());
+  std::string ucx_key = good;
+  ucx_key[0] = 'U';
+  auto magic = DecodeRegionKey(ucx_key, 64);
+  ASSERT_FALSE(magic.ok());
+  EXPECT_THAT(magic.status().message(), HasSubstr("not a cuda_ipc buffer key"));
+
+  std::string v2 = good;
+  v2[4] = 2;
+  auto version = DecodeRegionKey(v2, 64);
+  ASSERT_FALSE(version.ok());
+  EXPECT_EQ(version.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(version.status().message(), HasSubstr("version 2"));
+  EXPECT_THAT(version.status().message(), HasSubstr("reads version 1"));
+
+  std::string handle = good;
+  handle[5] = 32;
+  auto size = DecodeRegionKey(handle, 64);
+  ASSERT_FALSE(size.ok());
+  EXPECT_THAT(size.status().message(), HasSubstr("32-byte IPC handle"));
+
+  std::string reserved = good;
+  reserved[7] = 1;
+  EXPECT_FALSE(DecodeRegionKey(reserved, 64).ok());
+}
+
+TEST(CudaIpcKeyTest, RefusesOffsetsPastTheAllocation) {
+  RegionKey key = SampleKey();
+  key.allocation_bytes = 1 << 20;
+  key.offset = (1 << 20) + 1;
+  auto past = DecodeRegionKey(EncodeRegionKey(key), 0);
+  ASSERT_FALSE(past.ok());
+  EXPECT_EQ(past.status().code(), StatusCode::kInvalidArgument);
+
+  key.offset = std::numeric_limits<uint64_t>::max() - 10;  // offset + length wraps around
+  auto wrap = DecodeRegionKey(EncodeRegionKey(key), 100);
+  ASSERT_FALSE(wrap.ok());
+  EXPECT_THAT(wrap.status().message(), HasSubstr("past its end"));
+
+  key.offset = 0;
+  auto longer = DecodeRegionKey(EncodeRegionKey(key), (1 << 20) + 1);  // buffer > allocation
+  EXPECT_FALSE(longer.ok());
+
+  key.allocation_bytes = 0;
+  auto empty = DecodeRegionKey(EncodeRegionKey(key), 0);
+  ASSERT_FALSE(empty.ok());
+  EXPECT_THAT(empty.status().message(), HasSubstr("0 bytes"));
+}
+
+// ---- Addresses ----------------------------------------------------------------------------
+
+ProcessAddress SampleAddress() {
+  ProcessAddress a;
+  a.boot_id = "4b0c3a0e-9f7e-4a57-8a43-5b8c0d3f1e22";
+  a.pid = 4242;
+  a.process = 0xfeedfacecafebeefULL;
+  a.device = 3;
+  a.pci_bus_id = "0000:9A:00.0";
+  a.instance = 0x1234;
+  return a;
+}
+
+TEST(CudaIpcAddressTest, RoundTrips) {
+  const ProcessAddress a = SampleAddress();
+  const std::string text = EncodeAddress(a);
+  EXPECT_TRUE(text.starts_with("cuda_ipc/1 "));
+  auto decoded = DecodeAddress(text);
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  EXPECT_EQ(*decoded, a);
+}
+
+TEST(CudaIpcAddressTest, RefusesOtherFormatsAndVersions) {
+  auto ucx = DecodeAddress(std::string("\x01\x02ucx-worker-address", 20));
+  ASSERT_FALSE(ucx.ok());
+  EXPECT_EQ(ucx.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(ucx.status().message(), HasSubstr("not a cuda_ipc address"));
+
+  std::string v2 = EncodeAddress(SampleAddress());
+  v2.replace(0, 10, "cuda_ipc/2");
+  auto version = DecodeAddress(v2);
+  ASSERT_FALSE(version.ok());
+  EXPECT_THAT(version.status().message(), HasSubstr("'cuda_ipc/2'"));
+
+  EXPECT_FALSE(DecodeAddress("").ok());
+}
+
+TEST(CudaIpcAddressTest, RefusesMissingAndMalformedFields) {
+  const std::string good = EncodeAddress(SampleAddress());
+  for (const char* field : {"boot", "pid", "proc", "dev", "pci", "inst"}) {
+    // Drop " field=value".
+    std::string text = good;
+    const size_t at = text.find(std::string(" ") + field + "=");
+    ASSERT_NE(at, std::string::npos) << field;
+    const size_t end = text.find(' ', at + 1);
+    text.erase(at, end == std::string::npos ? std::string::npos : end - at);
+    auto decoded = DecodeAddress(text);
+    ASSERT_FALSE(decoded.ok()) << field;
+    EXPECT_THAT(decoded.status().message(), HasSubstr(std::string("'") + field + "='"));
+  }
+  std::string bad_pid = good;
+  bad_pid.replace(bad_pid.find("pid=4242"), 8, "pid=42x2");
+  auto pid = DecodeAddress(bad_pid);
+  ASSERT_FALSE(pid.ok());
+  EXPECT_THAT(pid.status().message(), HasSubstr("pid=42x2"));
+
+  std::string bad_dev = good;
+  bad_dev.replace(bad_dev.find("dev=3"), 5, "dev=-1");
+  EXPECT_FALSE(DecodeAddress(bad_dev).ok());
+
+  std::string no_equals = good + " stray";
+  EXPECT_FALSE(DecodeAddress(no_equals).ok());
+}
+
+TEST(CudaIpcAddressTest, IgnoresFieldsOfLaterRevisions) {
+  auto decoded = DecodeAddress(EncodeAddress(SampleAddress()) + " numa=1");
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  EXPECT_EQ(*decoded, SampleAddress());
+}
+
+TEST(CudaIpcAddressTest, TellsHostsAndProcessesApart) {
+  const ProcessAddress a = SampleAddress();
+  ProcessAddress other_backend = a;
+  other_backend.instance = 99;
+  other_backend.device = 0;
+  EXPECT_TRUE(SameProcess(a, other_backend));
+
+  ProcessAddress other_process = a;
+  other_process.pid = 4243;
+  EXPECT_TRUE(SameHost(a, other_process));
+  EXPECT_FALSE(SameProcess(a, other_process));
+
+  ProcessAddress same_pid_other_container = a;  // pid namespaces: equal pids, other process
+  same_pid_other_container.process = 1;
+  EXPECT_FALSE(SameProcess(a, same_pid_other_container));
+
+  ProcessAddress other_host = a;
+  other_host.boot_id = "0e7c1b32-0000-4000-8000-000000000000";
+  EXPECT_FALSE(SameHost(a, other_host));
+  EXPECT_FALSE(SameProcess(a, other_host));
+}
+
+TEST(CudaIpcAddressTest, ThisProcessHasAStableIdentity) {
+  EXPECT_FALSE(ThisBootId().empty());
+  EXPECT_EQ(ThisBootId().find(' '), std::string::npos);
+  EXPECT_EQ(&ThisBootId(), &ThisBootId());
+  EXPECT_EQ(ThisProcessToken(), ThisProcessToken());
+  // The address of this process survives the codec with its identity.
+  ProcessAddress self;
+  self.boot_id = ThisBootId();
+  self.pid = 7;
+  self.process = ThisProcessToken();
+  self.device = 0;
+  self.pci_bus_id = "0000:01:00.0";
+  auto decoded = DecodeAddress(EncodeAddress(self));
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  EXPECT_TRUE(SameProcess(*decoded, self));
+}
+
+// ---- The planner, run with the CPU kernel -------------------------------------------------
+
+// A host stand-in for a pool: 2L buffers of `pages` pages of `item` bytes.
+struct HostPool {
+  HostPool(int layers, uint64_t pages, uint64_t item, uint8_t fill) : item(item) {
+    buffers.assign(2 * static_cast<size_t>(layers), std::vector<uint8_t>(pages * item, fill));
+  }
+  void Randomize(std::mt19937& rng) {
+    for (auto& b : buffers) {
+      for (auto& byte : b) byte = static_cast<uint8_t>(rng());
+    }
+  }
+  std::vector<LocalRegion> Local() {
+    std::vector<LocalRegion> out;
+    for (auto& b : buffers) {
+      out.push_back({reinterpret_cast<uint64_t>(b.data()), b.size(), item, MemoryKind::kCuda, 0});
+    }
+    return out;
+  }
+  std::vector<RemoteRegion> Remote() {
+    std::vector<RemoteRegion> out;
+    for (auto& b : buffers)
+      out.push_back({reinterpret_cast<uint64_t>(b.data()), b.size(), item, ""});
+    return out;
+  }
+  std::vector<uint64_t> Bases() {
+    std::vector<uint64_t> out;
+    for (auto& b : buffers) out.push_back(reinterpret_cast<uint64_t>(b.data()));
+    return out;
+  }
+  uint64_t item;
+  std::vector<std::vector<uint8_t>> buffers;
+};
+
+// Runs every launch of the program with PageCopyCpu, its tables where they are.
+Status Execute(const CopyProgram& program) {
+  for (const CopyLaunch& launch : program.launches) {
+    KVT_RETURN_IF_ERROR(kernels::PageCopyCpu(
+        LaunchArgs(program, launch, reinterpret_cast<uint64_t>(program.tables.data()))));
+  }
+  return OkStatus();
+}
+
+// What a page write must leave in the destination, computed independently of the planner.
+void ApplyPageWrite(const PageWrite& w, const HostPool& src, HostPool& dst) {
+  std::vector<PageUnit> units(w.units.begin(), w.units.end());
+  if (units.empty()) units.push_back({0, 0, src.item});
+  for (int32_t l = w.layer_begin; l < w.layer_end; ++l) {
+    for (int32_t b : {l, w.num_layers + l}) {
+      for (size_t i = 0; i < w.src_pages.size(); ++i) {
+        for (const PageUnit& u : units) {
+          std::memcpy(dst.buffers[b].data() + w.dst_pages[i] * dst.item + u.dst_offset,
+                      src.buffers[b].data() + w.src_pages[i] * src.item + u.src_offset, u.bytes);
+        }
+      }
+    }
+  }
+}
+
+std::vector<int32_t> DistinctPages(size_t n, int32_t pages, std::mt19937& rng) {
+  std::vector<int32_t> all(static_cast<size_t>(pages - 1));
+  std::iota(all.begin(), all.end(), 1);  // page 0 is the dummy page
+  std::shuffle(all.begin(), all.end(), rng);
+  all.resize(n);
+  return all;
+}
+
+constexpr int kLayers = 4;
+constexpr int32_t kPages = 32;
+
+TEST(CudaIpcProgramTest, WholePagesOfALayerBatchAreOneLaunchAndByteExact) {
+  std::mt19937 rng(11);
+  HostPool src(kLayers, kPages, 1024, 0);
+  HostPool dst(kLayers, kPages, 1024, 0xEE);
+  src.Randomize(rng);
+  HostPool expected = dst;
+  const std::vector<int32_t> src_pages = DistinctPages(9, kPages, rng);
+  const std::vector<int32_t> dst_pages = DistinctPages(9, kPages, rng);
+  PageWrite w;
+  w.src_pages = src_pages;
+  w.dst_pages = dst_pages;
+  w.num_layers = kLayers;
+  w.layer_begin = 1;
+  w.layer_end = 3;
+  auto local = src.Local();
+  auto remote = dst.Remote();
+  auto bases = dst.Bases();
+  auto program = PlanPageWrite(w, local, remote, bases);
+  ASSERT_TRUE(program.ok()) << program.status();
+  ASSERT_EQ(program->launches.size(), 1u);
+  EXPECT_EQ(program->launches[0].num_buffers, 4);  // K and V of layers 1 and 2
+  EXPECT_EQ(program->bytes, 4u * 9 * 1024);
+  ASSERT_TRUE(Execute(*program).ok());
+  ApplyPageWrite(w, src, expected);
+  for (size_t b = 0; b < dst.buffers.size(); ++b) {
+    EXPECT_EQ(dst.buffers[b], expected.buffers[b]) << "buffer " << b;
+  }
+}
+
+TEST(CudaIpcProgramTest, UnitsAreOneLaunchEachIncludingUnalignedOnes) {
+  std::mt19937 rng(12);
+  HostPool src(kLayers, kPages, 512, 0);
+  HostPool dst(kLayers, kPages, 512, 0xEE);
+  src.Randomize(rng);
+  HostPool expected = dst;
+  const std::vector<int32_t> src_pages = DistinctPages(7, kPages, rng);
+  const std::vector<int32_t> dst_pages = DistinctPages(7, kPages, rng);
+  const std::vector<PageUnit> units = {{0, 256, 128}, {256, 0, 64}, {3, 401, 111}, {500, 500, 0}};
+  PageWrite w;
+  w.src_pages = src_pages;
+  w.dst_pages = dst_pages;
+  w.num_layers = kLayers;
+  w.layer_begin = 0;
+  w.layer_end = kLayers;
+  w.units = units;
+  auto local = src.Local();
+  auto remote = dst.Remote();
+  auto bases = dst.Bases();
+  auto program = PlanPageWrite(w, local, remote, bases);
+  ASSERT_TRUE(program.ok()) << program.status();
+  EXPECT_EQ(program->launches.size(), 3u);  // the empty unit launches nothing
+  ASSERT_TRUE(Execute(*program).ok());
+  ApplyPageWrite(w, src, expected);
+  for (size_t b = 0; b < dst.buffers.size(); ++b) {
+    EXPECT_EQ(dst.buffers[b], expected.buffers[b]) << "buffer " << b;
+  }
+}
+
+TEST(CudaIpcProgramTest, BuffersOfDifferentPageSizesGetOneLaunchPerSize) {
+  // The V buffers of the peer have larger pages (a layout with more heads there): units move
+  // the same head range into a different place of each page.
+  std::mt19937 rng(13);
+  HostPool src(2, kPages, 256, 0);
+  src.Randomize(rng);
+  HostPool dst(2, kPages, 256, 0xEE);
+  dst.buffers[2].assign(kPages * 512, 0xEE);
+  dst.buffers[3].assign(kPages * 512, 0xEE);
+  auto remote = dst.Remote();
+  remote[2].item_len = remote[3].item_len = 512;
+  auto local = src.Local();
+  auto bases = dst.Bases();
+  const std::vector<int32_t> src_pages = {5, 9, 2};
+  const std::vector<int32_t> dst_pages = {1, 30, 7};
+  const std::vector<PageUnit> units = {{64, 0, 128}};
+  PageWrite w;
+  w.src_pages = src_pages;
+  w.dst_pages = dst_pages;
+  w.num_layers = 2;
+  w.layer_begin = 0;
+  w.layer_end = 2;
+  w.units = units;
+  auto program = PlanPageWrite(w, local, remote, bases);
+  ASSERT_TRUE(program.ok()) << program.status();
+  EXPECT_EQ(program->launches.size(), 2u);
+  ASSERT_TRUE(Execute(*program).ok());
+  for (int b = 0; b < 4; ++b) {
+    const uint64_t dst_item = b < 2 ? 256 : 512;
+    std::vector<uint8_t> want(kPages * dst_item, 0xEE);
+    for (size_t i = 0; i < src_pages.size(); ++i) {
+      std::memcpy(want.data() + dst_pages[i] * dst_item,
+                  src.buffers[b].data() + src_pages[i] * 256 + 64, 128);
+    }
+    EXPECT_EQ(dst.buffers[b], want) << "buffer " << b;
+  }
+  // Whole pages between different page sizes cannot be planned.
+  w.units = {};
+  auto whole = PlanPageWrite(w, local, remote, bases);
+  ASSERT_FALSE(whole.ok());
+  EXPECT_EQ(whole.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(whole.status().message(), HasSubstr("pass units"));
+}
+
+TEST(CudaIpcProgramTest, EmptyWritesHaveNoLaunches) {
+  HostPool src(kLayers, kPages, 256, 0);
+  HostPool dst(kLayers, kPages, 256, 0);
+  auto local = src.Local();
+  auto remote = dst.Remote();
+  auto bases = dst.Bases();
+  const std::vector<int32_t> pages = {1, 2};
+  PageWrite no_pages;
+  no_pages.num_layers = kLayers;
+  no_pages.layer_end = kLayers;
+  auto a = PlanPageWrite(no_pages, local, remote, bases);
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_TRUE(a->launches.empty());
+  PageWrite no_layers;
+  no_layers.src_pages = pages;
+  no_layers.dst_pages = pages;
+  no_layers.num_layers = kLayers;
+  no_layers.layer_begin = no_layers.layer_end = 2;
+  auto b = PlanPageWrite(no_layers, local, remote, bases);
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_TRUE(b->launches.empty());
+  EXPECT_EQ(b->bytes, 0u);
+}
+
+TEST(CudaIpcProgramTest, RefusesPageWritesOutsideEitherSide) {
+  HostPool src(kLayers, kPages, 256, 0);
+  HostPool dst(kLayers, 16, 256, 0);  // the peer's pool is smaller
+  auto local = src.Local();
+  auto remote = dst.Remote();
+  auto bases = dst.Bases();
+  const std::vector<int32_t> ok_pages = {1, 2, 3};
+  const std::vector<int32_t> two = {1, 2};
+  const std::vector<int32_t> negative = {1, -3, 2};
+  const std::vector<int32_t> past_dst = {1, 16, 2};
+  const std::vector<int32_t> past_src = {1, 32, 2};
+  auto plan = [&](std::span<const int32_t> s, std::span<const int32_t> d, int32_t layers,
+                  int32_t begin, int32_t end, std::span<const PageUnit> units = {}) {
+    PageWrite w;
+    w.src_pages = s;
+    w.dst_pages = d;
+    w.num_layers = layers;
+    w.layer_begin = begin;
+    w.layer_end = end;
+    w.units = units;
+    return PlanPageWrite(w, local, remote, bases);
+  };
+  auto expect = [](const StatusOr<CopyProgram>& r, StatusCode code, const std::string& text) {
+    ASSERT_FALSE(r.ok()) << text;
+    EXPECT_EQ(r.status().code(), code) << r.status();
+    EXPECT_THAT(r.status().message(), HasSubstr(text));
+  };
+  EXPECT_TRUE(plan(ok_pages, ok_pages, kLayers, 0, kLayers).ok());
+  expect(plan(ok_pages, two, kLayers, 0, 1), StatusCode::kInvalidArgument, "3 source pages but 2");
+  expect(plan(ok_pages, ok_pages, 0, 0, 0), StatusCode::kInvalidArgument, "num_layers = 0");
+  expect(plan(ok_pages, ok_pages, kLayers + 1, 0, 1), StatusCode::kInvalidArgument,
+         "8 buffers are registered");
+  expect(plan(ok_pages, ok_pages, kLayers, 2, 1), StatusCode::kInvalidArgument, "[2, 1)");
+  expect(plan(ok_pages, ok_pages, kLayers, 0, kLayers + 1), StatusCode::kInvalidArgument,
+         "not inside [0, 4]");
+  expect(plan(negative, ok_pages, kLayers, 0, 1), StatusCode::kOutOfRange, "page -3");
+  expect(plan(ok_pages, past_dst, kLayers, 0, 1), StatusCode::kOutOfRange,
+         "writes page 16 of the peer's buffer 0, which holds 16 pages");
+  expect(plan(past_src, ok_pages, kLayers, 0, 1), StatusCode::kOutOfRange,
+         "reads page 32 of local buffer 0, which holds 32 pages");
+  const std::vector<PageUnit> wide = {{200, 0, 57}};
+  expect(plan(ok_pages, ok_pages, kLayers, 0, 1, wide), StatusCode::kOutOfRange,
+         "unit 0 reads [200, +57)");
+  const std::vector<PageUnit> shifted = {{0, 255, 2}};
+  expect(plan(ok_pages, ok_pages, kLayers, 0, 1, shifted), StatusCode::kOutOfRange,
+         "unit 0 writes [255, +2)");
+
+  // The peer publishing another buffer count is the caller's state to fix.
+  std::vector<RemoteRegion> fewer(remote.begin(), remote.end() - 1);
+  std::vector<uint64_t> fewer_bases(bases.begin(), bases.end() - 1);
+  PageWrite w;
+  w.src_pages = ok_pages;
+  w.dst_pages = ok_pages;
+  w.num_layers = kLayers;
+  w.layer_end = 1;
+  auto count = PlanPageWrite(w, local, fewer, fewer_bases);
+  ASSERT_FALSE(count.ok());
+  EXPECT_EQ(count.status().code(), StatusCode::kFailedPrecondition);
+}
+
+TEST(CudaIpcProgramTest, CopyRunsOfOneLengthShareALaunchAndAreByteExact) {
+  std::mt19937 rng(21);
+  HostPool src(kLayers, kPages, 4096, 0);
+  HostPool dst(kLayers, kPages, 4096, 0xEE);
+  src.Randomize(rng);
+  HostPool expected = dst;
+  std::vector<CopyRun> runs;
+  std::vector<uint64_t> dst_pages(kPages);
+  std::iota(dst_pages.begin(), dst_pages.end(), 0);
+  std::shuffle(dst_pages.begin() + 1, dst_pages.end(), rng);
+  std::set<uint64_t> lengths;
+  for (uint32_t b = 0; b < 2 * kLayers; ++b) {
+    for (uint64_t p = 1; p < 10; ++p) {
+      const uint64_t bytes = p % 3 == 0 ? 4096 : 1 + rng() % 4096;  // partial and odd lengths
+      runs.push_back({b, p * 4096, dst_pages[p] * 4096, bytes});
+      lengths.insert(bytes);
+    }
+  }
+  runs.push_back({0, 0, 0, 0});  // empty runs move nothing
+  auto local = src.Local();
+  auto remote = dst.Remote();
+  auto bases = dst.Bases();
+  auto program = PlanRunWrite(runs, local, remote, bases);
+  ASSERT_TRUE(program.ok()) << program.status();
+  EXPECT_EQ(program->launches.size(), lengths.size());
+  ASSERT_TRUE(Execute(*program).ok());
+  uint64_t total = 0;
+  for (const CopyRun& r : runs) {
+    std::memcpy(expected.buffers[r.buffer].data() + r.dst_offset,
+                src.buffers[r.buffer].data() + r.src_offset, r.bytes);
+    total += r.bytes;
+  }
+  EXPECT_EQ(program->bytes, total);
+  for (size_t b = 0; b < dst.buffers.size(); ++b) {
+    EXPECT_EQ(dst.buffers[b], expected.buffers[b]) << "buffer " << b;
+  }
+}
+
+TEST(CudaIpcProgramTest, RefusesRunsOutsideEitherSide) {
+  HostPool src(1, 4, 256, 0);
+  HostPool dst(1, 2, 256, 0);
+  auto local = src.Local();
+  auto remote = dst.Remote();
+  auto bases = dst.Bases();
+  const CopyRun past_dst[] = {{0, 0, 400, 200}};
+  auto a = PlanRunWrite(past_dst, local, remote, bases);
+  ASSERT_FALSE(a.ok());
+  EXPECT_EQ(a.status().code(), StatusCode::kOutOfRange);
+  EXPECT_THAT(a.status().message(), HasSubstr("past the end of remote buffer 0"));
+  const CopyRun bad_buffer[] = {{5, 0, 0, 1}};
+  auto b = PlanRunWrite(bad_buffer, local, remote, bases);
+  ASSERT_FALSE(b.ok());
+  EXPECT_THAT(b.status().message(), HasSubstr("names buffer 5"));
+  auto none = PlanRunWrite({}, local, remote, bases);
+  ASSERT_TRUE(none.ok());
+  EXPECT_TRUE(none->launches.empty());
+}
+
+}  // namespace
+}  // namespace kvt::transfer::cuda_ipc

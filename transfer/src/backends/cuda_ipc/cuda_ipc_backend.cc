@@ -1,0 +1,843 @@
+// The cuda_ipc backend (see cuda_ipc_backend.h).
+//
+// Register: every buffer must be device memory of one GPU; the allocation holding it is found
+// with the driver's cuMemGetAddressRange (looked up at run time, so binaries load on machines
+// without a driver) and named by one cudaIpcGetMemHandle per distinct allocation; each buffer's
+// key carries (handle, offset in the allocation, allocation size).
+//
+// Connect: a peer of this process is written through its own addresses; a peer in another
+// process of this host through a mapping of its allocation (cudaIpcOpenMemHandle), held in a
+// process-wide cache with one reference per connected peer, because CUDA maps an allocation
+// once per process and several peers (or engines) may name the same one.
+//
+// Writes: each write is planned into page-copy launches (cuda_ipc_program.h); their tables are
+// staged in pinned memory, copied to device scratch on the backend's stream, the launches
+// follow (after waiting for PageWrite::ready on the GPU) and a completion event closes the
+// write. Scratch (pinned + device + event) is recycled through a free list, so the hot path
+// allocates nothing once warm: cudaMalloc and cudaFree synchronise the device.
+#include "backends/cuda_ipc/cuda_ipc_backend.h"
+
+// CUresult and CUdeviceptr only: the driver is reached through the runtime's entry-point
+// lookup, never linked.
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <bit>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <random>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "backends/cuda_ipc/cuda_ipc_codec.h"
+#include "backends/cuda_ipc/cuda_ipc_program.h"
+#include "backends/run_check.h"
+#include "kvt/common/log.h"
+#include "kvt/kernels/cuda_util.h"
+#include "kvt/kernels/kernels.h"
+
+namespace kvt::transfer {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using cuda_ipc::CopyProgram;
+using cuda_ipc::ProcessAddress;
+using cuda_ipc::RegionKey;
+
+static_assert(sizeof(cudaIpcMemHandle_t) == cuda_ipc::kIpcHandleBytes,
+              "the key codec's handle size must match cudaIpcMemHandle_t");
+
+// GPU work is local and always finishes, unless a write waits for a producer's event whose
+// stream never advances. Waits are bounded by this; past it the backend logs and keeps (leaks)
+// whatever the GPU may still touch rather than hang or free memory in use.
+constexpr auto kGpuWaitLimit = std::chrono::seconds(30);
+
+// Scratch blocks are at least this large and grow in powers of two.
+constexpr size_t kMinScratchBytes = 4096;
+
+std::string Hex(uint64_t v) {
+  char buf[24];
+  std::snprintf(buf, sizeof(buf), "%#llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+std::string Num(uint64_t v) { return std::to_string(v); }
+
+// Makes `device` current for a scope and restores the caller's device afterwards, so that the
+// backend never changes a calling thread's CUDA state. cudaSetDevice is called even when the
+// device is already the current one: since CUDA 12 it also makes the device's primary context
+// current on this thread, which the driver calls (cuMemGetAddressRange) need.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) : device_(device) {
+    if (cudaGetDevice(&previous_) != cudaSuccess) {
+      (void)cudaGetLastError();
+      previous_ = -1;
+    }
+    status_ = cuda::ToStatus(cudaSetDevice(device_), "cudaSetDevice");
+    if (!status_.ok()) {
+      status_ = status_.WithContext("making device " + std::to_string(device_) + " current");
+    }
+  }
+  ~DeviceGuard() {
+    if (previous_ >= 0 && previous_ != device_ && cudaSetDevice(previous_) != cudaSuccess) {
+      (void)cudaGetLastError();
+    }
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+  const Status& status() const { return status_; }
+
+ private:
+  const int device_;
+  int previous_ = -1;
+  Status status_;
+};
+
+// Polls `event` until it completed (OK), failed (its error) or `limit` passed (DeadlineExceeded).
+// Polling rather than cudaEventSynchronize keeps the wait bounded.
+Status WaitForEvent(cudaEvent_t event, Clock::duration limit, const std::string& what) {
+  const auto give_up = Clock::now() + limit;
+  auto pause = std::chrono::microseconds(5);
+  while (true) {
+    const cudaError_t err = cudaEventQuery(event);
+    if (err == cudaSuccess) return OkStatus();
+    if (err != cudaErrorNotReady) return cuda::ToStatus(err, what.c_str());
+    (void)cudaGetLastError();  // not an error; keep it from being reported by a later launch
+    if (Clock::now() > give_up) {
+      return DeadlineExceeded(what + " did not finish in " +
+                              Num(std::chrono::duration_cast<std::chrono::seconds>(limit).count()) +
+                              " s (is a producer stream it waits for stuck?)");
+    }
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::microseconds(1000));
+  }
+}
+
+// ---- The driver's cuMemGetAddressRange, found at run time ---------------------------------
+
+using MemGetAddressRangeFn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
+
+StatusOr<MemGetAddressRangeFn> AddressRangeFunction() {
+  static const StatusOr<MemGetAddressRangeFn> function = []() -> StatusOr<MemGetAddressRangeFn> {
+    void* symbol = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+#if CUDART_VERSION >= 12050
+    const cudaError_t err = cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &symbol, 12000,
+                                                             cudaEnableDefault, &found);
+#else
+    const cudaError_t err =
+        cudaGetDriverEntryPoint("cuMemGetAddressRange", &symbol, cudaEnableDefault, &found);
+#endif
+    if (err != cudaSuccess) {
+      return cuda::ToStatus(err, "cudaGetDriverEntryPoint(cuMemGetAddressRange)");
+    }
+    if (found != cudaDriverEntryPointSuccess || symbol == nullptr) {
+      return Unavailable("the CUDA driver does not provide cuMemGetAddressRange (lookup result " +
+                         std::to_string(static_cast<int>(found)) + "); update the NVIDIA driver");
+    }
+    return reinterpret_cast<MemGetAddressRangeFn>(symbol);
+  }();
+  return function;
+}
+
+struct Allocation {
+  uint64_t base = 0;
+  uint64_t bytes = 0;
+};
+
+// The CUDA allocation holding `address` (the current device's context must be current).
+StatusOr<Allocation> FindAllocation(uint64_t address) {
+  KVT_ASSIGN_OR_RETURN(MemGetAddressRangeFn range, AddressRangeFunction());
+  CUdeviceptr base = 0;
+  size_t bytes = 0;
+  const CUresult result = range(&base, &bytes, static_cast<CUdeviceptr>(address));
+  if (result != CUDA_SUCCESS) {
+    return InvalidArgument("cuMemGetAddressRange(" + Hex(address) + ") failed with CUresult " +
+                           std::to_string(static_cast<int>(result)) +
+                           ": the address is not inside a CUDA allocation of this process");
+  }
+  return Allocation{static_cast<uint64_t>(base), static_cast<uint64_t>(bytes)};
+}
+
+// ---- Process-wide cache of opened peer allocations ----------------------------------------
+
+class MappingCache {
+ public:
+  static MappingCache& Get() {
+    static MappingCache* cache = new MappingCache();  // never destroyed: used from destructors
+    return *cache;
+  }
+
+  // Takes a reference on the mapping of the allocation `key` names, opening it (on `device`,
+  // which the caller made current) if this process has not yet. Returns its address here.
+  StatusOr<uint64_t> Acquire(const RegionKey& key, int device) {
+    const std::string id(key.handle.data(), key.handle.size());
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = mappings_.find(id);
+    if (it != mappings_.end()) {
+      ++it->second.references;
+      return it->second.base;
+    }
+    cudaIpcMemHandle_t handle;
+    std::memcpy(&handle, key.handle.data(), sizeof(handle));
+    void* mapped = nullptr;
+    const cudaError_t err = cudaIpcOpenMemHandle(&mapped, handle, cudaIpcMemLazyEnablePeerAccess);
+    if (err != cudaSuccess) {
+      return Unavailable(cuda::ToStatus(err, "cudaIpcOpenMemHandle").message() +
+                         " (opening the peer's allocation of " + Num(key.allocation_bytes) +
+                         " bytes on device " + std::to_string(device) +
+                         "); the peer must be alive with its pool allocated, and its GPU "
+                         "reachable from this one");
+    }
+    const uint64_t base = reinterpret_cast<uint64_t>(mapped);
+    // A key that claims more than the handle maps would let writes run past the mapping.
+    StatusOr<Allocation> range = FindAllocation(base);
+    if (range.ok() && range->bytes < key.allocation_bytes) {
+      if (cudaIpcCloseMemHandle(mapped) != cudaSuccess) (void)cudaGetLastError();
+      return InvalidArgument("the peer's key claims an allocation of " + Num(key.allocation_bytes) +
+                             " bytes, but its handle maps " + Num(range->bytes) +
+                             "; the peer's descriptor is inconsistent");
+    }
+    if (!range.ok()) {
+      KVT_LOG_DEBUG("ipc", "cannot size the mapping at {}: {}", Hex(base),
+                    range.status().ToString());
+    }
+    mappings_.emplace(id, Mapping{base, device, 1});
+    KVT_LOG_DEBUG("ipc", "opened a peer allocation of {} bytes at {} on device {}",
+                  key.allocation_bytes, Hex(base), device);
+    return base;
+  }
+
+  // Drops a reference; the last one closes the mapping.
+  void Release(const std::string& id) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = mappings_.find(id);
+    if (it == mappings_.end()) {
+      KVT_LOG_ERROR("ipc", "release of a peer mapping this process does not hold");
+      return;
+    }
+    if (--it->second.references > 0) return;
+    DeviceGuard guard(it->second.device);
+    const cudaError_t err = cudaIpcCloseMemHandle(reinterpret_cast<void*>(it->second.base));
+    if (err != cudaSuccess) {
+      KVT_LOG_WARN("ipc", "{}", cuda::ToStatus(err, "cudaIpcCloseMemHandle").message());
+    }
+    mappings_.erase(it);
+  }
+
+  size_t Size() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return mappings_.size();
+  }
+
+ private:
+  struct Mapping {
+    uint64_t base = 0;
+    int device = -1;  // the device current when it was opened
+    int references = 0;
+  };
+  std::mutex mutex_;                                   // guards mappings_
+  std::unordered_map<std::string, Mapping> mappings_;  // by IPC handle bytes
+};
+
+// ---- The backend --------------------------------------------------------------------------
+
+uint64_t RandomU64() {
+  std::random_device device;
+  return (static_cast<uint64_t>(device()) << 32) ^ device();
+}
+
+class CudaIpcBackend final : public Backend {
+ public:
+  explicit CudaIpcBackend(uint64_t instance) : instance_(instance) {}
+
+  ~CudaIpcBackend() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    Status drained = OkStatus();
+    if (stream_.get() != nullptr) {
+      DeviceGuard guard(device_);
+      drained = guard.status();
+      if (drained.ok()) drained = DrainLocked("the cuda_ipc stream at shutdown");
+    }
+    if (!drained.ok()) {
+      // The GPU may still read scratch tables or write through the mappings: keep them.
+      KVT_LOG_ERROR("ipc",
+                    "cuda_ipc backend destroyed while its GPU work did not finish ({}); leaking "
+                    "its scratch memory and its peers' mappings",
+                    drained.ToString());
+      for (auto& [id, write] : writes_) (void)write.slot.release();
+      for (auto& slot : retiring_) (void)slot.release();
+      writes_.clear();
+      retiring_.clear();
+      peers_.clear();
+      return;
+    }
+    if (device_ < 0) return;  // never registered: nothing on a device
+    DeviceGuard guard(device_);
+    writes_.clear();
+    retiring_.clear();
+    free_.clear();
+    for (auto& [id, peer] : peers_) ReleaseMappings(peer);
+    peers_.clear();
+  }
+
+  std::string_view Name() const override { return "cuda_ipc"; }
+
+  BackendCapabilities Capabilities() const override {
+    BackendCapabilities caps;
+    caps.cuda_memory = true;
+    caps.inter_process = true;
+    caps.page_writes = true;
+    return caps;
+  }
+
+  StatusOr<PeerDescriptor> Register(std::span<const LocalRegion> regions) override {
+    if (regions.empty()) {
+      return InvalidArgument(
+          "cuda_ipc: no buffers to register; pass the pool's 2 x layers CUDA buffers");
+    }
+    const int32_t device = regions[0].device;
+    for (size_t i = 0; i < regions.size(); ++i) {
+      const LocalRegion& r = regions[i];
+      const std::string which = "buffer " + Num(i);
+      if (r.kind != MemoryKind::kCuda) {
+        return InvalidArgument(which +
+                               " is host memory, but cuda_ipc moves CUDA memory only; use the "
+                               "ucx or loopback backend for host pools");
+      }
+      if (r.base == 0 || r.length == 0) {
+        return InvalidArgument(which + " has a null base or zero length");
+      }
+      if (r.item_len == 0 || r.item_len > r.length) {
+        return InvalidArgument(which + " has pages of " + Num(r.item_len) + " bytes in " +
+                               Num(r.length) + " bytes; item_len must be in [1, length]");
+      }
+      if (r.device < 0) {
+        return InvalidArgument(which + " is CUDA memory without a device (device = " +
+                               std::to_string(r.device) + "); set LocalRegion::device");
+      }
+      if (r.device != device) {
+        return InvalidArgument(
+            "buffers on several devices (buffer 0 on device " + std::to_string(device) + ", " +
+            which + " on device " + std::to_string(r.device) +
+            "); one cuda_ipc backend serves one GPU: give each device's pool its own backend");
+      }
+    }
+    const int device_count = cuda::DeviceCount().count;
+    if (device >= device_count) {
+      return InvalidArgument("buffers on device " + std::to_string(device) +
+                             ", but this process sees " + std::to_string(device_count) +
+                             " CUDA devices");
+    }
+
+    std::lock_guard<std::mutex> lock(mutex_);
+    size_t in_flight = 0;
+    for (auto& [id, write] : writes_) {
+      PollLocked(write);
+      if (write.status.code() == StatusCode::kInProgress) ++in_flight;
+    }
+    if (in_flight > 0) {
+      return FailedPrecondition("cannot re-register buffers while " + Num(in_flight) +
+                                " writes are in flight; wait for them (Check) or Release them");
+    }
+    if (!peers_.empty() && device_ >= 0 && device != device_) {
+      return FailedPrecondition(
+          "connected peers were set up for device " + std::to_string(device_) +
+          "; disconnect them before registering buffers on device " + std::to_string(device));
+    }
+    DeviceGuard guard(device);
+    KVT_RETURN_IF_ERROR(guard.status());
+
+    std::map<uint64_t, cuda_ipc::IpcHandleBytes> handles;  // by allocation base
+    std::vector<std::string> keys;
+    for (size_t i = 0; i < regions.size(); ++i) {
+      const LocalRegion& r = regions[i];
+      const std::string which = "buffer " + Num(i) + " at " + Hex(r.base);
+      cudaPointerAttributes attr = {};
+      const cudaError_t err = cudaPointerGetAttributes(&attr, reinterpret_cast<void*>(r.base));
+      if (err != cudaSuccess) {
+        return InvalidArgument(cuda::ToStatus(err, "cudaPointerGetAttributes").message() + ": " +
+                               which + " is not memory CUDA knows in this process");
+      }
+      if (attr.type != cudaMemoryTypeDevice) {
+        return InvalidArgument(which + " is not device memory (cudaPointerGetAttributes type " +
+                               std::to_string(static_cast<int>(attr.type)) +
+                               "); cuda_ipc shares cudaMalloc memory only (no host, pinned or "
+                               "managed memory)");
+      }
+      if (attr.device != device) {
+        return InvalidArgument(which + " lives on device " + std::to_string(attr.device) +
+                               " but is registered for device " + std::to_string(device));
+      }
+      StatusOr<Allocation> alloc = FindAllocation(r.base);
+      if (!alloc.ok()) return alloc.status().WithContext("finding the allocation of " + which);
+      if (r.base - alloc->base > alloc->bytes || r.length > alloc->bytes - (r.base - alloc->base)) {
+        return InvalidArgument(which + " (" + Num(r.length) +
+                               " bytes) runs past the end of its CUDA allocation [" +
+                               Hex(alloc->base) + ", +" + Num(alloc->bytes) +
+                               "); a registered buffer must lie inside one allocation");
+      }
+      auto handle = handles.find(alloc->base);
+      if (handle == handles.end()) {
+        cudaIpcMemHandle_t h;
+        const cudaError_t got = cudaIpcGetMemHandle(&h, reinterpret_cast<void*>(alloc->base));
+        if (got != cudaSuccess) {
+          return FailedPrecondition(
+              cuda::ToStatus(got, "cudaIpcGetMemHandle").message() + ": cannot share the " +
+              Num(alloc->bytes) + "-byte allocation holding " + which +
+              "; cuda_ipc shares memory from cudaMalloc (not cudaMallocAsync pools, managed "
+              "memory or VMM allocations without an IPC handle type)");
+        }
+        cuda_ipc::IpcHandleBytes bytes;
+        std::memcpy(bytes.data(), &h, sizeof(h));
+        handle = handles.emplace(alloc->base, bytes).first;
+      }
+      RegionKey key;
+      key.handle = handle->second;
+      key.offset = r.base - alloc->base;
+      key.allocation_bytes = alloc->bytes;
+      keys.push_back(cuda_ipc::EncodeRegionKey(key));
+    }
+
+    char pci[64] = {};
+    KVT_CUDA_RETURN_IF_ERROR(cudaDeviceGetPCIBusId(pci, sizeof(pci) - 1, device));
+    if (stream_.get() == nullptr || device != device_) {
+      KVT_ASSIGN_OR_RETURN(cuda::Stream stream, cuda::Stream::Create(device));
+      stream_ = std::move(stream);
+      free_.clear();  // scratch of another device
+    }
+    ProcessAddress self = Self();
+    self.device = device;
+    self.pci_bus_id = pci;
+    self.instance = instance_;
+
+    PeerDescriptor descriptor;
+    descriptor.backend = "cuda_ipc";
+    descriptor.address = cuda_ipc::EncodeAddress(self);
+    for (size_t i = 0; i < regions.size(); ++i) {
+      descriptor.regions.push_back(
+          RemoteRegion{regions[i].base, regions[i].length, regions[i].item_len, keys[i]});
+    }
+    local_.assign(regions.begin(), regions.end());
+    device_ = device;
+    KVT_LOG_DEBUG("ipc", "registered {} buffers in {} allocations on device {} ({})",
+                  regions.size(), handles.size(), device, self.pci_bus_id);
+    return descriptor;
+  }
+
+  StatusOr<PeerId> Connect(const PeerDescriptor& descriptor) override {
+    if (descriptor.backend != "cuda_ipc") {
+      return InvalidArgument("peer uses backend '" + descriptor.backend +
+                             "', this side 'cuda_ipc'");
+    }
+    StatusOr<ProcessAddress> address = cuda_ipc::DecodeAddress(descriptor.address);
+    if (!address.ok()) return address.status().WithContext("the peer's cuda_ipc address");
+    std::vector<RegionKey> keys;
+    for (size_t i = 0; i < descriptor.regions.size(); ++i) {
+      StatusOr<RegionKey> key =
+          cuda_ipc::DecodeRegionKey(descriptor.regions[i].key, descriptor.regions[i].length);
+      if (!key.ok()) return key.status().WithContext("the peer's buffer " + Num(i));
+      keys.push_back(*key);
+    }
+    if (!cuda_ipc::SameHost(*address, Self())) {
+      return FailedPrecondition(
+          "cuda_ipc reaches peers on the same host only, but the peer's "
+          "boot id '" +
+          address->boot_id + "' differs from this host's '" + cuda_ipc::ThisBootId() +
+          "'; use ucx");
+    }
+
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (local_.empty()) {
+      return FailedPrecondition("register this side's buffers before connecting a peer");
+    }
+    KVT_RETURN_IF_ERROR(CheckRegionCount(local_.size(), descriptor.regions.size()));
+    DeviceGuard guard(device_);
+    KVT_RETURN_IF_ERROR(guard.status());
+    int peer_device = -1;
+    const cudaError_t found = cudaDeviceGetByPCIBusId(&peer_device, address->pci_bus_id.c_str());
+    if (found != cudaSuccess) {
+      return FailedPrecondition(
+          cuda::ToStatus(found, "cudaDeviceGetByPCIBusId").message() + ": the peer's GPU (PCI " +
+          address->pci_bus_id + ", its device " + std::to_string(address->device) +
+          ") is not visible in this process; make it visible (CUDA_VISIBLE_DEVICES) or use ucx");
+    }
+    if (peer_device != device_) KVT_RETURN_IF_ERROR(EnablePeerAccessLocked(peer_device));
+
+    Peer peer;
+    peer.regions = descriptor.regions;
+    peer.device = peer_device;
+    if (cuda_ipc::SameProcess(*address, Self())) {
+      // CUDA refuses to open this process's own handles; the addresses are valid as they are.
+      for (const RemoteRegion& r : descriptor.regions) peer.dst_bases.push_back(r.base);
+    } else {
+      std::map<std::string, std::pair<uint64_t, uint64_t>> opened;  // handle -> (base, bytes)
+      for (size_t i = 0; i < keys.size(); ++i) {
+        const std::string id(keys[i].handle.data(), keys[i].handle.size());
+        auto it = opened.find(id);
+        if (it == opened.end()) {
+          StatusOr<uint64_t> base = MappingCache::Get().Acquire(keys[i], device_);
+          if (!base.ok()) {
+            ReleaseMappings(peer);
+            return base.status().WithContext("connecting to the peer's buffer " + Num(i));
+          }
+          peer.mapped.push_back(id);
+          it = opened.emplace(id, std::pair(*base, keys[i].allocation_bytes)).first;
+        } else if (it->second.second != keys[i].allocation_bytes) {
+          ReleaseMappings(peer);
+          return InvalidArgument("the peer's buffer " + Num(i) + " names an allocation of " +
+                                 Num(keys[i].allocation_bytes) + " bytes, an earlier buffer the " +
+                                 "same allocation with " + Num(it->second.second) +
+                                 " bytes; the peer's descriptor is inconsistent");
+        }
+        peer.dst_bases.push_back(it->second.first + keys[i].offset);
+      }
+    }
+    const PeerId id = next_peer_++;
+    KVT_LOG_DEBUG("ipc", "peer {} connected: {} buffers on device {}{}", id, peer.regions.size(),
+                  peer_device,
+                  peer.mapped.empty() ? " (this process)"
+                                      : ", " + Num(peer.mapped.size()) + " allocations mapped");
+    peers_.emplace(id, std::move(peer));
+    return id;
+  }
+
+  Status Disconnect(PeerId id, DisconnectMode mode) override {
+    std::unique_lock<std::mutex> lock(mutex_);
+    auto it = peers_.find(id);
+    if (it == peers_.end()) return NotFound("no cuda_ipc peer " + Num(id));
+    Peer peer = std::move(it->second);
+    peers_.erase(it);
+    // Writes still running are reported Aborted; the GPU work itself is local and finishes
+    // (even when the peer process died: its memory stays mapped here), so it is waited for
+    // before the mappings can close.
+    size_t in_flight = 0;
+    for (auto& [wid, write] : writes_) {
+      if (write.peer != id) continue;
+      PollLocked(write);
+      if (write.status.code() == StatusCode::kInProgress) {
+        write.aborted = true;
+        ++in_flight;
+      }
+    }
+    Status drained = OkStatus();
+    if (in_flight > 0) {
+      DeviceGuard guard(device_);
+      drained = guard.status();
+      if (drained.ok()) {
+        StatusOr<cuda::Event> marker = cuda::Event::Create(/*timing=*/false);
+        drained = marker.ok() ? marker->Record(stream_.get()) : marker.status();
+        if (drained.ok()) {
+          lock.unlock();
+          drained =
+              WaitForEvent(marker->get(), kGpuWaitLimit, "the writes in flight to peer " + Num(id));
+          lock.lock();
+        }
+      }
+    }
+    if (!drained.ok()) {
+      KVT_LOG_ERROR("ipc",
+                    "peer {} disconnected ({}), but {} writes to it did not finish: {}; "
+                    "keeping its mappings open",
+                    id, mode == DisconnectMode::kPeerDead ? "dead" : "graceful", in_flight,
+                    drained.ToString());
+      return drained.WithContext("peer " + Num(id) + " is forgotten, but its mappings stay open");
+    }
+    for (auto& [wid, write] : writes_) {
+      if (write.peer == id) PollLocked(write);
+    }
+    ReleaseMappings(peer);
+    KVT_LOG_DEBUG("ipc", "peer {} disconnected ({}), {} writes aborted", id,
+                  mode == DisconnectMode::kPeerDead ? "dead" : "graceful", in_flight);
+    return OkStatus();
+  }
+
+  StatusOr<WriteId> PostPages(PeerId id, const PageWrite& write) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = peers_.find(id);
+    if (it == peers_.end()) return UnknownPeer(id);
+    KVT_ASSIGN_OR_RETURN(
+        CopyProgram program,
+        cuda_ipc::PlanPageWrite(write, local_, it->second.regions, it->second.dst_bases));
+    return EnqueueLocked(id, program, write.ready);
+  }
+
+  StatusOr<WriteId> PostWrite(PeerId id, std::span<const CopyRun> runs) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = peers_.find(id);
+    if (it == peers_.end()) return UnknownPeer(id);
+    KVT_ASSIGN_OR_RETURN(
+        CopyProgram program,
+        cuda_ipc::PlanRunWrite(runs, local_, it->second.regions, it->second.dst_bases));
+    return EnqueueLocked(id, program, nullptr);
+  }
+
+  Status Check(WriteId id) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = writes_.find(id);
+    if (it == writes_.end()) return NotFound("no cuda_ipc write " + Num(id));
+    PollLocked(it->second);
+    return it->second.status;
+  }
+
+  void Release(WriteId id) override {
+    std::unique_lock<std::mutex> lock(mutex_);
+    auto it = writes_.find(id);
+    if (it == writes_.end()) return;
+    Write write = std::move(it->second);
+    writes_.erase(it);
+    PollLocked(write);
+    if (!write.slot) return;  // finished (its scratch is recycled) or failed
+    // Still running: a launched kernel cannot be cancelled, so wait for it (without the lock).
+    const cudaEvent_t done = write.slot->done.get();
+    lock.unlock();
+    const Status waited = WaitForEvent(done, kGpuWaitLimit, "cuda_ipc write " + Num(id));
+    lock.lock();
+    if (waited.ok()) {
+      RecycleLocked(std::move(write.slot));
+    } else {
+      KVT_LOG_ERROR("ipc", "released write {} did not finish ({}); leaking its scratch", id,
+                    waited.ToString());
+      (void)write.slot.release();
+    }
+  }
+
+ private:
+  // Staging for one write's tables, and the event that says the GPU is done with them.
+  struct Slot {
+    cuda::PinnedBuffer host;
+    cuda::DeviceBuffer device;
+    cuda::Event done;
+  };
+  struct Peer {
+    std::vector<RemoteRegion> regions;
+    std::vector<uint64_t> dst_bases;  // where each peer buffer is reachable from this process
+    std::vector<std::string> mapped;  // handles holding one MappingCache reference each
+    int device = -1;                  // the peer's GPU, in this process's numbering
+  };
+  struct Write {
+    PeerId peer = 0;
+    std::unique_ptr<Slot> slot;  // until the GPU is done with the write's tables
+    Status status;               // InProgress until the completion event fired
+    bool aborted = false;        // its peer was disconnected while it ran
+  };
+
+  static Status UnknownPeer(PeerId id) {
+    return NotFound("no cuda_ipc peer " + Num(id) +
+                    " (never connected, or disconnected); connect it again before writing");
+  }
+
+  ProcessAddress Self() const {
+    ProcessAddress self;
+    self.boot_id = cuda_ipc::ThisBootId();
+    self.pid = static_cast<uint64_t>(getpid());
+    self.process = cuda_ipc::ThisProcessToken();
+    return self;
+  }
+
+  // Enables access from our device to `peer_device` (the current device is ours).
+  Status EnablePeerAccessLocked(int peer_device) {
+    int can = 0;
+    KVT_CUDA_RETURN_IF_ERROR(cudaDeviceCanAccessPeer(&can, device_, peer_device));
+    if (can == 0) {
+      return FailedPrecondition("this side's GPU (device " + std::to_string(device_) +
+                                ") cannot reach the peer's GPU (device " +
+                                std::to_string(peer_device) +
+                                ") directly: cudaDeviceCanAccessPeer says no NVLink or PCIe "
+                                "peer-to-peer path; use ucx");
+    }
+    const cudaError_t err = cudaDeviceEnablePeerAccess(peer_device, 0);
+    if (err == cudaErrorPeerAccessAlreadyEnabled) {
+      (void)cudaGetLastError();
+      return OkStatus();
+    }
+    return cuda::ToStatus(err, "cudaDeviceEnablePeerAccess");
+  }
+
+  void ReleaseMappings(Peer& peer) {
+    for (const std::string& handle : peer.mapped) MappingCache::Get().Release(handle);
+    peer.mapped.clear();
+  }
+
+  // Moves a write's status on when its completion event fired. mutex_ held.
+  void PollLocked(Write& write) {
+    if (write.status.code() != StatusCode::kInProgress || !write.slot) return;
+    const cudaError_t err = cudaEventQuery(write.slot->done.get());
+    if (err == cudaErrorNotReady) {
+      (void)cudaGetLastError();
+      return;
+    }
+    if (err == cudaSuccess) {
+      write.status = write.aborted ? Aborted(
+                                         "the peer was disconnected while this write was in "
+                                         "flight; its bytes may be incomplete at the peer")
+                                   : OkStatus();
+      RecycleLocked(std::move(write.slot));
+      return;
+    }
+    write.status =
+        cuda::ToStatus(err, "cudaEventQuery").WithContext("the cuda_ipc write failed on the GPU");
+    write.slot.reset();
+  }
+
+  // Scratch of at least `bytes` for a write: a free one, else a new or regrown one (the only
+  // place that allocates device or pinned memory; once warm, writes reuse). mutex_ held, our
+  // device current.
+  StatusOr<std::unique_ptr<Slot>> AcquireSlotLocked(size_t bytes) {
+    SweepRetiringLocked();
+    size_t best = free_.size();
+    for (size_t i = 0; i < free_.size(); ++i) {
+      if (free_[i]->host.size() >= bytes &&
+          (best == free_.size() || free_[i]->host.size() < free_[best]->host.size())) {
+        best = i;
+      }
+    }
+    std::unique_ptr<Slot> slot;
+    if (best != free_.size()) {
+      slot = std::move(free_[best]);
+      free_.erase(free_.begin() + static_cast<std::ptrdiff_t>(best));
+      return slot;
+    }
+    if (!free_.empty()) {  // regrow a slot that is too small rather than add another
+      slot = std::move(free_.back());
+      free_.pop_back();
+    } else {
+      slot = std::make_unique<Slot>();
+      KVT_ASSIGN_OR_RETURN(slot->done, cuda::Event::Create(/*timing=*/false));
+    }
+    const size_t capacity = std::bit_ceil(std::max(bytes, kMinScratchBytes));
+    slot->host = cuda::PinnedBuffer();
+    slot->device = cuda::DeviceBuffer();
+    KVT_ASSIGN_OR_RETURN(slot->host, cuda::PinnedBuffer::Allocate(capacity));
+    KVT_ASSIGN_OR_RETURN(slot->device, cuda::DeviceBuffer::Allocate(capacity, device_));
+    return slot;
+  }
+
+  void RecycleLocked(std::unique_ptr<Slot> slot) {
+    if (slot) free_.push_back(std::move(slot));
+  }
+
+  // Recycles the scratch of failed posts once the GPU is done with it. mutex_ held.
+  void SweepRetiringLocked() {
+    for (size_t i = 0; i < retiring_.size();) {
+      const cudaError_t err = cudaEventQuery(retiring_[i]->done.get());
+      if (err == cudaErrorNotReady) {
+        (void)cudaGetLastError();
+        ++i;
+        continue;
+      }
+      if (err == cudaSuccess) {
+        RecycleLocked(std::move(retiring_[i]));
+      } else {
+        (void)cudaGetLastError();
+        retiring_[i].reset();
+      }
+      retiring_.erase(retiring_.begin() + static_cast<std::ptrdiff_t>(i));
+    }
+  }
+
+  // Waits (bounded) until everything enqueued on the stream so far has run. mutex_ held, our
+  // device current.
+  Status DrainLocked(const std::string& what) {
+    KVT_ASSIGN_OR_RETURN(cuda::Event marker, cuda::Event::Create(/*timing=*/false));
+    KVT_RETURN_IF_ERROR(marker.Record(stream_.get()));
+    return WaitForEvent(marker.get(), kGpuWaitLimit, what);
+  }
+
+  // Stages the program's tables, waits for `ready` on the GPU, launches and records the
+  // completion event. mutex_ held.
+  StatusOr<WriteId> EnqueueLocked(PeerId peer, const CopyProgram& program, cudaEvent_t ready) {
+    Write write;
+    write.peer = peer;
+    if (program.launches.empty()) {
+      write.status = OkStatus();  // nothing to move
+      const WriteId id = next_write_++;
+      writes_.emplace(id, std::move(write));
+      return id;
+    }
+    DeviceGuard guard(device_);
+    KVT_RETURN_IF_ERROR(guard.status());
+    const size_t bytes = program.table_bytes();
+    KVT_ASSIGN_OR_RETURN(std::unique_ptr<Slot> slot, AcquireSlotLocked(bytes));
+    std::memcpy(slot->host.data(), program.tables.data(), bytes);
+    const cudaStream_t stream = stream_.get();
+    // A launch error left on this thread by the caller's own work must not be reported as ours.
+    (void)cudaGetLastError();
+    Status staged = cuda::ToStatus(cudaMemcpyAsync(slot->device.data(), slot->host.data(), bytes,
+                                                   cudaMemcpyHostToDevice, stream),
+                                   "cudaMemcpyAsync of the write's tables");
+    if (!staged.ok()) {
+      RecycleLocked(std::move(slot));  // nothing was enqueued
+      return staged;
+    }
+    Status posted = OkStatus();
+    if (ready != nullptr) {
+      const cudaError_t err = cudaStreamWaitEvent(stream, ready, 0);
+      if (err != cudaSuccess) {
+        posted = cuda::ToStatus(err, "cudaStreamWaitEvent")
+                     .WithContext("waiting for PageWrite::ready, which must be a live cudaEvent_t");
+      }
+    }
+    const uint64_t tables = reinterpret_cast<uint64_t>(slot->device.data());
+    for (size_t i = 0; posted.ok() && i < program.launches.size(); ++i) {
+      posted =
+          kernels::PageCopyCuda(cuda_ipc::LaunchArgs(program, program.launches[i], tables), stream);
+      if (!posted.ok()) {
+        posted = posted.WithContext("launch " + Num(i) + " of " + Num(program.launches.size()) +
+                                    " of a cuda_ipc write");
+      }
+    }
+    const Status recorded = slot->done.Record(stream);
+    if (!recorded.ok()) {
+      // Without the event nobody can tell when the GPU is done with the tables: keep them.
+      KVT_LOG_ERROR("ipc", "cannot record a write's completion ({}); leaking its scratch",
+                    recorded.ToString());
+      (void)slot.release();
+      return posted.ok() ? recorded : posted;
+    }
+    if (!posted.ok()) {
+      retiring_.push_back(std::move(slot));  // the staging copy may still read it
+      return posted;
+    }
+    write.slot = std::move(slot);
+    write.status = InProgress();
+    const WriteId id = next_write_++;
+    writes_.emplace(id, std::move(write));
+    return id;
+  }
+
+  const uint64_t instance_;
+
+  std::mutex mutex_;     // guards everything below
+  int device_ = -1;      // the registered buffers' device; -1 before Register
+  cuda::Stream stream_;  // the transfer stream (non-blocking) on device_; destroyed last
+  std::vector<LocalRegion> local_;
+  std::unordered_map<PeerId, Peer> peers_;
+  std::unordered_map<WriteId, Write> writes_;
+  std::vector<std::unique_ptr<Slot>> free_;      // recycled scratch
+  std::vector<std::unique_ptr<Slot>> retiring_;  // scratch of failed posts, until their event
+  PeerId next_peer_ = 1;
+  WriteId next_write_ = 1;
+};
+
+}  // namespace
+
+StatusOr<std::unique_ptr<Backend>> CreateCudaIpcBackend(const BackendOptions& options) {
+  const cuda::DeviceCountResult devices = cuda::DeviceCount();
+  if (devices.count <= 0) return Unavailable("cuda_ipc needs a CUDA device: " + devices.reason);
+  KVT_RETURN_IF_ERROR(AddressRangeFunction().status().WithContext("cuda_ipc"));
+  return std::unique_ptr<Backend>(std::make_unique<CudaIpcBackend>(RandomU64()));
+}
+
+size_t CudaIpcOpenMappingsForTest() { return MappingCache::Get().Size(); }
+
+}  // namespace kvt::transfer

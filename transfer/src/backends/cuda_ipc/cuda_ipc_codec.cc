@@ -1,0 +1,215 @@
+#include "backends/cuda_ipc/cuda_ipc_codec.h"
+
+#include <unistd.h>
+
+#include <charconv>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <vector>
+
+#include "kvt/common/log.h"
+
+namespace kvt::transfer::cuda_ipc {
+namespace {
+
+constexpr char kKeyMagic[4] = {'K', 'V', 'C', 'I'};
+
+void PutU64(std::string& out, uint64_t v) {
+  for (int i = 0; i < 8; ++i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xFF));
+}
+
+uint64_t GetU64(std::string_view in, size_t at) {
+  uint64_t v = 0;
+  for (int i = 0; i < 8; ++i) {
+    v |= static_cast<uint64_t>(static_cast<uint8_t>(in[at + i])) << (8 * i);
+  }
+  return v;
+}
+
+std::string Hex(uint64_t v) {
+  char buf[17];
+  auto [end, ec] = std::to_chars(buf, buf + sizeof(buf), v, 16);
+  return std::string(buf, end);
+}
+
+template <typename T>
+bool ParseNumber(std::string_view text, T& out, int base) {
+  if (text.empty()) return false;
+  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), out, base);
+  return ec == std::errc() && end == text.data() + text.size();
+}
+
+}  // namespace
+
+std::string EncodeRegionKey(const RegionKey& key) {
+  std::string out;
+  out.reserve(kKeyBytes);
+  out.append(kKeyMagic, sizeof(kKeyMagic));
+  out.push_back(static_cast<char>(kKeyVersion));
+  out.push_back(static_cast<char>(kIpcHandleBytes));
+  out.push_back('\0');
+  out.push_back('\0');
+  out.append(key.handle.data(), key.handle.size());
+  PutU64(out, key.offset);
+  PutU64(out, key.allocation_bytes);
+  return out;
+}
+
+StatusOr<RegionKey> DecodeRegionKey(std::string_view bytes, uint64_t region_length) {
+  if (bytes.size() < 5 || std::memcmp(bytes.data(), kKeyMagic, sizeof(kKeyMagic)) != 0) {
+    return InvalidArgument("not a cuda_ipc buffer key (" + std::to_string(bytes.size()) +
+                           " bytes without the 'KVCI' magic); the peer must publish its buffers "
+                           "with the cuda_ipc backend");
+  }
+  const uint8_t version = static_cast<uint8_t>(bytes[4]);
+  if (version != kKeyVersion) {
+    return InvalidArgument("cuda_ipc buffer key version " + std::to_string(version) +
+                           ", this build reads version " + std::to_string(kKeyVersion) +
+                           "; run the same kvt version on both sides");
+  }
+  if (bytes.size() != kKeyBytes) {
+    return InvalidArgument("cuda_ipc buffer key of " + std::to_string(bytes.size()) +
+                           " bytes; version " + std::to_string(kKeyVersion) + " keys are " +
+                           std::to_string(kKeyBytes) + " bytes (truncated or corrupted hello)");
+  }
+  const uint8_t handle_bytes = static_cast<uint8_t>(bytes[5]);
+  if (handle_bytes != kIpcHandleBytes || bytes[6] != '\0' || bytes[7] != '\0') {
+    return InvalidArgument("cuda_ipc buffer key carries a " + std::to_string(handle_bytes) +
+                           "-byte IPC handle (expected " + std::to_string(kIpcHandleBytes) +
+                           ", reserved bytes zero); the key is corrupted");
+  }
+  RegionKey key;
+  std::memcpy(key.handle.data(), bytes.data() + 8, kIpcHandleBytes);
+  key.offset = GetU64(bytes, 8 + kIpcHandleBytes);
+  key.allocation_bytes = GetU64(bytes, 16 + kIpcHandleBytes);
+  if (key.allocation_bytes == 0) {
+    return InvalidArgument("cuda_ipc buffer key names an allocation of 0 bytes; corrupted key");
+  }
+  if (region_length > key.allocation_bytes || key.offset > key.allocation_bytes - region_length) {
+    return InvalidArgument("cuda_ipc buffer key places the buffer at [" +
+                           std::to_string(key.offset) + ", +" + std::to_string(region_length) +
+                           ") inside an allocation of " + std::to_string(key.allocation_bytes) +
+                           " bytes, past its end; the peer's descriptor is inconsistent");
+  }
+  return key;
+}
+
+std::string EncodeAddress(const ProcessAddress& a) {
+  std::string out(kAddressPrefix);
+  out += " boot=" + a.boot_id;
+  out += " pid=" + std::to_string(a.pid);
+  out += " proc=" + Hex(a.process);
+  out += " dev=" + std::to_string(a.device);
+  out += " pci=" + a.pci_bus_id;
+  out += " inst=" + Hex(a.instance);
+  return out;
+}
+
+StatusOr<ProcessAddress> DecodeAddress(std::string_view text) {
+  std::vector<std::string_view> tokens;
+  for (size_t at = 0; at <= text.size();) {
+    size_t space = text.find(' ', at);
+    if (space == std::string_view::npos) space = text.size();
+    if (space > at) tokens.push_back(text.substr(at, space - at));
+    at = space + 1;
+  }
+  const std::string shown(text.substr(0, 200));
+  if (tokens.empty() || tokens[0] != kAddressPrefix) {
+    if (!tokens.empty() && tokens[0].starts_with("cuda_ipc/")) {
+      return InvalidArgument("cuda_ipc address version '" + std::string(tokens[0]) +
+                             "', this build reads '" + std::string(kAddressPrefix) +
+                             "'; run the same kvt version on both sides");
+    }
+    return InvalidArgument("not a cuda_ipc address: '" + shown + "' (it must start with '" +
+                           std::string(kAddressPrefix) +
+                           "'); the peer must publish with the cuda_ipc backend");
+  }
+  ProcessAddress a;
+  bool have_boot = false, have_pid = false, have_proc = false, have_dev = false, have_pci = false,
+       have_inst = false;
+  for (size_t i = 1; i < tokens.size(); ++i) {
+    const size_t eq = tokens[i].find('=');
+    if (eq == std::string_view::npos) {
+      return InvalidArgument("cuda_ipc address field '" + std::string(tokens[i]) +
+                             "' is not name=value in '" + shown + "'");
+    }
+    const std::string_view name = tokens[i].substr(0, eq);
+    const std::string_view value = tokens[i].substr(eq + 1);
+    bool ok = !value.empty();
+    if (name == "boot") {
+      a.boot_id = std::string(value);
+      have_boot = true;
+    } else if (name == "pid") {
+      ok = ok && ParseNumber(value, a.pid, 10);
+      have_pid = true;
+    } else if (name == "proc") {
+      ok = ok && ParseNumber(value, a.process, 16);
+      have_proc = true;
+    } else if (name == "dev") {
+      ok = ok && ParseNumber(value, a.device, 10) && a.device >= 0;
+      have_dev = true;
+    } else if (name == "pci") {
+      a.pci_bus_id = std::string(value);
+      have_pci = true;
+    } else if (name == "inst") {
+      ok = ok && ParseNumber(value, a.instance, 16);
+      have_inst = true;
+    }
+    if (!ok) {
+      return InvalidArgument("cuda_ipc address field '" + std::string(tokens[i]) +
+                             "' has a malformed value in '" + shown + "'");
+    }
+  }
+  const char* missing = !have_boot   ? "boot"
+                        : !have_pid  ? "pid"
+                        : !have_proc ? "proc"
+                        : !have_dev  ? "dev"
+                        : !have_pci  ? "pci"
+                        : !have_inst ? "inst"
+                                     : nullptr;
+  if (missing != nullptr) {
+    return InvalidArgument(std::string("cuda_ipc address lacks the '") + missing + "=' field: '" +
+                           shown + "'");
+  }
+  return a;
+}
+
+bool SameHost(const ProcessAddress& a, const ProcessAddress& b) { return a.boot_id == b.boot_id; }
+
+bool SameProcess(const ProcessAddress& a, const ProcessAddress& b) {
+  return SameHost(a, b) && a.pid == b.pid && a.process == b.process;
+}
+
+const std::string& ThisBootId() {
+  static const std::string boot_id = [] {
+    std::ifstream in("/proc/sys/kernel/random/boot_id");
+    std::string id;
+    if (in) std::getline(in, id);
+    while (!id.empty() && (id.back() == '\n' || id.back() == ' ')) id.pop_back();
+    if (!id.empty() && id.find(' ') == std::string::npos) return id;
+    // Without the boot id the hostname stands in: peers then count as another host unless
+    // they fell back the same way, which refuses cuda_ipc rather than risking a wrong open.
+    char host[256] = {};
+    gethostname(host, sizeof(host) - 1);
+    std::string fallback = std::string("host:") + host;
+    for (char& c : fallback) {
+      if (c == ' ') c = '_';
+    }
+    KVT_LOG_WARN("ipc", "cannot read /proc/sys/kernel/random/boot_id; identifying the host as {}",
+                 fallback);
+    return fallback;
+  }();
+  return boot_id;
+}
+
+uint64_t ThisProcessToken() {
+  static const uint64_t token = [] {
+    std::random_device device;
+    uint64_t value = (static_cast<uint64_t>(device()) << 32) ^ device();
+    return value ^ static_cast<uint64_t>(getpid());
+  }();
+  return token;
+}
+
+}  // namespace kvt::transfer::cuda_ipc

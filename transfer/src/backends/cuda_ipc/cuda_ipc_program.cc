@@ -1,0 +1,237 @@
+#include "backends/cuda_ipc/cuda_ipc_program.h"
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <map>
+#include <string>
+#include <utility>
+
+#include "backends/run_check.h"
+
+namespace kvt::transfer::cuda_ipc {
+namespace {
+
+constexpr uint64_t kMaxInt64 = static_cast<uint64_t>(std::numeric_limits<int64_t>::max());
+
+size_t WordsFor(size_t bytes) { return (bytes + sizeof(uint64_t) - 1) / sizeof(uint64_t); }
+
+std::string Num(uint64_t v) { return std::to_string(v); }
+
+// The checks shared by both planners: the peer's buffers correspond to ours one to one.
+Status CheckSides(std::span<const LocalRegion> local, std::span<const RemoteRegion> remote,
+                  std::span<const uint64_t> dst_bases) {
+  KVT_RETURN_IF_ERROR(CheckRegionCount(local.size(), remote.size()));
+  if (dst_bases.size() != remote.size()) {
+    return Internal("cuda_ipc: " + Num(dst_bases.size()) + " mapped peer buffers for " +
+                    Num(remote.size()) + " published ones");
+  }
+  return OkStatus();
+}
+
+// Units of one (source, destination) item-length pair must lie inside both items.
+Status CheckUnits(std::span<const PageUnit> units, uint32_t buffer, uint64_t src_item,
+                  uint64_t dst_item) {
+  for (size_t u = 0; u < units.size(); ++u) {
+    const PageUnit& unit = units[u];
+    if (unit.bytes > src_item || unit.src_offset > src_item - unit.bytes) {
+      return OutOfRange("unit " + Num(u) + " reads [" + Num(unit.src_offset) + ", +" +
+                        Num(unit.bytes) + ") of each page, past the " + Num(src_item) +
+                        "-byte pages of local buffer " + Num(buffer));
+    }
+    if (unit.bytes > dst_item || unit.dst_offset > dst_item - unit.bytes) {
+      return OutOfRange("unit " + Num(u) + " writes [" + Num(unit.dst_offset) + ", +" +
+                        Num(unit.bytes) + ") of each page, past the " + Num(dst_item) +
+                        "-byte pages of the peer's buffer " + Num(buffer));
+    }
+  }
+  return OkStatus();
+}
+
+}  // namespace
+
+kernels::PageCopyArgs LaunchArgs(const CopyProgram& program, const CopyLaunch& launch,
+                                 uint64_t tables_address) {
+  kernels::PageCopyArgs args;
+  args.src_bases = reinterpret_cast<const uint64_t*>(tables_address + launch.src_bases);
+  args.dst_bases = reinterpret_cast<const uint64_t*>(tables_address + launch.dst_bases);
+  args.num_buffers = launch.num_buffers;
+  if (launch.indexed) {
+    args.src_pages = reinterpret_cast<const int32_t*>(tables_address + program.src_pages);
+    args.dst_pages = reinterpret_cast<const int32_t*>(tables_address + program.dst_pages);
+  }
+  args.num_pages = launch.num_pages;
+  args.src_page_stride = launch.src_page_stride;
+  args.dst_page_stride = launch.dst_page_stride;
+  args.src_offset = launch.src_offset;
+  args.dst_offset = launch.dst_offset;
+  args.bytes = launch.bytes;
+  return args;
+}
+
+StatusOr<CopyProgram> PlanPageWrite(const PageWrite& write, std::span<const LocalRegion> local,
+                                    std::span<const RemoteRegion> remote,
+                                    std::span<const uint64_t> dst_bases) {
+  KVT_RETURN_IF_ERROR(CheckSides(local, remote, dst_bases));
+  const size_t n = write.src_pages.size();
+  if (write.dst_pages.size() != n) {
+    return InvalidArgument("page write with " + Num(n) + " source pages but " +
+                           Num(write.dst_pages.size()) +
+                           " destination pages; the lists pair up one to one");
+  }
+  if (write.num_layers <= 0 || 2 * static_cast<uint64_t>(write.num_layers) > local.size()) {
+    return InvalidArgument("page write names num_layers = " + std::to_string(write.num_layers) +
+                           " (buffers l and num_layers + l) but " + Num(local.size()) +
+                           " buffers are registered; pass the pool's layer count");
+  }
+  if (write.layer_begin < 0 || write.layer_begin > write.layer_end ||
+      write.layer_end > write.num_layers) {
+    return InvalidArgument("page write layer range [" + std::to_string(write.layer_begin) + ", " +
+                           std::to_string(write.layer_end) + ") is not inside [0, " +
+                           std::to_string(write.num_layers) + "]");
+  }
+  if (n > static_cast<size_t>(std::numeric_limits<int32_t>::max())) {
+    return InvalidArgument("page write of " + Num(n) + " pages; at most 2^31 - 1 per write");
+  }
+  CopyProgram program;
+  if (n == 0 || write.layer_begin == write.layer_end) return program;
+
+  const auto [src_min, src_max] =
+      std::minmax_element(write.src_pages.begin(), write.src_pages.end());
+  const auto [dst_min, dst_max] =
+      std::minmax_element(write.dst_pages.begin(), write.dst_pages.end());
+  if (*src_min < 0 || *dst_min < 0) {
+    return OutOfRange("page write names page " + std::to_string(std::min(*src_min, *dst_min)) +
+                      "; page indices are >= 0");
+  }
+
+  // Buffers l (K) and num_layers + l (V) of every layer in the batch.
+  std::vector<uint32_t> buffers;
+  for (int32_t l = write.layer_begin; l < write.layer_end; ++l) {
+    buffers.push_back(static_cast<uint32_t>(l));
+    buffers.push_back(static_cast<uint32_t>(write.num_layers + l));
+  }
+  for (uint32_t b : buffers) {
+    const uint64_t src_item = local[b].item_len;
+    const uint64_t dst_item = remote[b].item_len;
+    if (src_item == 0 || dst_item == 0 || src_item > kMaxInt64 || dst_item > kMaxInt64) {
+      return InvalidArgument("buffer " + Num(b) + " has page size " + Num(src_item) + " here and " +
+                             Num(dst_item) + " at the peer; both must be > 0");
+    }
+    const uint64_t src_page_count = local[b].length / src_item;
+    const uint64_t dst_page_count = remote[b].length / dst_item;
+    if (static_cast<uint64_t>(*src_max) >= src_page_count) {
+      return OutOfRange("page write reads page " + std::to_string(*src_max) + " of local buffer " +
+                        Num(b) + ", which holds " + Num(src_page_count) + " pages");
+    }
+    if (static_cast<uint64_t>(*dst_max) >= dst_page_count) {
+      return OutOfRange("page write writes page " + std::to_string(*dst_max) +
+                        " of the peer's buffer " + Num(b) + ", which holds " + Num(dst_page_count) +
+                        " pages");
+    }
+    if (write.units.empty() && src_item != dst_item) {
+      return InvalidArgument("whole-page write of buffer " + Num(b) + " between pages of " +
+                             Num(src_item) + " bytes here and " + Num(dst_item) +
+                             " bytes at the peer; pass units for pools of different layouts");
+    }
+    KVT_RETURN_IF_ERROR(CheckUnits(write.units, b, src_item, dst_item));
+  }
+
+  // One launch per (source, destination) page size: buffers sorted so each is one slice.
+  std::stable_sort(buffers.begin(), buffers.end(), [&](uint32_t a, uint32_t b) {
+    return std::pair(local[a].item_len, remote[a].item_len) <
+           std::pair(local[b].item_len, remote[b].item_len);
+  });
+  const size_t nb = buffers.size();
+  const size_t page_list_words = WordsFor(n * sizeof(int32_t));
+  program.tables.assign(2 * nb + 2 * page_list_words, 0);
+  for (size_t i = 0; i < nb; ++i) {
+    program.tables[i] = local[buffers[i]].base;
+    program.tables[nb + i] = dst_bases[buffers[i]];
+  }
+  program.src_pages = 2 * nb * sizeof(uint64_t);
+  program.dst_pages = program.src_pages + page_list_words * sizeof(uint64_t);
+  auto* bytes = reinterpret_cast<uint8_t*>(program.tables.data());
+  std::memcpy(bytes + program.src_pages, write.src_pages.data(), n * sizeof(int32_t));
+  std::memcpy(bytes + program.dst_pages, write.dst_pages.data(), n * sizeof(int32_t));
+
+  for (size_t g0 = 0; g0 < nb;) {
+    const uint64_t src_item = local[buffers[g0]].item_len;
+    const uint64_t dst_item = remote[buffers[g0]].item_len;
+    size_t g1 = g0 + 1;
+    while (g1 < nb && local[buffers[g1]].item_len == src_item &&
+           remote[buffers[g1]].item_len == dst_item) {
+      ++g1;
+    }
+    CopyLaunch launch;
+    launch.src_bases = g0 * sizeof(uint64_t);
+    launch.dst_bases = (nb + g0) * sizeof(uint64_t);
+    launch.num_buffers = static_cast<int32_t>(g1 - g0);
+    launch.indexed = true;
+    launch.num_pages = static_cast<int64_t>(n);
+    launch.src_page_stride = static_cast<int64_t>(src_item);
+    launch.dst_page_stride = static_cast<int64_t>(dst_item);
+    auto add = [&](uint64_t src_offset, uint64_t dst_offset, uint64_t unit_bytes) {
+      if (unit_bytes == 0) return;
+      launch.src_offset = static_cast<int64_t>(src_offset);
+      launch.dst_offset = static_cast<int64_t>(dst_offset);
+      launch.bytes = static_cast<int64_t>(unit_bytes);
+      program.launches.push_back(launch);
+      program.bytes += static_cast<uint64_t>(g1 - g0) * n * unit_bytes;
+    };
+    if (write.units.empty()) {
+      add(0, 0, src_item);
+    } else {
+      for (const PageUnit& unit : write.units) add(unit.src_offset, unit.dst_offset, unit.bytes);
+    }
+    g0 = g1;
+  }
+  if (program.launches.empty()) program.tables.clear();  // only empty units
+  return program;
+}
+
+StatusOr<CopyProgram> PlanRunWrite(std::span<const CopyRun> runs,
+                                   std::span<const LocalRegion> local,
+                                   std::span<const RemoteRegion> remote,
+                                   std::span<const uint64_t> dst_bases) {
+  KVT_RETURN_IF_ERROR(CheckSides(local, remote, dst_bases));
+  KVT_RETURN_IF_ERROR(CheckRuns(runs, local, remote));
+  // Runs of one length share a launch: each run is one "buffer" of one page.
+  std::map<uint64_t, std::vector<size_t>> by_length;
+  size_t count = 0;
+  for (size_t i = 0; i < runs.size(); ++i) {
+    if (runs[i].bytes == 0) continue;
+    by_length[runs[i].bytes].push_back(i);
+    ++count;
+  }
+  CopyProgram program;
+  if (count == 0) return program;
+  program.tables.assign(2 * count, 0);
+  constexpr size_t kMaxPerLaunch = static_cast<size_t>(std::numeric_limits<int32_t>::max());
+  size_t slot = 0;
+  for (const auto& [length, indices] : by_length) {
+    const size_t group_start = slot;
+    for (size_t i : indices) {
+      const CopyRun& run = runs[i];
+      program.tables[slot] = local[run.buffer].base + run.src_offset;
+      program.tables[count + slot] = dst_bases[run.buffer] + run.dst_offset;
+      ++slot;
+    }
+    for (size_t first = group_start; first < slot; first += kMaxPerLaunch) {
+      CopyLaunch launch;
+      launch.src_bases = first * sizeof(uint64_t);
+      launch.dst_bases = (count + first) * sizeof(uint64_t);
+      launch.num_buffers = static_cast<int32_t>(std::min(kMaxPerLaunch, slot - first));
+      launch.indexed = false;
+      launch.num_pages = 1;
+      launch.src_page_stride = static_cast<int64_t>(length);
+      launch.dst_page_stride = static_cast<int64_t>(length);
+      launch.bytes = static_cast<int64_t>(length);
+      program.launches.push_back(launch);
+    }
+    program.bytes += length * indices.size();
+  }
+  return program;
+}
+
+}  // namespace kvt::transfer::cuda_ipc
