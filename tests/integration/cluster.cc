@@ -26,7 +26,26 @@ StatusOr<nlohmann::json> ParseReady(const std::string& text, const std::string& 
   return j;
 }
 
+// $env when set; else `name` beside the test binary (binaries copied into one folder); else
+// `in_build` relative to it (a build folder copied whole); else the path baked in.
+StatusOr<std::string> FindBinary(const char* env, const std::string& name,
+                                 const std::string& in_build, const std::string& built) {
+  const char* given = getenv(env);
+  if (given != nullptr && *given != '\0') return tools::FindTool(name, {given});
+  return tools::FindTool(name, {name, in_build, built});
+}
+
 }  // namespace
+
+// In a build folder the test binaries live in tests/integration, the tools in tools/<tool>.
+StatusOr<std::string> AgentBinary() {
+  return FindBinary(kAgentBinEnv, "kvt-agent", "../../tools/agent/kvt-agent", KVT_AGENT_PATH);
+}
+
+StatusOr<std::string> BootstrapBinary() {
+  return FindBinary(kBootstrapBinEnv, "kvt-bootstrap", "../../tools/bootstrap/kvt-bootstrap",
+                    KVT_BOOTSTRAP_PATH);
+}
 
 StatusOr<std::unique_ptr<Cluster>> Cluster::Create() {
   std::unique_ptr<Cluster> cluster(new Cluster());
@@ -35,10 +54,11 @@ StatusOr<std::unique_ptr<Cluster>> Cluster::Create() {
   if (mkdtemp(tmpl.data()) == nullptr) return Unavailable("cannot create a scratch folder " + tmpl);
   cluster->dir_ = tmpl;
   const std::string ready = cluster->dir_ + "/bootstrap.json";
+  KVT_ASSIGN_OR_RETURN(const std::string bootstrap, BootstrapBinary());
   KVT_ASSIGN_OR_RETURN(
       cluster->bootstrap_,
-      tools::ChildProcess::Spawn({KVT_BOOTSTRAP_PATH, "--listen", "127.0.0.1:0", "--ready-file",
-                                  ready, "--heartbeat-ms", "200", "--exit-with-parent"},
+      tools::ChildProcess::Spawn({bootstrap, "--listen", "127.0.0.1:0", "--ready-file", ready,
+                                  "--heartbeat-ms", "200", "--exit-with-parent"},
                                  cluster->dir_ + "/bootstrap.log"));
   KVT_ASSIGN_OR_RETURN(std::string text,
                        tools::WaitReadyFile(ready, kReadyTimeout, cluster->bootstrap_.pid()));
@@ -59,21 +79,24 @@ Cluster::~Cluster() {
 }
 
 StatusOr<std::vector<AgentProcess*>> Cluster::StartAgents(const std::vector<AgentSpec>& specs) {
+  KVT_ASSIGN_OR_RETURN(const std::string agent_binary, AgentBinary());
   std::vector<AgentProcess*> started;
   for (const AgentSpec& spec : specs) {
     auto agent = std::make_unique<AgentProcess>();
     agent->spec = spec;
     agent->log_path = dir_ + "/" + spec.name + ".log";
     const AgentLayout& l = spec.layout;
-    std::vector<std::string> argv = {KVT_AGENT_PATH,
+    std::vector<std::string> argv = {agent_binary,
                                      "--role",
                                      spec.role,
                                      "--name",
                                      spec.name,
                                      "--bootstrap",
                                      "127.0.0.1:" + std::to_string(bootstrap_port_),
+                                     "--device",
+                                     spec.device,
                                      "--backend",
-                                     "ucx",
+                                     spec.backend,
                                      "--layers",
                                      std::to_string(l.layers),
                                      "--heads",
@@ -93,6 +116,10 @@ StatusOr<std::vector<AgentProcess*>> Cluster::StartAgents(const std::vector<Agen
                                      "--ready-file",
                                      dir_ + "/" + spec.name + ".json",
                                      "--exit-with-parent"};
+    if (!spec.ucx_cuda_mode.empty()) {
+      argv.push_back("--ucx-cuda-mode");
+      argv.push_back(spec.ucx_cuda_mode);
+    }
     KVT_ASSIGN_OR_RETURN(agent->process, tools::ChildProcess::Spawn(argv, agent->log_path));
     agents_.push_back(std::move(agent));
     started.push_back(agents_.back().get());
@@ -102,6 +129,7 @@ StatusOr<std::vector<AgentProcess*>> Cluster::StartAgents(const std::vector<Agen
     KVT_ASSIGN_OR_RETURN(std::string text,
                          tools::WaitReadyFile(ready, kReadyTimeout, agent->process.pid()));
     KVT_ASSIGN_OR_RETURN(nlohmann::json j, ParseReady(text, ready));
+    agent->ready_json = text;
     agent->rpc_port = j.value("rpc_port", 0);
     agent->engine_port = j.value("engine_port", 0);
     if (agent->rpc_port == 0) return DataLoss("no rpc_port in " + ready + ": " + text);

@@ -6,6 +6,10 @@
 //
 // Ownership: the Cluster owns its processes; destroying it stops them (SIGTERM, then SIGKILL)
 // in reverse start order and removes the scratch folder unless KeepScratch() was called.
+//
+// The binaries: $KVT_AGENT_BIN / $KVT_BOOTSTRAP_BIN when set; else kvt-agent / kvt-bootstrap
+// beside the test binary (binaries copied into one folder), else where a build folder keeps
+// them relative to it (a build folder copied whole), else the paths baked in at build time.
 // Thread safety: none; one test thread drives a Cluster.
 #pragma once
 
@@ -39,7 +43,18 @@ struct AgentSpec {
   AgentLayout layout;
   int64_t layer_time_us = 0;    // prefill: simulated compute per layer
   int64_t deadline_ms = 20000;  // the agent's default request deadline
+  std::string device = "host";  // --device: host or cuda:N
+  std::string backend = "ucx";  // --backend
+  std::string ucx_cuda_mode;    // --ucx-cuda-mode (empty: the agent's default)
 };
+
+// Environment variables that point the harness at other binaries.
+inline constexpr char kAgentBinEnv[] = "KVT_AGENT_BIN";
+inline constexpr char kBootstrapBinEnv[] = "KVT_BOOTSTRAP_BIN";
+
+// The kvt-agent / kvt-bootstrap binary the cluster starts (see the header comment).
+StatusOr<std::string> AgentBinary();
+StatusOr<std::string> BootstrapBinary();
 
 // One running kvt-agent, as its ready file described it.
 struct AgentProcess {
@@ -48,6 +63,7 @@ struct AgentProcess {
   uint16_t rpc_port = 0;
   uint16_t engine_port = 0;  // prefill: the engine's control port
   std::string log_path;
+  std::string ready_json;  // the ready file as the agent wrote it (memory, backend, ...)
 
   std::string engine_address() const { return "127.0.0.1:" + std::to_string(engine_port); }
 };

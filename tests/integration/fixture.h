@@ -74,12 +74,6 @@ class ClusterTest : public ::testing::Test {
     return spec;
   }
 
-  // KV bytes one request moves: whole pages, K and V of every layer.
-  static uint64_t ExpectedBytes(const AgentLayout& l, uint64_t tokens) {
-    const uint64_t pages = (tokens + l.page_size - 1) / l.page_size;
-    return pages * l.page_size * 2 * l.layers * l.heads * l.head_dim * 2 /* bf16 */;
-  }
-
   std::unique_ptr<Cluster> cluster_;
 
  private:

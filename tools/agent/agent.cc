@@ -1,6 +1,7 @@
 #include "agent.h"
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <map>
@@ -10,9 +11,12 @@
 #include <thread>
 
 #include "kvt/common/log.h"
+#include "kvt/kernels/cuda_util.h"
 #include "kvt/kernels/kernels.h"
 #include "kvt/pool/page_allocator.h"
+#include "page_list_arena.h"
 #include "pattern_id.h"
+#include "simulated_compute.h"
 
 namespace kvt::tools {
 namespace {
@@ -20,6 +24,9 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using transfer::IsFinal;
 using transfer::RequestState;
+
+// Makes `device` current on the calling thread (CUDA's current device is per thread).
+Status UseDevice(int device) { return cuda::ToStatus(cudaSetDevice(device), "cudaSetDevice"); }
 
 }  // namespace
 
@@ -32,18 +39,33 @@ class Agent::Impl {
       std::lock_guard<std::mutex> lock(mu_);
       stop_ = true;
     }
+    // Simulated compute still queued on the GPU returns at once.
+    if (cuda_ != nullptr) *cuda_->cancel.as<volatile uint32_t>() = 1;
     cv_.notify_all();
     if (forward_.joinable()) forward_.join();
     if (monitor_.joinable()) monitor_.join();
-    engine_.reset();  // before the pool it points into
+    if (cuda_ != nullptr) {
+      // The forward's kernels write into the pool, and the engine's copies wait on its events:
+      // both must be done before the engine and the pool go.
+      Status synced = UseDevice(cuda_->device);
+      if (synced.ok()) synced = cuda_->stream.Synchronize();
+      if (!synced.ok()) KVT_LOG_ERROR("tool", "stopping the agent's stream: {}", synced.ToString());
+    }
+    engine_.reset();  // before the pool it points into (and the events it may still hold)
+    requests_.clear();
+    cuda_.reset();
   }
 
   Status Init() {
-    if (options_.pool.memory != pool::MemoryKind::kHost) {
-      return Unimplemented(
-          "kvt-agent runs host pools in this build; CUDA pools come with the "
-          "cuda_ipc backend");
+    const bool cuda_pool = options_.pool.memory == pool::MemoryKind::kCuda;
+    if (cuda_pool && options_.engine.backend == "loopback") {
+      return FailedPrecondition(
+          "the loopback backend copies host memory inside one process and cannot move a CUDA "
+          "pool (device cuda:" +
+          std::to_string(options_.pool.device) +
+          "); use the cuda_ipc or ucx backend, or a host pool");
     }
+    if (cuda_pool) KVT_RETURN_IF_ERROR(UseDevice(options_.pool.device));
     // The backend first, so that the pool's memory can come from it: UCX's shared-memory
     // transports write straight into a peer's buffers only when UCX allocated them.
     KVT_ASSIGN_OR_RETURN(
@@ -73,6 +95,7 @@ class Agent::Impl {
     const int64_t layers = pool_->options().layer_num;
     k_bases_.assign(infos->data_ptrs.begin(), infos->data_ptrs.begin() + layers);
     v_bases_.assign(infos->data_ptrs.begin() + layers, infos->data_ptrs.end());
+    if (cuda_pool) KVT_RETURN_IF_ERROR(InitCuda());
     if (options_.prefill) forward_ = std::thread([this] { ForwardLoop(); });
     monitor_ = std::thread([this] { MonitorLoop(); });
     return OkStatus();
@@ -97,6 +120,16 @@ class Agent::Impl {
     request.spec = spec;
     request.pages = pages;
     request.submitted = Clock::now();
+    if (cuda_ != nullptr && options_.prefill) {
+      // The forward's device copy of the page list (decode verifies one room at a time and
+      // takes its run then).
+      StatusOr<Range> range = cuda_->arena->Allocate(num_pages);
+      if (!range.ok()) {
+        (void)allocator_->Free(pages);
+        return range.status().WithContext("room '" + spec.room + "'");
+      }
+      request.page_list = *range;
+    }
     Status started;
     if (options_.prefill) {
       started = engine_->Send(spec.room, pages);
@@ -108,6 +141,7 @@ class Agent::Impl {
     }
     if (!started.ok()) {
       (void)allocator_->Free(pages);
+      if (request.page_list.valid()) cuda_->arena->Free(request.page_list);
       return started;
     }
     std::lock_guard<std::mutex> lock(mu_);
@@ -181,19 +215,98 @@ class Agent::Impl {
     SubmitSpec spec;
     std::vector<int32_t> pages;
     Clock::time_point submitted;
-    bool forward_done = false;  // prefill: the forward no longer touches the pages
+    // Prefill: the forward thread has enqueued (CUDA) or done (host) all it will for the room.
+    bool forward_done = false;
     bool done = false;
     RequestReport report;
+    // CUDA prefill. Written by the forward thread before forward_done, read by the monitor
+    // after it. The events go back to the pool only once the room is final (the engine may
+    // wait on them until then).
+    Range page_list;                  // device copy of `pages` in the arena
+    std::vector<cuda::Event> events;  // event l: layers [0, l] written
+    cuda::Event forward_end;          // after the forward's last launch; null: nothing pending
   };
 
+  // The resources of CUDA pools; null for host pools.
+  struct CudaState {
+    int device = 0;
+    cuda::Stream stream;       // prefill: the forward; decode: verification
+    cuda::DeviceBuffer bases;  // [2L] uint64: K base of layers 0..L-1, then V
+    std::unique_ptr<PageListArena> arena;
+    cuda::PinnedBuffer cancel;  // uint32, device-readable: non-zero stops simulated compute
+    const volatile uint32_t* cancel_device = nullptr;
+    std::mutex events_mu;  // guards free_events
+    std::vector<cuda::Event> free_events;
+
+    const uint64_t* k_bases() const { return bases.as<const uint64_t>(); }
+    const uint64_t* v_bases(int64_t layers) const { return bases.as<const uint64_t>() + layers; }
+  };
+
+  Status InitCuda() {
+    auto state = std::make_unique<CudaState>();
+    state->device = options_.pool.device;
+    KVT_ASSIGN_OR_RETURN(state->stream, cuda::Stream::Create(state->device));
+    std::vector<uint64_t> bases = k_bases_;
+    bases.insert(bases.end(), v_bases_.begin(), v_bases_.end());
+    const size_t bases_bytes = bases.size() * sizeof(uint64_t);
+    KVT_ASSIGN_OR_RETURN(state->bases, cuda::DeviceBuffer::Allocate(bases_bytes, state->device));
+    KVT_RETURN_IF_ERROR(cuda::Copy(state->bases.data(), bases.data(), bases_bytes));
+    // Every request holds its pages until it is final, so the lists in use never exceed the
+    // pool's page count; twice that leaves room for fragmentation.
+    const int64_t pages = pool_->layout().num_pages();
+    KVT_ASSIGN_OR_RETURN(
+        state->arena, PageListArena::Create(options_.prefill ? 2 * pages : pages, state->device));
+    KVT_ASSIGN_OR_RETURN(state->cancel, cuda::PinnedBuffer::Allocate(sizeof(uint32_t)));
+    *state->cancel.as<volatile uint32_t>() = 0;
+    void* cancel_device = nullptr;
+    KVT_CUDA_RETURN_IF_ERROR(cudaHostGetDevicePointer(&cancel_device, state->cancel.data(), 0));
+    state->cancel_device = static_cast<const volatile uint32_t*>(cancel_device);
+    cuda_ = std::move(state);
+    KVT_LOG_INFO("tool", "agent {}: CUDA pool on device {}; {} page-list entries preallocated",
+                 options_.name, cuda_->device, cuda_->arena->capacity());
+    return OkStatus();
+  }
+
+  // An event from the pool (created when the pool is empty; cudaEventCreate does not
+  // synchronise the device).
+  StatusOr<cuda::Event> AcquireEvent() {
+    {
+      std::lock_guard<std::mutex> lock(cuda_->events_mu);
+      if (!cuda_->free_events.empty()) {
+        cuda::Event event = std::move(cuda_->free_events.back());
+        cuda_->free_events.pop_back();
+        return event;
+      }
+    }
+    return cuda::Event::Create(/*timing=*/false);
+  }
+
+  void ReleaseEvents(Request& r) {
+    std::lock_guard<std::mutex> lock(cuda_->events_mu);
+    for (cuda::Event& e : r.events) {
+      if (e.get() != nullptr) cuda_->free_events.push_back(std::move(e));
+    }
+    r.events.clear();
+    if (r.forward_end.get() != nullptr) cuda_->free_events.push_back(std::move(r.forward_end));
+    r.forward_end = cuda::Event();
+  }
+
+  // The pattern of `layers` layers from `first_layer` of request `r` over the given tables
+  // (host tables for the CPU kernels, device tables for the CUDA ones).
   kernels::PatternArgs PatternFor(const Request& r, int32_t first_layer, int32_t layers) const {
+    return PatternOver(r, first_layer, layers, k_bases_.data(), v_bases_.data(), r.pages.data());
+  }
+
+  kernels::PatternArgs PatternOver(const Request& r, int32_t first_layer, int32_t layers,
+                                   const uint64_t* k_bases, const uint64_t* v_bases,
+                                   const int32_t* pages) const {
     kernels::PatternArgs a;
     a.request = PatternRequestId(r.spec.room);
-    a.k_bases = k_bases_.data() + first_layer;
-    a.v_bases = v_bases_.data() + first_layer;
+    a.k_bases = k_bases + first_layer;
+    a.v_bases = v_bases + first_layer;
     a.first_layer = first_layer;
     a.num_layers = layers;
-    a.pages = r.pages.data();
+    a.pages = pages;
     a.num_tokens = r.spec.tokens;
     a.page_size = pool_->options().page_size;
     a.row_bytes = pool_->layout().row_bytes();
@@ -202,7 +315,10 @@ class Agent::Impl {
 
   // Prefill: the simulated forward, one request at a time, layer by layer.
   void ForwardLoop() {
-    const int32_t layers = static_cast<int32_t>(pool_->options().layer_num);
+    if (cuda_ != nullptr) {
+      Status device = UseDevice(cuda_->device);
+      if (!device.ok()) KVT_LOG_ERROR("tool", "forward thread: {}", device.ToString());
+    }
     std::unique_lock<std::mutex> lock(mu_);
     while (!stop_) {
       if (forward_queue_.empty()) {
@@ -211,35 +327,128 @@ class Agent::Impl {
       }
       const std::string room = forward_queue_.front();
       forward_queue_.pop_front();
-      const Request* request = &requests_.at(room);  // stable: map nodes do not move
+      Request* request = &requests_.at(room);  // stable: map nodes do not move
       lock.unlock();
       const auto forward_start = Clock::now();
-      for (int32_t layer = 0; layer < layers && !stop_; ++layer) {
-        if (options_.layer_time.count() > 0) std::this_thread::sleep_for(options_.layer_time);
-        auto info = engine_->GetRequest(room);
-        if (!info.ok() || IsFinal(info->state)) break;  // failed or aborted: stop writing
-        if (!options_.skip_fill) {
-          Status filled = kernels::FillPatternCpu(PatternFor(*request, layer, 1));
-          if (!filled.ok()) {
-            KVT_LOG_ERROR("tool", "filling room '{}': {}", room, filled.ToString());
-            (void)engine_->Abort(room, "the forward failed: " + filled.ToString());
-            break;
-          }
-        }
-        Status ready = engine_->LayersReady(room, layer + 1);
-        if (!ready.ok()) break;  // the room is gone (failed and forgotten)
+      if (cuda_ != nullptr) {
+        ForwardCuda(room, *request);
+      } else {
+        ForwardHost(room, *request);
       }
       KVT_LOG_DEBUG(
-          "tool", "forward of room '{}' ({} tokens) took {} us", room, request->spec.tokens,
+          "tool", "forward of room '{}' ({} tokens) {} in {} us", room, request->spec.tokens,
+          cuda_ != nullptr ? "enqueued" : "ran",
           std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - forward_start)
               .count());
       lock.lock();
-      requests_.at(room).forward_done = true;
+      request->forward_done = true;
     }
+  }
+
+  // Host pools: the CPU writes each layer (after a sleep standing for its compute).
+  void ForwardHost(const std::string& room, const Request& request) {
+    const int32_t layers = static_cast<int32_t>(pool_->options().layer_num);
+    for (int32_t layer = 0; layer < layers && !stop_; ++layer) {
+      if (options_.layer_time.count() > 0) std::this_thread::sleep_for(options_.layer_time);
+      auto info = engine_->GetRequest(room);
+      if (!info.ok() || IsFinal(info->state)) break;  // failed or aborted: stop writing
+      if (!options_.skip_fill) {
+        Status filled = kernels::FillPatternCpu(PatternFor(request, layer, 1));
+        if (!filled.ok()) {
+          KVT_LOG_ERROR("tool", "filling room '{}': {}", room, filled.ToString());
+          (void)engine_->Abort(room, "the forward failed: " + filled.ToString());
+          break;
+        }
+      }
+      Status ready = engine_->LayersReady(room, layer + 1);
+      if (!ready.ok()) break;  // the room is gone (failed and forgotten)
+    }
+  }
+
+  // CUDA pools: enqueues the whole forward on the agent's stream and returns; the engine's
+  // copies wait for each layer's event on the GPU.
+  void ForwardCuda(const std::string& room, Request& request) {
+    auto info = engine_->GetRequest(room);
+    if (!info.ok() || IsFinal(info->state)) return;  // failed or aborted: nothing to write
+    Status enqueued = EnqueueForward(room, request);
+    if (!enqueued.ok()) {
+      KVT_LOG_ERROR("tool", "forward of room '{}': {}", room, enqueued.ToString());
+      (void)engine_->Abort(room, "the forward failed: " + enqueued.ToString());
+    }
+    // Whatever was enqueued must finish before the pages and the page list are reused.
+    Status marked = MarkForwardEnd(request);
+    if (!marked.ok()) {
+      KVT_LOG_WARN("tool", "room '{}': {}; waiting for the stream instead", room,
+                   marked.ToString());
+      request.forward_end = cuda::Event();
+      Status synced = cuda_->stream.Synchronize();
+      if (!synced.ok()) {
+        KVT_LOG_ERROR("tool", "the agent's CUDA stream failed: {}", synced.ToString());
+      }
+    }
+  }
+
+  Status EnqueueForward(const std::string& room, Request& request) {
+    const int32_t layers = static_cast<int32_t>(pool_->options().layer_num);
+    const cudaStream_t stream = cuda_->stream.get();
+    // The page list: into the pinned mirror, then one asynchronous copy (the mirror run is
+    // not touched again until the room is final and its forward has finished).
+    int32_t* host_list = cuda_->arena->host(request.page_list);
+    std::copy(request.pages.begin(), request.pages.end(), host_list);
+    int32_t* device_list = cuda_->arena->device(request.page_list);
+    KVT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(device_list, host_list,
+                                             request.pages.size() * sizeof(int32_t),
+                                             cudaMemcpyHostToDevice, stream));
+    const uint64_t layer_ns =
+        static_cast<uint64_t>(std::chrono::nanoseconds(options_.layer_time).count());
+    request.events.reserve(static_cast<size_t>(layers));
+    for (int32_t layer = 0; layer < layers && !stop_; ++layer) {
+      if (layer_ns > 0) {
+        KVT_RETURN_IF_ERROR(cuda::ToStatus(
+            LaunchSimulatedCompute(layer_ns, cuda_->cancel_device, stream), "simulated compute"));
+      }
+      if (!options_.skip_fill) {
+        KVT_RETURN_IF_ERROR(kernels::FillPatternCuda(
+            PatternOver(request, layer, 1, cuda_->k_bases(), cuda_->v_bases(layers), device_list),
+            stream));
+      }
+      KVT_ASSIGN_OR_RETURN(cuda::Event event, AcquireEvent());
+      request.events.push_back(std::move(event));  // owned by the room before it can fail
+      KVT_RETURN_IF_ERROR(request.events.back().Record(stream));
+      Status ready = engine_->LayersReady(room, layer + 1, request.events.back().get());
+      if (!ready.ok()) break;  // the room is gone (failed and forgotten)
+    }
+    return OkStatus();
+  }
+
+  Status MarkForwardEnd(Request& request) {
+    KVT_ASSIGN_OR_RETURN(cuda::Event event, AcquireEvent());
+    request.forward_end = std::move(event);
+    return request.forward_end.Record(cuda_->stream.get());
+  }
+
+  // True once the GPU finished everything the room's forward enqueued.
+  bool ForwardFinishedOnDevice(const std::string& room, const Request& request) const {
+    if (request.forward_end.get() == nullptr) return true;
+    const cudaError_t state = cudaEventQuery(request.forward_end.get());
+    if (state == cudaErrorNotReady) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    if (state != cudaSuccess) {
+      // The device failed; nothing more will run on it. Let the room finish.
+      KVT_LOG_ERROR("tool", "room '{}': {}", room,
+                    cuda::ToStatus(state, "cudaEventQuery").ToString());
+    }
+    return true;
   }
 
   // Both sides: notices final requests, verifies (decode), frees pages.
   void MonitorLoop() {
+    if (cuda_ != nullptr) {
+      Status device = UseDevice(cuda_->device);
+      if (!device.ok()) KVT_LOG_ERROR("tool", "monitor thread: {}", device.ToString());
+    }
     std::unique_lock<std::mutex> lock(mu_);
     while (!stop_) {
       std::vector<std::string> rooms(pending_.begin(), pending_.end());
@@ -251,7 +460,9 @@ class Agent::Impl {
         if (info.ok() && !options_.prefill && !info->pages_reusable) continue;
         if (options_.prefill) {
           std::lock_guard<std::mutex> guard(mu_);
-          if (!requests_.at(room).forward_done) continue;  // its pages are still being written
+          const Request& request = requests_.at(room);
+          if (!request.forward_done) continue;  // its pages are still being written
+          if (!ForwardFinishedOnDevice(room, request)) continue;  // ... by the GPU
         }
         Finish(room, info);
         finished.push_back(room);
@@ -285,8 +496,10 @@ class Agent::Impl {
           std::chrono::duration<double, std::micro>(info->finished - info->created).count();
     }
     if (!options_.prefill && options_.verify && report.state == RequestState::kSuccess) {
-      StatusOr<kernels::PatternCheck> check = kernels::VerifyPatternCpu(
-          PatternFor(*request, 0, static_cast<int32_t>(pool_->options().layer_num)));
+      StatusOr<kernels::PatternCheck> check =
+          cuda_ != nullptr ? VerifyCuda(*request)
+                           : kernels::VerifyPatternCpu(PatternFor(
+                                 *request, 0, static_cast<int32_t>(pool_->options().layer_num)));
       if (!check.ok()) {
         report.status = check.status();
       } else {
@@ -303,6 +516,12 @@ class Agent::Impl {
       }
     }
     (void)engine_->Forget(room);
+    if (cuda_ != nullptr) {
+      // The room is final and its forward finished on the device: nothing waits on these.
+      ReleaseEvents(*request);
+      if (request->page_list.valid()) cuda_->arena->Free(request->page_list);
+      request->page_list = Range{};
+    }
     Status freed = allocator_->Free(request->pages);
     if (!freed.ok()) KVT_LOG_ERROR("tool", "freeing room '{}': {}", room, freed.ToString());
     std::lock_guard<std::mutex> lock(mu_);
@@ -323,11 +542,35 @@ class Agent::Impl {
     }
   }
 
+  // Decode, CUDA pools: checks the received pages on the device (the pattern kernel reads a
+  // device copy of the page list; VerifyPatternCuda synchronises the stream).
+  StatusOr<kernels::PatternCheck> VerifyCuda(const Request& request) {
+    const int32_t layers = static_cast<int32_t>(pool_->options().layer_num);
+    KVT_ASSIGN_OR_RETURN(Range range,
+                         cuda_->arena->Allocate(static_cast<int64_t>(request.pages.size())));
+    int32_t* host_list = cuda_->arena->host(range);
+    int32_t* device_list = cuda_->arena->device(range);
+    std::copy(request.pages.begin(), request.pages.end(), host_list);
+    Status copied = cuda::ToStatus(
+        cudaMemcpyAsync(device_list, host_list, request.pages.size() * sizeof(int32_t),
+                        cudaMemcpyHostToDevice, cuda_->stream.get()),
+        "cudaMemcpyAsync (page list)");
+    StatusOr<kernels::PatternCheck> check =
+        copied.ok() ? kernels::VerifyPatternCuda(PatternOver(request, 0, layers, cuda_->k_bases(),
+                                                             cuda_->v_bases(layers), device_list),
+                                                 cuda_->stream.get())
+                    : StatusOr<kernels::PatternCheck>(copied);
+    if (!check.ok()) (void)cuda_->stream.Synchronize();  // the run may be read still
+    cuda_->arena->Free(range);
+    return check;
+  }
+
   const AgentOptions options_;
   std::unique_ptr<pool::KvPool> pool_;
   std::unique_ptr<pool::PageAllocator> allocator_;
   std::unique_ptr<transfer::TransferEngine> engine_;
   std::vector<uint64_t> k_bases_, v_bases_;
+  std::unique_ptr<CudaState> cuda_;  // CUDA pools only; set in Init, before the threads start
   std::thread forward_;
   std::thread monitor_;
 

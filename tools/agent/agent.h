@@ -2,10 +2,17 @@
 //
 // Prefill: Submit(room, tokens) allocates pages, declares them to the engine and simulates the
 // model's forward on a worker thread: layer by layer it writes the deterministic pattern of the
-// request's tokens (kernels' fill, CPU reference on host pools) and then hands the layer to the
-// engine. Decode: Submit(room, tokens, prefill address) allocates pages and asks the prefill
-// engine for the KV; when the request succeeds every received byte is verified against the
-// pattern. Pages return to the allocator once the request is final and no write can land.
+// request's tokens and then hands the layer to the engine. Decode: Submit(room, tokens, prefill
+// address) allocates pages and asks the prefill engine for the KV; when the request succeeds
+// every received byte is verified against the pattern. Pages return to the allocator once the
+// request is final and no write can land (prefill: and the forward no longer writes them).
+//
+// Host pools run the CPU kernels, and a layer's simulated compute is a CPU sleep. CUDA pools
+// (PoolOptions::memory = kCuda, on PoolOptions::device) run the CUDA kernels on one stream per
+// agent: per layer a GPU-side spin of layer_time, the pattern fill and an event handed to
+// LayersReady, all enqueued without waiting, so the CPU never blocks on a forward; page lists
+// and base tables are device-resident (a preallocated arena, no cudaMalloc per request). CUDA
+// pools need a device backend ("cuda_ipc" or "ucx"); "loopback" is refused.
 //
 // Thread safety: every public method may be called from any thread.
 #pragma once

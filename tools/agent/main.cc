@@ -9,6 +9,7 @@
 
 #include "agent.h"
 #include "agent_rpc.h"
+#include "device_spec.h"
 #include "kvt/common/log.h"
 #include "kvt/transfer/control/auth.h"
 #include "kvt/transfer/control/protocol.h"
@@ -33,8 +34,9 @@ int main(int argc, char** argv) {
   std::string listen = "127.0.0.1:0";
   std::string rpc = "127.0.0.1:0";
   std::string bootstrap;
-  std::string backend = "ucx";
+  std::string backend;  // empty: DefaultBackendFor(the device)
   std::string ucx_tls;
+  std::string ucx_cuda_mode = "auto";
   std::string device = "host";
   std::string dtype = "bf16";
   std::string ready_file;
@@ -47,9 +49,14 @@ int main(int argc, char** argv) {
   app.add_option("--listen", listen, "engine control address (prefill), host:port");
   app.add_option("--rpc", rpc, "driver RPC address, host:port");
   app.add_option("--bootstrap", bootstrap, "bootstrap registry host:port (optional)");
-  app.add_option("--backend", backend, "transfer backend: ucx or loopback");
+  app.add_option("--backend", backend,
+                 "transfer backend: ucx, cuda_ipc or loopback (default: cuda_ipc for CUDA pools, "
+                 "ucx for host pools)");
   app.add_option("--ucx-tls", ucx_tls, "UCX transports (UCX_TLS syntax), e.g. shm,self or tcp");
-  app.add_option("--device", device, "pool memory: host (cuda:N with the GPU backends)");
+  app.add_option("--ucx-cuda-mode", ucx_cuda_mode,
+                 "ucx with CUDA pools: auto, staged (pinned bounce buffers) or direct")
+      ->check(CLI::IsMember({"auto", "staged", "direct"}));
+  app.add_option("--device", device, "pool memory: host or cuda:N (CUDA device N)");
   app.add_option("--layers", layers, "layers")->check(CLI::PositiveNumber);
   app.add_option("--heads", heads, "KV heads of this rank")->check(CLI::PositiveNumber);
   app.add_option("--head-dim", head_dim, "elements per head")->check(CLI::PositiveNumber);
@@ -75,9 +82,19 @@ int main(int argc, char** argv) {
   }
   const bool prefill = role == "prefill";
   if (name.empty()) name = "kvt-" + role;
-  if (device != "host") {
-    return Fail(Unimplemented("--device " + device +
-                              ": this build's agent runs host pools; use --device host"));
+  // The device: its spelling, then whether the backend can move its memory (both need no
+  // GPU), then whether it exists here.
+  auto device_spec = tools::ParseDeviceSpec(device);
+  if (!device_spec.ok()) return Fail(device_spec.status().WithContext("--device"));
+  if (backend.empty()) backend = tools::DefaultBackendFor(*device_spec);
+  if (device_spec->cuda() && backend == "loopback") {
+    return Fail(FailedPrecondition(
+        "--backend loopback copies host memory inside one process and "
+        "cannot move a CUDA pool (--device " +
+        device_spec->ToString() + "); use --backend cuda_ipc or ucx, or --device host"));
+  }
+  if (Status st = tools::CheckDeviceSpec(*device_spec); !st.ok()) {
+    return Fail(st.WithContext("--device"));
   }
   auto parsed_dtype = ParseDType(dtype);
   if (!parsed_dtype.ok()) return Fail(parsed_dtype.status().WithContext("--dtype"));
@@ -96,10 +113,13 @@ int main(int argc, char** argv) {
   options.pool.head_dim = head_dim;
   options.pool.layer_num = layers;
   options.pool.dtype = *parsed_dtype;
+  options.pool.memory = device_spec->memory;
+  options.pool.device = device_spec->index;
   options.pool.pin_host_memory = false;      // host backends do not need page-locked memory
   options.pool.prefault_host_memory = true;  // no page faults on the transfer path
   options.engine.backend = backend;
   options.engine.backend_options.ucx_transports = ucx_tls;
+  options.engine.backend_options.ucx_cuda_mode = ucx_cuda_mode;
   options.engine.server.bind_address = listen_at->host;
   options.engine.server.port = listen_at->port;
   options.engine.server.cluster_token = token;
@@ -163,7 +183,9 @@ int main(int argc, char** argv) {
                           {"pid", getpid()},
                           {"rpc_port", (*server)->port()},
                           {"engine_port", (*agent)->engine_port()},
-                          {"backend", backend}};
+                          {"backend", std::string((*agent)->engine().backend_name())},
+                          {"memory", device_spec->ToString()}};
+  if (device_spec->cuda()) ready["device_name"] = tools::CudaDeviceName(device_spec->index);
   KVT_LOG_INFO("tool", "kvt-agent {} ready: {}", name, ready.dump());
   if (!ready_file.empty()) {
     if (Status st = tools::WriteReadyFile(ready_file, ready.dump()); !st.ok()) return Fail(st);

@@ -4,6 +4,10 @@
 // written, the decode agent verifies every byte it received), prints a table and exits 0 only
 // when every request arrived intact. Every process it starts is stopped on every exit path (and
 // the agents exit by themselves if the demo is killed).
+//
+// Memory and backend: with a CUDA device present both agents keep their pools on cuda:0 and
+// move pages with cuda_ipc; without one, host pools and ucx. --device and --backend override;
+// the header and the JSON say what was used.
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -20,7 +24,9 @@
 #include <set>
 #include <thread>
 
+#include "device_spec.h"
 #include "kvt/common/dtype.h"
+#include "kvt/kernels/cuda_util.h"
 #include "kvt/transfer/control/protocol.h"
 #include "rpc_client.h"
 #include "tool_util.h"
@@ -37,7 +43,9 @@ struct DemoOptions {
   int64_t max_tokens = 4096;
   int concurrency = 4;
   uint32_t seed = 1;
-  std::string backend = "ucx";
+  std::string device;        // empty: cuda:0 when a CUDA device is present, else host
+  std::string backend;       // empty: cuda_ipc for CUDA pools, ucx for host pools
+  bool device_auto = false;  // the device was chosen, not given
   std::string ucx_tls;
   int64_t layers = 32, heads = 8, head_dim = 128, page_size = 16;
   std::string dtype = "bf16";
@@ -128,6 +136,8 @@ class Demo {
                                        registry,
                                        "--backend",
                                        o_.backend,
+                                       "--device",
+                                       o_.device,
                                        "--layers",
                                        std::to_string(o_.layers),
                                        "--heads",
@@ -268,8 +278,18 @@ class Demo {
     auto prefill_stats = Stats(prefill_rpc_);
     auto decode_stats = Stats(decode_rpc_);
     const double gbps = wall_s_ > 0 ? bytes / wall_s_ / 1e9 : 0;
-    const std::string memory = decode_stats.ok() ? decode_stats->memory() : "?";
+    // What the agents really run (their ready files), not what was asked for.
+    const std::string memory = decode_info_.value("memory", std::string("?"));
+    const std::string device_name = decode_info_.value("device_name", std::string());
     const std::string backend = decode_stats.ok() ? decode_stats->backend() : o_.backend;
+    std::string memory_line = memory;
+    if (!device_name.empty()) memory_line += " (" + device_name + ")";
+    const std::string prefill_memory = prefill_info_.value("memory", std::string("?"));
+    if (prefill_memory != memory) memory_line += ", prefill on " + prefill_memory;
+    if (o_.device_auto) {
+      memory_line += memory == "host" ? ", no CUDA device found"
+                                      : ", picked automatically (--device host for host pools)";
+    }
     const int64_t token_bytes =
         2 * o_.layers * o_.heads * o_.head_dim * ItemSize(*ParseDType(o_.dtype));
     std::printf("\nkvt demo: bootstrap + prefill agent + decode agent on loopback\n");
@@ -278,9 +298,9 @@ class Demo {
         "(%lld KiB of KV per token)\n",
         (long long)o_.layers, (long long)o_.heads, (long long)o_.head_dim, o_.dtype.c_str(),
         (long long)o_.page_size, (long long)(token_bytes / 1024));
-    std::printf("  backend  %s%s, %s memory\n\n", backend.c_str(),
-                o_.ucx_tls.empty() ? "" : (" (UCX_TLS " + o_.ucx_tls + ")").c_str(),
-                memory.c_str());
+    std::printf("  memory   %s\n", memory_line.c_str());
+    std::printf("  backend  %s%s\n\n", backend.c_str(),
+                o_.ucx_tls.empty() ? "" : (" (UCX_TLS " + o_.ucx_tls + ")").c_str());
     std::printf("  %-28s %s\n", "requests", std::to_string(results_.size()).c_str());
     std::printf("  %-28s %llu\n", "succeeded", (unsigned long long)ok);
     std::printf("  %-28s %llu of %zu (every byte checked)\n", "verified byte-exact",
@@ -311,6 +331,8 @@ class Demo {
                           {"latency_p99_us", Percentile(latency_us, 0.99)},
                           {"backend", backend},
                           {"memory", memory},
+                          {"device_name", device_name},
+                          {"device_auto", o_.device_auto},
                           {"layers", o_.layers},
                           {"heads", o_.heads},
                           {"head_dim", o_.head_dim},
@@ -353,7 +375,11 @@ int main(int argc, char** argv) {
   app.add_option("--max-tokens", o.max_tokens, "largest request")->check(CLI::PositiveNumber);
   app.add_option("--concurrency", o.concurrency, "requests in flight")->check(CLI::Range(1, 1024));
   app.add_option("--seed", o.seed, "workload seed");
-  app.add_option("--backend", o.backend, "ucx or loopback")->check(CLI::IsMember({"ucx"}));
+  app.add_option("--device", o.device,
+                 "pool memory of both agents: host or cuda:N (default: cuda:0 when a CUDA device "
+                 "is present, else host)");
+  app.add_option("--backend", o.backend, "ucx or cuda_ipc (default: cuda_ipc on CUDA, else ucx)")
+      ->check(CLI::IsMember({"ucx", "cuda_ipc"}));
   app.add_option("--ucx-tls", o.ucx_tls, "UCX transports, e.g. shm,self or tcp");
   app.add_option("--layers", o.layers, "layers")->check(CLI::PositiveNumber);
   app.add_option("--heads", o.heads, "KV heads")->check(CLI::PositiveNumber);
@@ -376,6 +402,23 @@ int main(int argc, char** argv) {
   }
   if (!kvt::ParseDType(o.dtype).ok()) {
     std::cerr << "kvt-demo: " << kvt::ParseDType(o.dtype).status().ToString() << "\n";
+    return 2;
+  }
+  if (o.device.empty()) {
+    o.device = kvt::cuda::HasDevice() ? "cuda:0" : "host";
+    o.device_auto = true;
+  }
+  auto device = kvt::tools::ParseDeviceSpec(o.device);
+  const kvt::Status device_ok =
+      device.ok() ? kvt::tools::CheckDeviceSpec(*device) : device.status();
+  if (!device_ok.ok()) {
+    std::cerr << "kvt-demo: " << device_ok.WithContext("--device").ToString() << "\n";
+    return 2;
+  }
+  if (o.backend.empty()) o.backend = kvt::tools::DefaultBackendFor(*device);
+  if (!device->cuda() && o.backend == "cuda_ipc") {
+    std::cerr << "kvt-demo: --backend cuda_ipc moves CUDA memory; it needs --device cuda:N "
+                 "(this run uses host pools)\n";
     return 2;
   }
   if (o.max_tokens > o.pool_tokens) {

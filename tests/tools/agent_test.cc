@@ -1,0 +1,261 @@
+// The agent's building blocks and kvt-agent's command line: device names, the page-list
+// arena's bookkeeping, which pool/backend pairs the agent refuses (and how it says so), and
+// what a started agent reports in its ready file. Runs without a GPU; device-dependent
+// expectations follow what this process sees.
+#include "agent.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <stdlib.h>
+
+#include <chrono>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <random>
+
+#include "device_spec.h"
+#include "kvt/kernels/cuda_util.h"
+#include "page_list_arena.h"
+#include "run_tool.h"
+#include "tool_util.h"
+
+namespace kvt::tools {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::RunTool;
+using testing::ToolResult;
+
+// ---- device names -----------------------------------------------------------------------
+
+TEST(DeviceSpecTest, ParsesHostAndCudaDevices) {
+  auto host = ParseDeviceSpec("host");
+  ASSERT_TRUE(host.ok()) << host.status().ToString();
+  EXPECT_FALSE(host->cuda());
+  EXPECT_EQ(host->ToString(), "host");
+
+  auto cuda3 = ParseDeviceSpec("cuda:3");
+  ASSERT_TRUE(cuda3.ok()) << cuda3.status().ToString();
+  EXPECT_TRUE(cuda3->cuda());
+  EXPECT_EQ(cuda3->memory, pool::MemoryKind::kCuda);
+  EXPECT_EQ(cuda3->index, 3);
+  EXPECT_EQ(cuda3->ToString(), "cuda:3");
+
+  auto cuda = ParseDeviceSpec("cuda");
+  ASSERT_TRUE(cuda.ok()) << cuda.status().ToString();
+  EXPECT_EQ(cuda->ToString(), "cuda:0");
+}
+
+TEST(DeviceSpecTest, RefusesOtherSpellingsNamingTheText) {
+  for (const std::string text : {"", "gpu", "cuda:", "cuda:x", "cuda:-1", "cuda:1a", "CUDA:0",
+                                 "cuda0", "host:0", "cuda:99999"}) {
+    auto spec = ParseDeviceSpec(text);
+    ASSERT_FALSE(spec.ok()) << "'" << text << "' was accepted";
+    EXPECT_EQ(spec.status().code(), StatusCode::kInvalidArgument) << text;
+    EXPECT_THAT(spec.status().message(), HasSubstr("'" + text + "'"));
+    EXPECT_THAT(spec.status().message(), HasSubstr("cuda:N"));
+  }
+}
+
+TEST(DeviceSpecTest, BackendDefaultsFollowTheMemory) {
+  EXPECT_EQ(DefaultBackendFor(DeviceSpec{}), "ucx");
+  EXPECT_EQ(DefaultBackendFor(DeviceSpec{pool::MemoryKind::kCuda, 1}), "cuda_ipc");
+}
+
+TEST(DeviceSpecTest, CheckNamesTheDevicesPresent) {
+  EXPECT_TRUE(CheckDeviceSpec(DeviceSpec{}).ok());
+  const cuda::DeviceCountResult devices = cuda::DeviceCount();
+  const Status cuda0 = CheckDeviceSpec(DeviceSpec{pool::MemoryKind::kCuda, 0});
+  const Status beyond = CheckDeviceSpec(DeviceSpec{pool::MemoryKind::kCuda, 64});
+  ASSERT_FALSE(beyond.ok());
+  if (devices.count == 0) {
+    ASSERT_FALSE(cuda0.ok());
+    EXPECT_EQ(cuda0.code(), StatusCode::kFailedPrecondition);
+    EXPECT_THAT(cuda0.message(), HasSubstr("no usable CUDA device"));
+    EXPECT_THAT(cuda0.message(), HasSubstr(devices.reason));
+    EXPECT_THAT(cuda0.message(), HasSubstr("--device host"));
+    EXPECT_THAT(DescribeCudaDevices(), HasSubstr("none"));
+  } else {
+    EXPECT_TRUE(cuda0.ok()) << cuda0.ToString();
+    EXPECT_EQ(beyond.code(), StatusCode::kInvalidArgument);
+    EXPECT_THAT(beyond.message(), HasSubstr("cuda:64 does not exist"));
+    EXPECT_THAT(beyond.message(), HasSubstr("cuda:0"));
+    EXPECT_FALSE(CudaDeviceName(0).empty());
+  }
+}
+
+// ---- the page-list arena's bookkeeping -----------------------------------------------------
+
+TEST(RangeAllocatorTest, HandsOutDisjointRunsAndCoalescesOnFree) {
+  RangeAllocator arena(100);
+  auto a = arena.Allocate(30);
+  auto b = arena.Allocate(30);
+  auto c = arena.Allocate(40);
+  ASSERT_TRUE(a.ok() && b.ok() && c.ok());
+  EXPECT_EQ(a->offset, 0);
+  EXPECT_EQ(b->offset, 30);
+  EXPECT_EQ(c->offset, 60);
+  EXPECT_EQ(arena.free_units(), 0);
+  auto full = arena.Allocate(1);
+  ASSERT_FALSE(full.ok());
+  EXPECT_EQ(full.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_THAT(full.status().message(), HasSubstr("retry"));
+
+  arena.Free(*b);  // a hole in the middle
+  auto too_long = arena.Allocate(31);
+  EXPECT_EQ(too_long.status().code(), StatusCode::kResourceExhausted);
+  arena.Free(*a);  // merges with the hole after it
+  EXPECT_EQ(arena.free_runs(), 1u);
+  auto merged = arena.Allocate(60);
+  ASSERT_TRUE(merged.ok()) << merged.status().ToString();
+  EXPECT_EQ(merged->offset, 0);
+  arena.Free(*merged);
+  arena.Free(*c);  // merges with the run before it
+  EXPECT_EQ(arena.free_runs(), 1u);
+  EXPECT_EQ(arena.free_units(), 100);
+}
+
+TEST(RangeAllocatorTest, RefusesImpossibleLengths) {
+  RangeAllocator arena(8);
+  EXPECT_EQ(arena.Allocate(0).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(arena.Allocate(-1).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(arena.Allocate(9).status().code(), StatusCode::kInvalidArgument);
+}
+
+// Random allocate/free churn: runs never overlap, and once everything is freed the arena is
+// one run again (no leaked or double-counted units).
+TEST(RangeAllocatorTest, ChurnKeepsRunsDisjointAndEndsWhole) {
+  constexpr int64_t kCapacity = 1000;
+  RangeAllocator arena(kCapacity);
+  std::mt19937 rng(11);
+  std::vector<Range> live;
+  std::vector<int> owner(kCapacity, -1);
+  for (int step = 0; step < 5000; ++step) {
+    if (!live.empty() && (rng() % 2 == 0 || live.size() > 40)) {
+      const size_t i = rng() % live.size();
+      for (int64_t u = live[i].offset; u < live[i].offset + live[i].length; ++u) owner[u] = -1;
+      arena.Free(live[i]);
+      live.erase(live.begin() + static_cast<std::ptrdiff_t>(i));
+      continue;
+    }
+    auto r = arena.Allocate(1 + static_cast<int64_t>(rng() % 60));
+    if (!r.ok()) {
+      ASSERT_EQ(r.status().code(), StatusCode::kResourceExhausted);
+      continue;
+    }
+    for (int64_t u = r->offset; u < r->offset + r->length; ++u) {
+      ASSERT_GE(u, 0);
+      ASSERT_LT(u, kCapacity);
+      ASSERT_EQ(owner[u], -1) << "unit " << u << " handed out twice (step " << step << ")";
+      owner[u] = step;
+    }
+    live.push_back(*r);
+  }
+  for (const Range& r : live) arena.Free(r);
+  EXPECT_EQ(arena.free_units(), kCapacity);
+  EXPECT_EQ(arena.free_runs(), 1u);
+}
+
+// ---- which pools and backends the agent takes ----------------------------------------------
+
+AgentOptions SmallAgent(pool::MemoryKind memory, const std::string& backend) {
+  AgentOptions o;
+  o.name = "agent-test";
+  o.prefill = false;  // no listening port needed
+  o.pool.size = 256;
+  o.pool.page_size = 16;
+  o.pool.head_num = 2;
+  o.pool.head_dim = 64;
+  o.pool.layer_num = 2;
+  o.pool.memory = memory;
+  o.pool.pin_host_memory = false;
+  o.engine.backend = backend;
+  return o;
+}
+
+TEST(AgentTest, CudaPoolWithLoopbackIsRefusedWithWhatToUse) {
+  auto agent = Agent::Create(SmallAgent(pool::MemoryKind::kCuda, "loopback"));
+  ASSERT_FALSE(agent.ok());
+  EXPECT_EQ(agent.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_THAT(agent.status().message(), HasSubstr("loopback"));
+  EXPECT_THAT(agent.status().message(), HasSubstr("cuda_ipc or ucx"));
+}
+
+TEST(AgentTest, CudaPoolWithoutDeviceSaysSo) {
+  if (cuda::HasDevice()) GTEST_SKIP() << "this process sees a CUDA device";
+  auto agent = Agent::Create(SmallAgent(pool::MemoryKind::kCuda, "ucx"));
+  ASSERT_FALSE(agent.ok());
+  EXPECT_EQ(agent.status().code(), StatusCode::kUnavailable) << agent.status().ToString();
+}
+
+TEST(AgentTest, HostPoolAgentStillRuns) {
+  auto agent = Agent::Create(SmallAgent(pool::MemoryKind::kHost, "loopback"));
+  ASSERT_TRUE(agent.ok()) << agent.status().ToString();
+  EXPECT_EQ((*agent)->pool().memory_kind(), pool::MemoryKind::kHost);
+  EXPECT_EQ((*agent)->Stats().total_pages, 256 / 16);
+  EXPECT_EQ((*agent)->Stats().free_pages, 256 / 16);
+}
+
+// ---- kvt-agent's command line --------------------------------------------------------------
+
+TEST(KvtAgentCliTest, BadDeviceNamesAreRefusedBeforeAnythingStarts) {
+  for (const std::string device : {"gpu0", "cuda:x", "cuda:"}) {
+    const ToolResult r = RunTool(KVT_AGENT_PATH, "--device " + device);
+    EXPECT_EQ(r.exit_code, 1) << device << ": " << r.err;
+    EXPECT_THAT(r.err, HasSubstr("--device"));
+    EXPECT_THAT(r.err, HasSubstr("'" + device + "'"));
+    EXPECT_THAT(r.err, HasSubstr("use 'host' or 'cuda:N'"));
+  }
+}
+
+TEST(KvtAgentCliTest, CudaPoolWithLoopbackIsRefused) {
+  const ToolResult r = RunTool(KVT_AGENT_PATH, "--device cuda:0 --backend loopback");
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_THAT(r.err, HasSubstr("--backend loopback"));
+  EXPECT_THAT(r.err, HasSubstr("--backend cuda_ipc or ucx"));
+}
+
+TEST(KvtAgentCliTest, MissingDeviceNamesWhatThereIs) {
+  const cuda::DeviceCountResult devices = cuda::DeviceCount();
+  const ToolResult r = RunTool(KVT_AGENT_PATH, "--device cuda:64");
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  if (devices.count == 0) {
+    EXPECT_THAT(r.err, HasSubstr("no usable CUDA device"));
+    EXPECT_THAT(r.err, HasSubstr("--device host"));
+  } else {
+    EXPECT_THAT(r.err, HasSubstr("cuda:64 does not exist"));
+    EXPECT_THAT(r.err, HasSubstr("cuda:0 ("));
+  }
+}
+
+TEST(KvtAgentCliTest, BadUcxCudaModeIsRefused) {
+  const ToolResult r = RunTool(KVT_AGENT_PATH, "--ucx-cuda-mode sometimes");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_THAT(r.out + r.err, HasSubstr("--ucx-cuda-mode"));
+}
+
+// A host agent started without --backend runs ucx and says so (and which memory) in its ready
+// file.
+TEST(KvtAgentCliTest, ReadyFileNamesMemoryAndBackend) {
+  const std::string dir = ::testing::TempDir() + "/kvt-agent-cli-" + std::to_string(getpid());
+  std::filesystem::create_directories(dir);
+  const std::string ready = dir + "/ready.json";
+  auto child = ChildProcess::Spawn(
+      {KVT_AGENT_PATH, "--role", "decode", "--device", "host", "--layers", "2", "--heads", "2",
+       "--head-dim", "64", "--tokens", "256", "--ready-file", ready, "--exit-with-parent"},
+      dir + "/agent.log");
+  ASSERT_TRUE(child.ok()) << child.status().ToString();
+  auto text = WaitReadyFile(ready, std::chrono::seconds(30), child->pid());
+  ASSERT_TRUE(text.ok()) << text.status().ToString() << "\n" << LogTail(dir + "/agent.log", 20);
+  const nlohmann::json j = nlohmann::json::parse(*text, nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << *text;
+  EXPECT_EQ(j.value("memory", ""), "host") << *text;
+  EXPECT_EQ(j.value("backend", ""), "ucx") << *text;
+  EXPECT_FALSE(j.contains("device_name")) << *text;
+  child->Stop();
+  std::filesystem::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace kvt::tools

@@ -1,0 +1,21 @@
+// A stand-in for a model layer's GPU time: a one-thread kernel that spins on the GPU's global
+// timer for a given duration, so that a simulated forward occupies its stream (later work on
+// the stream waits for it) without holding a CPU thread.
+//
+// Kept free of kvt headers so that nvcc compiles only this; callers wrap the cudaError_t into a
+// Status. Thread safety: reentrant.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace kvt::tools {
+
+// Enqueues a kernel on `stream` that returns after `nanoseconds` of GPU time, or as soon as
+// `*cancel` (device-readable memory, e.g. mapped pinned host memory; may be null) is non-zero.
+// Returns the launch error, if any.
+cudaError_t LaunchSimulatedCompute(uint64_t nanoseconds, const volatile uint32_t* cancel,
+                                   cudaStream_t stream);
+
+}  // namespace kvt::tools
