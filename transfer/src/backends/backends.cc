@@ -2,16 +2,18 @@
 
 #include "backends/cuda_ipc/cuda_ipc_backend.h"
 #include "backends/loopback/loopback_backend.h"
+#include "backends/nccl/nccl_backend.h"
 #include "backends/ucx/ucx_backend.h"
 
 namespace kvt::transfer {
 
-std::vector<std::string> BackendNames() { return {"ucx", "cuda_ipc", "loopback"}; }
+std::vector<std::string> BackendNames() { return {"ucx", "cuda_ipc", "nccl", "loopback"}; }
 
 StatusOr<std::unique_ptr<Backend>> CreateBackend(std::string_view name,
                                                  const BackendOptions& options) {
   if (name == "ucx") return CreateUcxBackend(options);
   if (name == "cuda_ipc") return CreateCudaIpcBackend(options);
+  if (name == "nccl") return CreateNcclBackend(options);
   if (name == "loopback") return CreateLoopbackBackend(options);
   std::string known;
   for (const std::string& n : BackendNames()) known += (known.empty() ? "" : ", ") + n;

@@ -1,5 +1,4 @@
-// Creating backends by name. Names: "ucx", "cuda_ipc", "loopback" (and, with later work,
-// "nccl"). Thread-safe.
+// Creating backends by name. Names: "ucx", "cuda_ipc", "nccl", "loopback". Thread-safe.
 #pragma once
 
 #include <memory>
@@ -37,6 +36,12 @@ struct BackendOptions {
   // credit per receiver slot).
   int ucx_staging_slots = 8;
   size_t ucx_staging_slot_bytes = size_t{4} << 20;
+  // nccl: bytes of one device staging slot per step (a page of one layer, K and V, must fit),
+  // how long a pair's communicator may take to come up, and how long a posted step may stall
+  // before the pair is declared dead (its communicator aborted).
+  uint64_t nccl_slot_bytes = uint64_t{8} << 20;
+  int nccl_connect_timeout_ms = 60000;
+  int nccl_stall_timeout_ms = 30000;
 };
 
 // The backend names this build knows, in priority order.

@@ -1,0 +1,890 @@
+// GPU tests of the nccl backend (label gpu).
+//
+// Two processes, one GPU each (NCCL refuses two ranks on one GPU), so these need 2 CUDA devices
+// and skip with "needs 2 CUDA devices, found N" otherwise. The test binary re-executes itself
+// (posix_spawn of /proc/self/exe, never a bare fork after CUDA is initialised) as the decode
+// side on device 1; the prefill side (this process, device 0) pairs with it exactly as the
+// engines do: the child's descriptor comes over a pipe (its hello), this side Connects and sends
+// its own descriptor and ConnectToken back (the hello-ack), the child Accepts. Writes then go
+// out with PostPages; the child compares its whole pool with the image this side expects, byte
+// for byte (pages outside the writes must keep their poison).
+//
+// With one GPU only the single-process checks run: refusals of Register and Connect (same GPU)
+// and a communicator that never comes up (the queued write fails after connect_timeout, the
+// in-progress init is aborted). Every wait is bounded.
+#include <cuda_runtime_api.h>
+#include <fcntl.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <span>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "kvt/kernels/cuda_util.h"
+#include "kvt/transfer/backend.h"
+#include "kvt/transfer/backends.h"
+// Private headers of kvt::transfer (this target has no transfer/src include path).
+#include "../../../transfer/src/backends/nccl/nccl_backend.h"
+#include "../../../transfer/src/backends/nccl/nccl_protocol.h"
+
+extern char** environ;
+
+namespace kvt::transfer {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using ::testing::HasSubstr;
+
+#define KVT_ASSERT_OK(expr)             \
+  do {                                  \
+    ::kvt::Status kvt_s_ = (expr);      \
+    ASSERT_TRUE(kvt_s_.ok()) << kvt_s_; \
+  } while (false)
+
+constexpr int kLayers = 4;
+constexpr int32_t kPages = 257;  // page 0 is the dummy page
+constexpr uint64_t kItem = 4096;
+constexpr uint8_t kPoison = 0xA5;
+constexpr int kParentDevice = 0;
+constexpr int kChildDevice = 1;
+
+int DeviceCountOrZero() {
+  const cuda::DeviceCountResult devices = cuda::DeviceCount();
+  return devices.count;
+}
+
+#define KVT_SKIP_WITHOUT_TWO_GPUS()                                                       \
+  if (const int kvt_n_ = DeviceCountOrZero(); kvt_n_ < 2)                                 \
+  GTEST_SKIP() << "needs 2 CUDA devices, found " << kvt_n_                                \
+               << (kvt_n_ == 0 ? " (" + cuda::DeviceCount().reason + ")" : std::string()) \
+               << "; NCCL cannot put two ranks on one GPU"
+
+// Small slots so that every write spans many chunks and wraps the slot ring many times.
+nccl::NcclTuning TestTuning() {
+  nccl::NcclTuning tuning;
+  tuning.slot_bytes = nccl::kHeaderBytes + 48 * 1024;
+  tuning.connect_timeout = std::chrono::seconds(60);
+  tuning.stall_timeout = std::chrono::seconds(3);
+  tuning.drain_timeout = std::chrono::seconds(20);
+  tuning.idle_tick = std::chrono::milliseconds(2);
+  tuning.receiver_silence_timeout = std::chrono::seconds(30);
+  return tuning;
+}
+
+// A backend or the reason there is none (no NCCL on a GPU machine skips rather than fails).
+StatusOr<std::unique_ptr<Backend>> NewBackend(const nccl::NcclTuning& tuning = TestTuning()) {
+  return CreateNcclBackendWithTuning(BackendOptions{}, tuning);
+}
+
+// ---- Pools and expectations -----------------------------------------------------------------
+
+// A CUDA pool laid out as kvt's pool does: one cudaMalloc holding 2L buffers (K of every layer,
+// then V) of kPages pages of kItem bytes, after a gap so that buffers sit at non-zero offsets.
+class GpuPool {
+ public:
+  static constexpr uint64_t kGap = 4096;
+
+  Status Init(int device) {
+    device_ = device;
+    auto memory = cuda::DeviceBuffer::Allocate(kGap + bytes(), device);
+    if (!memory.ok()) return memory.status();
+    memory_ = std::move(memory).value();
+    return OkStatus();
+  }
+  static uint64_t buffer_bytes() { return static_cast<uint64_t>(kPages) * kItem; }
+  static uint64_t bytes() { return 2 * kLayers * buffer_bytes(); }
+  uint64_t Base(int b) const {
+    return reinterpret_cast<uint64_t>(memory_.data()) + kGap + b * buffer_bytes();
+  }
+  void* data() const { return reinterpret_cast<void*>(Base(0)); }
+  std::vector<LocalRegion> Regions() const {
+    std::vector<LocalRegion> regions;
+    for (int b = 0; b < 2 * kLayers; ++b) {
+      regions.push_back({Base(b), buffer_bytes(), kItem, MemoryKind::kCuda, device_});
+    }
+    return regions;
+  }
+  Status Upload(const std::vector<uint8_t>& image) const {
+    return cuda::Copy(data(), image.data(), image.size());
+  }
+  StatusOr<std::vector<uint8_t>> Download() const {
+    std::vector<uint8_t> image(bytes());
+    Status s = cuda::Copy(image.data(), data(), image.size());
+    if (!s.ok()) return s;
+    return image;
+  }
+
+ private:
+  cuda::DeviceBuffer memory_;
+  int device_ = 0;
+};
+
+std::vector<uint8_t> RandomImage(size_t bytes, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<uint8_t> image(bytes);
+  for (auto& b : image) b = static_cast<uint8_t>(rng());
+  return image;
+}
+
+// Applies a page write to host images of the two pools, as the receiver must see it.
+void ApplyWrite(const std::vector<uint8_t>& src, std::vector<uint8_t>& dst,
+                std::span<const int32_t> src_pages, std::span<const int32_t> dst_pages,
+                int32_t layer_begin, int32_t layer_end, std::span<const PageUnit> units) {
+  const PageUnit whole{0, 0, kItem};
+  const std::span<const PageUnit> us = units.empty() ? std::span<const PageUnit>(&whole, 1) : units;
+  for (int32_t l = layer_begin; l < layer_end; ++l) {
+    for (int32_t b : {l, kLayers + l}) {
+      const uint64_t base = static_cast<uint64_t>(b) * GpuPool::buffer_bytes();
+      for (size_t i = 0; i < src_pages.size(); ++i) {
+        for (const PageUnit& u : us) {
+          std::memcpy(dst.data() + base + dst_pages[i] * kItem + u.dst_offset,
+                      src.data() + base + src_pages[i] * kItem + u.src_offset, u.bytes);
+        }
+      }
+    }
+  }
+}
+
+// "" when equal, else where the first difference is.
+std::string Compare(const std::vector<uint8_t>& want, const std::vector<uint8_t>& got) {
+  if (want.size() != got.size()) {
+    return "sizes differ: " + std::to_string(want.size()) + " vs " + std::to_string(got.size());
+  }
+  const auto [w, g] = std::mismatch(want.begin(), want.end(), got.begin());
+  if (w == want.end()) return "";
+  const uint64_t at = static_cast<uint64_t>(w - want.begin());
+  const uint64_t buffer = at / GpuPool::buffer_bytes();
+  const uint64_t page = at % GpuPool::buffer_bytes() / kItem;
+  const uint64_t count = static_cast<uint64_t>(std::count_if(
+      want.begin(), want.end(), [&, i = size_t{0}](uint8_t v) mutable { return v != got[i++]; }));
+  return std::to_string(count) + " bytes differ; first at buffer " + std::to_string(buffer) +
+         " page " + std::to_string(page) + " byte " + std::to_string(at % kItem) + ": expected " +
+         std::to_string(*w) + ", got " + std::to_string(*g);
+}
+
+// `n` distinct pages from [1, kPages) in random order.
+std::vector<int32_t> DistinctPages(size_t n, std::mt19937& rng) {
+  std::vector<int32_t> all(kPages - 1);
+  std::iota(all.begin(), all.end(), 1);
+  std::shuffle(all.begin(), all.end(), rng);
+  all.resize(n);
+  return all;
+}
+
+// Polls until no write is InProgress or `limit` passed; the final statuses.
+std::vector<Status> WaitAll(Backend& backend, const std::vector<WriteId>& writes,
+                            std::chrono::milliseconds limit) {
+  const auto deadline = Clock::now() + limit;
+  std::vector<Status> statuses(writes.size(), InProgress());
+  while (true) {
+    bool busy = false;
+    for (size_t i = 0; i < writes.size(); ++i) {
+      if (statuses[i].code() == StatusCode::kInProgress) statuses[i] = backend.Check(writes[i]);
+      busy = busy || statuses[i].code() == StatusCode::kInProgress;
+    }
+    if (!busy || Clock::now() > deadline) return statuses;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
+// ---- Two processes --------------------------------------------------------------------------
+
+constexpr char kChildEnv[] = "KVT_NCCL_TEST_CHILD";  // "<in fd>,<out fd>,<device>"
+constexpr int kChildIn = 100;
+constexpr int kChildOut = 101;
+
+// Length-prefixed messages over a pair of pipe ends; every read is bounded.
+class Channel {
+ public:
+  Channel() = default;
+  Channel(int in, int out) : in_(in), out_(out) {}
+  ~Channel() { Close(); }
+  Channel(Channel&& o) noexcept : in_(std::exchange(o.in_, -1)), out_(std::exchange(o.out_, -1)) {}
+  Channel& operator=(Channel&& o) noexcept {
+    Close();
+    in_ = std::exchange(o.in_, -1);
+    out_ = std::exchange(o.out_, -1);
+    return *this;
+  }
+  void Close() {
+    if (in_ >= 0) close(in_);
+    if (out_ >= 0) close(out_);
+    in_ = out_ = -1;
+  }
+  Status Send(std::string_view message) {
+    const uint64_t size = message.size();
+    KVT_RETURN_IF_ERROR(WriteAll(&size, sizeof(size)));
+    return WriteAll(message.data(), message.size());
+  }
+  StatusOr<std::string> Receive(std::chrono::milliseconds timeout) {
+    const auto deadline = Clock::now() + timeout;
+    uint64_t size = 0;
+    KVT_RETURN_IF_ERROR(ReadAll(&size, sizeof(size), deadline));
+    if (size > (uint64_t{1} << 32)) return DataLoss("message of " + std::to_string(size) + " B");
+    std::string message(size, '\0');
+    KVT_RETURN_IF_ERROR(ReadAll(message.data(), size, deadline));
+    return message;
+  }
+
+ private:
+  Status WriteAll(const void* data, size_t bytes) {
+    const auto* p = static_cast<const char*>(data);
+    while (bytes > 0) {
+      const ssize_t n = write(out_, p, bytes);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) return Unavailable(std::string("pipe write: ") + std::strerror(errno));
+      p += n;
+      bytes -= static_cast<size_t>(n);
+    }
+    return OkStatus();
+  }
+  Status ReadAll(void* data, size_t bytes, Clock::time_point deadline) {
+    auto* p = static_cast<char*>(data);
+    while (bytes > 0) {
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+      if (left <= 0) return DeadlineExceeded("no message from the other process in time");
+      pollfd pfd = {in_, POLLIN, 0};
+      const int ready = poll(&pfd, 1, static_cast<int>(std::min<long long>(left, 1000)));
+      if (ready <= 0) continue;
+      const ssize_t n = read(in_, p, bytes);
+      if (n < 0 && errno == EINTR) continue;
+      if (n == 0) return Unavailable("the other process closed its pipe (exited?)");
+      if (n < 0) return Unavailable(std::string("pipe read: ") + std::strerror(errno));
+      p += n;
+      bytes -= static_cast<size_t>(n);
+    }
+    return OkStatus();
+  }
+  int in_ = -1;
+  int out_ = -1;
+};
+
+void PutU64(std::string& out, uint64_t v) { out.append(reinterpret_cast<const char*>(&v), 8); }
+void PutString(std::string& out, const std::string& s) {
+  PutU64(out, s.size());
+  out += s;
+}
+
+// A descriptor and a token (empty for the child's hello) as one message.
+std::string EncodeHello(const PeerDescriptor& d, const std::string& token) {
+  std::string out;
+  PutString(out, d.backend);
+  PutString(out, d.address);
+  PutString(out, token);
+  PutU64(out, d.regions.size());
+  for (const RemoteRegion& r : d.regions) {
+    PutU64(out, r.base);
+    PutU64(out, r.length);
+    PutU64(out, r.item_len);
+    PutString(out, r.key);
+  }
+  return out;
+}
+
+StatusOr<std::pair<PeerDescriptor, std::string>> DecodeHello(std::string_view in) {
+  size_t at = 0;
+  auto u64 = [&](uint64_t& v) {
+    if (in.size() - at < 8) return false;
+    std::memcpy(&v, in.data() + at, 8);
+    at += 8;
+    return true;
+  };
+  auto str = [&](std::string& s) {
+    uint64_t n = 0;
+    if (!u64(n) || in.size() - at < n) return false;
+    s.assign(in.data() + at, n);
+    at += n;
+    return true;
+  };
+  PeerDescriptor d;
+  std::string token;
+  uint64_t count = 0;
+  if (!str(d.backend) || !str(d.address) || !str(token) || !u64(count)) {
+    return DataLoss("short hello");
+  }
+  for (uint64_t i = 0; i < count; ++i) {
+    RemoteRegion r;
+    if (!u64(r.base) || !u64(r.length) || !u64(r.item_len) || !str(r.key)) {
+      return DataLoss("short hello region");
+    }
+    d.regions.push_back(std::move(r));
+  }
+  return std::make_pair(std::move(d), std::move(token));
+}
+
+// The decode process: owns the destination pool on device 1, joins with Accept, and answers
+// commands ("verify" + image, "disconnect", "exit").
+class Child {
+ public:
+  ~Child() { Kill(); }
+
+  Status Start() {
+    int to_child[2], from_child[2];
+    if (pipe2(to_child, O_CLOEXEC) != 0 || pipe2(from_child, O_CLOEXEC) != 0) {
+      return Internal(std::string("pipe2: ") + std::strerror(errno));
+    }
+    char exe[4096] = {};
+    const ssize_t len = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
+    if (len <= 0) return Internal("readlink /proc/self/exe failed");
+    std::vector<std::string> env;
+    for (char** e = environ; *e != nullptr; ++e) {
+      const std::string_view var(*e);
+      if (var.starts_with(kChildEnv) || var.starts_with("GTEST_")) continue;
+      env.emplace_back(var);
+    }
+    env.push_back(std::string(kChildEnv) + "=" + std::to_string(kChildIn) + "," +
+                  std::to_string(kChildOut) + "," + std::to_string(kChildDevice));
+    std::vector<std::string> args = {exe, "--gtest_filter=NcclChild.DISABLED_Decode",
+                                     "--gtest_also_run_disabled_tests", "--gtest_brief=1"};
+    std::vector<char*> argv, envp;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    for (auto& e : env) envp.push_back(e.data());
+    envp.push_back(nullptr);
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_adddup2(&actions, to_child[0], kChildIn);
+    posix_spawn_file_actions_adddup2(&actions, from_child[1], kChildOut);
+    const int err = posix_spawn(&pid_, exe, &actions, nullptr, argv.data(), envp.data());
+    posix_spawn_file_actions_destroy(&actions);
+    close(to_child[0]);
+    close(from_child[1]);
+    if (err != 0) {
+      close(to_child[1]);
+      close(from_child[0]);
+      pid_ = -1;
+      return Internal(std::string("posix_spawn: ") + std::strerror(err));
+    }
+    channel_ = Channel(from_child[0], to_child[1]);
+    return OkStatus();
+  }
+
+  StatusOr<PeerDescriptor> Hello() {
+    auto message = channel_.Receive(std::chrono::seconds(120));
+    if (!message.ok()) return message.status().WithContext("waiting for the child's hello");
+    auto hello = DecodeHello(*message);
+    if (!hello.ok()) return hello.status();
+    return hello->first;
+  }
+
+  // Sends this side's descriptor and token; the child Accepts (which returns at once).
+  Status HelloAck(const PeerDescriptor& descriptor, const std::string& token) {
+    KVT_RETURN_IF_ERROR(channel_.Send(EncodeHello(descriptor, token)));
+    auto reply = channel_.Receive(std::chrono::seconds(60));
+    if (!reply.ok()) return reply.status();
+    if (*reply != "accepted") return Internal("the child's Accept: " + *reply);
+    return OkStatus();
+  }
+
+  // "" when the child's pool equals `expected`, else the child's description of the mismatch.
+  StatusOr<std::string> Verify(const std::vector<uint8_t>& expected) {
+    KVT_RETURN_IF_ERROR(channel_.Send("verify"));
+    KVT_RETURN_IF_ERROR(channel_.Send(
+        std::string_view(reinterpret_cast<const char*>(expected.data()), expected.size())));
+    return channel_.Receive(std::chrono::seconds(60));
+  }
+
+  // The child's graceful Disconnect: "<status> <milliseconds>".
+  StatusOr<std::string> Disconnect() {
+    KVT_RETURN_IF_ERROR(channel_.Send("disconnect"));
+    return channel_.Receive(std::chrono::seconds(60));
+  }
+
+  StatusOr<int> Stop() {
+    KVT_RETURN_IF_ERROR(channel_.Send("exit"));
+    auto bye = channel_.Receive(std::chrono::seconds(60));
+    if (!bye.ok()) return bye.status();
+    return Reap(std::chrono::seconds(60));
+  }
+
+  void Kill() {
+    if (pid_ <= 0) return;
+    kill(pid_, SIGKILL);
+    (void)Reap(std::chrono::seconds(30));
+  }
+
+ private:
+  StatusOr<int> Reap(std::chrono::seconds limit) {
+    const auto give_up = Clock::now() + limit;
+    while (pid_ > 0) {
+      int status = 0;
+      const pid_t done = waitpid(pid_, &status, WNOHANG);
+      if (done == pid_) {
+        pid_ = -1;
+        return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      }
+      if (done < 0 && errno != EINTR) {
+        pid_ = -1;
+        return Internal(std::string("waitpid: ") + std::strerror(errno));
+      }
+      if (Clock::now() > give_up) {
+        kill(pid_, SIGKILL);
+        return DeadlineExceeded("the child did not exit in time; killed it");
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    return Internal("no child");
+  }
+
+  pid_t pid_ = -1;
+  Channel channel_;
+};
+
+// The hidden child: runs only when started by Child::Start.
+TEST(NcclChild, DISABLED_Decode) {
+  const char* spec = std::getenv(kChildEnv);
+  if (spec == nullptr) GTEST_SKIP() << "runs only as the child of the two-process tests";
+  int in = -1, out = -1, device = -1;
+  ASSERT_EQ(std::sscanf(spec, "%d,%d,%d", &in, &out, &device), 3);
+  Channel channel(in, out);
+  KVT_ASSERT_OK(cuda::ToStatus(cudaSetDevice(device), "cudaSetDevice"));
+  GpuPool pool;
+  KVT_ASSERT_OK(pool.Init(device));
+  KVT_ASSERT_OK(pool.Upload(std::vector<uint8_t>(GpuPool::bytes(), kPoison)));
+  auto backend = NewBackend();
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  auto descriptor = (*backend)->Register(pool.Regions());
+  ASSERT_TRUE(descriptor.ok()) << descriptor.status();
+  KVT_ASSERT_OK(channel.Send(EncodeHello(*descriptor, "")));
+  auto ack = channel.Receive(std::chrono::seconds(120));
+  ASSERT_TRUE(ack.ok()) << ack.status();
+  auto hello = DecodeHello(*ack);
+  ASSERT_TRUE(hello.ok()) << hello.status();
+  auto peer = (*backend)->Accept(hello->first, hello->second);
+  KVT_ASSERT_OK(channel.Send(peer.ok() ? std::string("accepted") : peer.status().ToString()));
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  while (true) {
+    auto command = channel.Receive(std::chrono::seconds(300));
+    if (!command.ok()) break;  // the parent is gone
+    if (*command == "verify") {
+      auto expected = channel.Receive(std::chrono::seconds(60));
+      ASSERT_TRUE(expected.ok()) << expected.status();
+      auto actual = pool.Download();
+      ASSERT_TRUE(actual.ok()) << actual.status();
+      KVT_ASSERT_OK(
+          channel.Send(Compare(std::vector<uint8_t>(expected->begin(), expected->end()), *actual)));
+    } else if (*command == "disconnect") {
+      const auto start = Clock::now();
+      Status status = (*backend)->Disconnect(*peer, Backend::DisconnectMode::kGraceful);
+      const auto ms =
+          std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start).count();
+      KVT_ASSERT_OK(channel.Send(status.ToString() + " " + std::to_string(ms)));
+    } else if (*command == "exit") {
+      KVT_ASSERT_OK(channel.Send("bye"));
+      break;
+    }
+  }
+}
+
+class NcclTwoProcesses : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    KVT_SKIP_WITHOUT_TWO_GPUS();
+    signal(SIGPIPE, SIG_IGN);  // a dead child must fail a write, not kill the test
+    KVT_ASSERT_OK(cuda::ToStatus(cudaSetDevice(kParentDevice), "cudaSetDevice"));
+    auto backend = NewBackend();
+    if (!backend.ok() && backend.status().code() == StatusCode::kUnavailable) {
+      GTEST_SKIP() << backend.status();
+    }
+    ASSERT_TRUE(backend.ok()) << backend.status();
+    sender_ = std::move(backend).value();
+    KVT_ASSERT_OK(src_.Init(kParentDevice));
+    src_image_ = RandomImage(GpuPool::bytes(), 42);
+    KVT_ASSERT_OK(src_.Upload(src_image_));
+    expected_.assign(GpuPool::bytes(), kPoison);
+    auto descriptor = sender_->Register(src_.Regions());
+    ASSERT_TRUE(descriptor.ok()) << descriptor.status();
+    KVT_ASSERT_OK(child_.Start());
+    child_started_ = true;
+    auto child = child_.Hello();
+    ASSERT_TRUE(child.ok()) << child.status();
+    ASSERT_EQ(child->backend, "nccl");
+    // The engine's order: Connect on the hello, ConnectToken into the hello-ack.
+    auto peer = sender_->Connect(*child);
+    ASSERT_TRUE(peer.ok()) << peer.status();
+    peer_ = *peer;
+    auto token = sender_->ConnectToken(peer_);
+    ASSERT_TRUE(token.ok()) << token.status();
+    KVT_ASSERT_OK(child_.HelloAck(*descriptor, *token));
+  }
+
+  void TearDown() override {
+    if (!child_started_ || child_killed_) return;
+    // Close the pair first so that the child's receiver sees the close and its backend goes
+    // away at once (else it would wait out its drain timeout for a close that never comes).
+    if (sender_ != nullptr) {
+      Status closed = sender_->Disconnect(peer_, Backend::DisconnectMode::kGraceful);
+      EXPECT_TRUE(closed.ok() || closed.code() == StatusCode::kNotFound) << closed;
+    }
+    auto status = child_.Stop();
+    EXPECT_TRUE(status.ok()) << status.status();
+    if (status.ok()) {
+      EXPECT_EQ(*status, 0) << "the child's own checks failed";
+    }
+  }
+
+  void ExpectChildHasExpected() {
+    auto verdict = child_.Verify(expected_);
+    ASSERT_TRUE(verdict.ok()) << verdict.status();
+    EXPECT_EQ(*verdict, "") << "the child's pool differs";
+  }
+
+  // Posts a write and records what it must do to the child's pool.
+  StatusOr<WriteId> Post(std::span<const int32_t> src_pages, std::span<const int32_t> dst_pages,
+                         int32_t begin, int32_t end, std::span<const PageUnit> units = {},
+                         cudaEvent_t ready = nullptr) {
+    PageWrite write;
+    write.src_pages = src_pages;
+    write.dst_pages = dst_pages;
+    write.num_layers = kLayers;
+    write.layer_begin = begin;
+    write.layer_end = end;
+    write.units = units;
+    write.ready = ready;
+    auto id = sender_->PostPages(peer_, write);
+    if (id.ok()) ApplyWrite(src_image_, expected_, src_pages, dst_pages, begin, end, units);
+    return id;
+  }
+
+  GpuPool src_;
+  std::vector<uint8_t> src_image_, expected_;
+  std::unique_ptr<Backend> sender_;
+  Child child_;
+  PeerId peer_ = 0;
+  bool child_started_ = false;
+  bool child_killed_ = false;
+};
+
+TEST_F(NcclTwoProcesses, RandomPagesAcrossLayerBatchesLandByteExact) {
+  std::mt19937 rng(7);
+  std::vector<WriteId> writes;
+  // Destination pages are disjoint across writes so that the expected image does not depend
+  // on the order of writes (which the pair keeps anyway).
+  std::vector<int32_t> dst_all = DistinctPages(kPages - 1, rng);
+  size_t next_dst = 0;
+  auto take = [&](size_t n) {
+    std::vector<int32_t> pages(dst_all.begin() + next_dst, dst_all.begin() + next_dst + n);
+    next_dst += n;
+    return pages;
+  };
+  // Layer batches as a prefill engine posts them: [0, 1), [1, 3), [3, 4).
+  std::vector<std::vector<int32_t>> keep;  // page lists stay alive until posted (copied anyway)
+  for (auto [begin, end] : {std::pair{0, 1}, std::pair{1, 3}, std::pair{3, 4}}) {
+    const size_t n = 20 + rng() % 40;
+    keep.push_back(DistinctPages(n, rng));
+    keep.push_back(take(n));
+    auto id = Post(keep[keep.size() - 2], keep.back(), begin, end);
+    ASSERT_TRUE(id.ok()) << id.status();
+    writes.push_back(*id);
+  }
+  // Partial pages (a head range of each token, as between pools of different TP sizes).
+  const std::vector<PageUnit> units = {{0, 512, 1024}, {3072, 0, 512}, {2048, 2048, 8}};
+  keep.push_back(DistinctPages(33, rng));
+  keep.push_back(take(33));
+  auto partial = Post(keep[keep.size() - 2], keep.back(), 0, kLayers, units);
+  ASSERT_TRUE(partial.ok()) << partial.status();
+  writes.push_back(*partial);
+  // An empty write completes at once.
+  auto empty = Post({}, {}, 0, 1);
+  ASSERT_TRUE(empty.ok()) << empty.status();
+  EXPECT_TRUE(sender_->Check(*empty).ok());
+
+  const std::vector<Status> statuses = WaitAll(*sender_, writes, std::chrono::seconds(60));
+  for (size_t i = 0; i < writes.size(); ++i)
+    EXPECT_TRUE(statuses[i].ok()) << i << ": " << statuses[i];
+  ExpectChildHasExpected();
+  for (WriteId id : writes) sender_->Release(id);
+  sender_->Release(*empty);
+  EXPECT_EQ(sender_->Check(writes[0]).code(), StatusCode::kNotFound);
+}
+
+TEST_F(NcclTwoProcesses, AWriteLargerThanAllStagingSlotsStreamsThroughThem) {
+  std::mt19937 rng(11);
+  const std::vector<int32_t> src_pages = DistinctPages(kPages - 1, rng);
+  const std::vector<int32_t> dst_pages = DistinctPages(kPages - 1, rng);
+  const uint64_t bytes = 2ULL * kLayers * (kPages - 1) * kItem;  // 8 MiB
+  const nccl::NcclTuning tuning = TestTuning();
+  ASSERT_GT(bytes, nccl::kRing * tuning.slot_bytes * 10) << "the write must wrap the ring often";
+  auto id = Post(src_pages, dst_pages, 0, kLayers);
+  ASSERT_TRUE(id.ok()) << id.status();
+  const std::vector<Status> statuses = WaitAll(*sender_, {*id}, std::chrono::seconds(120));
+  EXPECT_TRUE(statuses[0].ok()) << statuses[0];
+  ExpectChildHasExpected();
+  sender_->Release(*id);
+}
+
+// A host callback blocks the producer's stream for a while; the new source bytes are copied in
+// after it and `ready` recorded after that. Without the GPU-side wait the pack would read the
+// old bytes long before.
+TEST_F(NcclTwoProcesses, TheReadyEventGatesThePackOnTheGpuNotOnTheCaller) {
+  std::mt19937 rng(13);
+  const std::vector<int32_t> src_pages = DistinctPages(40, rng);
+  const std::vector<int32_t> dst_pages = DistinctPages(40, rng);
+  auto stream = cuda::Stream::Create(kParentDevice);
+  ASSERT_TRUE(stream.ok()) << stream.status();
+  auto ready = cuda::Event::Create(/*timing=*/false);
+  ASSERT_TRUE(ready.ok()) << ready.status();
+  auto staged = cuda::PinnedBuffer::Allocate(GpuPool::bytes());
+  ASSERT_TRUE(staged.ok()) << staged.status();
+  std::vector<uint8_t> fresh = RandomImage(GpuPool::bytes(), 99);
+  std::memcpy(staged->data(), fresh.data(), fresh.size());
+  KVT_ASSERT_OK(cuda::ToStatus(
+      cudaLaunchHostFunc(
+          stream->get(), [](void*) { std::this_thread::sleep_for(std::chrono::milliseconds(400)); },
+          nullptr),
+      "cudaLaunchHostFunc"));
+  KVT_ASSERT_OK(cuda::ToStatus(cudaMemcpyAsync(src_.data(), staged->data(), GpuPool::bytes(),
+                                               cudaMemcpyHostToDevice, stream->get()),
+                               "cudaMemcpyAsync"));
+  KVT_ASSERT_OK(ready->Record(stream->get()));
+  src_image_ = fresh;  // what the write must carry
+  const auto start = Clock::now();
+  auto id = Post(src_pages, dst_pages, 0, kLayers, {}, ready->get());
+  const auto post_ms =
+      std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start).count();
+  ASSERT_TRUE(id.ok()) << id.status();
+  EXPECT_LT(post_ms, 300) << "PostPages waited for the ready event on the calling thread";
+  const std::vector<Status> statuses = WaitAll(*sender_, {*id}, std::chrono::seconds(60));
+  EXPECT_TRUE(statuses[0].ok()) << statuses[0];
+  EXPECT_GE(std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start).count(),
+            350)
+      << "the write completed before its ready event fired";
+  ExpectChildHasExpected();
+  sender_->Release(*id);
+  KVT_ASSERT_OK(stream->Synchronize());
+}
+
+TEST_F(NcclTwoProcesses, GracefulDisconnectClosesBothSidesWithoutWaitingOut) {
+  std::mt19937 rng(17);
+  const std::vector<int32_t> pages = DistinctPages(64, rng);
+  auto id = Post(pages, pages, 0, kLayers);
+  ASSERT_TRUE(id.ok()) << id.status();
+  EXPECT_TRUE(WaitAll(*sender_, {*id}, std::chrono::seconds(60))[0].ok());
+  const auto start = Clock::now();
+  KVT_ASSERT_OK(sender_->Disconnect(peer_, Backend::DisconnectMode::kGraceful));
+  const auto sender_ms =
+      std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start).count();
+  EXPECT_LT(sender_ms, 5000) << "the close handshake should take milliseconds";
+  // The receiver saw the close: its graceful disconnect finds every posted step matched and
+  // destroys the communicator at once instead of waiting out its 20 s drain timeout.
+  auto reply = child_.Disconnect();
+  ASSERT_TRUE(reply.ok()) << reply.status();
+  ASSERT_EQ(reply->rfind("OK ", 0), 0u) << *reply;
+  EXPECT_LT(std::stoll(reply->substr(3)), 5000) << *reply;
+  EXPECT_EQ(sender_->Check(*id).code(), StatusCode::kOk);  // completed writes stay OK
+  sender_->Release(*id);
+  PageWrite write;
+  write.src_pages = pages;
+  write.dst_pages = pages;
+  write.num_layers = kLayers;
+  write.layer_begin = 0;
+  write.layer_end = 1;
+  EXPECT_EQ(sender_->PostPages(peer_, write).status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(sender_->Disconnect(peer_).code(), StatusCode::kNotFound);
+  ExpectChildHasExpected();
+}
+
+TEST_F(NcclTwoProcesses, APeerKilledMidTransferFailsWritesAndNothingHangs) {
+  std::mt19937 rng(19);
+  const std::vector<int32_t> src_pages = DistinctPages(kPages - 1, rng);
+  const std::vector<int32_t> dst_pages = DistinctPages(kPages - 1, rng);
+  std::vector<WriteId> writes;
+  const auto start = Clock::now();
+  // Keep the pair busy; the child dies while writes stream and more are posted after.
+  while (Clock::now() - start < std::chrono::milliseconds(1500)) {
+    auto id = Post(src_pages, dst_pages, 0, kLayers);
+    if (!id.ok() && child_killed_) break;  // the pair already noticed
+    ASSERT_TRUE(id.ok()) << id.status();
+    writes.push_back(*id);
+    if (writes.size() == 8) {
+      child_.Kill();
+      child_killed_ = true;
+    }
+    if (writes.size() >= 8) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  ASSERT_TRUE(child_killed_);
+  // No Disconnect yet: the pair notices on its own (stall timeout 3 s) and fails the writes.
+  const std::vector<Status> statuses = WaitAll(*sender_, writes, std::chrono::seconds(30));
+  size_t failed = 0;
+  for (const Status& s : statuses) {
+    EXPECT_NE(s.code(), StatusCode::kInProgress) << "a write still runs 30 s after the kill";
+    if (!s.ok()) {
+      ++failed;
+      // The stall detector says Unavailable; NCCL itself may report the loss first.
+      EXPECT_NE(s.code(), StatusCode::kAborted) << s;
+      EXPECT_THAT(s.message(), HasSubstr("nccl peer"));
+    }
+  }
+  EXPECT_GT(failed, 0u) << "writes posted after the kill cannot have completed";
+  // Posting more fails at once with the pair's failure.
+  PageWrite write;
+  write.src_pages = src_pages;
+  write.dst_pages = dst_pages;
+  write.num_layers = kLayers;
+  write.layer_begin = 0;
+  write.layer_end = 1;
+  auto late = sender_->PostPages(peer_, write);
+  ASSERT_FALSE(late.ok());
+  EXPECT_THAT(late.status().message(), HasSubstr("nccl peer")) << late.status();
+  // The engine's control plane declares the peer dead: abort is immediate.
+  const auto disconnect_start = Clock::now();
+  KVT_ASSERT_OK(sender_->Disconnect(peer_, Backend::DisconnectMode::kPeerDead));
+  EXPECT_LT(std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - disconnect_start)
+                .count(),
+            10000);
+  for (WriteId id : writes) sender_->Release(id);  // returns at once: the pair is gone
+  EXPECT_LT(std::chrono::duration_cast<std::chrono::seconds>(Clock::now() - start).count(), 60);
+}
+
+TEST_F(NcclTwoProcesses, DisconnectAsPeerDeadAbortsWritesInFlight) {
+  std::mt19937 rng(23);
+  const std::vector<int32_t> src_pages = DistinctPages(kPages - 1, rng);
+  const std::vector<int32_t> dst_pages = DistinctPages(kPages - 1, rng);
+  std::vector<WriteId> writes;
+  for (int i = 0; i < 16; ++i) {
+    auto id = Post(src_pages, dst_pages, 0, kLayers);
+    ASSERT_TRUE(id.ok()) << id.status();
+    writes.push_back(*id);
+  }
+  KVT_ASSERT_OK(sender_->Disconnect(peer_, Backend::DisconnectMode::kPeerDead));
+  size_t aborted = 0;
+  for (WriteId id : writes) {
+    const Status s = sender_->Check(id);
+    EXPECT_NE(s.code(), StatusCode::kInProgress);
+    if (s.code() == StatusCode::kAborted) ++aborted;
+    sender_->Release(id);
+  }
+  EXPECT_GT(aborted, 0u) << "16 x 8 MiB cannot all have landed before the disconnect";
+  // The child's receiver still has its steps posted; the engine would Disconnect it as well.
+  child_.Kill();
+  child_killed_ = true;
+}
+
+// ---- One process (one GPU suffices) ---------------------------------------------------------
+
+class NcclOneProcess : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (DeviceCountOrZero() < 1) {
+      GTEST_SKIP() << "needs a CUDA device: " << cuda::DeviceCount().reason;
+    }
+    KVT_ASSERT_OK(cuda::ToStatus(cudaSetDevice(0), "cudaSetDevice"));
+    nccl::NcclTuning tuning = TestTuning();
+    tuning.connect_timeout = std::chrono::seconds(2);
+    auto backend = NewBackend(tuning);
+    if (!backend.ok() && backend.status().code() == StatusCode::kUnavailable) {
+      GTEST_SKIP() << backend.status();
+    }
+    ASSERT_TRUE(backend.ok()) << backend.status();
+    backend_ = std::move(backend).value();
+    KVT_ASSERT_OK(pool_.Init(0));
+    auto descriptor = backend_->Register(pool_.Regions());
+    ASSERT_TRUE(descriptor.ok()) << descriptor.status();
+    descriptor_ = *descriptor;
+  }
+
+  GpuPool pool_;
+  std::unique_ptr<Backend> backend_;
+  PeerDescriptor descriptor_;
+};
+
+TEST_F(NcclOneProcess, RegisterRefusesHostMemoryAndMixedPools) {
+  std::vector<uint8_t> host(GpuPool::bytes());
+  std::vector<LocalRegion> regions = pool_.Regions();
+  regions[3].kind = MemoryKind::kHost;
+  regions[3].base = reinterpret_cast<uint64_t>(host.data());
+  auto refused = backend_->Register(regions);
+  EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused.status().message(), HasSubstr("use ucx for host pools"));
+  regions = pool_.Regions();
+  regions.pop_back();
+  EXPECT_EQ(backend_->Register(regions).status().code(), StatusCode::kInvalidArgument);
+  regions = pool_.Regions();
+  regions[1].item_len = 2048;
+  EXPECT_THAT(backend_->Register(regions).status().message(), HasSubstr("one page size"));
+  EXPECT_EQ(descriptor_.backend, "nccl");
+  auto address = nccl::DecodeAddress(descriptor_.address);
+  ASSERT_TRUE(address.ok()) << address.status();
+  EXPECT_EQ(address->pid, static_cast<uint64_t>(getpid()));
+  EXPECT_EQ(address->device, 0);
+  // Copy runs are not this backend's business.
+  const CopyRun run{0, 0, 0, 16};
+  EXPECT_EQ(backend_->PostWrite(1, std::span<const CopyRun>(&run, 1)).status().code(),
+            StatusCode::kUnimplemented);
+}
+
+TEST_F(NcclOneProcess, APeerOnTheSameGpuIsRefused) {
+  auto other = NewBackend();
+  ASSERT_TRUE(other.ok()) << other.status();
+  GpuPool pool;
+  KVT_ASSERT_OK(pool.Init(0));
+  auto descriptor = (*other)->Register(pool.Regions());
+  ASSERT_TRUE(descriptor.ok()) << descriptor.status();
+  auto peer = backend_->Connect(*descriptor);
+  ASSERT_FALSE(peer.ok());
+  EXPECT_EQ(peer.status().code(), StatusCode::kFailedPrecondition) << peer.status();
+  EXPECT_THAT(peer.status().message(),
+              HasSubstr("nccl needs one GPU per rank; use cuda_ipc on one GPU"));
+  auto token = nccl::EncodeToken(nccl::PairToken{{}, TestTuning().slot_bytes, 2, 1});
+  EXPECT_EQ((*other)->Accept(descriptor_, token).status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ((*other)->Accept(descriptor_, "garbage").status().code(), StatusCode::kInvalidArgument);
+}
+
+// A peer "on another host" that never joins: the queued write fails after connect_timeout with
+// a message saying what to check, and the in-progress communicator is aborted.
+TEST_F(NcclOneProcess, ACommunicatorThatNeverComesUpFailsQueuedWrites) {
+  PeerDescriptor ghost = descriptor_;
+  auto address = nccl::DecodeAddress(ghost.address);
+  ASSERT_TRUE(address.ok());
+  address->boot_id = "another-host";
+  ghost.address = nccl::EncodeAddress(*address);
+  auto peer = backend_->Connect(ghost);
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  auto token = backend_->ConnectToken(*peer);
+  ASSERT_TRUE(token.ok()) << token.status();
+  EXPECT_TRUE(nccl::DecodeToken(*token).ok());
+  std::vector<int32_t> pages = {1, 2, 3};
+  PageWrite write;
+  write.src_pages = pages;
+  write.dst_pages = pages;
+  write.num_layers = kLayers;
+  write.layer_begin = 0;
+  write.layer_end = 2;
+  auto id = backend_->PostPages(*peer, write);
+  ASSERT_TRUE(id.ok()) << id.status();
+  EXPECT_EQ(backend_->Check(*id).code(), StatusCode::kInProgress);  // queued, not refused
+  const std::vector<Status> statuses = WaitAll(*backend_, {*id}, std::chrono::seconds(30));
+  EXPECT_EQ(statuses[0].code(), StatusCode::kDeadlineExceeded) << statuses[0];
+  EXPECT_THAT(statuses[0].message(), HasSubstr("must Accept this side's token"));
+  const auto start = Clock::now();
+  KVT_ASSERT_OK(backend_->Disconnect(*peer, Backend::DisconnectMode::kGraceful));
+  EXPECT_LT(std::chrono::duration_cast<std::chrono::seconds>(Clock::now() - start).count(), 15);
+  backend_->Release(*id);
+  // A write naming pages outside the peer's buffers is refused before anything moves.
+  auto second = backend_->Connect(ghost);
+  ASSERT_TRUE(second.ok()) << second.status();
+  std::vector<int32_t> far = {kPages};
+  write.src_pages = far;
+  write.dst_pages = far;
+  EXPECT_EQ(backend_->PostPages(*second, write).status().code(), StatusCode::kOutOfRange);
+  KVT_ASSERT_OK(backend_->Disconnect(*second, Backend::DisconnectMode::kPeerDead));
+}
+
+}  // namespace
+}  // namespace kvt::transfer

@@ -1,0 +1,572 @@
+#include "backends/nccl/nccl_protocol.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cctype>
+#include <charconv>
+#include <cstring>
+#include <fstream>
+#include <limits>
+
+#include "kvt/common/log.h"
+
+namespace kvt::transfer::nccl {
+namespace {
+
+constexpr char kHeaderMagic[4] = {'K', 'V', 'N', 'H'};
+constexpr char kAckMagic[4] = {'K', 'V', 'N', 'A'};
+constexpr uint16_t kWireVersion = 1;
+constexpr size_t kAckMessageOffset = 34;
+
+std::string Num(uint64_t v) { return std::to_string(v); }
+std::string Num(int64_t v) { return std::to_string(v); }
+std::string Num(int32_t v) { return std::to_string(v); }
+std::string Num(uint32_t v) { return std::to_string(v); }
+
+template <typename T>
+void Put(std::span<uint8_t> out, size_t at, T value) {
+  static_assert(std::is_integral_v<T>);
+  using U = std::make_unsigned_t<T>;
+  const U v = static_cast<U>(value);
+  for (size_t i = 0; i < sizeof(T); ++i) out[at + i] = static_cast<uint8_t>((v >> (8 * i)) & 0xFF);
+}
+
+template <typename T>
+T Get(std::span<const uint8_t> in, size_t at) {
+  static_assert(std::is_integral_v<T>);
+  using U = std::make_unsigned_t<T>;
+  U v = 0;
+  for (size_t i = 0; i < sizeof(T); ++i) v |= static_cast<U>(static_cast<U>(in[at + i]) << (8 * i));
+  return static_cast<T>(v);
+}
+
+template <typename T>
+bool ParseNumber(std::string_view text, T& out, int base) {
+  if (text.empty()) return false;
+  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), out, base);
+  return ec == std::errc() && end == text.data() + text.size();
+}
+
+std::string Hex(uint64_t v) {
+  char buf[17];
+  auto [end, ec] = std::to_chars(buf, buf + sizeof(buf), v, 16);
+  return std::string(buf, end);
+}
+
+std::vector<std::string_view> SplitSpaces(std::string_view text) {
+  std::vector<std::string_view> tokens;
+  size_t i = 0;
+  while (i < text.size()) {
+    while (i < text.size() && text[i] == ' ') ++i;
+    const size_t start = i;
+    while (i < text.size() && text[i] != ' ') ++i;
+    if (i > start) tokens.push_back(text.substr(start, i - start));
+  }
+  return tokens;
+}
+
+// Text shown in errors: at most 160 characters, control characters replaced.
+std::string Shown(std::string_view text) {
+  std::string shown(text.substr(0, 160));
+  for (char& c : shown) {
+    if (static_cast<unsigned char>(c) < 0x20 || static_cast<unsigned char>(c) >= 0x7F) c = '?';
+  }
+  if (text.size() > 160) shown += "...";
+  return shown;
+}
+
+bool EqualsIgnoreCase(std::string_view a, std::string_view b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (std::tolower(static_cast<unsigned char>(a[i])) !=
+        std::tolower(static_cast<unsigned char>(b[i]))) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// a * b, or false on overflow.
+bool MulOk(uint64_t a, uint64_t b, uint64_t& out) {
+  if (a != 0 && b > std::numeric_limits<uint64_t>::max() / a) return false;
+  out = a * b;
+  return true;
+}
+
+bool AddOk(uint64_t a, uint64_t b, uint64_t& out) {
+  if (b > std::numeric_limits<uint64_t>::max() - a) return false;
+  out = a + b;
+  return true;
+}
+
+// Splits `count` items into the fewest groups of at most `limit`, evenly sized.
+uint64_t EvenGroupSize(uint64_t count, uint64_t limit) {
+  const uint64_t groups = (count + limit - 1) / limit;
+  return (count + groups - 1) / groups;
+}
+
+// Name/value fields of a one-line text record ("<prefix> name=value ..."): the record's fields
+// in order, or InvalidArgument for a field that is not name=value.
+StatusOr<std::vector<std::pair<std::string_view, std::string_view>>> Fields(std::string_view text,
+                                                                            std::string_view prefix,
+                                                                            std::string_view what) {
+  const std::vector<std::string_view> tokens = SplitSpaces(text);
+  if (tokens.empty() || tokens[0] != prefix) {
+    const std::string_view family = prefix.substr(0, prefix.find('/'));
+    if (!tokens.empty() && tokens[0].substr(0, family.size() + 1) == std::string(family) + "/") {
+      return InvalidArgument(std::string(what) + " version '" + std::string(tokens[0]) +
+                             "', this build reads '" + std::string(prefix) +
+                             "'; run the same kvt version on both sides");
+    }
+    return InvalidArgument("not an " + std::string(what) + ": '" + Shown(text) +
+                           "' (it must start with '" + std::string(prefix) +
+                           "'); the peer must use the nccl backend");
+  }
+  std::vector<std::pair<std::string_view, std::string_view>> fields;
+  for (size_t i = 1; i < tokens.size(); ++i) {
+    const size_t eq = tokens[i].find('=');
+    if (eq == std::string_view::npos || eq == 0) {
+      return InvalidArgument(std::string(what) + " field '" + Shown(tokens[i]) +
+                             "' is not name=value in '" + Shown(text) + "'");
+    }
+    fields.emplace_back(tokens[i].substr(0, eq), tokens[i].substr(eq + 1));
+  }
+  return fields;
+}
+
+}  // namespace
+
+// ---- Process addresses ----------------------------------------------------------------------
+
+std::string EncodeAddress(const ProcessAddress& a) {
+  return std::string(kAddressPrefix) + " boot=" + a.boot_id + " pid=" + Num(a.pid) +
+         " dev=" + Num(a.device) + " pci=" + a.pci_bus_id;
+}
+
+StatusOr<ProcessAddress> DecodeAddress(std::string_view text) {
+  KVT_ASSIGN_OR_RETURN(auto fields, Fields(text, kAddressPrefix, "nccl address"));
+  ProcessAddress a;
+  bool have_boot = false, have_pid = false, have_dev = false, have_pci = false;
+  for (const auto& [name, value] : fields) {
+    bool ok = !value.empty();
+    if (name == "boot") {
+      a.boot_id = std::string(value);
+      have_boot = true;
+    } else if (name == "pid") {
+      ok = ok && ParseNumber(value, a.pid, 10);
+      have_pid = true;
+    } else if (name == "dev") {
+      ok = ok && ParseNumber(value, a.device, 10) && a.device >= 0;
+      have_dev = true;
+    } else if (name == "pci") {
+      a.pci_bus_id = std::string(value);
+      have_pci = true;
+    }
+    if (!ok) {
+      return InvalidArgument("nccl address field '" + Shown(name) + "=" + Shown(value) +
+                             "' has a malformed value in '" + Shown(text) + "'");
+    }
+  }
+  const char* missing = !have_boot  ? "boot"
+                        : !have_pid ? "pid"
+                        : !have_dev ? "dev"
+                        : !have_pci ? "pci"
+                                    : nullptr;
+  if (missing != nullptr) {
+    return InvalidArgument(std::string("nccl address lacks the '") + missing + "=' field: '" +
+                           Shown(text) + "'");
+  }
+  return a;
+}
+
+Status CheckPeerPlacement(const ProcessAddress& local, const ProcessAddress& peer) {
+  if (local.boot_id != peer.boot_id) return OkStatus();  // another host: its own GPUs
+  if (!EqualsIgnoreCase(local.pci_bus_id, peer.pci_bus_id)) return OkStatus();
+  return FailedPrecondition("the peer (pid " + Num(peer.pid) + ", device " + Num(peer.device) +
+                            ") uses GPU " + peer.pci_bus_id + ", the same GPU as this side (pid " +
+                            Num(local.pid) + ", device " + Num(local.device) +
+                            "): nccl needs one GPU per rank; use cuda_ipc on one GPU");
+}
+
+const std::string& ThisBootId() {
+  static const std::string boot_id = [] {
+    std::ifstream in("/proc/sys/kernel/random/boot_id");
+    std::string id;
+    if (in) std::getline(in, id);
+    while (!id.empty() && (id.back() == '\n' || id.back() == ' ')) id.pop_back();
+    if (!id.empty() && id.find(' ') == std::string::npos) return id;
+    // Without the boot id the hostname stands in; two processes of one host then still agree.
+    char host[256] = {};
+    gethostname(host, sizeof(host) - 1);
+    std::string fallback = std::string("host:") + host;
+    for (char& c : fallback) {
+      if (c == ' ') c = '_';
+    }
+    KVT_LOG_WARN("nccl", "cannot read /proc/sys/kernel/random/boot_id; identifying the host as {}",
+                 fallback);
+    return fallback;
+  }();
+  return boot_id;
+}
+
+// ---- Pair token -----------------------------------------------------------------------------
+
+std::string EncodeToken(const PairToken& token) {
+  static constexpr char kDigits[] = "0123456789abcdef";
+  std::string id;
+  id.reserve(2 * kUniqueIdBytes);
+  for (char c : token.unique_id) {
+    const auto b = static_cast<uint8_t>(c);
+    id.push_back(kDigits[b >> 4]);
+    id.push_back(kDigits[b & 0xF]);
+  }
+  return std::string(kTokenPrefix) + " slot=" + Num(token.slot_bytes) +
+         " tick=" + Num(token.idle_tick_ms) + " nonce=" + Hex(token.nonce) + " id=" + id;
+}
+
+StatusOr<PairToken> DecodeToken(std::string_view text) {
+  KVT_ASSIGN_OR_RETURN(auto fields, Fields(text, kTokenPrefix, "nccl pair token"));
+  PairToken token;
+  bool have_slot = false, have_tick = false, have_nonce = false, have_id = false;
+  for (const auto& [name, value] : fields) {
+    if (name == "slot") {
+      if (!ParseNumber(value, token.slot_bytes, 10)) {
+        return InvalidArgument("nccl pair token: slot '" + Shown(value) + "' is not a number");
+      }
+      have_slot = true;
+    } else if (name == "tick") {
+      if (!ParseNumber(value, token.idle_tick_ms, 10)) {
+        return InvalidArgument("nccl pair token: tick '" + Shown(value) + "' is not a number");
+      }
+      have_tick = true;
+    } else if (name == "nonce") {
+      if (!ParseNumber(value, token.nonce, 16)) {
+        return InvalidArgument("nccl pair token: nonce '" + Shown(value) + "' is not hex");
+      }
+      have_nonce = true;
+    } else if (name == "id") {
+      if (value.size() != 2 * kUniqueIdBytes) {
+        return InvalidArgument("nccl pair token: the communicator id has " + Num(value.size()) +
+                               " hex digits, expected " + Num(2 * kUniqueIdBytes) +
+                               " (truncated or corrupted hello-ack)");
+      }
+      for (size_t i = 0; i < kUniqueIdBytes; ++i) {
+        uint8_t byte = 0;
+        if (!ParseNumber(value.substr(2 * i, 2), byte, 16)) {
+          return InvalidArgument("nccl pair token: the communicator id has a non-hex digit at " +
+                                 Num(2 * i));
+        }
+        token.unique_id[i] = static_cast<char>(byte);
+      }
+      have_id = true;
+    }
+  }
+  const char* missing = !have_slot    ? "slot"
+                        : !have_tick  ? "tick"
+                        : !have_nonce ? "nonce"
+                        : !have_id    ? "id"
+                                      : nullptr;
+  if (missing != nullptr) {
+    return InvalidArgument(std::string("nccl pair token lacks the '") + missing + "=' field");
+  }
+  if (token.slot_bytes < kMinSlotBytes || token.slot_bytes > kMaxSlotBytes) {
+    return InvalidArgument("nccl pair token asks for " + Num(token.slot_bytes) +
+                           "-byte staging slots; they must be in [" + Num(kMinSlotBytes) + ", " +
+                           Num(kMaxSlotBytes) + "]");
+  }
+  return token;
+}
+
+// ---- Chunk planning -------------------------------------------------------------------------
+
+StatusOr<std::vector<ChunkSpec>> PlanChunks(const ChunkPlanInput& in) {
+  if (in.unit_bytes.empty() || in.unit_bytes.size() > kMaxUnits) {
+    return InvalidArgument("a page write names " + Num(in.unit_bytes.size()) +
+                           " units of a page; the nccl backend moves 1 to " + Num(kMaxUnits));
+  }
+  uint64_t unit_sum = 0;
+  for (size_t u = 0; u < in.unit_bytes.size(); ++u) {
+    if (in.unit_bytes[u] == 0) {
+      return InvalidArgument("unit " + Num(u) + " of the page write has 0 bytes");
+    }
+    if (!AddOk(unit_sum, in.unit_bytes[u], unit_sum)) {
+      return InvalidArgument("the page write's units overflow 64 bits");
+    }
+  }
+  if (in.num_pages < 0 || in.layer_begin < 0 || in.layer_end < in.layer_begin) {
+    return InvalidArgument("page write of " + Num(in.num_pages) + " pages over layers [" +
+                           Num(in.layer_begin) + ", " + Num(in.layer_end) + ")");
+  }
+  if (in.max_pages == 0) return InvalidArgument("max_pages per chunk is 0");
+  std::vector<ChunkSpec> chunks;
+  if (in.num_pages == 0 || in.layer_begin == in.layer_end) return chunks;
+
+  uint64_t per_layer_page = 0;  // K and V of one page of one layer, all units
+  if (!MulOk(unit_sum, 2, per_layer_page) || per_layer_page > in.payload_capacity) {
+    return InvalidArgument("one page of one layer (K and V: 2 x " + Num(unit_sum) +
+                           " bytes) does not fit a staging slot's " + Num(in.payload_capacity) +
+                           " payload bytes; raise the nccl slot size above " +
+                           Num(2 * unit_sum + kHeaderBytes) + " bytes");
+  }
+  const uint64_t pages = static_cast<uint64_t>(in.num_pages);
+  const uint64_t page_limit =
+      std::min<uint64_t>(in.payload_capacity / per_layer_page, in.max_pages);
+  if (pages <= page_limit) {
+    // Whole layers per chunk: as many as fit, evenly spread.
+    const uint64_t layers = static_cast<uint64_t>(in.layer_end - in.layer_begin);
+    const uint64_t layer_limit =
+        std::max<uint64_t>(1, in.payload_capacity / (pages * per_layer_page));
+    const uint64_t per_chunk = EvenGroupSize(layers, layer_limit);
+    for (uint64_t l = 0; l < layers; l += per_chunk) {
+      const uint64_t n = std::min(per_chunk, layers - l);
+      chunks.push_back(ChunkSpec{in.layer_begin + static_cast<int32_t>(l),
+                                 in.layer_begin + static_cast<int32_t>(l + n), 0, in.num_pages,
+                                 n * pages * per_layer_page});
+    }
+    return chunks;
+  }
+  const uint64_t per_chunk = EvenGroupSize(pages, page_limit);
+  for (int32_t l = in.layer_begin; l < in.layer_end; ++l) {
+    for (uint64_t p = 0; p < pages; p += per_chunk) {
+      const uint64_t n = std::min(per_chunk, pages - p);
+      chunks.push_back(ChunkSpec{l, l + 1, static_cast<int64_t>(p), static_cast<int64_t>(p + n),
+                                 n * per_layer_page});
+    }
+  }
+  return chunks;
+}
+
+uint64_t UnitPayloadOffset(std::span<const uint64_t> unit_bytes, size_t unit, int64_t num_buffers,
+                           int64_t num_pages) {
+  uint64_t offset = 0;
+  for (size_t u = 0; u < unit && u < unit_bytes.size(); ++u) {
+    offset += static_cast<uint64_t>(num_buffers) * static_cast<uint64_t>(num_pages) * unit_bytes[u];
+  }
+  return offset;
+}
+
+std::vector<kernels::PackArgs> ChunkStagingArgs(const uint64_t* pair_bases, int32_t layer_begin,
+                                                int32_t layer_end, const int32_t* pages,
+                                                int64_t num_pages, uint64_t page_stride,
+                                                std::span<const UnitSpan> units, uint8_t* payload) {
+  const int32_t buffers = 2 * (layer_end - layer_begin);
+  std::vector<kernels::PackArgs> launches;
+  launches.reserve(units.size());
+  uint64_t offset = 0;
+  for (const UnitSpan& unit : units) {
+    kernels::PackArgs args;
+    args.bases = pair_bases + 2 * static_cast<int64_t>(layer_begin);
+    args.num_buffers = buffers;
+    args.pages = pages;
+    args.num_pages = num_pages;
+    args.page_stride = static_cast<int64_t>(page_stride);
+    args.offset = static_cast<int64_t>(unit.offset);
+    args.bytes = static_cast<int64_t>(unit.bytes);
+    args.staging = payload + offset;
+    launches.push_back(args);
+    offset += static_cast<uint64_t>(buffers) * static_cast<uint64_t>(num_pages) * unit.bytes;
+  }
+  return launches;
+}
+
+// ---- Chunk header ---------------------------------------------------------------------------
+
+uint64_t HeaderPayloadBytes(const ChunkHeader& h) {
+  if (h.kind != HeaderKind::kChunk || h.layer_end <= h.layer_begin) return 0;
+  uint64_t unit_sum = 0;
+  for (const UnitSpan& u : h.units) unit_sum += u.bytes;
+  return unit_sum * 2 * static_cast<uint64_t>(h.layer_end - h.layer_begin) * h.dst_pages.size();
+}
+
+void EncodeChunkHeader(const ChunkHeader& h, std::span<uint8_t> out) {
+  std::fill(out.begin(), out.begin() + kHeaderBytes, uint8_t{0});
+  std::memcpy(out.data(), kHeaderMagic, sizeof(kHeaderMagic));
+  Put<uint16_t>(out, 4, kWireVersion);
+  Put<uint16_t>(out, 6, static_cast<uint16_t>(h.kind));
+  Put<uint64_t>(out, 8, h.step);
+  if (h.kind != HeaderKind::kChunk) return;
+  Put<uint64_t>(out, 16, h.write_id);
+  Put<uint32_t>(out, 24, h.chunk_index);
+  Put<uint32_t>(out, 28, h.chunk_count);
+  Put<int32_t>(out, 32, h.num_layers);
+  Put<int32_t>(out, 36, h.layer_begin);
+  Put<int32_t>(out, 40, h.layer_end);
+  Put<uint32_t>(out, 44, static_cast<uint32_t>(h.units.size()));
+  Put<uint32_t>(out, 48, static_cast<uint32_t>(h.dst_pages.size()));
+  Put<uint64_t>(out, 56, h.payload_bytes);
+  for (size_t u = 0; u < h.units.size() && u < kMaxUnits; ++u) {
+    Put<uint64_t>(out, kUnitsOffset + 16 * u, h.units[u].offset);
+    Put<uint64_t>(out, kUnitsOffset + 16 * u + 8, h.units[u].bytes);
+  }
+  for (size_t i = 0; i < h.dst_pages.size() && i < kMaxChunkPages; ++i) {
+    Put<int32_t>(out, kPagesOffset + 4 * i, h.dst_pages[i]);
+  }
+}
+
+StatusOr<ChunkHeader> DecodeChunkHeader(std::span<const uint8_t> in, uint64_t expected_step,
+                                        uint64_t payload_capacity) {
+  const std::string where = "nccl chunk header of step " + Num(expected_step);
+  if (in.size() < kHeaderBytes) {
+    return DataLoss(where + " has " + Num(in.size()) + " bytes, expected " + Num(kHeaderBytes));
+  }
+  if (std::memcmp(in.data(), kHeaderMagic, sizeof(kHeaderMagic)) != 0) {
+    return DataLoss(where + " lacks the 'KVNH' magic: the peers are out of step or not both kvt");
+  }
+  const uint16_t version = Get<uint16_t>(in, 4);
+  if (version != kWireVersion) {
+    return DataLoss(where + " is version " + Num(uint32_t{version}) + ", this build speaks " +
+                    Num(uint32_t{kWireVersion}) + "; run the same kvt version on both sides");
+  }
+  ChunkHeader h;
+  const uint16_t kind = Get<uint16_t>(in, 6);
+  if (kind > static_cast<uint16_t>(HeaderKind::kClose)) {
+    return DataLoss(where + " has unknown kind " + Num(uint32_t{kind}));
+  }
+  h.kind = static_cast<HeaderKind>(kind);
+  h.step = Get<uint64_t>(in, 8);
+  if (h.step != expected_step) {
+    return DataLoss(where + " says it is step " + Num(h.step) +
+                    ": the two ranks disagree about the step sequence");
+  }
+  if (h.kind != HeaderKind::kChunk) return h;
+
+  h.write_id = Get<uint64_t>(in, 16);
+  h.chunk_index = Get<uint32_t>(in, 24);
+  h.chunk_count = Get<uint32_t>(in, 28);
+  h.num_layers = Get<int32_t>(in, 32);
+  h.layer_begin = Get<int32_t>(in, 36);
+  h.layer_end = Get<int32_t>(in, 40);
+  const uint32_t num_units = Get<uint32_t>(in, 44);
+  const uint32_t num_pages = Get<uint32_t>(in, 48);
+  h.payload_bytes = Get<uint64_t>(in, 56);
+  const std::string chunk = where + " (write " + Num(h.write_id) + ", chunk " + Num(h.chunk_index) +
+                            " of " + Num(h.chunk_count) + ")";
+  if (h.chunk_index >= h.chunk_count) return DataLoss(chunk + ": chunk index out of range");
+  if (num_units == 0 || num_units > kMaxUnits) {
+    return DataLoss(chunk + " names " + Num(num_units) + " units; 1 to " + Num(kMaxUnits) +
+                    " are allowed");
+  }
+  if (num_pages == 0 || num_pages > kMaxChunkPages) {
+    return DataLoss(chunk + " names " + Num(num_pages) + " pages; 1 to " + Num(kMaxChunkPages) +
+                    " are allowed");
+  }
+  if (h.num_layers <= 0 || h.layer_begin < 0 || h.layer_end <= h.layer_begin ||
+      h.layer_end > h.num_layers) {
+    return DataLoss(chunk + " has layers [" + Num(h.layer_begin) + ", " + Num(h.layer_end) +
+                    ") of " + Num(h.num_layers));
+  }
+  h.units.resize(num_units);
+  uint64_t unit_sum = 0;
+  for (uint32_t u = 0; u < num_units; ++u) {
+    h.units[u].offset = Get<uint64_t>(in, kUnitsOffset + 16 * u);
+    h.units[u].bytes = Get<uint64_t>(in, kUnitsOffset + 16 * u + 8);
+    if (h.units[u].bytes == 0 || !AddOk(unit_sum, h.units[u].bytes, unit_sum)) {
+      return DataLoss(chunk + ": unit " + Num(u) + " has " + Num(h.units[u].bytes) + " bytes");
+    }
+  }
+  h.dst_pages.resize(num_pages);
+  for (uint32_t i = 0; i < num_pages; ++i) h.dst_pages[i] = Get<int32_t>(in, kPagesOffset + 4 * i);
+  uint64_t expected = 0;
+  if (!MulOk(unit_sum, 2 * static_cast<uint64_t>(h.layer_end - h.layer_begin), expected) ||
+      !MulOk(expected, num_pages, expected) || expected != h.payload_bytes) {
+    return DataLoss(chunk + " declares " + Num(h.payload_bytes) +
+                    " payload bytes but describes a different amount");
+  }
+  if (h.payload_bytes > payload_capacity) {
+    return DataLoss(chunk + " carries " + Num(h.payload_bytes) +
+                    " payload bytes; this side's slots hold " + Num(payload_capacity));
+  }
+  return h;
+}
+
+Status CheckChunkFits(const ChunkHeader& h, const ReceiverLayout& layout) {
+  const std::string chunk = "chunk " + Num(h.chunk_index) + " of write " + Num(h.write_id);
+  if (h.num_layers != layout.num_layers) {
+    return InvalidArgument(chunk + " comes from a pool of " + Num(h.num_layers) +
+                           " layers, this side registered " + Num(layout.num_layers));
+  }
+  if (layout.buffer_bytes.size() != 2 * static_cast<size_t>(layout.num_layers)) {
+    return FailedPrecondition("this side registered " + Num(layout.buffer_bytes.size()) +
+                              " buffers for " + Num(layout.num_layers) + " layers");
+  }
+  if (h.layer_begin < 0 || h.layer_end <= h.layer_begin || h.layer_end > layout.num_layers) {
+    return OutOfRange(chunk + " names layers [" + Num(h.layer_begin) + ", " + Num(h.layer_end) +
+                      ") outside this side's " + Num(layout.num_layers));
+  }
+  uint64_t unit_end = 0;
+  for (size_t u = 0; u < h.units.size(); ++u) {
+    const UnitSpan& unit = h.units[u];
+    if (unit.bytes > layout.item_len || unit.offset > layout.item_len - unit.bytes) {
+      return OutOfRange(chunk + ": unit " + Num(u) + " writes [" + Num(unit.offset) + ", +" +
+                        Num(unit.bytes) + ") of a page, but this side's pages are " +
+                        Num(layout.item_len) + " bytes");
+    }
+    unit_end = std::max(unit_end, unit.offset + unit.bytes);
+  }
+  uint64_t min_len = std::numeric_limits<uint64_t>::max();
+  for (int32_t l = h.layer_begin; l < h.layer_end; ++l) {
+    min_len = std::min(min_len, layout.buffer_bytes[static_cast<size_t>(l)]);
+    min_len = std::min(min_len, layout.buffer_bytes[static_cast<size_t>(layout.num_layers + l)]);
+  }
+  // Page p is in range when p * item_len + unit_end <= min_len.
+  const uint64_t last_page =
+      min_len < unit_end || layout.item_len == 0 ? 0 : (min_len - unit_end) / layout.item_len;
+  const bool any_page = min_len >= unit_end && layout.item_len != 0;
+  for (size_t i = 0; i < h.dst_pages.size(); ++i) {
+    const int32_t p = h.dst_pages[i];
+    if (p < 0 || !any_page || static_cast<uint64_t>(p) > last_page) {
+      return OutOfRange(chunk + ": destination page " + Num(p) + " (entry " + Num(i) +
+                        ") lies outside this side's buffers (" + Num(min_len) + " bytes, " +
+                        Num(layout.item_len) + " per page)");
+    }
+  }
+  return OkStatus();
+}
+
+// ---- Acknowledgement ------------------------------------------------------------------------
+
+void EncodeAck(const Ack& ack, std::span<uint8_t> out) {
+  std::fill(out.begin(), out.begin() + kAckBytes, uint8_t{0});
+  std::memcpy(out.data(), kAckMagic, sizeof(kAckMagic));
+  Put<uint16_t>(out, 4, kWireVersion);
+  Put<uint64_t>(out, 8, ack.step);
+  Put<uint32_t>(out, 16, static_cast<uint32_t>(ack.code));
+  Put<uint32_t>(out, 20, ack.chunk_index);
+  Put<uint64_t>(out, 24, ack.write_id);
+  const size_t length = std::min(ack.message.size(), kAckBytes - kAckMessageOffset);
+  Put<uint16_t>(out, 32, static_cast<uint16_t>(length));
+  std::memcpy(out.data() + kAckMessageOffset, ack.message.data(), length);
+}
+
+StatusOr<Ack> DecodeAck(std::span<const uint8_t> in, uint64_t expected_step) {
+  const std::string where = "nccl ack of step " + Num(expected_step);
+  if (in.size() < kAckBytes) {
+    return DataLoss(where + " has " + Num(in.size()) + " bytes, expected " + Num(kAckBytes));
+  }
+  if (std::memcmp(in.data(), kAckMagic, sizeof(kAckMagic)) != 0 ||
+      Get<uint16_t>(in, 4) != kWireVersion) {
+    return DataLoss(where + " lacks the 'KVNA' magic or has another version");
+  }
+  Ack ack;
+  ack.step = Get<uint64_t>(in, 8);
+  if (ack.step != expected_step) {
+    return DataLoss(where + " says it is step " + Num(ack.step) +
+                    ": the two ranks disagree about the step sequence");
+  }
+  const uint32_t code = Get<uint32_t>(in, 16);
+  if (code > static_cast<uint32_t>(StatusCode::kInProgress)) {
+    return DataLoss(where + " carries unknown status code " + Num(code));
+  }
+  ack.code = static_cast<StatusCode>(code);
+  ack.chunk_index = Get<uint32_t>(in, 20);
+  ack.write_id = Get<uint64_t>(in, 24);
+  const size_t length = Get<uint16_t>(in, 32);
+  if (length > kAckBytes - kAckMessageOffset) {
+    return DataLoss(where + " declares a " + Num(length) + "-byte message");
+  }
+  ack.message.assign(reinterpret_cast<const char*>(in.data()) + kAckMessageOffset, length);
+  return ack;
+}
+
+}  // namespace kvt::transfer::nccl
