@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "bench_common.h"
+#include "bench_gpu.h"
 #include "commands.h"
 #include "kvt/common/dtype.h"
 #include "kvt/kernels/cuda_util.h"
@@ -85,11 +86,7 @@ Layout MakeLayout(const KernelsOptions& o, int page_tokens, int64_t target_bytes
 
 // Evenly spread item indices (buffer-major) for the per-item peers.
 std::vector<int64_t> PeerSubset(const Layout& l, int64_t limit) {
-  const int64_t n = std::min(limit, l.items());
-  std::vector<int64_t> out;
-  out.reserve(static_cast<size_t>(n));
-  for (int64_t k = 0; k < n; ++k) out.push_back(k * l.items() / n);
-  return out;
+  return EvenSubset(l.items(), std::min(limit, l.items()));
 }
 
 struct Figure {
@@ -119,27 +116,6 @@ std::string RatioCell(double r) { return r > 0 ? fmt::format("{:.3f}", r) : "-";
 std::string RatioCellX(double r) { return r > 0 ? fmt::format("{:.0f}x", r) : "-"; }
 
 // ---- GPU ------------------------------------------------------------------------------------
-
-#define BENCH_CUDA(call) KVT_RETURN_IF_ERROR(::kvt::cuda::ToStatus((call), #call))
-
-// Times `op` with CUDA events: `warmup` untimed runs, then `iters` runs, median in ms.
-StatusOr<double> TimeGpu(cudaStream_t stream, int warmup, int iters,
-                         const std::function<Status()>& op) {
-  KVT_ASSIGN_OR_RETURN(cuda::Event start, cuda::Event::Create());
-  KVT_ASSIGN_OR_RETURN(cuda::Event stop, cuda::Event::Create());
-  for (int i = 0; i < warmup; ++i) KVT_RETURN_IF_ERROR(op());
-  BENCH_CUDA(cudaStreamSynchronize(stream));
-  std::vector<double> ms;
-  for (int i = 0; i < iters; ++i) {
-    KVT_RETURN_IF_ERROR(start.Record(stream));
-    KVT_RETURN_IF_ERROR(op());
-    KVT_RETURN_IF_ERROR(stop.Record(stream));
-    KVT_RETURN_IF_ERROR(stop.Synchronize());
-    KVT_ASSIGN_OR_RETURN(float t, stop.ElapsedMsSince(start));
-    ms.push_back(t);
-  }
-  return Median(ms);
-}
 
 struct GpuPools {
   cuda::DeviceBuffer src, dst, src_bases, dst_bases, src_pages, dst_pages;
@@ -314,39 +290,24 @@ Status RunGpuSize(const KernelsOptions& o, const Layout& l, int iters, json& out
 
   // The peers' ways on an evenly spread subset of the items.
   const std::vector<int64_t> subset = PeerSubset(l, o.peer_items);
-  std::vector<void*> dsts;
-  std::vector<const void*> srcs;
-  std::vector<size_t> sizes;
+  CopyList list;
   for (int64_t item : subset) {
     const int64_t b = item / l.num_pages, i = item % l.num_pages;
-    srcs.push_back(
-        reinterpret_cast<const void*>(p.src_base_host[b] + l.src_pages[i] * l.item_bytes));
-    dsts.push_back(reinterpret_cast<void*>(p.dst_base_host[b] + l.dst_pages[i] * l.item_bytes));
-    sizes.push_back(static_cast<size_t>(l.item_bytes));
+    list.Add(reinterpret_cast<void*>(p.dst_base_host[b] + l.dst_pages[i] * l.item_bytes),
+             reinterpret_cast<const void*>(p.src_base_host[b] + l.src_pages[i] * l.item_bytes),
+             static_cast<size_t>(l.item_bytes));
   }
-  const double subset_bytes = static_cast<double>(subset.size()) * l.item_bytes;
+  const double subset_bytes = list.bytes();
   const int peer_iters = std::max(1, std::min(iters, 5));
   per_item.items = batch.items = static_cast<int64_t>(subset.size());
-  auto per_item_ms = TimeGpu(stream, 1, peer_iters, [&]() -> Status {
-    for (size_t k = 0; k < dsts.size(); ++k) {
-      BENCH_CUDA(cudaMemcpyAsync(dsts[k], srcs[k], sizes[k], cudaMemcpyDeviceToDevice, stream));
-    }
-    return OkStatus();
-  });
+  auto per_item_ms = TimeGpu(stream, 1, peer_iters, [&] { return MemcpyEach(list, stream); });
   if (per_item_ms.ok()) {
     per_item.ms = *per_item_ms;
     per_item.gbps = GBps(subset_bytes, per_item.ms);
   } else {
     per_item.error = per_item_ms.status().ToString();
   }
-  cudaMemcpyAttributes attr{};
-  attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-  size_t attr_index = 0;
-  auto batch_ms = TimeGpu(stream, 1, peer_iters, [&]() -> Status {
-    return cuda::ToStatus(cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), dsts.size(),
-                                               &attr, &attr_index, 1, stream),
-                          "cudaMemcpyBatchAsync");
-  });
+  auto batch_ms = TimeGpu(stream, 1, peer_iters, [&] { return MemcpyBatch(list, stream); });
   if (batch_ms.ok()) {
     batch.ms = *batch_ms;
     batch.gbps = GBps(subset_bytes, batch.ms);

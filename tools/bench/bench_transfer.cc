@@ -19,6 +19,22 @@
 // Everything is bounded: per-request deadlines, reply timeouts on the parent <-> child pipe,
 // and the child dies with its parent (PR_SET_PDEATHSIG) and exits when the pipe closes.
 //
+// CUDA pools (`--backend cuda_ipc`, or `--backend ucx --device cuda:N` for UCX's staged path):
+// both processes on one GPU, pools in device memory, >= 1 GiB per request by default. The
+// request is timed as above; the ceilings are measured in the prefill child on the same device:
+//   - contiguous device-to-device cudaMemcpyAsync of the request's bytes (cuda_ipc's ceiling);
+//   - the peers' ways through CUDA IPC mappings of the decode pool (the parent exports its pool's
+//     allocations with cudaIpcGetMemHandle, the child opens them): one cudaMemcpyAsync per
+//     (buffer, page) and one cudaMemcpyBatchAsync over the same list, on an evenly spread subset
+//     of the request's (buffer, page) items, scaled by bytes (the output says how many);
+//   - staged UCX: contiguous device-to-host (and host-to-device) copies of the same bytes with
+//     pinned host memory: the PCIe ceiling.
+// Layerwise: the child runs a simulated forward per request (per layer a spin kernel of
+// --layer-time-us, then the layer's pattern fill, an event, LayersReady(room, l + 1, event)); a
+// thread of the child spins on each layer's event and stamps its completion on the host clock
+// (CLOCK_MONOTONIC, shared by both processes), and the parent compares the last layer's stamp
+// with the moment the decode engine saw the request done.
+//
 // Hand-written here (no library does it): the length-prefixed JSON framing on the socketpair
 // between parent and child, and the PeerDescriptor <-> JSON (hex) encoding.
 #include <fcntl.h>
@@ -34,9 +50,12 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <numeric>
@@ -46,9 +65,11 @@
 #include <vector>
 
 #include "bench_common.h"
+#include "bench_gpu.h"
 #include "commands.h"
 #include "kvt/common/dtype.h"
 #include "kvt/common/log.h"
+#include "kvt/kernels/cuda_util.h"
 #include "kvt/kernels/kernels.h"
 #include "kvt/pool/kv_pool.h"
 #include "kvt/pool/page_allocator.h"
@@ -75,7 +96,7 @@ struct TransferOptions {
   std::string ucx_tls;  // empty: UCX's default (or UCX_TLS from the environment)
   int ucx_spin_us = 200;
   std::string page_tokens = "1,16,64";
-  int64_t tokens = 1024;
+  int64_t tokens = 0;  // 0: 1024 on host pools, >= 1 GiB per request on CUDA pools
   int iters = 10;
   int warmup = 2;
   int latency_requests = 1000;
@@ -83,11 +104,22 @@ struct TransferOptions {
   int heads = 8;
   int head_dim = 128;
   std::string dtype = "bf16";
-  std::string pool_bytes = "1GiB";  // per side
-  int timeout_s = 30;               // per request, and per reply of the peer
+  std::string pool_bytes;  // per side; empty: 1GiB on host, two requests + a page on CUDA
+  int timeout_s = 30;      // per request, and per reply of the peer
   uint32_t seed = 1;
   bool verify = false;
+  // CUDA pools.
+  std::string device;  // "cuda:N"; empty: cuda:0 for cuda_ipc, host pools otherwise
+  std::string ucx_cuda_mode = "staged";
+  int ucx_staging_slots = 8;
+  std::string ucx_staging_slot_bytes = "4MiB";
+  int64_t peer_items = 16384;  // per-page / batch peers: items timed (0: all)
+  double layer_time_us = 200;  // simulated forward: spin per layer
+  int layerwise_requests = 10;
+  int spin_blocks = 0;  // 0: one per multiprocessor
 };
+
+constexpr int64_t kGpuRequestBytes = int64_t{1} << 30;  // default request size on CUDA pools
 
 double Ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
 
@@ -243,6 +275,14 @@ struct SideConfig {
   int64_t contiguous_bytes = 0;  // the raw-backend ceiling's region
   uint32_t seed = 1;
   int timeout_s = 30;
+  // CUDA pools (cuda = false: host pools, everything below unused).
+  bool cuda = false;
+  int device = 0;
+  std::string ucx_cuda_mode = "staged";
+  int ucx_staging_slots = 8;
+  int64_t ucx_staging_slot_bytes = int64_t{4} << 20;
+  int64_t layer_time_ns = 200000;
+  int spin_blocks = 0;
 
   json ToJson() const {
     return {{"backend", backend},
@@ -256,7 +296,14 @@ struct SideConfig {
             {"dtype", dtype},
             {"contiguous_bytes", contiguous_bytes},
             {"seed", seed},
-            {"timeout_s", timeout_s}};
+            {"timeout_s", timeout_s},
+            {"cuda", cuda},
+            {"device", device},
+            {"ucx_cuda_mode", ucx_cuda_mode},
+            {"ucx_staging_slots", ucx_staging_slots},
+            {"ucx_staging_slot_bytes", ucx_staging_slot_bytes},
+            {"layer_time_ns", layer_time_ns},
+            {"spin_blocks", spin_blocks}};
   }
   static StatusOr<SideConfig> FromJson(const json& j) {
     SideConfig c;
@@ -273,6 +320,13 @@ struct SideConfig {
       c.contiguous_bytes = j.at("contiguous_bytes");
       c.seed = j.at("seed");
       c.timeout_s = j.at("timeout_s");
+      c.cuda = j.value("cuda", false);
+      c.device = j.value("device", 0);
+      c.ucx_cuda_mode = j.value("ucx_cuda_mode", std::string("staged"));
+      c.ucx_staging_slots = j.value("ucx_staging_slots", 8);
+      c.ucx_staging_slot_bytes = j.value("ucx_staging_slot_bytes", int64_t{4} << 20);
+      c.layer_time_ns = j.value("layer_time_ns", int64_t{200000});
+      c.spin_blocks = j.value("spin_blocks", 0);
     } catch (const json::exception& e) {
       return DataLoss(std::string("malformed peer configuration: ") + e.what());
     }
@@ -282,7 +336,15 @@ struct SideConfig {
     transfer::BackendOptions b;
     b.ucx_transports = ucx_tls;
     b.ucx_spin_us = ucx_spin_us;
+    if (cuda) {
+      b.ucx_cuda_mode = ucx_cuda_mode;
+      b.ucx_staging_slots = ucx_staging_slots;
+      b.ucx_staging_slot_bytes = static_cast<size_t>(ucx_staging_slot_bytes);
+    }
     return b;
+  }
+  int64_t RowBytes() const {
+    return static_cast<int64_t>(heads) * head_dim * ItemSize(ParseDType(dtype).value());
   }
 };
 
@@ -299,6 +361,11 @@ StatusOr<std::unique_ptr<pool::KvPool>> MakePool(
   p.layer_num = c.layers;
   p.dtype = dtype;
   p.pd_disaggregation_enabled = true;
+  if (c.cuda) {
+    p.memory = pool::MemoryKind::kCuda;
+    p.device = c.device;
+    return pool::KvPool::Create(p);
+  }
   p.pin_host_memory = false;  // host path only; pinning would need a CUDA device
   // A serving pool has been written long before a transfer; without this the first requests
   // would time first-touch page faults (measured: 10x slower loopback copies) instead of copies.
@@ -385,29 +452,71 @@ StatusOr<double> TimedWrite(Backend& backend, transfer::PeerId peer, std::span<c
   return ms;
 }
 
-kernels::PatternArgs PatternFor(const pool::ContiguousBufInfos& infos, const SideConfig& c,
-                                uint64_t request, const std::vector<int32_t>& pages,
-                                int64_t row_bytes) {
+// The pattern of request `request` in `num_pages` pages, layers [first_layer, first_layer + n):
+// `bases` is the 2L-entry table (K of every layer, then V), `pages` the page list, both in the
+// memory the fill/verify runs on (host for the CPU versions, device for the CUDA ones).
+kernels::PatternArgs PatternAt(const uint64_t* bases, const int32_t* pages, int64_t num_pages,
+                               const SideConfig& c, uint64_t request, int64_t row_bytes,
+                               int32_t first_layer = 0, int32_t num_layers = -1) {
   kernels::PatternArgs a;
   a.request = request;
-  a.k_bases = infos.data_ptrs.data();
-  a.v_bases = infos.data_ptrs.data() + c.layers;
-  a.first_layer = 0;
-  a.num_layers = c.layers;
-  a.pages = pages.data();
-  a.num_tokens = static_cast<int64_t>(pages.size()) * c.page_tokens;
+  a.k_bases = bases + first_layer;
+  a.v_bases = bases + c.layers + first_layer;
+  a.first_layer = first_layer;
+  a.num_layers = num_layers < 0 ? c.layers : num_layers;
+  a.pages = pages;
+  a.num_tokens = num_pages * c.page_tokens;
   a.page_size = c.page_tokens;
   a.row_bytes = row_bytes;
   return a;
 }
 
+kernels::PatternArgs PatternFor(const pool::ContiguousBufInfos& infos, const SideConfig& c,
+                                uint64_t request, const std::vector<int32_t>& pages,
+                                int64_t row_bytes) {
+  return PatternAt(infos.data_ptrs.data(), pages.data(), static_cast<int64_t>(pages.size()), c,
+                   request, row_bytes);
+}
+
+// `buffer` holds at least `bytes` bytes of device memory afterwards (contents undefined).
+Status EnsureDeviceBytes(cuda::DeviceBuffer& buffer, size_t bytes, int device) {
+  if (buffer.size() >= bytes) return OkStatus();
+  buffer = cuda::DeviceBuffer();
+  KVT_ASSIGN_OR_RETURN(buffer, cuda::DeviceBuffer::Allocate(bytes, device));
+  return OkStatus();
+}
+
+// Copies a host table into (grown) device memory, synchronously.
+template <typename T>
+Status UploadTable(cuda::DeviceBuffer& buffer, const std::vector<T>& table, int device) {
+  const size_t bytes = std::max<size_t>(table.size() * sizeof(T), 1);
+  KVT_RETURN_IF_ERROR(EnsureDeviceBytes(buffer, bytes, device));
+  if (table.empty()) return OkStatus();
+  return cuda::Copy(buffer.data(), table.data(), table.size() * sizeof(T));
+}
+
+int64_t SteadyNs(Clock::time_point t) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
+}
+
 // ---- The prefill peer -------------------------------------------------------------------------
 // Serves one page-token size: answers the parent's messages until "quit" or the pipe closes.
 // Messages: config -> ready{port, raw}; connect{raw}; put{bytes, iters}; runs{dst_pages, iters};
-// stats{reset}; quit. Every reply carries "error" when something failed.
+// stats{reset}; quit. CUDA pools instead: config -> ready{port}; ipc{allocs, buffers} (open the
+// decode pool's allocations); gpu_ceilings{dst_pages, iters, warmup, peer_items};
+// forward_stats{reset}. Every reply carries "error" when something failed.
 class PrefillPeer {
  public:
   explicit PrefillPeer(int fd) : fd_(fd) {}
+  ~PrefillPeer() {
+    // The forward thread uses the engine; the engine (its backend's IPC mappings) and ours must
+    // be gone before the parent frees the pool they map.
+    StopForwardThread();
+    engine_.reset();
+    ipc_mappings_.clear();
+  }
+  PrefillPeer(const PrefillPeer&) = delete;
+  PrefillPeer& operator=(const PrefillPeer&) = delete;
 
   Status Serve() {
     KVT_ASSIGN_OR_RETURN(json first, ReceiveMessage(fd_, std::chrono::seconds(60)));
@@ -417,8 +526,9 @@ class PrefillPeer {
       (void)SendMessage(fd_, {{"error", setup.ToString()}});
       return setup;
     }
-    KVT_RETURN_IF_ERROR(
-        SendMessage(fd_, {{"port", engine_->port()}, {"raw", DescriptorToJson(raw_.descriptor)}}));
+    json ready = {{"port", engine_->port()}};
+    if (!config_.cuda) ready["raw"] = DescriptorToJson(raw_.descriptor);
+    KVT_RETURN_IF_ERROR(SendMessage(fd_, ready));
     while (true) {
       // The parent talks at least once per phase; a long silence means it is stuck or gone.
       StatusOr<json> message = ReceiveMessage(fd_, std::chrono::minutes(15));
@@ -433,18 +543,23 @@ class PrefillPeer {
 
  private:
   Status Setup() {
+    if (config_.cuda) BENCH_CUDA(cudaSetDevice(config_.device));
     KVT_ASSIGN_OR_RETURN(std::shared_ptr<Backend> backend,
                          transfer::CreateBackend(config_.backend, config_.BackendOptions()));
-    KVT_ASSIGN_OR_RETURN(pool_, MakePool(config_, transfer::BackendHostAllocator(backend)));
+    KVT_ASSIGN_OR_RETURN(
+        pool_, MakePool(config_, config_.cuda ? nullptr : transfer::BackendHostAllocator(backend)));
     KVT_ASSIGN_OR_RETURN(infos_, pool_->GetContiguousBufInfos());
-    KVT_ASSIGN_OR_RETURN(DType dtype, ParseDType(config_.dtype));
-    row_bytes_ = static_cast<int64_t>(config_.heads) * config_.head_dim * ItemSize(dtype);
+    row_bytes_ = config_.RowBytes();
     num_pages_ = pool_->layout().num_pages();
     permutation_.resize(static_cast<size_t>(num_pages_));
     std::iota(permutation_.begin(), permutation_.end(), 1);
     rng_.seed(config_.seed * 7919u + 17u);
     std::shuffle(permutation_.begin(), permutation_.end(), rng_);
-    KVT_ASSIGN_OR_RETURN(raw_, MakeRawSide(config_, *pool_, 0x5A));
+    if (config_.cuda) {
+      KVT_RETURN_IF_ERROR(SetupGpu());
+    } else {
+      KVT_ASSIGN_OR_RETURN(raw_, MakeRawSide(config_, *pool_, 0x5A));
+    }
 
     transfer::EngineOptions e;
     e.name = "bench-prefill";
@@ -458,8 +573,29 @@ class PrefillPeer {
       OnTransferRequest(room, num_pages);
     };
     KVT_ASSIGN_OR_RETURN(engine_, transfer::TransferEngine::Create(e, pool_.get(), backend));
+    if (config_.cuda) forward_thread_ = std::thread([this] { ForwardLoop(); });
     return OkStatus();
   }
+
+  // Device tables, streams and the forward's events (two sets of one per layer, used in turn,
+  // so an event is never re-recorded while the engine may still wait on it).
+  Status SetupGpu() {
+    KVT_RETURN_IF_ERROR(UploadTable(d_bases_, infos_.data_ptrs, config_.device));
+    KVT_ASSIGN_OR_RETURN(fill_stream_, cuda::Stream::Create(config_.device));
+    KVT_ASSIGN_OR_RETURN(forward_stream_, cuda::Stream::Create(config_.device));
+    KVT_ASSIGN_OR_RETURN(fill_done_, cuda::Event::Create(/*timing=*/false));
+    if (config_.spin_blocks <= 0) {  // one per multiprocessor, asked once
+      BENCH_CUDA(cudaDeviceGetAttribute(&config_.spin_blocks, cudaDevAttrMultiProcessorCount,
+                                        config_.device));
+    }
+    for (int i = 0; i < 2 * config_.layers; ++i) {
+      KVT_ASSIGN_OR_RETURN(cuda::Event ev, cuda::Event::Create(/*timing=*/false));
+      forward_events_.push_back(std::move(ev));
+    }
+    return OkStatus();
+  }
+
+  const uint64_t* DeviceBases() const { return d_bases_.as<const uint64_t>(); }
 
   // `n` distinct random pages: a window of the shuffled page ids at a random start.
   std::vector<int32_t> PickPages(size_t n) {
@@ -479,7 +615,8 @@ class PrefillPeer {
 
   // On a control thread: the "forward pass" is already done, so Send and mark every layer ready.
   // Rooms named "v<id>" are verification requests: their pages get the pattern of request <id>
-  // first (outside any timed request).
+  // first (outside any timed request). On CUDA pools, rooms named "f<id>" go to the forward
+  // thread (a simulated forward writing one layer at a time, pattern <id>).
   void OnTransferRequest(const std::string& room, size_t num_pages) {
     const auto t0 = Clock::now();
     if (num_pages > permutation_.size()) {
@@ -488,23 +625,279 @@ class PrefillPeer {
       (void)engine_->Abort(room, "more pages than the prefill pool has");
       return;
     }
+    if (config_.cuda && !room.empty() && room[0] == 'f') {
+      std::lock_guard<std::mutex> lock(forward_mu_);
+      forward_jobs_.push_back({room, num_pages});
+      forward_cv_.notify_one();
+      return;
+    }
     std::vector<int32_t> pages = PickPages(num_pages);
+    cudaEvent_t ready = nullptr;
     if (!room.empty() && room[0] == 'v') {
       const uint64_t request = std::strtoull(room.c_str() + 1, nullptr, 10);
       Status filled =
-          kernels::FillPatternCpu(PatternFor(infos_, config_, request, pages, row_bytes_));
+          config_.cuda
+              ? FillOnDevice(request, pages, &ready)
+              : kernels::FillPatternCpu(PatternFor(infos_, config_, request, pages, row_bytes_));
       if (!filled.ok()) RecordError(filled);
     }
     Status s = engine_->Send(room, std::move(pages));
-    if (s.ok()) s = engine_->LayersReady(room, config_.layers);
+    if (s.ok()) s = engine_->LayersReady(room, config_.layers, ready);
     if (!s.ok()) RecordError(s.WithContext("room '" + room + "'"));
     const double ms = Ms(Clock::now() - t0);
     std::lock_guard<std::mutex> lock(mu_);
     post_ms_.push_back(ms);
   }
 
+  // Pattern of `request` into `pages` of every layer, enqueued on the fill stream; `ready` gets
+  // the event recorded after it (the engine's copy waits for it on the GPU).
+  Status FillOnDevice(uint64_t request, const std::vector<int32_t>& pages, cudaEvent_t* ready) {
+    BENCH_CUDA(cudaSetDevice(config_.device));  // control threads are not ours
+    KVT_RETURN_IF_ERROR(UploadTable(d_fill_pages_, pages, config_.device));
+    KVT_RETURN_IF_ERROR(kernels::FillPatternCuda(
+        PatternAt(DeviceBases(), d_fill_pages_.as<const int32_t>(),
+                  static_cast<int64_t>(pages.size()), config_, request, row_bytes_),
+        fill_stream_.get()));
+    KVT_RETURN_IF_ERROR(fill_done_.Record(fill_stream_.get()));
+    *ready = fill_done_.get();
+    return OkStatus();
+  }
+
+  // ---- Simulated forward (CUDA pools) ---------------------------------------------------------
+  struct ForwardJob {
+    std::string room;
+    size_t num_pages = 0;
+  };
+
+  void StopForwardThread() {
+    {
+      std::lock_guard<std::mutex> lock(forward_mu_);
+      forward_stop_ = true;
+    }
+    forward_cv_.notify_all();
+    if (forward_thread_.joinable()) forward_thread_.join();
+  }
+
+  void ForwardLoop() {
+    Status device = cuda::ToStatus(cudaSetDevice(config_.device), "cudaSetDevice");
+    while (true) {
+      ForwardJob job;
+      {
+        std::unique_lock<std::mutex> lock(forward_mu_);
+        forward_cv_.wait(lock, [this] { return forward_stop_ || !forward_jobs_.empty(); });
+        if (forward_stop_) return;
+        job = std::move(forward_jobs_.front());
+        forward_jobs_.pop_front();
+      }
+      json record = {{"room", job.room}};
+      Status s = device.ok() ? RunForward(job, record) : device;
+      if (!s.ok()) {
+        record["error"] = s.ToString();
+        RecordError(s.WithContext("forward of room '" + job.room + "'"));
+        (void)engine_->Abort(job.room, "the simulated forward failed");
+      }
+      std::lock_guard<std::mutex> lock(mu_);
+      forward_records_.push_back(std::move(record));
+    }
+  }
+
+  // Per layer: spin for the layer time, write the layer's pages (pattern), record the layer's
+  // event, LayersReady(l + 1, event) — all enqueued without waiting. Then stamps each event's
+  // completion on the host clock by spinning on cudaEventQuery.
+  Status RunForward(const ForwardJob& job, json& record) {
+    const uint64_t request = std::strtoull(job.room.c_str() + 1, nullptr, 10);
+    std::vector<int32_t> pages = PickPages(job.num_pages);
+    const int64_t num_pages = static_cast<int64_t>(pages.size());
+    KVT_RETURN_IF_ERROR(UploadTable(d_forward_pages_, pages, config_.device));
+    KVT_RETURN_IF_ERROR(engine_->Send(job.room, std::move(pages)));
+    const int32_t layers = config_.layers;
+    cuda::Event* events = &forward_events_[static_cast<size_t>((forward_count_++ % 2) * layers)];
+    cudaStream_t stream = forward_stream_.get();
+    const auto start = Clock::now();
+    for (int32_t l = 0; l < layers; ++l) {
+      KVT_RETURN_IF_ERROR(LaunchSpin(config_.layer_time_ns, config_.spin_blocks, stream));
+      KVT_RETURN_IF_ERROR(
+          kernels::FillPatternCuda(PatternAt(DeviceBases(), d_forward_pages_.as<const int32_t>(),
+                                             num_pages, config_, request, row_bytes_, l, 1),
+                                   stream));
+      KVT_RETURN_IF_ERROR(events[l].Record(stream));
+      KVT_RETURN_IF_ERROR(engine_->LayersReady(job.room, l + 1, events[l].get()));
+    }
+    const auto enqueued = Clock::now();
+    const auto deadline = start + std::chrono::seconds(config_.timeout_s);
+    // live[l]: the poller saw layer l pending at least once, so its stamp is the completion
+    // (give or take one poll), not the moment the poller got to an event already done.
+    json done = json::array(), live = json::array();
+    for (int32_t l = 0; l < layers; ++l) {
+      bool waited = false;
+      while (true) {
+        const cudaError_t e = cudaEventQuery(events[l].get());
+        if (e == cudaSuccess) break;
+        waited = true;
+        if (e != cudaErrorNotReady) return cuda::ToStatus(e, "cudaEventQuery (layer event)");
+        if (Clock::now() > deadline) {
+          return DeadlineExceeded(
+              fmt::format("layer {} of the forward not done in {} s", l, config_.timeout_s));
+        }
+      }
+      done.push_back(SteadyNs(Clock::now()));
+      live.push_back(waited);
+    }
+    record["start_ns"] = SteadyNs(start);
+    record["layer_live"] = live;
+    record["enqueued_ns"] = SteadyNs(enqueued);
+    record["layer_done_ns"] = done;
+    return OkStatus();
+  }
+
+  // ---- CUDA IPC mappings of the decode pool and the GPU ceilings ------------------------------
+  Status OpenIpc(const json& m) {
+    BENCH_CUDA(cudaSetDevice(config_.device));
+    std::vector<void*> bases;
+    for (const json& hex : m.at("allocs")) {
+      KVT_ASSIGN_OR_RETURN(std::string bytes, Unhex(hex.get<std::string>()));
+      KVT_ASSIGN_OR_RETURN(cudaIpcMemHandle_t handle, IpcHandleFromBytes(bytes));
+      KVT_ASSIGN_OR_RETURN(IpcMapping mapping, IpcMapping::Open(handle, config_.device));
+      bases.push_back(mapping.data());
+      ipc_mappings_.push_back(std::move(mapping));
+    }
+    std::vector<uint64_t> remote;
+    for (const json& b : m.at("buffers")) {
+      const size_t alloc = b.at(0).get<size_t>();
+      const uint64_t offset = b.at(1).get<uint64_t>();
+      if (alloc >= bases.size()) return DataLoss("IPC buffer names an allocation not sent");
+      remote.push_back(reinterpret_cast<uint64_t>(bases[alloc]) + offset);
+    }
+    if (remote.size() != infos_.data_ptrs.size()) {
+      return DataLoss(fmt::format("the decode pool exported {} buffers; this pool has {}",
+                                  remote.size(), infos_.data_ptrs.size()));
+    }
+    remote_bases_ = std::move(remote);
+    return OkStatus();
+  }
+
+  static json Figure(const StatusOr<double>& ms, double bytes, const std::vector<double>& samples) {
+    if (!ms.ok()) return {{"error", ms.status().ToString()}};
+    return {{"median_ms", *ms}, {"gbps", GBps(bytes, *ms)}, {"samples_ms", samples}};
+  }
+
+  // The same-run ceilings and the peers' ways for requests of dst_pages.size() pages.
+  StatusOr<json> GpuCeilings(const json& m) {
+    BENCH_CUDA(cudaSetDevice(config_.device));
+    const std::vector<int32_t> dst = m.at("dst_pages");
+    const int iters = m.at("iters");
+    const int warmup = std::max(1, m.at("warmup").get<int>());
+    const int64_t peer_items = m.at("peer_items");
+    const int64_t n = static_cast<int64_t>(dst.size());
+    const int64_t item = infos_.item_lens[0];
+    const int32_t buffers = static_cast<int32_t>(infos_.data_ptrs.size());
+    const int64_t bytes = n * item * buffers;
+    KVT_ASSIGN_OR_RETURN(cuda::Stream stream_obj, cuda::Stream::Create(config_.device));
+    cudaStream_t stream = stream_obj.get();
+    json out = {{"bytes", bytes}};
+    std::vector<double> samples;
+    {
+      // (a) contiguous device-to-device copy of the same bytes, this process, same device.
+      KVT_ASSIGN_OR_RETURN(cuda::DeviceBuffer src,
+                           cuda::DeviceBuffer::Allocate(bytes, config_.device));
+      KVT_ASSIGN_OR_RETURN(cuda::DeviceBuffer dst_buf,
+                           cuda::DeviceBuffer::Allocate(bytes, config_.device));
+      BENCH_CUDA(cudaMemsetAsync(src.data(), 0x5A, bytes, stream));
+      BENCH_CUDA(cudaMemsetAsync(dst_buf.data(), 0xA5, bytes, stream));
+      auto ms = TimeGpu(
+          stream, warmup, iters,
+          [&] {
+            return cuda::ToStatus(cudaMemcpyAsync(dst_buf.data(), src.data(), bytes,
+                                                  cudaMemcpyDeviceToDevice, stream),
+                                  "cudaMemcpyAsync D2D");
+          },
+          &samples);
+      KVT_RETURN_IF_ERROR(ms.status());
+      out["contiguous_d2d"] = Figure(ms, static_cast<double>(bytes), samples);
+    }
+    if (config_.backend == "ucx") {
+      // (b) the PCIe ceiling: contiguous device-to-host (and back) with pinned host memory.
+      KVT_ASSIGN_OR_RETURN(cuda::DeviceBuffer dev,
+                           cuda::DeviceBuffer::Allocate(bytes, config_.device));
+      KVT_ASSIGN_OR_RETURN(cuda::PinnedBuffer host, cuda::PinnedBuffer::Allocate(bytes));
+      BENCH_CUDA(cudaMemsetAsync(dev.data(), 0x5A, bytes, stream));
+      std::memset(host.data(), 0xA5, static_cast<size_t>(bytes));
+      auto d2h = TimeGpu(
+          stream, warmup, iters,
+          [&] {
+            return cuda::ToStatus(
+                cudaMemcpyAsync(host.data(), dev.data(), bytes, cudaMemcpyDeviceToHost, stream),
+                "cudaMemcpyAsync D2H");
+          },
+          &samples);
+      out["contiguous_d2h"] = Figure(d2h, static_cast<double>(bytes), samples);
+      auto h2d = TimeGpu(
+          stream, warmup, iters,
+          [&] {
+            return cuda::ToStatus(
+                cudaMemcpyAsync(dev.data(), host.data(), bytes, cudaMemcpyHostToDevice, stream),
+                "cudaMemcpyAsync H2D");
+          },
+          &samples);
+      out["contiguous_h2d"] = Figure(h2d, static_cast<double>(bytes), samples);
+      KVT_RETURN_IF_ERROR(d2h.status());
+    }
+    if (!remote_bases_.empty()) {
+      // (c) through the IPC mappings of the decode pool, from random pages of ours.
+      const std::vector<int32_t> src = PickPages(dst.size());
+      CopyList per_buffer;  // diagnostic: one contiguous copy per buffer (pages 1..n)
+      for (int32_t b = 0; b < buffers; ++b) {
+        per_buffer.Add(reinterpret_cast<void*>(remote_bases_[b] + item),
+                       reinterpret_cast<const void*>(infos_.data_ptrs[b] + item),
+                       static_cast<size_t>(n * item));
+      }
+      auto contiguous_ipc = TimeGpu(
+          stream, warmup, iters, [&] { return MemcpyEach(per_buffer, stream); }, &samples);
+      out["contiguous_per_buffer_into_ipc"] = Figure(contiguous_ipc, per_buffer.bytes(), samples);
+      out["contiguous_per_buffer_into_ipc"]["copies"] = per_buffer.size();
+
+      const int64_t total_items = n * buffers;
+      const std::vector<int64_t> subset = EvenSubset(total_items, peer_items);
+      CopyList list;
+      for (int64_t k : subset) {
+        const int64_t b = k / n, i = k % n;  // buffer-major, as the engine's layers
+        list.Add(reinterpret_cast<void*>(remote_bases_[b] + dst[i] * item),
+                 reinterpret_cast<const void*>(infos_.data_ptrs[b] + src[i] * item),
+                 static_cast<size_t>(item));
+      }
+      const int peer_iters = std::max(1, std::min(iters, 5));
+      auto each = TimeGpu(
+          stream, 1, peer_iters, [&] { return MemcpyEach(list, stream); }, &samples);
+      out["memcpy_async_per_page"] = Figure(each, list.bytes(), samples);
+      auto batch = TimeGpu(
+          stream, 1, peer_iters, [&] { return MemcpyBatch(list, stream); }, &samples);
+      out["memcpy_batch_async"] = Figure(batch, list.bytes(), samples);
+      for (const char* key : {"memcpy_async_per_page", "memcpy_batch_async"}) {
+        out[key]["items_timed"] = list.size();
+        out[key]["items_per_request"] = total_items;
+        out[key]["item_bytes"] = item;
+      }
+    }
+    BENCH_CUDA(cudaStreamSynchronize(stream));
+    return out;
+  }
+
   StatusOr<json> Handle(const std::string& type, const json& m) {
     try {
+      if (config_.cuda && (type == "connect" || type == "put" || type == "runs")) {
+        return FailedPrecondition("'" + type + "' is a host-pool message");
+      }
+      if (type == "ipc") {
+        KVT_RETURN_IF_ERROR(OpenIpc(m));
+        return json{{"ok", true}, {"mapped_allocations", ipc_mappings_.size()}};
+      }
+      if (type == "gpu_ceilings") return GpuCeilings(m);
+      if (type == "forward_stats") {
+        std::lock_guard<std::mutex> lock(mu_);
+        json reply = {{"records", forward_records_}};
+        if (m.value("reset", false)) forward_records_.clear();
+        return reply;
+      }
       if (type == "connect") {
         KVT_ASSIGN_OR_RETURN(PeerDescriptor d, DescriptorFromJson(m.at("raw")));
         KVT_ASSIGN_OR_RETURN(raw_.peer, raw_.backend->Connect(d));
@@ -573,14 +966,30 @@ class PrefillPeer {
   std::unique_ptr<pool::KvPool> pool_;
   pool::ContiguousBufInfos infos_;
   RawSide raw_;
+  // CUDA pools: tables and streams for the pattern fills and the forward, the decode pool's IPC
+  // mappings (ceilings only; the engine's backend maps it on its own).
+  cuda::DeviceBuffer d_bases_, d_fill_pages_, d_forward_pages_;
+  cuda::Stream fill_stream_, forward_stream_;
+  cuda::Event fill_done_;
+  std::vector<cuda::Event> forward_events_;
+  std::vector<IpcMapping> ipc_mappings_;
+  std::vector<uint64_t> remote_bases_;
   std::unique_ptr<transfer::TransferEngine> engine_;
   int64_t row_bytes_ = 0;
   int64_t num_pages_ = 0;
+
+  std::mutex forward_mu_;  // guards the job queue and the stop flag
+  std::condition_variable forward_cv_;
+  std::deque<ForwardJob> forward_jobs_;
+  bool forward_stop_ = false;
+  uint64_t forward_count_ = 0;  // forward thread only
+  std::thread forward_thread_;
 
   std::mutex mu_;  // guards everything below (control threads and the message loop)
   std::mt19937 rng_;
   std::vector<int32_t> permutation_;
   std::vector<double> post_ms_;  // per request: Send + LayersReady (posting every run)
+  json forward_records_ = json::array();
   uint64_t errors_ = 0;
   std::string first_error_;
 };
@@ -683,6 +1092,7 @@ class PeerLink {
 struct Sample {
   double engine_ms = 0;  // Receive called -> the engine saw TransferDone (RequestInfo::finished)
   double caller_ms = 0;  // Receive called -> WaitRequest returned
+  Clock::time_point posted, finished;
 };
 
 struct Latencies {
@@ -707,9 +1117,11 @@ class DecodeSide {
   static StatusOr<std::unique_ptr<DecodeSide>> Create(const SideConfig& c, uint16_t port,
                                                       const json& peer_raw) {
     auto d = std::unique_ptr<DecodeSide>(new DecodeSide(c));
+    if (c.cuda) BENCH_CUDA(cudaSetDevice(c.device));
     KVT_ASSIGN_OR_RETURN(std::shared_ptr<Backend> backend,
                          transfer::CreateBackend(c.backend, c.BackendOptions()));
-    KVT_ASSIGN_OR_RETURN(d->pool_, MakePool(c, transfer::BackendHostAllocator(backend)));
+    KVT_ASSIGN_OR_RETURN(d->pool_,
+                         MakePool(c, c.cuda ? nullptr : transfer::BackendHostAllocator(backend)));
     KVT_ASSIGN_OR_RETURN(d->infos_, d->pool_->GetContiguousBufInfos());
     KVT_ASSIGN_OR_RETURN(d->allocator_,
                          pool::PageAllocator::Create(d->pool_->layout().num_pages()));
@@ -721,9 +1133,14 @@ class DecodeSide {
     std::shuffle(all.begin(), all.end(), rng);
     KVT_RETURN_IF_ERROR(d->allocator_->Free(all));
 
-    KVT_ASSIGN_OR_RETURN(d->raw_, MakeRawSide(c, *d->pool_, 0xC3));
-    KVT_ASSIGN_OR_RETURN(PeerDescriptor peer, DescriptorFromJson(peer_raw));
-    (void)peer;  // the child connects to us (it writes); ours goes to it in "connect"
+    if (c.cuda) {
+      KVT_RETURN_IF_ERROR(UploadTable(d->d_bases_, d->infos_.data_ptrs, c.device));
+      KVT_ASSIGN_OR_RETURN(d->stream_, cuda::Stream::Create(c.device));
+    } else {
+      KVT_ASSIGN_OR_RETURN(d->raw_, MakeRawSide(c, *d->pool_, 0xC3));
+      KVT_ASSIGN_OR_RETURN(PeerDescriptor peer, DescriptorFromJson(peer_raw));
+      (void)peer;  // the child connects to us (it writes); ours goes to it in "connect"
+    }
 
     transfer::EngineOptions e;
     e.name = "bench-decode";
@@ -738,6 +1155,7 @@ class DecodeSide {
 
   // One request of `num_pages` pages; room names starting with 'v' are verification requests.
   StatusOr<Sample> Request(const std::string& room, int64_t num_pages, uint64_t verify_id = 0) {
+    if (engine_ == nullptr) return FailedPrecondition("the decode engine was shut down");
     KVT_ASSIGN_OR_RETURN(std::vector<int32_t> pages, allocator_->Allocate(num_pages));
     const std::vector<int32_t> dst = pages;
     const auto t0 = Clock::now();
@@ -758,12 +1176,18 @@ class DecodeSide {
       if (info->pages_reusable) (void)allocator_->Free(dst);
       return info->status.WithContext("room '" + room + "' failed");
     }
-    Sample s{Ms(info->finished - t0), Ms(t2 - t0)};
+    Sample s{Ms(info->finished - t0), Ms(t2 - t0), t0, info->finished};
     if (verify_id != 0) {
-      KVT_ASSIGN_OR_RETURN(
-          kernels::PatternCheck check,
-          kernels::VerifyPatternCpu(PatternFor(infos_, config_, verify_id, dst, RowBytes())));
+      KVT_ASSIGN_OR_RETURN(kernels::PatternCheck check, Verify(verify_id, dst));
       verified_mismatches_ += check.mismatches;
+      if (check.mismatches != 0 && first_mismatch_.empty()) {
+        first_mismatch_ = fmt::format(
+            "room '{}': {} wrong bytes, first at layer {} kv {} token {} byte {} (expected "
+            "{:#04x}, "
+            "got {:#04x})",
+            room, check.mismatches, check.layer, check.kv, check.token, check.byte, check.expected,
+            check.actual);
+      }
     }
     (void)engine_->Forget(room);
     KVT_RETURN_IF_ERROR(allocator_->Free(dst));
@@ -777,25 +1201,63 @@ class DecodeSide {
     return *pages;
   }
 
-  int64_t RowBytes() const {
-    return static_cast<int64_t>(config_.heads) * config_.head_dim *
-           ItemSize(ParseDType(config_.dtype).value());
+  // CUDA pools: every allocation behind the pool's buffers as a CUDA IPC handle, and each
+  // buffer as (allocation, offset), for the child's peer ceilings.
+  StatusOr<json> ExportIpc() const {
+    BENCH_CUDA(cudaSetDevice(config_.device));
+    std::vector<uint64_t> alloc_bases;
+    json allocs = json::array(), buffers = json::array();
+    for (uint64_t ptr : infos_.data_ptrs) {
+      KVT_ASSIGN_OR_RETURN(auto range, AllocationRange(reinterpret_cast<const void*>(ptr)));
+      auto it = std::find(alloc_bases.begin(), alloc_bases.end(), range.first);
+      if (it == alloc_bases.end()) {
+        cudaIpcMemHandle_t handle{};
+        BENCH_CUDA(cudaIpcGetMemHandle(&handle, reinterpret_cast<void*>(range.first)));
+        allocs.push_back(Hex(IpcHandleBytes(handle)));
+        alloc_bases.push_back(range.first);
+        it = alloc_bases.end() - 1;
+      }
+      buffers.push_back(json::array({it - alloc_bases.begin(), ptr - range.first}));
+    }
+    return json{{"allocs", allocs}, {"buffers", buffers}};
   }
+
+  // Stops the engine (and its connection) but keeps the pool: on CUDA pools the child must
+  // close its mappings of the pool before it is freed.
+  void ShutdownEngine() { engine_.reset(); }
+
   int64_t num_pages() const { return allocator_->num_pages(); }
   const RawSide& raw() const { return raw_; }
   uint64_t verified_mismatches() const { return verified_mismatches_; }
+  const std::string& first_mismatch() const { return first_mismatch_; }
 
  private:
   explicit DecodeSide(const SideConfig& c) : config_(c) {}
+
+  StatusOr<kernels::PatternCheck> Verify(uint64_t request, const std::vector<int32_t>& pages) {
+    if (!config_.cuda) {
+      return kernels::VerifyPatternCpu(
+          PatternFor(infos_, config_, request, pages, config_.RowBytes()));
+    }
+    BENCH_CUDA(cudaSetDevice(config_.device));
+    KVT_RETURN_IF_ERROR(UploadTable(d_pages_, pages, config_.device));
+    return kernels::VerifyPatternCuda(
+        PatternAt(d_bases_.as<const uint64_t>(), d_pages_.as<const int32_t>(),
+                  static_cast<int64_t>(pages.size()), config_, request, config_.RowBytes()),
+        stream_.get());
+  }
 
   const SideConfig config_;
   std::unique_ptr<pool::KvPool> pool_;
   pool::ContiguousBufInfos infos_;
   std::unique_ptr<pool::PageAllocator> allocator_;
   RawSide raw_;
+  cuda::DeviceBuffer d_bases_, d_pages_;  // CUDA pools: verification tables
+  cuda::Stream stream_;
   std::unique_ptr<transfer::TransferEngine> engine_;  // before the pool it registered goes
   transfer::PeerHandle peer_ = 0;
   uint64_t verified_mismatches_ = 0;
+  std::string first_mismatch_;
 };
 
 std::string Cell(double v, int precision = 2) {
@@ -981,26 +1443,608 @@ void QuietLibraryLogs() {
   }
 }
 
-Status RunTransfer(const TransferOptions& o) {
+// ---- CUDA pools -------------------------------------------------------------------------------
+
+// GB/s of a ceiling figure from the child (NaN when it failed or is absent).
+double FigureGbps(const json& ceilings, const char* key) {
+  if (!ceilings.contains(key) || ceilings[key].contains("error")) return NAN;
+  return ceilings[key].value("gbps", NAN);
+}
+
+double SafeRatio(double a, double b) { return (std::isfinite(a) && b > 0) ? a / b : NAN; }
+
+std::string RatioX(double r) { return std::isfinite(r) ? fmt::format("{:.0f}x", r) : "-"; }
+
+// One target: `value` against `threshold` (at least, or at most when `at_most`).
+json Target(const std::string& name, int page_tokens, double value, double threshold,
+            bool at_most = false) {
+  const bool pass = std::isfinite(value) && (at_most ? value <= threshold : value >= threshold);
+  return {{"name", name},
+          {"page_tokens", page_tokens},
+          {"value", std::isfinite(value) ? json(value) : json(nullptr)},
+          {"threshold", threshold},
+          {"at_most", at_most},
+          {"pass", pass}};
+}
+
+struct GpuRows {
+  std::string bw, lat, layerwise;
+  std::vector<std::string> targets;
+};
+
+// The simulated-forward requests: per request, the last layer's event completion (prefill host
+// clock) against the decode engine's done; layer time = median interval between consecutive
+// layers' completions that the child's poller saw live (pending at least once before it
+// completed; the poller starts once the whole forward is enqueued).
+StatusOr<json> RunLayerwise(const TransferOptions& o, const SideConfig& c, PeerLink& link,
+                            DecodeSide& decode, int64_t pages_per_request, std::string& row) {
+  const int pt = c.page_tokens;
+  const uint64_t base_id = 100000 + static_cast<uint64_t>(pt) * 1000;
+  // One untimed forward first (first launches of the spin and fill kernels).
+  KVT_RETURN_IF_ERROR(decode.Request(fmt::format("f{}", base_id), pages_per_request).status());
+  std::map<std::string, Sample> samples;
+  for (int i = 0; i < o.layerwise_requests; ++i) {
+    const uint64_t id = base_id + 1 + static_cast<uint64_t>(i);
+    const std::string room = fmt::format("f{}", id);
+    StatusOr<Sample> s = decode.Request(room, pages_per_request, o.verify ? id : 0);
+    if (!s.ok()) {
+      // The child's record says why when its forward failed.
+      StatusOr<json> fs =
+          link.Call({{"type", "forward_stats"}, {"reset", false}}, std::chrono::seconds(30));
+      if (fs.ok()) {
+        for (const json& r : fs->value("records", json::array())) {
+          if (r.value("room", "") == room && r.contains("error")) {
+            return s.status().WithContext("forward: " + r["error"].get<std::string>());
+          }
+        }
+      }
+      return s.status();
+    }
+    samples[room] = *s;
+  }
+  // The child's poller pushes a record once it stamped the last layer, which may trail the
+  // decode side's done by a little: wait until every timed room has one.
+  std::map<std::string, json> records;
+  const auto give_up = Clock::now() + std::chrono::seconds(10);
+  while (true) {
+    KVT_ASSIGN_OR_RETURN(
+        json fs, link.Call({{"type", "forward_stats"}, {"reset", true}}, std::chrono::seconds(30)));
+    for (const json& r : fs.at("records")) {
+      const std::string room = r.at("room");
+      if (r.contains("error")) {
+        return Internal("simulated forward of room '" + room +
+                        "': " + r["error"].get<std::string>());
+      }
+      if (samples.count(room)) records[room] = r;
+    }
+    if (records.size() == samples.size()) break;
+    if (Clock::now() > give_up) {
+      return DeadlineExceeded(
+          fmt::format("{} of {} forward records arrived", records.size(), samples.size()));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  std::vector<double> intervals_us, tail_us, forward_ms, lag_us, enqueue_ms;
+  int last_live = 0;  // requests whose last layer the poller saw complete live
+  json per_request = json::array();
+  for (const auto& [room, r] : records) {
+    const std::vector<int64_t> done = r.at("layer_done_ns");
+    const std::vector<bool> live = r.at("layer_live");
+    const int64_t enqueued = r.at("enqueued_ns"), start = r.at("start_ns");
+    if (done.size() != static_cast<size_t>(c.layers) || live.size() != done.size()) {
+      return DataLoss("short forward record");
+    }
+    std::vector<double> mine;  // intervals whose first layer the poller saw complete live
+    for (size_t l = 1; l < done.size(); ++l) {
+      if (live[l - 1] && live[l]) {
+        mine.push_back(static_cast<double>(done[l] - done[l - 1]) / 1e3);
+      }
+    }
+    if (live.back()) ++last_live;
+    intervals_us.insert(intervals_us.end(), mine.begin(), mine.end());
+    const Sample& s = samples.at(room);
+    const double tail = static_cast<double>(SteadyNs(s.finished) - done.back()) / 1e3;
+    tail_us.push_back(tail);
+    forward_ms.push_back(static_cast<double>(done.back() - start) / 1e6);
+    lag_us.push_back(static_cast<double>(start - SteadyNs(s.posted)) / 1e3);
+    enqueue_ms.push_back(static_cast<double>(enqueued - start) / 1e6);
+    per_request.push_back({{"room", room},
+                           {"tail_us", tail},
+                           {"last_layer_seen_live", live.back()},
+                           {"layer_us_median", mine.empty() ? json(nullptr) : json(Median(mine))},
+                           {"forward_ms", forward_ms.back()},
+                           {"enqueue_ms", enqueue_ms.back()},
+                           {"receive_to_forward_start_us", lag_us.back()},
+                           {"request_ms", s.engine_ms}});
+  }
+  // The layer time the target is read against: measured when the poller saw layers complete
+  // live; the set spin time otherwise (the forward completed before the poller got to it, i.e.
+  // enqueueing, not the GPU, paced it: see enqueue_ms). A tail whose last layer was not seen
+  // live is measured from a late stamp, so it is too short: last_layer_seen_live says so.
+  const double layer_us_measured = intervals_us.empty() ? NAN : Median(intervals_us);
+  const double layer_us_set = static_cast<double>(c.layer_time_ns) / 1e3;
+  const bool measured = std::isfinite(layer_us_measured);
+  const double layer_us = measured ? layer_us_measured : layer_us_set;
+  const double tail_p50 = Percentile(tail_us, 0.5), tail_max = Percentile(tail_us, 1.0);
+  json out = {{"requests", samples.size()},
+              {"layer_time_us_set", layer_us_set},
+              {"layer_time_us_measured", measured ? json(layer_us_measured) : json(nullptr)},
+              {"layer_time_source", measured ? "measured" : "set"},
+              {"layer_intervals_counted", intervals_us.size()},
+              {"requests_last_layer_seen_live", last_live},
+              {"tail_us_p50", tail_p50},
+              {"tail_us_p99", Percentile(tail_us, 0.99)},
+              {"tail_us_max", tail_max},
+              {"tail_to_layer_time_p50", SafeRatio(tail_p50, layer_us)},
+              {"tail_to_layer_time_max", SafeRatio(tail_max, layer_us)},
+              {"forward_ms_p50", Percentile(forward_ms, 0.5)},
+              {"enqueue_ms_p50", Percentile(enqueue_ms, 0.5)},
+              {"receive_to_forward_start_us_p50", Percentile(lag_us, 0.5)},
+              {"per_request", per_request}};
+  row = fmt::format("{:>6} {:>8.0f} {:>9}{} {:>9} {:>9} {:>8} {:>8} {:>8} {:>8} {:>9}", pt,
+                    layer_us_set, Cell(layer_us_measured, 1), measured ? " " : "*",
+                    Cell(tail_p50, 1), Cell(tail_max, 1), Cell(SafeRatio(tail_p50, layer_us)),
+                    Cell(SafeRatio(tail_max, layer_us)), Cell(Percentile(forward_ms, 0.5), 2),
+                    Cell(Percentile(enqueue_ms, 0.5), 2), Cell(Percentile(lag_us, 0.5), 0));
+  return out;
+}
+
+Status RunGpuPageSizeBody(const TransferOptions& o, const SideConfig& c, int64_t pages_per_request,
+                          int64_t request_bytes, std::unique_ptr<PeerLink>& link,
+                          std::unique_ptr<DecodeSide>& decode, json& out, GpuRows& rows) {
+  const int pt = c.page_tokens;
+  const bool ipc = c.backend == "cuda_ipc";
+  const auto reply_timeout = std::chrono::seconds(o.timeout_s * (o.iters + o.warmup + 2) + 120);
+
+  KVT_ASSIGN_OR_RETURN(link, PeerLink::Start(/*in_process=*/false));
+  KVT_RETURN_IF_ERROR(SendMessage(link->fd(), c.ToJson()));
+  KVT_ASSIGN_OR_RETURN(json ready, link->Reply(std::chrono::seconds(180)));
+  KVT_ASSIGN_OR_RETURN(decode, DecodeSide::Create(c, ready.at("port").get<uint16_t>(), json()));
+  if (ipc) {
+    KVT_ASSIGN_OR_RETURN(json handles, decode->ExportIpc());
+    out["ipc_allocations"] = handles.at("allocs").size();
+    handles["type"] = "ipc";
+    // Without the mappings only the peers' figures are lost: say so and measure the rest.
+    if (Status opened = link->Call(handles, std::chrono::seconds(60)).status(); !opened.ok()) {
+      out["ipc_error"] = opened.ToString();
+      fmt::print("page_tokens {}: no per-page / batch peers: {}\n", pt, opened.ToString());
+    }
+  }
+
+  // Ceilings and the peers' ways, in the child on the same device (before any request).
+  KVT_ASSIGN_OR_RETURN(json ceilings,
+                       link->Call({{"type", "gpu_ceilings"},
+                                   {"dst_pages", decode->SomePages(pages_per_request)},
+                                   {"iters", o.iters},
+                                   {"warmup", o.warmup},
+                                   {"peer_items", o.peer_items}},
+                                  reply_timeout));
+  out["ceilings"] = ceilings;
+
+  // kvt: whole requests.
+  for (int i = 0; i < o.warmup; ++i) {
+    KVT_RETURN_IF_ERROR(decode->Request(fmt::format("w{}", i), pages_per_request).status());
+  }
+  KVT_ASSIGN_OR_RETURN(json before,
+                       link->Call({{"type", "stats"}, {"reset", true}}, std::chrono::seconds(30)));
+  Latencies big;
+  const auto run_t0 = Clock::now();
+  for (int i = 0; i < o.iters; ++i) {
+    KVT_ASSIGN_OR_RETURN(Sample s, decode->Request(fmt::format("t{}", i), pages_per_request));
+    big.Add(s);
+  }
+  const double run_ms = Ms(Clock::now() - run_t0);
+  KVT_ASSIGN_OR_RETURN(json after,
+                       link->Call({{"type", "stats"}, {"reset", true}}, std::chrono::seconds(30)));
+  auto per_request = [&](const char* key) {
+    return static_cast<double>(after.at(key).get<uint64_t>() - before.at(key).get<uint64_t>()) /
+           o.iters;
+  };
+  const double writes_per_request = per_request("writes_posted");
+  const double runs_per_request = per_request("runs_posted");
+
+  // One-page requests: the fixed cost (control plane, posting, completion) of a request.
+  for (int i = 0; i < std::min(o.latency_requests, 20); ++i) {
+    KVT_RETURN_IF_ERROR(decode->Request(fmt::format("x{}", i), 1).status());
+  }
+  KVT_RETURN_IF_ERROR(
+      link->Call({{"type", "stats"}, {"reset", true}}, std::chrono::seconds(30)).status());
+  Latencies small;
+  for (int i = 0; i < o.latency_requests; ++i) {
+    KVT_ASSIGN_OR_RETURN(Sample s, decode->Request(fmt::format("l{}", i), 1));
+    small.Add(s);
+  }
+  KVT_ASSIGN_OR_RETURN(json small_post,
+                       link->Call({{"type", "stats"}, {"reset", true}}, std::chrono::seconds(30)));
+
+  // Layerwise: a simulated forward per request.
+  double tail_ratio_max = NAN;
+  if (o.layerwise_requests > 0) {
+    KVT_ASSIGN_OR_RETURN(json lw,
+                         RunLayerwise(o, c, *link, *decode, pages_per_request, rows.layerwise));
+    tail_ratio_max = lw.value("tail_to_layer_time_max", NAN);
+    out["layerwise"] = lw;
+  }
+
+  if (o.verify) {
+    KVT_RETURN_IF_ERROR(decode
+                            ->Request("v" + std::to_string(1000 + pt), pages_per_request,
+                                      static_cast<uint64_t>(1000 + pt))
+                            .status());
+    KVT_RETURN_IF_ERROR(
+        decode->Request("v" + std::to_string(2000 + pt), 1, static_cast<uint64_t>(2000 + pt))
+            .status());
+    out["verified_mismatches"] = decode->verified_mismatches();
+  }
+  KVT_ASSIGN_OR_RETURN(json last,
+                       link->Call({{"type", "stats"}, {"reset", true}}, std::chrono::seconds(30)));
+  for (const json* s : {&after, &small_post, &last}) {
+    if (s->at("callback_errors").get<uint64_t>() != 0) {
+      return Internal("prefill peer callback failed: " +
+                      s->at("first_callback_error").get<std::string>());
+    }
+  }
+
+  const double bytes = static_cast<double>(request_bytes);
+  const double kvt_p50 = Percentile(big.engine_ms, 0.5);
+  const double kvt_gbps = GBps(bytes, kvt_p50);
+  const double aggregate_gbps = GBps(bytes * o.iters, run_ms);
+  const double contiguous = FigureGbps(ceilings, "contiguous_d2d");
+  const double post_ms = after.at("post_ms_p50").get<double>();
+  out["kvt"] = json{{"gbps_p50_request", kvt_gbps},
+                    {"gbps_aggregate", aggregate_gbps},
+                    {"latency", big.ToJson(1.0, "ms")},
+                    {"writes_per_request", writes_per_request},
+                    {"runs_per_request", runs_per_request},
+                    {"prefill_post_ms_p50", post_ms},
+                    {"prefill_post_ms_p99", after.at("post_ms_p99")}};
+  out["one_page"] = small.ToJson(1000.0, "us");
+  out["one_page"]["bytes"] = static_cast<double>(request_bytes / pages_per_request);
+  out["one_page"]["prefill_post_us_p50"] = small_post.at("post_ms_p50").get<double>() * 1000;
+  json ratios = {{"kvt_to_contiguous_d2d", SafeRatio(kvt_gbps, contiguous)}};
+  const std::string check =
+      !o.verify ? "-" : (decode->verified_mismatches() == 0 ? "ok" : "MISMATCH");
+  if (ipc) {
+    const double per_page = FigureGbps(ceilings, "memcpy_async_per_page");
+    const double batch = FigureGbps(ceilings, "memcpy_batch_async");
+    ratios["kvt_to_memcpy_async_per_page"] = SafeRatio(kvt_gbps, per_page);
+    ratios["kvt_to_memcpy_batch_async"] = SafeRatio(kvt_gbps, batch);
+    rows.bw = fmt::format(
+        "{:>6} {:>7.0f} {:>9} {:>8} {:>8} {:>8} {:>9} {:>8} {:>9} {:>8} {:>8} {:>8} {:>8} {:>6}",
+        pt, writes_per_request, Cell(kvt_gbps, 1), Cell(aggregate_gbps, 1), Cell(kvt_p50, 3),
+        Cell(Percentile(big.engine_ms, 0.99), 3), Cell(contiguous, 1),
+        Cell(SafeRatio(kvt_gbps, contiguous), 3), Cell(per_page, 2),
+        RatioX(SafeRatio(kvt_gbps, per_page)), Cell(batch, 2), RatioX(SafeRatio(kvt_gbps, batch)),
+        Cell(post_ms, 3), check);
+    // The issue's targets.
+    const std::map<int, double> contiguous_target = {{1, 0.80}, {16, 0.90}, {64, 0.90}};
+    json targets = json::array();
+    if (auto it = contiguous_target.find(pt); it != contiguous_target.end()) {
+      targets.push_back(
+          Target("kvt / contiguous D2D", pt, SafeRatio(kvt_gbps, contiguous), it->second));
+    }
+    if (pt == 16) {
+      targets.push_back(
+          Target("kvt / cudaMemcpyAsync per page", pt, SafeRatio(kvt_gbps, per_page), 100.0));
+    }
+    if (o.layerwise_requests > 0) {
+      targets.push_back(Target("layerwise: (done - last layer written) / layer time, worst request",
+                               pt, tail_ratio_max, 1.0, /*at_most=*/true));
+    }
+    for (const json& t : targets) {
+      rows.targets.push_back(fmt::format(
+          "  page tokens {:>3}: {:<66} {:>9} {} {:<5} {}", pt, t["name"].get<std::string>(),
+          t["value"].is_null() ? std::string("-") : fmt::format("{:.3f}", t["value"].get<double>()),
+          t["at_most"].get<bool>() ? "<=" : ">=", t["threshold"].get<double>(),
+          t["pass"].get<bool>() ? "PASS" : "MISS"));
+    }
+    out["targets"] = targets;
+  } else {
+    const double d2h = FigureGbps(ceilings, "contiguous_d2h");
+    const double h2d = FigureGbps(ceilings, "contiguous_h2d");
+    ratios["kvt_to_contiguous_d2h"] = SafeRatio(kvt_gbps, d2h);
+    ratios["kvt_to_contiguous_h2d"] = SafeRatio(kvt_gbps, h2d);
+    rows.bw = fmt::format(
+        "{:>6} {:>7.0f} {:>9} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>9} {:>8} {:>8} {:>6}", pt,
+        writes_per_request, Cell(kvt_gbps, 2), Cell(aggregate_gbps, 2), Cell(kvt_p50, 2),
+        Cell(Percentile(big.engine_ms, 0.99), 2), Cell(d2h, 1), Cell(SafeRatio(kvt_gbps, d2h), 3),
+        Cell(h2d, 1), Cell(contiguous, 1), Cell(SafeRatio(kvt_gbps, contiguous), 4),
+        Cell(post_ms, 2), check);
+    out["targets"] = json::array();  // the issue sets none for the staged path
+  }
+  out["ratios"] = ratios;
+  rows.lat = fmt::format("{:>6} {:>9.0f} {:>8} {:>8} {:>9} {:>9} {:>9}", pt,
+                         out["one_page"]["bytes"].get<double>(),
+                         Cell(Percentile(small.engine_ms, 0.5) * 1000, 0),
+                         Cell(Percentile(small.engine_ms, 0.99) * 1000, 0),
+                         Cell(Percentile(small.caller_ms, 0.5) * 1000, 0),
+                         Cell(Percentile(small.caller_ms, 0.99) * 1000, 0),
+                         Cell(small_post.at("post_ms_p50").get<double>() * 1000, 0));
+  if (o.verify && decode->verified_mismatches() != 0) {
+    return DataLoss(fmt::format("{} bytes arrived wrong at page size {}; {}",
+                                decode->verified_mismatches(), pt, decode->first_mismatch()));
+  }
+  return OkStatus();
+}
+
+// One page-token size on CUDA pools. Tears down in the order CUDA IPC needs on every path: the
+// decode engine, then the child (its engine's and our IPC mappings of the decode pool), then the
+// decode pool.
+Status RunGpuPageSize(const TransferOptions& o, int pt, int device, int64_t per_token_bytes,
+                      int64_t tokens, json& out, GpuRows& rows) {
+  const int64_t pages_per_request = (tokens + pt - 1) / pt;
+  const int64_t request_tokens = pages_per_request * pt;
+  const int64_t request_bytes = request_tokens * per_token_bytes;
+  int64_t pool_tokens = 2 * request_tokens + pt;  // random pages need room to come from
+  if (!o.pool_bytes.empty()) {
+    KVT_ASSIGN_OR_RETURN(int64_t pool_bytes, ParseBytes(o.pool_bytes));
+    pool_tokens = std::max(pool_tokens, pool_bytes / per_token_bytes / pt * pt);
+  }
+  SideConfig c;
+  c.backend = o.backend;
+  c.ucx_tls = o.ucx_tls;
+  c.ucx_spin_us = o.ucx_spin_us;
+  c.page_tokens = pt;
+  c.pool_tokens = pool_tokens;
+  c.layers = o.layers;
+  c.heads = o.heads;
+  c.head_dim = o.head_dim;
+  c.dtype = o.dtype;
+  c.contiguous_bytes = request_bytes;
+  c.seed = o.seed + static_cast<uint32_t>(pt);
+  c.timeout_s = o.timeout_s;
+  c.cuda = true;
+  c.device = device;
+  c.ucx_cuda_mode = o.ucx_cuda_mode;
+  c.ucx_staging_slots = o.ucx_staging_slots;
+  KVT_ASSIGN_OR_RETURN(c.ucx_staging_slot_bytes, ParseBytes(o.ucx_staging_slot_bytes));
+  c.layer_time_ns = static_cast<int64_t>(std::llround(o.layer_time_us * 1000));
+  c.spin_blocks = o.spin_blocks;
+
+  out = json{{"page_tokens", pt},
+             {"pages_per_request", pages_per_request},
+             {"request_tokens", request_tokens},
+             {"request_bytes", request_bytes},
+             {"items_per_request", pages_per_request * 2 * o.layers},
+             {"item_bytes", request_bytes / (pages_per_request * 2 * o.layers)},
+             {"pool_tokens_per_side", pool_tokens},
+             {"pool_bytes_per_side", pool_tokens * per_token_bytes}};
+  std::unique_ptr<PeerLink> link;
+  std::unique_ptr<DecodeSide> decode;
+  Status s = RunGpuPageSizeBody(o, c, pages_per_request, request_bytes, link, decode, out, rows);
+  if (decode) decode->ShutdownEngine();
+  link.reset();
+  decode.reset();
+  return s;
+}
+
+Status RunTransferGpu(const TransferOptions& o, int device) {
   KVT_ASSIGN_OR_RETURN(std::vector<int> page_tokens, ParseIntList(o.page_tokens));
   KVT_ASSIGN_OR_RETURN(DType dtype, ParseDType(o.dtype));
-  if (o.layers <= 0 || o.heads <= 0 || o.head_dim <= 0) {
+  if (o.ucx_cuda_mode != "auto" && o.ucx_cuda_mode != "staged" && o.ucx_cuda_mode != "direct") {
+    return InvalidArgument("--ucx-cuda-mode is '" + o.ucx_cuda_mode +
+                           "'; use auto, staged or direct");
+  }
+  if (o.ucx_staging_slots <= 0 || o.layer_time_us < 0 || o.layerwise_requests < 0 ||
+      o.peer_items < 0) {
+    return InvalidArgument(fmt::format(
+        "--ucx-staging-slots ({}) must be > 0; --layer-time-us ({}), --layerwise-requests ({}) "
+        "and --peer-items ({}) >= 0",
+        o.ucx_staging_slots, o.layer_time_us, o.layerwise_requests, o.peer_items));
+  }
+  KVT_RETURN_IF_ERROR(ParseBytes(o.ucx_staging_slot_bytes).status());
+  if (!o.pool_bytes.empty()) KVT_RETURN_IF_ERROR(ParseBytes(o.pool_bytes).status());
+  const cuda::DeviceCountResult devices = cuda::DeviceCount();
+  if (devices.count == 0) {
+    return FailedPrecondition(
+        fmt::format("--backend {} on cuda:{} needs a CUDA device, but this machine has none ({}); "
+                    "run it on a GPU machine, or measure the host path with --backend ucx "
+                    "(no --device)",
+                    o.backend, device, devices.reason));
+  }
+  if (device >= devices.count) {
     return InvalidArgument(
-        fmt::format("--layers ({}), --heads ({}) and --head-dim ({}) must be > 0", o.layers,
-                    o.heads, o.head_dim));
+        fmt::format("--device cuda:{} does not exist; this process sees {} CUDA "
+                    "device(s)",
+                    device, devices.count));
   }
-  if (o.tokens <= 0 || o.iters <= 0 || o.warmup < 0 || o.latency_requests < 0 || o.timeout_s <= 0) {
+  BENCH_CUDA(cudaSetDevice(device));
+  QuietLibraryLogs();
+  const int64_t row_bytes = static_cast<int64_t>(o.heads) * o.head_dim * ItemSize(dtype);
+  const int64_t per_token_bytes = row_bytes * 2 * o.layers;
+  const int64_t tokens =
+      o.tokens > 0 ? o.tokens : (kGpuRequestBytes + per_token_bytes - 1) / per_token_bytes;
+  const bool ipc = o.backend == "cuda_ipc";
+
+  json doc;
+  doc["tool"] = "kvt-bench transfer";
+  doc["mode"] = ipc ? "cuda_ipc" : "ucx_staged";
+  doc["date_utc"] = NowUtc();
+  doc["command"] = CommandLine();
+  doc["machine"] = DescribeMachine(true);
+  doc["machine"]["device"] = device;
+  doc["loadavg_start"] = LoadAverage();
+  const char* env_tls = std::getenv("UCX_TLS");
+  doc["config"] =
+      json{{"backend", o.backend},
+           {"device", fmt::format("cuda:{}", device)},
+           {"memory", "cuda"},
+           {"ucx_tls", o.ucx_tls.empty() ? "(UCX default)" : o.ucx_tls},
+           {"env_UCX_TLS", env_tls ? env_tls : ""},
+           {"ucx_cuda_mode", o.ucx_cuda_mode},
+           {"ucx_staging_slots", o.ucx_staging_slots},
+           {"ucx_staging_slot_bytes", o.ucx_staging_slot_bytes},
+           {"layers", o.layers},
+           {"heads", o.heads},
+           {"head_dim", o.head_dim},
+           {"dtype", std::string(DTypeName(dtype))},
+           {"bytes_per_token_per_buffer", row_bytes},
+           {"bytes_per_token", per_token_bytes},
+           {"tokens", tokens},
+           {"iters", o.iters},
+           {"warmup", o.warmup},
+           {"latency_requests", o.latency_requests},
+           {"peer_items", o.peer_items},
+           {"layer_time_us", o.layer_time_us},
+           {"layerwise_requests", o.layerwise_requests},
+           {"spin_blocks", o.spin_blocks},
+           {"pool_per_side", o.pool_bytes.empty() ? "2 requests + 1 page" : o.pool_bytes},
+           {"seed", o.seed},
+           {"verify", o.verify}};
+  doc["notes"] =
+      "Both processes on one GPU, pools in device memory, random pages on both sides. Latency: "
+      "decode side, before Receive -> the decode engine saw TransferDone (RequestInfo::finished); "
+      "kvt GB/s = request bytes / p50 latency; aggregate = all timed requests' bytes / wall time "
+      "of the sequential loop. Ceilings, timed with CUDA events in the prefill process on the "
+      "same device, median: contiguous_d2d = one cudaMemcpyAsync of the request's bytes between "
+      "two buffers of its own; memcpy_async_per_page / memcpy_batch_async = one cudaMemcpyAsync "
+      "per (buffer, page) / one cudaMemcpyBatchAsync, from random pages of the prefill pool into "
+      "random pages of the decode pool through CUDA IPC mappings of it, on items_timed of "
+      "items_per_request items (an evenly spread subset), GB/s = bytes of those items / time; "
+      "contiguous_per_buffer_into_ipc = one cudaMemcpyAsync per buffer of the same bytes into the "
+      "mapped decode pool (diagnostic); contiguous_d2h / _h2d = one cudaMemcpyAsync with pinned "
+      "host memory (staged UCX's PCIe ceiling). Layerwise: per request the prefill child enqueues "
+      "per layer a spin kernel (layer_time_us_set) + the layer's pattern fill + an event + "
+      "LayersReady(l + 1, event); a child thread spins on cudaEventQuery of each layer's event and "
+      "stamps completion with steady_clock (CLOCK_MONOTONIC, shared by both processes); tail = "
+      "decode RequestInfo::finished - last layer's stamp; layer_time_us_measured = median interval "
+      "between consecutive layers' stamps where the poller saw both layers pending before they "
+      "completed (it starts once the whole forward is enqueued). GB/s = 1e9 bytes/s.";
+  fmt::print(
+      "kvt-bench transfer ({}), backend {}{} on {} (cuda:{}), {} buffers x {} B per token ({} KiB "
+      "per token), {} tokens = {:.0f} MiB per request, {} iters\n",
+      doc["date_utc"].get<std::string>(), o.backend,
+      ipc ? "" : " (CUDA mode " + o.ucx_cuda_mode + ")",
+      doc["machine"].value("gpu", std::string("?")), device, 2 * o.layers, row_bytes,
+      per_token_bytes / 1024, tokens, static_cast<double>(tokens * per_token_bytes) / (1 << 20),
+      o.iters);
+
+  json results = json::array(), targets = json::array();
+  std::vector<GpuRows> all_rows;
+  Status first_error;
+  for (int pt : page_tokens) {
+    json r;
+    GpuRows rows;
+    Status s = RunGpuPageSize(o, pt, device, per_token_bytes, tokens, r, rows);
+    if (!s.ok()) {
+      fmt::print("page_tokens {}: {}\n", pt, s.ToString());
+      r["page_tokens"] = pt;
+      r["error"] = s.ToString();
+      if (first_error.ok()) first_error = s;
+    } else {
+      for (const json& t : r.value("targets", json::array())) targets.push_back(t);
+      all_rows.push_back(rows);
+    }
+    results.push_back(r);
+  }
+  doc["results"] = results;
+  doc["targets"] = targets;
+  doc["loadavg_end"] = LoadAverage();
+
+  if (ipc) {
+    fmt::print(
+        "\n{:>6} {:>7} {:>9} {:>8} {:>8} {:>8} {:>9} {:>8} {:>9} {:>8} {:>8} {:>8} {:>8} {:>6}\n",
+        "tokens", "wr/req", "kvt GB/s", "aggr", "p50 ms", "p99 ms", "contig", "kvt/ctg", "per-page",
+        "kvt/pp", "batch", "kvt/bat", "post ms", "check");
+  } else {
+    fmt::print("\n{:>6} {:>7} {:>9} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>9} {:>8} {:>8} {:>6}\n",
+               "tokens", "wr/req", "kvt GB/s", "aggr", "p50 ms", "p99 ms", "D2H", "kvt/D2H", "H2D",
+               "D2D", "kvt/D2D", "post ms", "check");
+  }
+  for (const GpuRows& r : all_rows) fmt::print("{}\n", r.bw);
+  if (o.layerwise_requests > 0) {
+    fmt::print("\nlayerwise: simulated forward, {} requests per size, microseconds\n",
+               o.layerwise_requests);
+    fmt::print("{:>6} {:>8} {:>9}  {:>9} {:>9} {:>8} {:>8} {:>8} {:>8} {:>9}\n", "tokens", "T set",
+               "T meas", "tail p50", "tail max", "p50/T", "max/T", "fwd ms", "enq ms", "rcv->fwd");
+    for (const GpuRows& r : all_rows) fmt::print("{}\n", r.layerwise);
+    fmt::print(
+        "(T = T meas, the median interval between layers seen completing live; * = none seen live, "
+        "so T = T set and enqueueing paced the forward: see enq ms and JSON "
+        "last_layer_seen_live)\n");
+  }
+  fmt::print("\none-page requests ({} each), microseconds\n", o.latency_requests);
+  fmt::print("{:>6} {:>9} {:>8} {:>8} {:>9} {:>9} {:>9}\n", "tokens", "bytes", "p50", "p99",
+             "wait p50", "wait p99", "post p50");
+  for (const GpuRows& r : all_rows) fmt::print("{}\n", r.lat);
+  if (!targets.empty()) {
+    fmt::print("\ntargets (issue: GPU pools and the NVLink path)\n");
+    for (const GpuRows& r : all_rows) {
+      for (const std::string& t : r.targets) fmt::print("{}\n", t);
+    }
+  }
+  fmt::print("\nload average at start {}, at end {}\n", doc["loadavg_start"].get<std::string>(),
+             doc["loadavg_end"].get<std::string>());
+  if (ipc) {
+    fmt::print(
+        "\nkvt GB/s = request bytes / p50 latency (before Receive -> done seen on the decode "
+        "side); "
+        "contig = contiguous cudaMemcpyAsync D2D of the same bytes (prefill process, same GPU, "
+        "CUDA events); per-page / batch = one cudaMemcpyAsync per (buffer, page) / "
+        "cudaMemcpyBatchAsync into the decode pool through CUDA IPC, timed on {} items of each "
+        "request (see JSON items_timed) and scaled by bytes; wr/req = backend writes per request; "
+        "post ms = prefill Send + LayersReady. Layerwise: tail = decode done - last layer's event "
+        "seen complete (host CLOCK_MONOTONIC in both processes); T meas = median layer interval.\n",
+        o.peer_items == 0 ? std::string("all") : fmt::format("up to {}", o.peer_items));
+  } else {
+    fmt::print(
+        "\nkvt GB/s = request bytes / p50 latency (before Receive -> done seen on the decode "
+        "side); "
+        "D2H / H2D = contiguous cudaMemcpyAsync of the same bytes with pinned host memory (the "
+        "PCIe ceiling), D2D = contiguous device copy, all in the prefill process, same GPU, CUDA "
+        "events.\n");
+  }
+  if (!o.json_path.empty()) {
+    KVT_RETURN_IF_ERROR(WriteJson(o.json_path, doc));
+    fmt::print("wrote {}\n", o.json_path);
+  }
+  return first_error;
+}
+
+Status RunTransfer(const TransferOptions& options) {
+  KVT_ASSIGN_OR_RETURN(std::vector<int> page_tokens, ParseIntList(options.page_tokens));
+  KVT_ASSIGN_OR_RETURN(DType dtype, ParseDType(options.dtype));
+  if (options.layers <= 0 || options.heads <= 0 || options.head_dim <= 0) {
     return InvalidArgument(
-        fmt::format("--tokens ({}), --iters ({}) and --timeout ({}) must be > 0, --warmup ({}) "
-                    "and --latency-requests ({}) >= 0",
-                    o.tokens, o.iters, o.timeout_s, o.warmup, o.latency_requests));
+        fmt::format("--layers ({}), --heads ({}) and --head-dim ({}) must be > 0", options.layers,
+                    options.heads, options.head_dim));
   }
-  if (o.backend != "ucx" && o.backend != "loopback") {
-    return InvalidArgument("--backend is '" + o.backend + "'; use ucx or loopback");
+  if (options.tokens < 0 || options.iters <= 0 || options.warmup < 0 ||
+      options.latency_requests < 0 || options.timeout_s <= 0) {
+    return InvalidArgument(fmt::format(
+        "--iters ({}) and --timeout ({}) must be > 0, --tokens ({}; 0 = automatic), --warmup ({}) "
+        "and --latency-requests ({}) >= 0",
+        options.iters, options.timeout_s, options.tokens, options.warmup,
+        options.latency_requests));
   }
-  if (o.backend == "loopback" && !o.ucx_tls.empty()) {
+  if (options.backend != "ucx" && options.backend != "loopback" && options.backend != "cuda_ipc") {
+    return InvalidArgument("--backend is '" + options.backend + "'; use ucx, loopback or cuda_ipc");
+  }
+  if (options.backend != "ucx" && !options.ucx_tls.empty()) {
     return InvalidArgument("--ucx-tls only applies to --backend ucx");
   }
+  // Where the pools live: CUDA pools for cuda_ipc (cuda:0 unless told) and with --device cuda:N.
+  const std::string where = !options.device.empty()
+                                ? options.device
+                                : (options.backend == "cuda_ipc" ? std::string("cuda:0") : "host");
+  if (where != "host" && where != "cpu") {
+    KVT_ASSIGN_OR_RETURN(int device, ParseCudaDevice(where));
+    if (options.backend == "loopback") {
+      return InvalidArgument(
+          "--backend loopback moves host pools only; use --backend cuda_ipc or ucx with --device " +
+          where);
+    }
+    return RunTransferGpu(options, device);
+  }
+  if (options.backend == "cuda_ipc") {
+    return InvalidArgument(
+        "--backend cuda_ipc moves CUDA pools; use --device cuda:N (default "
+        "cuda:0), or --backend ucx for host pools");
+  }
+  // Host pools: the defaults as they always were.
+  TransferOptions o = options;
+  if (o.tokens == 0) o.tokens = 1024;
+  if (o.pool_bytes.empty()) o.pool_bytes = "1GiB";
   QuietLibraryLogs();
   const int64_t row_bytes = static_cast<int64_t>(o.heads) * o.head_dim * ItemSize(dtype);
   const int64_t per_token_bytes = row_bytes * 2 * o.layers;  // K and V of every layer
@@ -1095,11 +2139,18 @@ void AddTransferCommand(CLI::App& app, int& exit_code) {
   auto opts = std::make_shared<TransferOptions>();
   CLI::App* cmd = app.add_subcommand(
       "transfer",
-      "TransferEngine host path between two processes (decode here, prefill in a child) vs "
-      "memcpy and a contiguous put in the same run; one-page request latency");
+      "TransferEngine between two processes (decode here, prefill in a child) vs the ceilings of "
+      "the same run: host pools (memcpy, contiguous put) or CUDA pools on one GPU (contiguous "
+      "cudaMemcpy, the peers' per-page cudaMemcpyAsync / cudaMemcpyBatchAsync through CUDA IPC, "
+      "PCIe for staged UCX; layerwise forward); one-page request latency");
   cmd->add_option("--json", opts->json_path, "write all figures to this JSON file");
-  cmd->add_option("--backend", opts->backend, "ucx (two processes) or loopback (one process)")
+  cmd->add_option("--backend", opts->backend,
+                  "ucx (two processes), loopback (one process, host pools) or cuda_ipc (two "
+                  "processes on one GPU)")
       ->capture_default_str();
+  cmd->add_option("--device", opts->device,
+                  "cuda:N for CUDA pools (default cuda:0 with cuda_ipc; with ucx: its staged CUDA "
+                  "path), host for host pools");
   cmd->add_option("--ucx-tls", opts->ucx_tls,
                   "UCX transports, UCX_TLS syntax (e.g. shm,self or tcp); default: UCX's choice");
   cmd->add_option("--ucx-spin-us", opts->ucx_spin_us,
@@ -1107,7 +2158,9 @@ void AddTransferCommand(CLI::App& app, int& exit_code) {
       ->capture_default_str();
   cmd->add_option("--page-tokens", opts->page_tokens, "tokens per page, comma-separated")
       ->capture_default_str();
-  cmd->add_option("--tokens", opts->tokens, "tokens per request")->capture_default_str();
+  cmd->add_option("--tokens", opts->tokens,
+                  "tokens per request (0: 1024 on host pools, >= 1 GiB per request on CUDA pools)")
+      ->capture_default_str();
   cmd->add_option("--iters", opts->iters, "timed requests per page size")->capture_default_str();
   cmd->add_option("--warmup", opts->warmup, "untimed requests first")->capture_default_str();
   cmd->add_option("--latency-requests", opts->latency_requests,
@@ -1118,13 +2171,37 @@ void AddTransferCommand(CLI::App& app, int& exit_code) {
   cmd->add_option("--head-dim", opts->head_dim, "head dimension")->capture_default_str();
   cmd->add_option("--dtype", opts->dtype, "element type (bf16, fp16, fp32, fp8_e4m3, ...)")
       ->capture_default_str();
-  cmd->add_option("--pool", opts->pool_bytes, "pool bytes per side (at least two requests)")
-      ->capture_default_str();
+  cmd->add_option("--pool", opts->pool_bytes,
+                  "pool bytes per side, at least two requests (default 1GiB on host pools, two "
+                  "requests + a page on CUDA pools)");
   cmd->add_option("--timeout", opts->timeout_s, "seconds per request and per peer reply")
       ->capture_default_str();
   cmd->add_option("--seed", opts->seed, "random page choice")->capture_default_str();
   cmd->add_flag("--verify", opts->verify,
-                "after timing, check the pattern of one full and one one-page request");
+                "after timing, check the pattern of one full and one one-page request (and, on "
+                "CUDA pools, of every layerwise request)");
+  cmd->add_option("--ucx-cuda-mode", opts->ucx_cuda_mode,
+                  "ucx on CUDA pools: auto, staged or direct (BackendOptions::ucx_cuda_mode)")
+      ->capture_default_str();
+  cmd->add_option("--ucx-staging-slots", opts->ucx_staging_slots,
+                  "ucx staging: bounce slots per side")
+      ->capture_default_str();
+  cmd->add_option("--ucx-staging-slot-bytes", opts->ucx_staging_slot_bytes,
+                  "ucx staging: bytes per slot")
+      ->capture_default_str();
+  cmd->add_option("--peer-items", opts->peer_items,
+                  "CUDA pools: (buffer, page) items timed for the per-page cudaMemcpyAsync and "
+                  "cudaMemcpyBatchAsync peers, scaled by bytes (0: every item of a request)")
+      ->capture_default_str();
+  cmd->add_option("--layer-time-us", opts->layer_time_us,
+                  "CUDA pools, layerwise: spin time of each simulated layer")
+      ->capture_default_str();
+  cmd->add_option("--layerwise-requests", opts->layerwise_requests,
+                  "CUDA pools: simulated-forward requests timed per page size (0: none)")
+      ->capture_default_str();
+  cmd->add_option("--spin-blocks", opts->spin_blocks,
+                  "CUDA pools, layerwise: blocks of 32 threads of the spin kernel (0: one per SM)")
+      ->capture_default_str();
   cmd->callback([opts, &exit_code] {
     Status s = RunTransfer(*opts);
     if (!s.ok()) {

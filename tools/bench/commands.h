@@ -9,8 +9,10 @@ namespace kvt::bench {
 // `kvt-bench kernels`: page gather/scatter kernel vs contiguous memcpy and the peers' ways.
 void AddKernelsCommand(CLI::App& app, int& exit_code);
 
-// `kvt-bench transfer`: TransferEngine host path between two processes vs memcpy and a
-// contiguous put in the same run (also registers its hidden `transfer-peer` child command).
+// `kvt-bench transfer`: TransferEngine between two processes vs the ceilings of the same run —
+// host pools (memcpy, contiguous put) or CUDA pools on one GPU (contiguous cudaMemcpy, the peers'
+// per-page ways through CUDA IPC, PCIe for staged UCX, a layerwise forward). Also registers its
+// hidden `transfer-peer` child command.
 void AddTransferCommand(CLI::App& app, int& exit_code);
 
 }  // namespace kvt::bench
