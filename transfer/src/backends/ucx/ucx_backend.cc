@@ -3,49 +3,48 @@
 #include <poll.h>
 #include <sys/mman.h>
 #include <ucp/api/ucp.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <random>
 #include <string>
 #include <thread>
 #include <unordered_map>
 #include <vector>
 
 #include "backends/run_check.h"
+#include "backends/ucx/ucx_staged.h"
+#include "backends/ucx/ucx_staging.h"
 #include "kvt/common/log.h"
+#include "kvt/kernels/cuda_util.h"
 
 namespace kvt::transfer {
 namespace {
 
 using Clock = std::chrono::steady_clock;
 
-Status UcsStatus(ucs_status_t status, const std::string& what) {
-  if (status == UCS_OK) return OkStatus();
-  std::string message = what + ": " + ucs_status_string(status);
-  switch (status) {
-    case UCS_ERR_NO_MEMORY:
-    case UCS_ERR_NO_RESOURCE:
-    case UCS_ERR_EXCEEDS_LIMIT:
-      return ResourceExhausted(message);
-    case UCS_ERR_CANCELED:
-      return Aborted(message);
-    case UCS_ERR_TIMED_OUT:
-      return DeadlineExceeded(message);
-    case UCS_ERR_UNREACHABLE:
-    case UCS_ERR_CONNECTION_RESET:
-    case UCS_ERR_ENDPOINT_TIMEOUT:
-    case UCS_ERR_REJECTED:
-      return Unavailable(message);
-    case UCS_ERR_INVALID_PARAM:
-      return InvalidArgument(message);
-    case UCS_ERR_UNSUPPORTED:
-      return Unimplemented(message);
-    default:
-      return Internal(message);
+// "host, cuda" for a ucp_context_query memory-type mask.
+std::string MemoryTypeNames(uint64_t mask) {
+  static const char* const kNames[] = {"host", "cuda", "cuda-managed", "rocm", "rocm-managed"};
+  std::string names;
+  for (unsigned bit = 0; bit < 64; ++bit) {
+    if ((mask & (uint64_t{1} << bit)) == 0) continue;
+    if (!names.empty()) names += ", ";
+    names += bit < std::size(kNames) ? std::string(kNames[bit]) : "type " + std::to_string(bit);
   }
+  return names.empty() ? "none" : names;
+}
+
+// A random id for this backend instance, so receivers can tell senders apart across processes.
+uint64_t NewInstanceId() {
+  std::random_device device;
+  uint64_t id = (uint64_t{device()} << 32) ^ device() ^ (static_cast<uint64_t>(getpid()) << 16) ^
+                static_cast<uint64_t>(Clock::now().time_since_epoch().count());
+  return id == 0 ? 1 : id;
 }
 
 class UcxBackend final : public Backend {
@@ -66,9 +65,15 @@ class UcxBackend final : public Backend {
   };
 
  public:
-  explicit UcxBackend(const BackendOptions& options)
+  UcxBackend(const BackendOptions& options, const UcxTestHooks& hooks)
       : spin_(std::chrono::microseconds(options.ucx_spin_us)),
-        direct_shm_(options.ucx_direct_shm) {}
+        direct_shm_(options.ucx_direct_shm),
+        transports_(options.ucx_transports),
+        cuda_mode_(options.ucx_cuda_mode),
+        staging_slots_(options.ucx_staging_slots),
+        staging_slot_bytes_(options.ucx_staging_slot_bytes),
+        hooks_(hooks),
+        instance_(NewInstanceId()) {}
 
   ~UcxBackend() override {
     stop_.store(true);
@@ -77,8 +82,13 @@ class UcxBackend final : public Backend {
     ApiLock lock(*this);
     for (auto& [id, write] : writes_) WaitLocked(write);
     writes_.clear();
-    for (auto& [id, peer] : peers_) ClosePeerLocked(peer);
+    if (staging_) staging_->Quiesce();
+    for (auto& [id, peer] : peers_) {
+      if (peer.staged && staging_) staging_->RemovePeer(id, /*peer_dead=*/false);
+      ClosePeerLocked(peer);
+    }
     peers_.clear();
+    if (staging_) staging_->Shutdown();
     UnmapLocked();
     for (auto& [address, allocation] : allocations_) ucp_mem_unmap(context_, allocation.memh);
     allocations_.clear();
@@ -88,6 +98,10 @@ class UcxBackend final : public Backend {
   }
 
   Status Init(const BackendOptions& options) {
+    if (cuda_mode_ != "auto" && cuda_mode_ != "staged" && cuda_mode_ != "direct") {
+      return InvalidArgument("ucx_cuda_mode is '" + cuda_mode_ +
+                             "'; use 'auto', 'staged' or 'direct'");
+    }
     ucp_config_t* config = nullptr;
     KVT_RETURN_IF_ERROR(UcsStatus(ucp_config_read(nullptr, nullptr, &config), "ucp_config_read"));
     if (!options.ucx_transports.empty()) {
@@ -101,6 +115,9 @@ class UcxBackend final : public Backend {
     }
     ucp_params_t params = {};
     params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
+    // RMA only: the staged path's active messages run on a context of their own
+    // (StagedTransport), because enabling UCP_FEATURE_AM here makes UCX 1.13's tcp transport
+    // crash in ucp_worker_progress (uct_tcp_iface_progress) even with no AM traffic.
     params.features = UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP;
     params.mt_workers_shared = 0;
     ucs_status_t st = ucp_init(&params, config, &context_);
@@ -115,6 +132,17 @@ class UcxBackend final : public Backend {
     attr.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
     KVT_RETURN_IF_ERROR(UcsStatus(ucp_context_query(context_, &attr), "ucp_context_query"));
     memory_types_ = attr.memory_types;
+    // Once per process at info (it decides how CUDA pools move), then at debug.
+    static std::atomic<bool> logged{false};
+    if (!logged.exchange(true)) {
+      KVT_LOG_INFO("ucx", "UCX {} handles memory types: {}; CUDA pools {}", UcxVersion(),
+                   MemoryTypeNames(memory_types_),
+                   UcxHandlesCuda() ? "are registered directly (ucx_cuda_mode auto)"
+                                    : "are staged through pinned host bounce buffers");
+    } else {
+      KVT_LOG_DEBUG("ucx", "UCX {} handles memory types: {}", UcxVersion(),
+                    MemoryTypeNames(memory_types_));
+    }
 
     ucp_worker_params_t wparams = {};
     wparams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
@@ -134,9 +162,10 @@ class UcxBackend final : public Backend {
   BackendCapabilities Capabilities() const override {
     BackendCapabilities caps;
     caps.host_memory = (memory_types_ & UCS_BIT(UCS_MEMORY_TYPE_HOST)) != 0;
-    caps.cuda_memory = (memory_types_ & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
+    caps.cuda_memory = UcxHandlesCuda();
     caps.inter_process = true;
     caps.inter_node = true;
+    caps.page_writes = staged_.load(std::memory_order_acquire);
     return caps;
   }
 
@@ -147,25 +176,50 @@ class UcxBackend final : public Backend {
         return FailedPrecondition("cannot re-register buffers while writes are in flight");
       }
     }
-    UnmapLocked();
-    PeerDescriptor descriptor;
-    descriptor.backend = "ucx";
-    descriptor.address.assign(static_cast<const char*>(static_cast<void*>(worker_address_)),
-                              worker_address_len_);
+    if (staging_ && staging_->Active()) {
+      return FailedPrecondition(
+          "cannot re-register buffers while staged writes or received chunks are in flight");
+    }
     for (size_t i = 0; i < regions.size(); ++i) {
-      const LocalRegion& r = regions[i];
-      if (r.base == 0 || r.length == 0) {
-        UnmapLocked();
+      if (regions[i].base == 0 || regions[i].length == 0) {
         return InvalidArgument("buffer " + std::to_string(i) + " has a null base or zero length");
       }
-      if (r.kind == MemoryKind::kCuda && !Capabilities().cuda_memory) {
-        UnmapLocked();
-        return Unimplemented(
-            "this UCX build has no CUDA memory support (ucp_context_query lists no cuda memory "
-            "type), so buffer " +
-            std::to_string(i) +
-            " on CUDA memory cannot be registered directly; stage through host memory");
+    }
+    KVT_ASSIGN_OR_RETURN(const bool stage, ChooseStagingLocked(regions));
+    if (stage && !staging_) {
+      // The staging context comes with the first staged pool (host-only backends never pay).
+      KVT_ASSIGN_OR_RETURN(staging_, ucx_staging::StagedTransport::Create(transports_, instance_));
+    }
+    UnmapLocked();
+    if (staging_) KVT_RETURN_IF_ERROR(staging_->Detach());
+    staged_.store(false, std::memory_order_release);
+    PeerDescriptor descriptor;
+    descriptor.backend = "ucx";
+    const std::string_view worker_address(reinterpret_cast<const char*>(worker_address_),
+                                          worker_address_len_);
+    if (stage) {
+      ucx_staging::StagingOptions options;
+      options.slots = static_cast<uint32_t>(std::max(staging_slots_, 0));
+      options.slot_bytes = staging_slot_bytes_;
+      options.host_copier = regions[0].kind == MemoryKind::kHost;
+      options.host_copy_delay = std::chrono::microseconds(hooks_.host_copy_delay_us);
+      KVT_RETURN_IF_ERROR(staging_->Attach(regions, options).WithContext("staging the pool"));
+      for (const LocalRegion& r : regions) {
+        // No rkeys: UCX cannot write this memory; peers send chunks to our bounce slots.
+        descriptor.regions.push_back(RemoteRegion{r.base, r.length, r.item_len, {}});
       }
+      local_.assign(regions.begin(), regions.end());
+      staged_.store(true, std::memory_order_release);
+      // Peers reach a staged pool through the staging worker.
+      descriptor.address = ucx_staging::AppendTrailer(
+          staging_->worker_address(), {instance_, true, staging_->slots(), staging_->slot_bytes()});
+      KVT_LOG_DEBUG("ucx", "{} buffers staged through {} bounce slots of {} bytes", regions.size(),
+                    staging_->slots(), staging_->slot_bytes());
+      return descriptor;
+    }
+    descriptor.address = ucx_staging::AppendTrailer(worker_address, {instance_, false, 0, 0});
+    for (size_t i = 0; i < regions.size(); ++i) {
+      const LocalRegion& r = regions[i];
       ucp_mem_h memh = AllocationContaining(r.base, r.length);
       if (memh == nullptr) {
         ucp_mem_map_params_t mp = {};
@@ -201,17 +255,41 @@ class UcxBackend final : public Backend {
     if (descriptor.backend != "ucx") {
       return InvalidArgument("peer uses backend '" + descriptor.backend + "', this side 'ucx'");
     }
-    if (descriptor.address.empty()) return InvalidArgument("peer sent an empty UCX address");
+    const ucx_staging::SplitAddress address = ucx_staging::SplitPeerAddress(descriptor.address);
+    if (address.worker_address.empty()) return InvalidArgument("peer sent an empty UCX address");
+    const bool peer_staged = address.trailer.has_value() && address.trailer->staged;
     ApiLock lock(*this);
     KVT_RETURN_IF_ERROR(CheckRegionCount(local_.size(), descriptor.regions.size()));
+    const bool local_staged = staged_.load(std::memory_order_acquire);
+    if (peer_staged != local_staged) {
+      return FailedPrecondition(
+          std::string(peer_staged ? "the peer stages its CUDA pool through host bounce buffers"
+                                  : "the peer registered its buffers for direct UCX writes") +
+          " but this side " +
+          (local_staged ? "stages its CUDA pool" : "registered its buffers for direct writes") +
+          "; both sides must do the same: register CUDA pools with ucx_cuda_mode 'staged' on "
+          "both (or 'auto' where UCX " +
+          UcxVersion() + " has no CUDA support)");
+    }
     const PeerId id = next_peer_++;
     Peer peer;
     peer.regions = descriptor.regions;
+    peer.staged = local_staged;
+    peer.remote_instance = address.trailer ? address.trailer->instance : 0;
     peer.error = std::make_shared<std::atomic<int>>(UCS_OK);
+    if (staging_) staging_->AdmitSender(peer.remote_instance);
+    if (peer.staged) {
+      // Staged peers live on the staging worker; this worker has no endpoint to them.
+      KVT_RETURN_IF_ERROR(
+          staging_->AddPeer(id, address.worker_address, *address.trailer, descriptor.regions));
+      peers_.emplace(id, std::move(peer));
+      staging_->Signal();  // the hello's ack arrives through the progress thread
+      return id;
+    }
     ucp_ep_params_t ep = {};
     ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                     UCP_EP_PARAM_FIELD_ERR_HANDLER;
-    ep.address = reinterpret_cast<const ucp_address_t*>(descriptor.address.data());
+    ep.address = reinterpret_cast<const ucp_address_t*>(address.worker_address.data());
     // UCX 1.13's shared-memory transports have no peer-failure handler, so asking for
     // UCP_ERR_HANDLING_MODE_PEER would rule them out (leaving only tcp). Peer death is detected
     // by the control plane (connection loss, heartbeats), which then disconnects the peer here.
@@ -238,7 +316,15 @@ class UcxBackend final : public Backend {
     ApiLock lock(*this);
     auto it = peers_.find(id);
     if (it == peers_.end()) return NotFound("no UCX peer " + std::to_string(id));
-    ClosePeerLocked(it->second, mode == DisconnectMode::kPeerDead);
+    const bool dead = mode == DisconnectMode::kPeerDead;
+    // Staged: the sender side waits for (or abandons) its chunks and says bye while the endpoint
+    // is still open; the receiver side stops taking chunks from that backend.
+    if (staging_) {
+      if (it->second.staged) staging_->RemovePeer(id, dead);
+      staging_->DropSender(it->second.remote_instance, dead);
+    }
+    it = peers_.find(id);
+    ClosePeerLocked(it->second, dead);
     peers_.erase(it);
     for (auto& [wid, write] : writes_) {
       if (write.peer != id) continue;
@@ -256,6 +342,12 @@ class UcxBackend final : public Backend {
     auto it = peers_.find(id);
     if (it == peers_.end()) return NotFound("no UCX peer " + std::to_string(id));
     Peer& peer = it->second;
+    if (peer.staged || staged_.load(std::memory_order_acquire)) {
+      return Unimplemented(
+          "this ucx backend stages its CUDA pool through host bounce buffers (UCX " +
+          std::string(UcxVersion()) + " handles " + MemoryTypeNames(memory_types_) +
+          "); staged CUDA pools take page writes (PostPages), not copy runs");
+    }
     if (int err = peer.error->load(); err != UCS_OK) {
       return UcsStatus(static_cast<ucs_status_t>(err), "UCX endpoint to the peer failed");
     }
@@ -305,10 +397,32 @@ class UcxBackend final : public Backend {
     return wid;
   }
 
+  StatusOr<WriteId> PostPages(PeerId id, const PageWrite& write) override {
+    ApiLock lock(*this);
+    if (!staged_.load(std::memory_order_acquire)) {
+      return Unimplemented(
+          "ucx takes page writes only for CUDA pools it stages through bounce buffers "
+          "(ucx_cuda_mode 'staged', or 'auto' on a UCX without CUDA support); this registration "
+          "takes copy runs (PostWrite)");
+    }
+    auto it = peers_.find(id);
+    if (it == peers_.end()) return NotFound("no UCX peer " + std::to_string(id));
+    if (int err = it->second.error->load(); err != UCS_OK) {
+      return UcsStatus(static_cast<ucs_status_t>(err), "UCX endpoint to the peer failed");
+    }
+    const WriteId wid = next_write_++;
+    KVT_RETURN_IF_ERROR(staging_->PostPages(wid, id, write));
+    staging_->Signal();  // the progress thread may be asleep on the event fds
+    return wid;
+  }
+
   Status Check(WriteId id) override {
     ApiLock lock(*this);
     auto it = writes_.find(id);
-    if (it == writes_.end()) return NotFound("no UCX write " + std::to_string(id));
+    if (it == writes_.end()) {
+      if (staging_ && staging_->HasWrite(id)) return staging_->Check(id);
+      return NotFound("no UCX write " + std::to_string(id));
+    }
     Write& write = it->second;
     if (write.flush != nullptr) {
       ucp_worker_progress(worker_);
@@ -359,7 +473,10 @@ class UcxBackend final : public Backend {
   void Release(WriteId id) override {
     ApiLock lock(*this);
     auto it = writes_.find(id);
-    if (it == writes_.end()) return;
+    if (it == writes_.end()) {
+      if (staging_) staging_->Release(id);
+      return;
+    }
     WaitLocked(it->second);
     writes_.erase(it);
   }
@@ -373,6 +490,8 @@ class UcxBackend final : public Backend {
     // When every peer buffer lives in shared memory UCX has mapped into this process
     // (ucp_rkey_ptr), its local address per buffer: writes are then plain copies.
     std::vector<uint8_t*> direct;
+    bool staged = false;           // writes go through the staged transport
+    uint64_t remote_instance = 0;  // the peer backend's id (its descriptor trailer), 0 unknown
   };
 
   // Finds local mappings of all the peer's buffers; on success pre-faults them, because the
@@ -414,6 +533,46 @@ class UcxBackend final : public Backend {
     --it;
     if (base + length > it->first + it->second.length) return nullptr;
     return it->second.memh;
+  }
+
+  bool UcxHandlesCuda() const { return (memory_types_ & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0; }
+
+  // Whether a registration of these regions stages (CUDA pools on a UCX that cannot write them,
+  // or mode "staged"; host pools only under the test hook). mutex_ held.
+  StatusOr<bool> ChooseStagingLocked(std::span<const LocalRegion> regions) const {
+    bool any_cuda = false;
+    size_t host_buffer = regions.size();
+    for (size_t i = 0; i < regions.size(); ++i) {
+      if (regions[i].kind == MemoryKind::kCuda) {
+        any_cuda = true;
+      } else if (host_buffer == regions.size()) {
+        host_buffer = i;
+      }
+    }
+    if (!any_cuda) return hooks_.stage_host_memory && !regions.empty();
+    if (cuda_mode_ == "direct") {
+      if (!UcxHandlesCuda()) {
+        return FailedPrecondition(
+            "ucx_cuda_mode 'direct' registers CUDA memory with UCX, but UCX " +
+            std::string(UcxVersion()) +
+            " handles only these memory types: " + MemoryTypeNames(memory_types_) +
+            "; use ucx_cuda_mode 'auto' or 'staged' (pinned host bounce buffers), or a UCX "
+            "built with CUDA support");
+      }
+      return false;
+    }
+    if (cuda_mode_ == "auto" && UcxHandlesCuda()) return false;
+    if (host_buffer != regions.size()) {
+      return InvalidArgument("staging needs every buffer in CUDA memory, but buffer " +
+                             std::to_string(host_buffer) + " is host memory");
+    }
+    if (!cuda::HasDevice()) {
+      return Unavailable(
+          "staging CUDA buffers through host bounce buffers needs a usable CUDA device, but "
+          "there is none (" +
+          cuda::DeviceCount().reason + ")");
+    }
+    return true;
   }
 
   static void OnEndpointError(void* arg, ucp_ep_h, ucs_status_t status) {
@@ -487,30 +646,46 @@ class UcxBackend final : public Backend {
         continue;
       }
       unsigned progressed;
+      bool polling = false;
+      int staging_fd = -1;
       {
         std::lock_guard<std::mutex> lock(mutex_);
         progressed = ucp_worker_progress(worker_);
+        if (staging_) {
+          progressed += staging_->Progress();
+          staging_->Pump();
+          polling = staging_->NeedsPolling();
+          staging_fd = staging_->event_fd();
+        }
       }
       const auto now = Clock::now();
-      if (progressed != 0) {
+      if (progressed != 0 || polling) {
         last_work = now;
         continue;
       }
       if (now - last_work < spin_) continue;
-      ucs_status_t armed;
+      bool armed;
       {
         std::lock_guard<std::mutex> lock(mutex_);
-        armed = ucp_worker_arm(worker_);
+        armed = ucp_worker_arm(worker_) != UCS_ERR_BUSY;
+        if (armed && staging_) armed = staging_->Arm();
       }
-      if (armed == UCS_ERR_BUSY) continue;
-      pollfd pfd = {event_fd_, POLLIN, 0};
-      poll(&pfd, 1, 10);  // bounded so stop_ is seen even without a signal
+      if (!armed) continue;
+      pollfd pfds[2] = {{event_fd_, POLLIN, 0}, {staging_fd, POLLIN, 0}};
+      poll(pfds, staging_fd >= 0 ? 2 : 1, 10);  // bounded so stop_ is seen even without a signal
       last_work = Clock::now();
     }
   }
 
   const std::chrono::microseconds spin_;
   const bool direct_shm_;
+  const std::string transports_;
+  const std::string cuda_mode_;
+  const int staging_slots_;
+  const size_t staging_slot_bytes_;
+  const UcxTestHooks hooks_;
+  const uint64_t instance_;
+  std::atomic<bool> staged_{false};  // the current registration stages a CUDA pool
   std::atomic<bool> stop_{false};
   std::atomic<int> api_waiters_{0};  // API calls waiting for mutex_
   std::thread progress_;
@@ -528,6 +703,9 @@ class UcxBackend final : public Backend {
   std::vector<LocalRegion> local_;
   std::unordered_map<PeerId, Peer> peers_;
   std::unordered_map<WriteId, Write> writes_;
+  // The staged path (CUDA pools on a UCX without CUDA support): its own UCP context and worker,
+  // created by the first staged registration, guarded by mutex_ like the rest.
+  std::unique_ptr<ucx_staging::StagedTransport> staging_;
   PeerId next_peer_ = 1;
   WriteId next_write_ = 1;
 };
@@ -537,7 +715,12 @@ class UcxBackend final : public Backend {
 const char* UcxVersion() { return ucp_get_version_string(); }
 
 StatusOr<std::unique_ptr<Backend>> CreateUcxBackend(const BackendOptions& options) {
-  auto backend = std::make_unique<UcxBackend>(options);
+  return CreateUcxBackendForTest(options, UcxTestHooks{});
+}
+
+StatusOr<std::unique_ptr<Backend>> CreateUcxBackendForTest(const BackendOptions& options,
+                                                           const UcxTestHooks& hooks) {
+  auto backend = std::make_unique<UcxBackend>(options, hooks);
   KVT_RETURN_IF_ERROR(backend->Init(options).WithContext("starting the UCX backend"));
   return std::unique_ptr<Backend>(std::move(backend));
 }

@@ -11,7 +11,22 @@ namespace kvt::transfer {
 // UCX backend: one UCP context and worker, a progress thread, pool buffers registered once with
 // ucp_mem_map, rkeys in the descriptor, ucp_put_nbx per run and an endpoint flush before a
 // write counts as complete.
+//
+// CUDA pools: registered directly when this UCX handles CUDA memory (ucp_context_query memory
+// types; ucx_cuda_mode "auto" or "direct"); otherwise ("auto" or "staged") staged through pinned
+// host bounce buffers by the gather/scatter kernels (ucx_staged.h), taking page writes.
 StatusOr<std::unique_ptr<Backend>> CreateUcxBackend(const BackendOptions& options);
+
+// Internal knobs for tests of the staged protocol on machines without a GPU.
+struct UcxTestHooks {
+  // Host pools take the staged path too, packed and unpacked by the CPU reference kernels.
+  bool stage_host_memory = false;
+  // Each staged gather and scatter reports completion only this long after it started, so that
+  // tests can hold chunks in flight.
+  int host_copy_delay_us = 0;
+};
+StatusOr<std::unique_ptr<Backend>> CreateUcxBackendForTest(const BackendOptions& options,
+                                                           const UcxTestHooks& hooks);
 
 // The UCX library version string, e.g. "1.13.1".
 const char* UcxVersion();

@@ -1,0 +1,765 @@
+// The ucx backend's staged path for CUDA pools, tested without a GPU: the pure pieces (chunk
+// plan, wire format, credits, descriptor trailer), the mode choice on this UCX, and the whole
+// staged protocol over real UCX transports with host pools copied by the CPU reference kernels
+// (UcxTestHooks), which exercises everything but the CUDA copier.
+#include "backends/ucx/ucx_staging.h"
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <set>
+#include <thread>
+#include <vector>
+
+#include "backends/ucx/ucx_backend.h"
+#include "kvt/kernels/cuda_util.h"
+#include "kvt/transfer/backend.h"
+#include "kvt/transfer/backends.h"
+
+namespace kvt::transfer {
+namespace {
+
+using ucx_staging::ChunkPlan;
+using ucx_staging::CreditWindow;
+using ucx_staging::PayloadBytes;
+using ucx_staging::PlanChunks;
+
+// ---- chunk plan ---------------------------------------------------------------------------------
+
+// Every (buffer, page position) of the write lies in exactly one chunk and no payload exceeds the
+// slot, over many random shapes (whole pages and units, slots from tight to roomy).
+TEST(StagingPlan, ChunksFitTheSlotAndCoverEveryBufferPageOnce) {
+  std::mt19937 rng(11);
+  for (int trial = 0; trial < 300; ++trial) {
+    const int32_t num_layers = 1 + static_cast<int32_t>(rng() % 40);
+    const int32_t begin = static_cast<int32_t>(rng() % num_layers);
+    const int32_t end = begin + 1 + static_cast<int32_t>(rng() % (num_layers - begin));
+    const int64_t pages = static_cast<int64_t>(rng() % 300);
+    const uint64_t item = 16 * (1 + rng() % 512);
+    std::vector<PageUnit> units;
+    if (rng() % 2 == 0) {
+      units.push_back({0, 0, item});
+    } else {
+      const int n = 1 + static_cast<int>(rng() % 4);
+      for (int u = 0; u < n; ++u) units.push_back({0, 0, 1 + rng() % item});
+    }
+    const uint64_t slot = PayloadBytes(1, 1, units) + rng() % (256 * 1024);
+    auto plan = PlanChunks(begin, end, pages, units, slot);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    std::map<std::pair<int32_t, int64_t>, int> seen;  // (buffer, page position) -> times
+    for (uint32_t c = 0; c < plan->count(); ++c) {
+      const ucx_staging::Chunk chunk = plan->Get(c);
+      ASSERT_LT(chunk.layer_begin, chunk.layer_end);
+      ASSERT_LT(chunk.page_begin, chunk.page_end);
+      EXPECT_LE(PayloadBytes(chunk.layer_end - chunk.layer_begin, chunk.page_end - chunk.page_begin,
+                             units),
+                slot)
+          << "trial " << trial << " chunk " << c;
+      for (int32_t l = chunk.layer_begin; l < chunk.layer_end; ++l) {
+        for (int64_t p = chunk.page_begin; p < chunk.page_end; ++p) {
+          ++seen[{l, p}];               // K
+          ++seen[{num_layers + l, p}];  // V
+        }
+      }
+    }
+    ASSERT_EQ(seen.size(), static_cast<size_t>(2 * (end - begin) * pages)) << "trial " << trial;
+    for (const auto& [key, times] : seen) {
+      EXPECT_EQ(times, 1) << "buffer " << key.first << " page " << key.second;
+      const int32_t layer = key.first < num_layers ? key.first : key.first - num_layers;
+      EXPECT_GE(layer, begin);
+      EXPECT_LT(layer, end);
+      EXPECT_LT(key.second, pages);
+    }
+  }
+}
+
+TEST(StagingPlan, BalancesChunksAndSplitsLayersOnlyWhenAPageOfAllLayersDoesNotFit) {
+  const std::vector<PageUnit> whole = {{0, 0, 4096}};
+  // Room for 90 pages of 4 layers: 100 pages become two chunks of 50.
+  const uint64_t slot = PayloadBytes(4, 90, whole);
+  auto plan = PlanChunks(0, 4, 100, whole, slot);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->count(), 2u);
+  EXPECT_EQ(plan->pages_per_chunk, 50);
+  EXPECT_EQ(plan->layers_per_chunk, 4);
+
+  // One page of 32 layers (256 KiB of K and V) does not fit 100 KiB: layers are split, one page
+  // a chunk, and the groups are even.
+  auto split = PlanChunks(0, 32, 3, whole, 100 * 1024);
+  ASSERT_TRUE(split.ok()) << split.status();
+  EXPECT_EQ(split->pages_per_chunk, 1);
+  EXPECT_LT(split->layers_per_chunk, 32);
+  EXPECT_GE(split->layers_per_chunk, 11);  // 12 layers fit; 3 groups of 11
+  EXPECT_EQ(split->count(), static_cast<uint32_t>(split->layer_groups * 3));
+}
+
+TEST(StagingPlan, RefusesASlotTooSmallForOnePageAndMalformedWrites) {
+  const std::vector<PageUnit> whole = {{0, 0, 1 << 20}};
+  auto small = PlanChunks(0, 2, 4, whole, 1 << 20);
+  ASSERT_FALSE(small.ok());
+  EXPECT_EQ(small.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(small.status().message().find("ucx_staging_slot_bytes"), std::string::npos);
+
+  EXPECT_EQ(PlanChunks(2, 2, 4, whole, 8 << 20).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(PlanChunks(0, 1, 4, {}, 8 << 20).status().code(), StatusCode::kInvalidArgument);
+  const std::vector<PageUnit> empty_unit = {{0, 0, 0}};
+  EXPECT_EQ(PlanChunks(0, 1, 4, empty_unit, 8 << 20).status().code(), StatusCode::kInvalidArgument);
+
+  auto none = PlanChunks(0, 3, 0, whole, 8 << 20);
+  ASSERT_TRUE(none.ok());
+  EXPECT_EQ(none->count(), 0u);
+}
+
+// ---- chunk wire format
+// ----------------------------------------------------------------------------
+
+struct EncodedChunk {
+  ucx_staging::ChunkHeader header;
+  std::vector<int32_t> pages;
+  std::vector<PageUnit> units;
+  std::vector<uint8_t> payload;
+};
+
+EncodedChunk MakeChunk() {
+  EncodedChunk c;
+  c.pages = {3, 9, 4, 17};
+  c.units = {{0, 64, 128}, {256, 0, 32}};
+  c.header.sender = 0x1122334455667788ull;
+  c.header.link = 7;
+  c.header.write = 42;
+  c.header.chunk = 2;
+  c.header.chunk_count = 5;
+  c.header.num_layers = 6;
+  c.header.layer_begin = 1;
+  c.header.layer_end = 4;
+  c.header.num_pages = 4;
+  c.header.num_units = 2;
+  c.header.payload_bytes = PayloadBytes(3, 4, c.units);
+  c.payload.assign(c.header.payload_bytes, 0xAB);
+  EXPECT_TRUE(ucx_staging::EncodeChunkPrefix(c.header, c.pages, c.units, c.payload).ok());
+  return c;
+}
+
+const ucx_staging::ChunkLimits kLimits{6, 512, 512 * 32};
+
+TEST(StagingWire, ChunkHeadersRoundTrip) {
+  EncodedChunk c = MakeChunk();
+  auto decoded = ucx_staging::DecodeChunk(c.payload, kLimits);
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  EXPECT_EQ(decoded->header, c.header);
+  EXPECT_EQ(decoded->dst_pages, c.pages);
+  const ucx_staging::PayloadLayout layout = ucx_staging::LayoutPayload(3, 4, c.units);
+  ASSERT_EQ(decoded->layout.units.size(), 2u);
+  for (size_t u = 0; u < 2; ++u) {
+    EXPECT_EQ(decoded->layout.units[u].dst_offset, c.units[u].dst_offset);
+    EXPECT_EQ(decoded->layout.units[u].bytes, c.units[u].bytes);
+    EXPECT_EQ(decoded->layout.units[u].payload_offset, layout.units[u].payload_offset);
+    EXPECT_EQ(decoded->layout.units[u].payload_offset % ucx_staging::kPayloadAlign, 0u);
+  }
+  EXPECT_EQ(decoded->layout.data_offset, layout.data_offset);
+  // The second unit's segment follows the first one's K and V (3 layers x 4 pages x 128 bytes
+  // each), rounded up to the alignment.
+  EXPECT_GE(layout.units[1].payload_offset, layout.units[0].payload_offset + 2 * 3 * 4 * 128);
+}
+
+TEST(StagingWire, EncodeRefusesAHeaderThatDisagreesWithItsLists) {
+  EncodedChunk c = MakeChunk();
+  ucx_staging::ChunkHeader h = c.header;
+  h.num_pages = 3;
+  EXPECT_EQ(ucx_staging::EncodeChunkPrefix(h, c.pages, c.units, c.payload).code(),
+            StatusCode::kInvalidArgument);
+  h = c.header;
+  h.payload_bytes += 1;
+  EXPECT_EQ(ucx_staging::EncodeChunkPrefix(h, c.pages, c.units, c.payload).code(),
+            StatusCode::kInvalidArgument);
+  std::vector<uint8_t> tiny(16);
+  EXPECT_EQ(ucx_staging::EncodeChunkPrefix(c.header, c.pages, c.units, tiny).code(),
+            StatusCode::kInvalidArgument);
+}
+
+// Each corruption of a valid payload is refused with the code and a message naming what is wrong.
+TEST(StagingWire, MalformedChunksAreRefused) {
+  struct Case {
+    const char* name;
+    std::function<void(std::vector<uint8_t>&)> corrupt;
+    StatusCode code;
+    const char* says;
+  };
+  auto put32 = [](std::vector<uint8_t>& p, size_t at, uint32_t v) { std::memcpy(&p[at], &v, 4); };
+  auto put64 = [](std::vector<uint8_t>& p, size_t at, uint64_t v) { std::memcpy(&p[at], &v, 8); };
+  const size_t units_at = 64 + 4 * 4;
+  const std::vector<Case> cases = {
+      {"truncated header", [](auto& p) { p.resize(40); }, StatusCode::kDataLoss, "shorter"},
+      {"bad magic", [&](auto& p) { put32(p, 0, 0xdeadbeef); }, StatusCode::kDataLoss, "magic"},
+      {"bad version", [](auto& p) { p[4] = 99; }, StatusCode::kDataLoss, "version"},
+      {"chunk beyond count", [&](auto& p) { put32(p, 32, 5); }, StatusCode::kDataLoss, "chunk 5"},
+      {"no units",
+       [](auto& p) {
+         p[6] = 0;
+         p[7] = 0;
+       },
+       StatusCode::kDataLoss, "units"},
+      {"too many pages", [&](auto& p) { put32(p, 52, 1u << 30); }, StatusCode::kDataLoss, "pages"},
+      {"other pool", [&](auto& p) { put32(p, 40, 7); }, StatusCode::kOutOfRange, "layers"},
+      {"layers outside", [&](auto& p) { put32(p, 48, 9); }, StatusCode::kOutOfRange, "layer range"},
+      {"empty layers", [&](auto& p) { put32(p, 48, 1); }, StatusCode::kOutOfRange, "layer range"},
+      {"page 0", [&](auto& p) { put32(p, 64 + 4, 0); }, StatusCode::kOutOfRange, "page 0"},
+      {"page past the pool", [&](auto& p) { put32(p, 64 + 8, 32); }, StatusCode::kOutOfRange,
+       "page 32"},
+      {"negative page", [&](auto& p) { put32(p, 64, 0xffffffffu); }, StatusCode::kOutOfRange,
+       "page -1"},
+      {"unit past the page", [&](auto& p) { put64(p, units_at, 400); }, StatusCode::kOutOfRange,
+       "unit 0"},
+      {"empty unit", [&](auto& p) { put64(p, units_at + 24, 0); }, StatusCode::kOutOfRange,
+       "unit 1"},
+      {"payload bytes lie", [&](auto& p) { put64(p, 56, p.size() + 1); }, StatusCode::kDataLoss,
+       "bytes"},
+      {"short payload", [](auto& p) { p.pop_back(); }, StatusCode::kDataLoss, "arrived"},
+      {"long payload", [](auto& p) { p.push_back(0); }, StatusCode::kDataLoss, "arrived"},
+  };
+  for (const Case& c : cases) {
+    std::vector<uint8_t> payload = MakeChunk().payload;
+    c.corrupt(payload);
+    auto decoded = ucx_staging::DecodeChunk(payload, kLimits);
+    ASSERT_FALSE(decoded.ok()) << c.name;
+    EXPECT_EQ(decoded.status().code(), c.code) << c.name << ": " << decoded.status();
+    EXPECT_NE(decoded.status().message().find(c.says), std::string::npos)
+        << c.name << ": " << decoded.status();
+  }
+}
+
+TEST(StagingWire, ControlMessagesRoundTripAndRefuseMalformedBytes) {
+  using namespace ucx_staging;
+  const ChunkNotice notice{1, 2, 3, 4};
+  EXPECT_EQ(*DecodeChunkNotice(Encode(notice)), notice);
+  const Hello hello{5, 6};
+  EXPECT_EQ(*DecodeHello(Encode(hello)), hello);
+  const HelloAck hello_ack{7, 8, StatusCode::kFailedPrecondition, 9, 10};
+  EXPECT_EQ(*DecodeHelloAck(Encode(hello_ack)), hello_ack);
+  const ChunkAck ack{11, 12, 13, StatusCode::kDataLoss};
+  EXPECT_EQ(*DecodeChunkAck(Encode(ack)), ack);
+  const Bye bye{14, 15};
+  EXPECT_EQ(*DecodeBye(Encode(bye)), bye);
+
+  std::vector<uint8_t> short_ack = Encode(ack);
+  short_ack.pop_back();
+  EXPECT_EQ(DecodeChunkAck(short_ack).status().code(), StatusCode::kDataLoss);
+  // A message of one kind is not accepted as another of the same size.
+  EXPECT_EQ(DecodeBye(Encode(hello)).status().code(), StatusCode::kDataLoss);
+  EXPECT_EQ(DecodeChunkAck(Encode(notice)).status().code(), StatusCode::kDataLoss);
+  // An unknown status code from the wire is an internal error, not a success.
+  std::vector<uint8_t> odd = Encode(ack);
+  odd[4] = 200;
+  EXPECT_EQ(DecodeChunkAck(odd)->code, StatusCode::kInternal);
+}
+
+TEST(StagingWire, DescriptorTrailerRoundTripsAndIsOptional) {
+  const std::string worker = "\x01\x02worker-address\x00\xff";
+  const ucx_staging::AddressTrailer trailer{0xabcdef, true, 8, 4 << 20};
+  const std::string address = ucx_staging::AppendTrailer(worker, trailer);
+  const ucx_staging::SplitAddress split = ucx_staging::SplitPeerAddress(address);
+  EXPECT_EQ(split.worker_address, worker);
+  ASSERT_TRUE(split.trailer.has_value());
+  EXPECT_EQ(*split.trailer, trailer);
+
+  const ucx_staging::SplitAddress plain = ucx_staging::SplitPeerAddress(worker);
+  EXPECT_EQ(plain.worker_address, worker);
+  EXPECT_FALSE(plain.trailer.has_value());
+}
+
+// ---- credits ------------------------------------------------------------------------------------
+
+TEST(StagingCredits, NeverMoreOutstandingThanTheLimitAndAcksCountOnce) {
+  CreditWindow window(3);
+  EXPECT_TRUE(window.Acquire(1, 0));
+  EXPECT_FALSE(window.Acquire(1, 0));  // the same chunk twice
+  EXPECT_TRUE(window.Acquire(1, 1));
+  EXPECT_TRUE(window.Acquire(2, 0));
+  EXPECT_FALSE(window.Acquire(2, 1));  // the receiver has 3 slots
+  EXPECT_EQ(window.available(), 0u);
+
+  EXPECT_TRUE(window.Release(1, 0));
+  EXPECT_FALSE(window.Release(1, 0));  // a duplicated ack gives no second credit
+  EXPECT_FALSE(window.Release(9, 9));  // nor does an ack for a chunk never sent
+  EXPECT_EQ(window.available(), 1u);
+  EXPECT_TRUE(window.Acquire(2, 1));
+
+  EXPECT_EQ(window.HeldBy(2), 2u);
+  EXPECT_EQ(window.ReleaseWrite(2), 2u);
+  EXPECT_EQ(window.outstanding(), 1u);
+  EXPECT_TRUE(window.Holds(1, 1));
+
+  window.SetLimit(1);  // a receiver with fewer slots: nothing new until below the limit
+  EXPECT_FALSE(window.Acquire(3, 0));
+  EXPECT_TRUE(window.Release(1, 1));
+  EXPECT_TRUE(window.Acquire(3, 0));
+  EXPECT_EQ(window.ReleaseWrite(~uint64_t{0}), 0u);
+}
+
+// A simulated sender against a receiver with a random ack order: the window bounds the chunks in
+// flight at every step and every chunk is sent exactly once.
+TEST(StagingCredits, RandomAckOrderKeepsTheBound) {
+  std::mt19937 rng(3);
+  const uint32_t slots = 4;
+  CreditWindow window(slots);
+  std::vector<std::pair<uint64_t, uint32_t>> in_flight;
+  std::set<std::pair<uint64_t, uint32_t>> sent;
+  uint64_t write = 1;
+  uint32_t chunk = 0;
+  for (int step = 0; step < 5000; ++step) {
+    if (rng() % 2 == 0 && window.Acquire(write, chunk)) {
+      EXPECT_TRUE(sent.insert({write, chunk}).second);
+      in_flight.push_back({write, chunk});
+      if (++chunk == 7) {
+        chunk = 0;
+        ++write;
+      }
+    } else if (!in_flight.empty()) {
+      const size_t i = rng() % in_flight.size();
+      EXPECT_TRUE(window.Release(in_flight[i].first, in_flight[i].second));
+      in_flight.erase(in_flight.begin() + static_cast<long>(i));
+    }
+    ASSERT_LE(window.outstanding(), slots);
+    ASSERT_EQ(window.outstanding(), in_flight.size());
+  }
+}
+
+// ---- the mode choice on this UCX ----------------------------------------------------------------
+
+std::vector<LocalRegion> FakeCudaRegions(int layers) {
+  std::vector<LocalRegion> regions;
+  for (int b = 0; b < 2 * layers; ++b) {
+    regions.push_back(
+        LocalRegion{0x7f0000000000ull + b * (1ull << 20), 1 << 20, 4096, MemoryKind::kCuda, 0});
+  }
+  return regions;
+}
+
+TEST(UcxCudaMode, DirectModeWithoutCudaSupportIsAFailedPreconditionNamingTheBuild) {
+  BackendOptions options;
+  options.ucx_cuda_mode = "direct";
+  auto backend = CreateBackend("ucx", options);
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  if ((*backend)->Capabilities().cuda_memory) GTEST_SKIP() << "this UCX handles CUDA memory";
+  auto regions = FakeCudaRegions(2);
+  auto registered = (*backend)->Register(regions);
+  ASSERT_FALSE(registered.ok());
+  EXPECT_EQ(registered.status().code(), StatusCode::kFailedPrecondition);
+  const std::string& message = registered.status().message();
+  EXPECT_NE(message.find(UcxVersion()), std::string::npos) << message;
+  EXPECT_NE(message.find("host"), std::string::npos) << message;
+  EXPECT_NE(message.find("staged"), std::string::npos) << message;
+  EXPECT_FALSE((*backend)->Capabilities().page_writes);
+}
+
+TEST(UcxCudaMode, StagedRegisterWithoutADeviceIsUnavailable) {
+  if (cuda::HasDevice()) GTEST_SKIP() << "a CUDA device is present; the GPU test covers staging";
+  for (const char* mode : {"staged", "auto"}) {
+    BackendOptions options;
+    options.ucx_cuda_mode = mode;
+    auto backend = CreateBackend("ucx", options);
+    ASSERT_TRUE(backend.ok()) << backend.status();
+    if (std::string(mode) == "auto" && (*backend)->Capabilities().cuda_memory) continue;
+    auto regions = FakeCudaRegions(2);
+    auto registered = (*backend)->Register(regions);
+    ASSERT_FALSE(registered.ok()) << mode;
+    EXPECT_EQ(registered.status().code(), StatusCode::kUnavailable) << registered.status();
+    EXPECT_NE(registered.status().message().find("CUDA device"), std::string::npos)
+        << registered.status();
+    EXPECT_NE(registered.status().message().find(cuda::DeviceCount().reason), std::string::npos)
+        << registered.status();
+  }
+}
+
+TEST(UcxCudaMode, UnknownModeAndMixedMemoryAreRefused) {
+  BackendOptions options;
+  options.ucx_cuda_mode = "sometimes";
+  auto bad = CreateBackend("ucx", options);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("'auto', 'staged' or 'direct'"), std::string::npos);
+
+  options.ucx_cuda_mode = "staged";
+  auto backend = CreateBackend("ucx", options);
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  auto regions = FakeCudaRegions(1);
+  std::vector<uint8_t> host(1 << 20);
+  regions[1] = LocalRegion{reinterpret_cast<uint64_t>(host.data()), host.size(), 4096,
+                           MemoryKind::kHost, -1};
+  auto registered = (*backend)->Register(regions);
+  ASSERT_FALSE(registered.ok());
+  EXPECT_EQ(registered.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(registered.status().message().find("buffer 1 is host memory"), std::string::npos);
+}
+
+// ---- the staged protocol over UCX, host pools copied by the CPU ---------------------------------
+
+// A fake pool: 2L host buffers (K of layers 0..L-1, then V) of `pages` pages of `item` bytes.
+struct HostPool {
+  HostPool(int32_t layers, int64_t pages, uint64_t item, uint8_t fill)
+      : layers(layers), pages(pages), item(item), buffers(2 * layers) {
+    for (auto& b : buffers) b.assign(pages * item, fill);
+  }
+  std::vector<LocalRegion> Regions() {
+    std::vector<LocalRegion> regions;
+    for (auto& b : buffers) {
+      regions.push_back(
+          LocalRegion{reinterpret_cast<uint64_t>(b.data()), b.size(), item, MemoryKind::kHost, -1});
+    }
+    return regions;
+  }
+  void Randomize(uint32_t seed) {
+    std::mt19937 rng(seed);
+    for (auto& b : buffers) {
+      for (auto& byte : b) byte = static_cast<uint8_t>(rng());
+    }
+  }
+  // Applies a page write to `this` (the destination) from `src`, as the backend must.
+  void Apply(const HostPool& src, const std::vector<int32_t>& src_pages,
+             const std::vector<int32_t>& dst_pages, int32_t begin, int32_t end,
+             const std::vector<PageUnit>& units) {
+    const std::vector<PageUnit> whole = {{0, 0, item}};
+    const auto& us = units.empty() ? whole : units;
+    for (int32_t l = begin; l < end; ++l) {
+      for (int32_t b : {l, layers + l}) {
+        for (size_t i = 0; i < src_pages.size(); ++i) {
+          for (const PageUnit& u : us) {
+            std::memcpy(buffers[b].data() + dst_pages[i] * item + u.dst_offset,
+                        src.buffers[b].data() + src_pages[i] * item + u.src_offset, u.bytes);
+          }
+        }
+      }
+    }
+  }
+  int32_t layers;
+  int64_t pages;
+  uint64_t item;
+  std::vector<std::vector<uint8_t>> buffers;
+};
+
+Status WaitFor(Backend& backend, WriteId id,
+               std::chrono::seconds bound = std::chrono::seconds(20)) {
+  const auto give_up = std::chrono::steady_clock::now() + bound;
+  while (std::chrono::steady_clock::now() < give_up) {
+    Status st = backend.Check(id);
+    if (st.code() != StatusCode::kInProgress) return st;
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+  return DeadlineExceeded("write did not finish in " + std::to_string(bound.count()) + " s");
+}
+
+// `n` distinct pages from [1, range) in random order.
+std::vector<int32_t> Pages(int64_t n, int64_t range, std::mt19937& rng) {
+  std::vector<int32_t> all(static_cast<size_t>(range - 1));
+  std::iota(all.begin(), all.end(), 1);
+  std::shuffle(all.begin(), all.end(), rng);
+  all.resize(static_cast<size_t>(n));
+  return all;
+}
+
+constexpr int32_t kLayers = 4;
+constexpr int64_t kPages = 64;
+constexpr uint64_t kItem = 1024;
+
+// Parameter: UCX transports ("" = UCX's choice).
+class StagedHostProtocol : public ::testing::TestWithParam<std::string> {
+ protected:
+  BackendOptions Options(int slots, size_t slot_bytes) const {
+    BackendOptions options;
+    options.ucx_transports = GetParam();
+    options.ucx_cuda_mode = "staged";
+    options.ucx_staging_slots = slots;
+    options.ucx_staging_slot_bytes = slot_bytes;
+    return options;
+  }
+
+  void Start(int sender_slots, int receiver_slots, size_t slot_bytes, int delay_us = 0) {
+    UcxTestHooks hooks;
+    hooks.stage_host_memory = true;
+    hooks.host_copy_delay_us = delay_us;
+    auto a = CreateUcxBackendForTest(Options(sender_slots, slot_bytes), hooks);
+    ASSERT_TRUE(a.ok()) << a.status();
+    auto b = CreateUcxBackendForTest(Options(receiver_slots, slot_bytes), hooks);
+    ASSERT_TRUE(b.ok()) << b.status();
+    sender_ = std::move(a).value();
+    receiver_ = std::move(b).value();
+    src_.Randomize(5);
+    auto src_regions = src_.Regions();
+    auto dst_regions = dst_.Regions();
+    auto sd = sender_->Register(src_regions);
+    ASSERT_TRUE(sd.ok()) << sd.status();
+    sender_descriptor_ = *sd;
+    auto rd = receiver_->Register(dst_regions);
+    ASSERT_TRUE(rd.ok()) << rd.status();
+    receiver_descriptor_ = *rd;
+    EXPECT_TRUE(sender_->Capabilities().page_writes);
+    for (const RemoteRegion& r : rd->regions) EXPECT_TRUE(r.key.empty());
+    auto peer = sender_->Connect(receiver_descriptor_);
+    ASSERT_TRUE(peer.ok()) << peer.status();
+    peer_ = *peer;
+  }
+
+  void TearDown() override {
+    sender_.reset();
+    receiver_.reset();
+  }
+
+  StatusOr<WriteId> Post(const std::vector<int32_t>& src, const std::vector<int32_t>& dst,
+                         int32_t begin, int32_t end, const std::vector<PageUnit>& units = {}) {
+    PageWrite w;
+    w.src_pages = src;
+    w.dst_pages = dst;
+    w.num_layers = kLayers;
+    w.layer_begin = begin;
+    w.layer_end = end;
+    w.units = units;
+    return sender_->PostPages(peer_, w);
+  }
+
+  void ExpectPoolsEqual(const HostPool& expected) {
+    for (size_t b = 0; b < dst_.buffers.size(); ++b) {
+      ASSERT_EQ(dst_.buffers[b], expected.buffers[b]) << "buffer " << b;
+    }
+  }
+
+  HostPool src_{kLayers, kPages, kItem, 0};
+  HostPool dst_{kLayers, kPages, kItem, 0xEE};
+  std::unique_ptr<Backend> sender_;
+  std::unique_ptr<Backend> receiver_;
+  PeerDescriptor sender_descriptor_;
+  PeerDescriptor receiver_descriptor_;
+  PeerId peer_ = 0;
+};
+
+// Random page lists across several layer batches; slots of 8 KiB (a few pages a chunk) and only
+// two of them on the receiver, so every write is many chunks and reuses credits and slots.
+TEST_P(StagedHostProtocol, PageWritesAcrossLayerBatchesAreByteExact) {
+  Start(/*sender_slots=*/3, /*receiver_slots=*/2, /*slot_bytes=*/8192);
+  std::mt19937 rng(17);
+  HostPool expected(kLayers, kPages, kItem, 0xEE);
+  std::vector<WriteId> writes;
+  const std::vector<std::pair<int32_t, int32_t>> batches = {{0, 1}, {1, 3}, {3, 4}};
+  const std::vector<int32_t> src = Pages(40, kPages, rng);
+  const std::vector<int32_t> dst = Pages(40, kPages, rng);
+  for (auto [begin, end] : batches) {
+    auto w = Post(src, dst, begin, end);
+    ASSERT_TRUE(w.ok()) << w.status();
+    writes.push_back(*w);
+    expected.Apply(src_, src, dst, begin, end, {});
+  }
+  for (WriteId w : writes) {
+    ASSERT_TRUE(WaitFor(*sender_, w).ok()) << sender_->Check(w);
+    sender_->Release(w);
+  }
+  ExpectPoolsEqual(expected);
+}
+
+// One write bigger than every slot of both sides together.
+TEST_P(StagedHostProtocol, AWriteLargerThanAllSlotsReusesThem) {
+  Start(2, 2, 8192);
+  std::mt19937 rng(23);
+  const std::vector<int32_t> src = Pages(kPages - 1, kPages, rng);
+  const std::vector<int32_t> dst = Pages(kPages - 1, kPages, rng);
+  // 63 pages x 8 buffers x 1 KiB = 504 KiB through 4 slots of 8 KiB.
+  auto w = Post(src, dst, 0, kLayers);
+  ASSERT_TRUE(w.ok()) << w.status();
+  ASSERT_TRUE(WaitFor(*sender_, *w).ok()) << sender_->Check(*w);
+  sender_->Release(*w);
+  HostPool expected(kLayers, kPages, kItem, 0xEE);
+  expected.Apply(src_, src, dst, 0, kLayers, {});
+  ExpectPoolsEqual(expected);
+}
+
+TEST_P(StagedHostProtocol, UnitsMovePartsOfPages) {
+  Start(4, 4, 16384);
+  std::mt19937 rng(29);
+  const std::vector<PageUnit> units = {{0, 512, 128}, {640, 0, 256}, {1000, 1000, 24}};
+  const std::vector<int32_t> src = Pages(30, kPages, rng);
+  const std::vector<int32_t> dst = Pages(30, kPages, rng);
+  auto w = Post(src, dst, 1, 4, units);
+  ASSERT_TRUE(w.ok()) << w.status();
+  ASSERT_TRUE(WaitFor(*sender_, *w).ok()) << sender_->Check(*w);
+  HostPool expected(kLayers, kPages, kItem, 0xEE);
+  expected.Apply(src_, src, dst, 1, 4, units);
+  ExpectPoolsEqual(expected);
+}
+
+TEST_P(StagedHostProtocol, ManyWritesFromTwoThreads) {
+  Start(4, 3, 8192);
+  HostPool expected(kLayers, kPages, kItem, 0xEE);
+  std::vector<int32_t> all(kPages - 1);
+  std::iota(all.begin(), all.end(), 1);
+  std::mt19937 rng(31);
+  std::shuffle(all.begin(), all.end(), rng);
+  // Thread t moves pages all[t*31 .. t*31+31) one page at a time to the same page ids.
+  auto worker = [&](int t) {
+    for (int i = 0; i < 31; ++i) {
+      const std::vector<int32_t> page = {all[t * 31 + i]};
+      auto w = Post(page, page, 0, kLayers);
+      ASSERT_TRUE(w.ok()) << w.status();
+      ASSERT_TRUE(WaitFor(*sender_, *w).ok());
+      sender_->Release(*w);
+    }
+  };
+  std::thread t1(worker, 0), t2(worker, 1);
+  t1.join();
+  t2.join();
+  for (int i = 0; i < 62; ++i) {
+    const std::vector<int32_t> page = {all[i]};
+    expected.Apply(src_, page, page, 0, kLayers, {});
+  }
+  ExpectPoolsEqual(expected);
+}
+
+TEST_P(StagedHostProtocol, RefusesCopyRunsBadPagesAndMismatchedPeers) {
+  Start(2, 2, 8192);
+  CopyRun run{0, kItem, kItem, kItem};
+  auto runs = sender_->PostWrite(peer_, {&run, 1});
+  EXPECT_EQ(runs.status().code(), StatusCode::kUnimplemented);
+  EXPECT_NE(runs.status().message().find("page writes"), std::string::npos) << runs.status();
+
+  const std::vector<int32_t> bad_src = {1, static_cast<int32_t>(kPages)};
+  const std::vector<int32_t> dst = {1, 2};
+  auto bad = Post(bad_src, dst, 0, 1);
+  EXPECT_EQ(bad.status().code(), StatusCode::kOutOfRange) << bad.status();
+  EXPECT_EQ(Post(dst, dst, 0, kLayers + 1).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(dst_.buffers[0][kItem], 0xEE);
+
+  // A host-registered backend (puts) and a staged one do not connect, in either direction.
+  HostPool plain(kLayers, kPages, kItem, 0);
+  auto host = CreateBackend("ucx", Options(2, 8192));
+  ASSERT_TRUE(host.ok()) << host.status();
+  auto regions = plain.Regions();
+  auto host_descriptor = (*host)->Register(regions);
+  ASSERT_TRUE(host_descriptor.ok()) << host_descriptor.status();
+  EXPECT_FALSE((*host)->Capabilities().page_writes);
+  auto a = sender_->Connect(*host_descriptor);
+  EXPECT_EQ(a.status().code(), StatusCode::kFailedPrecondition) << a.status();
+  auto b = (*host)->Connect(receiver_descriptor_);
+  EXPECT_EQ(b.status().code(), StatusCode::kFailedPrecondition) << b.status();
+  EXPECT_NE(b.status().message().find("stages"), std::string::npos) << b.status();
+  PageWrite w;
+  EXPECT_EQ((*host)->PostPages(1, w).status().code(), StatusCode::kUnimplemented);
+}
+
+// Release of a write in flight returns after its chunks on the wire are acknowledged; nothing of
+// it lands afterwards.
+TEST_P(StagedHostProtocol, ReleaseInFlightLandsNothingLater) {
+  Start(2, 2, 8192, /*delay_us=*/20000);
+  std::mt19937 rng(37);
+  const std::vector<int32_t> src = Pages(kPages - 1, kPages, rng);
+  const std::vector<int32_t> dst = Pages(kPages - 1, kPages, rng);
+  auto w = Post(src, dst, 0, kLayers);
+  ASSERT_TRUE(w.ok()) << w.status();
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  EXPECT_EQ(sender_->Check(*w).code(), StatusCode::kInProgress);
+  const auto start = std::chrono::steady_clock::now();
+  sender_->Release(*w);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  EXPECT_EQ(sender_->Check(*w).code(), StatusCode::kNotFound);
+  const auto snapshot = dst_.buffers;
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  for (size_t b = 0; b < dst_.buffers.size(); ++b) EXPECT_EQ(dst_.buffers[b], snapshot[b]);
+  // Not everything arrived (the write was cut short), and the link still works afterwards.
+  HostPool full(kLayers, kPages, kItem, 0xEE);
+  full.Apply(src_, src, dst, 0, kLayers, {});
+  EXPECT_NE(dst_.buffers, full.buffers);
+  const std::vector<int32_t> one = {5};
+  auto again = Post(one, one, 0, 1);
+  ASSERT_TRUE(again.ok());
+  EXPECT_TRUE(WaitFor(*sender_, *again).ok());
+}
+
+// kPeerDead with chunks in flight: every write fails (Aborted) promptly, none hangs.
+TEST_P(StagedHostProtocol, PeerDeadDisconnectFailsWritesInFlightWithoutHanging) {
+  Start(2, 2, 8192, /*delay_us=*/20000);
+  std::mt19937 rng(41);
+  std::vector<WriteId> writes;
+  for (int i = 0; i < 3; ++i) {
+    const std::vector<int32_t> src = Pages(40, kPages, rng);
+    const std::vector<int32_t> dst = Pages(40, kPages, rng);
+    auto w = Post(src, dst, 0, kLayers);
+    ASSERT_TRUE(w.ok()) << w.status();
+    writes.push_back(*w);
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  const auto start = std::chrono::steady_clock::now();
+  ASSERT_TRUE(sender_->Disconnect(peer_, Backend::DisconnectMode::kPeerDead).ok());
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  for (WriteId w : writes) {
+    Status st = WaitFor(*sender_, w, std::chrono::seconds(5));
+    EXPECT_EQ(st.code(), StatusCode::kAborted) << st;
+    sender_->Release(w);
+  }
+  const std::vector<int32_t> one = {5};
+  EXPECT_EQ(Post(one, one, 0, 1).status().code(), StatusCode::kNotFound);
+}
+
+// A graceful disconnect waits for the chunks on the wire, cancels the rest, and the write fails.
+TEST_P(StagedHostProtocol, GracefulDisconnectAbortsUnfinishedWrites) {
+  Start(2, 2, 8192, /*delay_us=*/5000);
+  std::mt19937 rng(43);
+  const std::vector<int32_t> src = Pages(kPages - 1, kPages, rng);
+  const std::vector<int32_t> dst = Pages(kPages - 1, kPages, rng);
+  auto w = Post(src, dst, 0, kLayers);
+  ASSERT_TRUE(w.ok()) << w.status();
+  std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  ASSERT_TRUE(sender_->Disconnect(peer_).ok());
+  EXPECT_EQ(sender_->Check(*w).code(), StatusCode::kAborted);
+  // Reconnecting works and moves data again.
+  auto again = sender_->Connect(receiver_descriptor_);
+  ASSERT_TRUE(again.ok()) << again.status();
+  peer_ = *again;
+  const std::vector<int32_t> one = {7};
+  auto w2 = Post(one, one, 2, 3);
+  ASSERT_TRUE(w2.ok()) << w2.status();
+  EXPECT_TRUE(WaitFor(*sender_, *w2).ok());
+  EXPECT_EQ(
+      std::memcmp(dst_.buffers[2].data() + 7 * kItem, src_.buffers[2].data() + 7 * kItem, kItem),
+      0);
+}
+
+// A receiver that disconnects a sender drops its chunks: the sender's writes fail, not hang.
+TEST_P(StagedHostProtocol, ReceiverDropsChunksOfAPeerItDisconnected) {
+  Start(2, 2, 8192);
+  auto back = receiver_->Connect(sender_descriptor_);
+  ASSERT_TRUE(back.ok()) << back.status();
+  ASSERT_TRUE(receiver_->Disconnect(*back).ok());
+  std::mt19937 rng(47);
+  const std::vector<int32_t> src = Pages(10, kPages, rng);
+  const std::vector<int32_t> dst = Pages(10, kPages, rng);
+  // Either the sender already learned it is refused (its hello was answered after the drop) and
+  // the post fails, or the chunks are refused on arrival and the write fails; it never hangs.
+  auto w = Post(src, dst, 0, kLayers);
+  if (!w.ok()) {
+    EXPECT_EQ(w.status().code(), StatusCode::kFailedPrecondition) << w.status();
+    EXPECT_NE(w.status().message().find("disconnected"), std::string::npos) << w.status();
+  } else {
+    Status st = WaitFor(*sender_, *w, std::chrono::seconds(10));
+    EXPECT_FALSE(st.ok());
+    EXPECT_NE(st.code(), StatusCode::kDeadlineExceeded) << st;
+  }
+  for (const auto& b : dst_.buffers) {
+    EXPECT_TRUE(std::all_of(b.begin(), b.end(), [](uint8_t v) { return v == 0xEE; }));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, StagedHostProtocol,
+                         ::testing::Values(std::string(""), std::string("tcp"),
+                                           std::string("shm,self")),
+                         [](const ::testing::TestParamInfo<std::string>& info) {
+                           if (info.param.empty()) return std::string("default");
+                           std::string name = info.param;
+                           for (char& c : name) {
+                             if (c == ',') c = '_';
+                           }
+                           return name;
+                         });
+
+}  // namespace
+}  // namespace kvt::transfer

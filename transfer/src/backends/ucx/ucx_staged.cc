@@ -1,0 +1,1142 @@
+#include "backends/ucx/ucx_staged.h"
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <utility>
+
+#include "kvt/common/log.h"
+#include "kvt/transfer/plan.h"
+
+namespace kvt::transfer {
+
+Status UcsStatus(ucs_status_t status, const std::string& what) {
+  if (status == UCS_OK) return OkStatus();
+  std::string message = what + ": " + ucs_status_string(status);
+  switch (status) {
+    case UCS_ERR_NO_MEMORY:
+    case UCS_ERR_NO_RESOURCE:
+    case UCS_ERR_EXCEEDS_LIMIT:
+      return ResourceExhausted(message);
+    case UCS_ERR_CANCELED:
+      return Aborted(message);
+    case UCS_ERR_TIMED_OUT:
+      return DeadlineExceeded(message);
+    case UCS_ERR_UNREACHABLE:
+    case UCS_ERR_CONNECTION_RESET:
+    case UCS_ERR_ENDPOINT_TIMEOUT:
+    case UCS_ERR_REJECTED:
+      return Unavailable(message);
+    case UCS_ERR_INVALID_PARAM:
+      return InvalidArgument(message);
+    case UCS_ERR_UNSUPPORTED:
+      return Unimplemented(message);
+    default:
+      return Internal(message);
+  }
+}
+
+namespace ucx_staging {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Active-message ids of the staged protocol (small: UCX sizes a table by the largest id).
+constexpr unsigned kAmChunk = 20;
+constexpr unsigned kAmHello = 21;
+constexpr unsigned kAmHelloAck = 22;
+constexpr unsigned kAmChunkAck = 23;
+constexpr unsigned kAmBye = 24;
+
+// How long a release, disconnect or shutdown waits for chunks in flight before giving up.
+constexpr std::chrono::milliseconds kWaitBound{10000};
+// How long an endpoint close or a control message may take before it is abandoned.
+constexpr std::chrono::milliseconds kCloseBound{2000};
+constexpr std::chrono::milliseconds kControlBound{10000};
+constexpr size_t kMaxAckMessage = 1024;
+// Disconnected senders remembered (to refuse their late chunks); the oldest are forgotten.
+constexpr size_t kMaxDropped = 4096;
+
+std::span<const uint8_t> Bytes(const void* p, size_t n) {
+  return {static_cast<const uint8_t*>(p), n};
+}
+
+std::string ChunkName(uint64_t write, uint32_t chunk) {
+  return "chunk " + std::to_string(chunk) + " of write " + std::to_string(write);
+}
+
+void OnReverseEndpointError(void*, ucp_ep_h, ucs_status_t status) {
+  KVT_LOG_WARN("ucx", "endpoint to a staging sender failed: {}", ucs_status_string(status));
+}
+
+}  // namespace
+
+StatusOr<std::unique_ptr<StagedTransport>> StagedTransport::Create(const std::string& transports,
+                                                                   uint64_t instance) {
+  std::unique_ptr<StagedTransport> transport(new StagedTransport(instance));
+  KVT_RETURN_IF_ERROR(transport->Init(transports));
+  return transport;
+}
+
+Status StagedTransport::Init(const std::string& transports) {
+  ucp_config_t* config = nullptr;
+  KVT_RETURN_IF_ERROR(UcsStatus(ucp_config_read(nullptr, nullptr, &config), "ucp_config_read"));
+  if (!transports.empty()) {
+    const ucs_status_t st = ucp_config_modify(config, "TLS", transports.c_str());
+    if (st != UCS_OK) {
+      ucp_config_release(config);
+      return InvalidArgument("UCX transports '" + transports +
+                             "' rejected: " + ucs_status_string(st));
+    }
+  }
+  ucp_params_t params = {};
+  params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
+  params.features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
+  params.mt_workers_shared = 0;
+  const ucs_status_t st = ucp_init(&params, config, &context_);
+  ucp_config_release(config);
+  KVT_RETURN_IF_ERROR(UcsStatus(st, "ucp_init of the staging context"));
+  ucp_worker_params_t wparams = {};
+  wparams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  wparams.thread_mode = UCS_THREAD_MODE_SERIALIZED;  // serialised by the backend's mutex
+  KVT_RETURN_IF_ERROR(UcsStatus(ucp_worker_create(context_, &wparams, &worker_),
+                                "ucp_worker_create of the staging worker"));
+  KVT_RETURN_IF_ERROR(UcsStatus(ucp_worker_get_efd(worker_, &event_fd_), "ucp_worker_get_efd"));
+  ucp_address_t* address = nullptr;
+  size_t address_len = 0;
+  KVT_RETURN_IF_ERROR(
+      UcsStatus(ucp_worker_get_address(worker_, &address, &address_len), "ucp_worker_get_address"));
+  worker_address_.assign(reinterpret_cast<const char*>(address), address_len);
+  ucp_worker_release_address(worker_, address);
+  return RegisterHandlers();
+}
+
+StagedTransport::~StagedTransport() {
+  copier_.reset();
+  if (worker_ != nullptr) ucp_worker_destroy(worker_);
+  if (context_ != nullptr) ucp_cleanup(context_);
+}
+
+Status StagedTransport::RegisterHandlers() {
+  struct Handler {
+    unsigned id;
+    ucp_am_recv_callback_t cb;
+    uint32_t flags;
+  };
+  const Handler handlers[] = {
+      // Chunks: keep eager data too, so that every arrival can wait for a free slot.
+      {kAmChunk, &StagedTransport::OnChunk, UCP_AM_FLAG_WHOLE_MSG | UCP_AM_FLAG_PERSISTENT_DATA},
+      {kAmHello, &StagedTransport::OnHello, UCP_AM_FLAG_WHOLE_MSG},
+      {kAmHelloAck, &StagedTransport::OnHelloAck, UCP_AM_FLAG_WHOLE_MSG},
+      {kAmChunkAck, &StagedTransport::OnChunkAck, UCP_AM_FLAG_WHOLE_MSG},
+      {kAmBye, &StagedTransport::OnBye, UCP_AM_FLAG_WHOLE_MSG},
+  };
+  for (const Handler& h : handlers) {
+    ucp_am_handler_param_t param = {};
+    param.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                       UCP_AM_HANDLER_PARAM_FIELD_ARG | UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
+    param.id = h.id;
+    param.cb = h.cb;
+    param.arg = this;
+    param.flags = h.flags;
+    KVT_RETURN_IF_ERROR(UcsStatus(ucp_worker_set_am_recv_handler(worker_, &param),
+                                  "ucp_worker_set_am_recv_handler(" + std::to_string(h.id) + ")"));
+  }
+  return OkStatus();
+}
+
+// ---- the local pool -----------------------------------------------------------------------------
+
+bool StagedTransport::Active() const {
+  for (const auto& [id, write] : writes_) {
+    if (write.status.code() == StatusCode::kInProgress) return true;
+  }
+  for (const SendSlot& s : send_) {
+    if (s.state != SendSlot::State::kFree) return true;
+  }
+  for (const RecvSlot& r : recv_) {
+    if (r.state != RecvSlot::State::kFree) return true;
+  }
+  return !arrivals_.empty();
+}
+
+Status StagedTransport::Attach(std::span<const LocalRegion> regions,
+                               const StagingOptions& options) {
+  if (attached()) KVT_RETURN_IF_ERROR(Detach());
+  if (options.slots < 1 || options.slots > 4096) {
+    return InvalidArgument("ucx_staging_slots is " + std::to_string(options.slots) +
+                           "; give 1 to 4096 bounce slots");
+  }
+  if (options.slot_bytes < kMinSlotBytes || options.slot_bytes > (uint64_t{1} << 32)) {
+    return InvalidArgument("ucx_staging_slot_bytes is " + std::to_string(options.slot_bytes) +
+                           "; give " + std::to_string(kMinSlotBytes) + " bytes to 4 GiB");
+  }
+  if (regions.empty() || regions.size() % 2 != 0) {
+    return InvalidArgument("a staged pool registers 2L buffers (K of every layer, then V); got " +
+                           std::to_string(regions.size()));
+  }
+  uint64_t min_length = std::numeric_limits<uint64_t>::max();
+  for (size_t i = 0; i < regions.size(); ++i) {
+    if (regions[i].item_len != regions[0].item_len || regions[i].item_len == 0) {
+      return Unimplemented("staging needs one page size for every buffer, but buffer " +
+                           std::to_string(i) + " has pages of " +
+                           std::to_string(regions[i].item_len) + " bytes and buffer 0 of " +
+                           std::to_string(regions[0].item_len));
+    }
+    if (regions[i].kind != regions[0].kind || regions[i].device != regions[0].device) {
+      return InvalidArgument("staging needs every buffer in one memory (host, or one CUDA " +
+                             std::string("device); buffer ") + std::to_string(i) + " differs");
+    }
+    min_length = std::min(min_length, regions[i].length);
+  }
+  // Slots stay 4 KiB multiples so that every payload (and its 256-byte segments) is aligned.
+  const uint64_t slot_bytes = (options.slot_bytes + 4095) / 4096 * 4096;
+  const PageUnit whole{0, 0, regions[0].item_len};
+  if (PayloadBytes(1, 1, {&whole, 1}) > slot_bytes) {
+    return InvalidArgument("ucx_staging_slot_bytes " + std::to_string(slot_bytes) +
+                           " cannot hold one page of one layer's K and V (" +
+                           std::to_string(PayloadBytes(1, 1, {&whole, 1})) +
+                           " bytes with the chunk header); raise it");
+  }
+  const size_t area = static_cast<size_t>(options.slots) * slot_bytes;
+
+  // Slot memory from UCX's allocator, so that its shared-memory transports can map it.
+  auto allocate = [&](ucp_mem_h& memh, uint8_t*& base, const char* what) -> Status {
+    ucp_mem_map_params_t mp = {};
+    mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_LENGTH | UCP_MEM_MAP_PARAM_FIELD_FLAGS |
+                    UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE | UCP_MEM_MAP_PARAM_FIELD_ADDRESS;
+    mp.address = nullptr;
+    mp.length = area;
+    mp.flags = UCP_MEM_MAP_ALLOCATE;
+    mp.memory_type = UCS_MEMORY_TYPE_HOST;
+    KVT_RETURN_IF_ERROR(UcsStatus(ucp_mem_map(context_, &mp, &memh),
+                                  std::string("ucp_mem_map(ALLOCATE) of the ") + what + " (" +
+                                      std::to_string(area) + " bytes)"));
+    ucp_mem_attr_t attr = {};
+    attr.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH;
+    KVT_RETURN_IF_ERROR(UcsStatus(ucp_mem_query(memh, &attr), "ucp_mem_query"));
+    if (attr.length < area || reinterpret_cast<uintptr_t>(attr.address) % 4096 != 0) {
+      return Internal("UCX allocated " + std::to_string(attr.length) + " bytes for the " + what +
+                      " (asked " + std::to_string(area) + "), or not page-aligned");
+    }
+    base = static_cast<uint8_t*>(attr.address);
+    return OkStatus();
+  };
+  leak_slot_memory_ = false;
+  Status allocated = allocate(send_memh_, send_base_, "send slots");
+  if (allocated.ok()) allocated = allocate(recv_memh_, recv_base_, "receive slots");
+  if (!allocated.ok()) {
+    FreeSlotMemory();
+    return allocated;
+  }
+  slot_bytes_ = slot_bytes;
+
+  SlotMemory memory{send_base_, recv_base_, options.slots, slot_bytes, false};
+  if (options.host_copier) {
+    copier_ = CreateHostCopier(regions, memory, options.host_copy_delay);
+  } else {
+    bool registration_failed = false;
+    auto copier = CreateCudaCopier(regions[0].device, regions, memory, &registration_failed);
+    if (!copier.ok() && registration_failed) {
+      // Some kernels refuse to page-lock UCX's shared-memory mappings; CUDA's own pinned memory
+      // still works (UCX then reaches it through copies instead of mapping it).
+      KVT_LOG_WARN("ucx",
+                   "{}; staging through cudaHostAlloc memory instead (UCX cannot map it for "
+                   "shared-memory peers, so transfers take a copy more)",
+                   copier.status().ToString());
+      FreeSlotMemory();
+      auto send = cuda::PinnedBuffer::Allocate(area);
+      auto recv = send.ok() ? cuda::PinnedBuffer::Allocate(area)
+                            : StatusOr<cuda::PinnedBuffer>(send.status());
+      if (!recv.ok()) return recv.status().WithContext("allocating pinned staging slots");
+      send_pinned_ = std::move(send).value();
+      recv_pinned_ = std::move(recv).value();
+      send_base_ = send_pinned_.as<uint8_t>();
+      recv_base_ = recv_pinned_.as<uint8_t>();
+      slot_bytes_ = slot_bytes;
+      memory = SlotMemory{send_base_, recv_base_, options.slots, slot_bytes, true};
+      copier = CreateCudaCopier(regions[0].device, regions, memory, &registration_failed);
+    }
+    if (!copier.ok()) {
+      FreeSlotMemory();
+      return copier.status();
+    }
+    copier_ = std::move(copier).value();
+  }
+  local_.assign(regions.begin(), regions.end());
+  limits_ = ChunkLimits{static_cast<int32_t>(regions.size() / 2), regions[0].item_len, min_length};
+  send_.assign(options.slots, SendSlot{});
+  recv_.assign(options.slots, RecvSlot{});
+  KVT_LOG_DEBUG("ucx", "staging attached: {} copier, {} slots of {} bytes each way",
+                copier_->Name(), options.slots, slot_bytes_);
+  return OkStatus();
+}
+
+Status StagedTransport::Detach() {
+  if (!attached()) return OkStatus();
+  if (Active()) {
+    return FailedPrecondition(
+        "cannot re-register the staged pool while chunks are in flight; release the writes "
+        "first");
+  }
+  copier_.reset();
+  FreeSlotMemory();
+  send_.clear();
+  recv_.clear();
+  local_.clear();
+  limits_ = ChunkLimits{};
+  return OkStatus();
+}
+
+void StagedTransport::FreeSlotMemory() {
+  if (leak_slot_memory_) {
+    KVT_LOG_ERROR("ucx",
+                  "leaving the staging slots allocated: a transfer into or out of them did "
+                  "not finish and UCX may still touch them");
+    send_memh_ = recv_memh_ = nullptr;
+    // Deliberately never freed.
+    if (send_pinned_.data() != nullptr) new cuda::PinnedBuffer(std::move(send_pinned_));
+    if (recv_pinned_.data() != nullptr) new cuda::PinnedBuffer(std::move(recv_pinned_));
+    send_base_ = recv_base_ = nullptr;
+    leak_slot_memory_ = false;
+    return;
+  }
+  if (send_memh_ != nullptr) ucp_mem_unmap(context_, send_memh_);
+  if (recv_memh_ != nullptr) ucp_mem_unmap(context_, recv_memh_);
+  send_memh_ = recv_memh_ = nullptr;
+  send_pinned_ = cuda::PinnedBuffer();
+  recv_pinned_ = cuda::PinnedBuffer();
+  send_base_ = recv_base_ = nullptr;
+}
+
+// ---- sending ------------------------------------------------------------------------------------
+
+Status StagedTransport::AddPeer(PeerId link, std::string_view worker_address,
+                                const AddressTrailer& remote, std::vector<RemoteRegion> regions) {
+  if (!remote.staged || remote.slots == 0) {
+    return FailedPrecondition("the peer does not stage CUDA pools (no bounce slots announced)");
+  }
+  Peer peer;
+  peer.remote = remote;
+  peer.regions = std::move(regions);
+  peer.credits.SetLimit(0);  // until the hello is acknowledged
+  ucp_ep_params_t ep = {};
+  ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                  UCP_EP_PARAM_FIELD_ERR_HANDLER;
+  ep.address = reinterpret_cast<const ucp_address_t*>(worker_address.data());
+  // As in ucx_backend: PEER mode would rule out UCX 1.13's shared-memory transports; peer death
+  // is the control plane's to detect, which then disconnects the peer (kPeerDead).
+  ep.err_mode = UCP_ERR_HANDLING_MODE_NONE;
+  ep.err_handler.cb = &OnReverseEndpointError;
+  ep.err_handler.arg = nullptr;
+  KVT_RETURN_IF_ERROR(UcsStatus(ucp_ep_create(worker_, &ep, &peer.ep), "ucp_ep_create"));
+  Status hello = SendControl(peer.ep, kAmHello, Encode(Hello{instance_, link}), worker_address_);
+  if (!hello.ok()) {
+    CloseEndpointNow(peer.ep, /*force=*/true);
+    return hello.WithContext("sending the staging hello");
+  }
+  peers_.emplace(link, std::move(peer));
+  return OkStatus();
+}
+
+void StagedTransport::RemovePeer(PeerId link, bool peer_dead) {
+  auto it = peers_.find(link);
+  if (it == peers_.end()) return;
+  // Cancel what has not been gathered yet: those writes cannot complete any more.
+  for (auto& [id, write] : writes_) {
+    if (write.link != link) continue;
+    if (write.status.code() == StatusCode::kInProgress && write.next_chunk < write.plan.count()) {
+      FailWrite(id, write, Aborted("peer disconnected during the write"));
+    }
+  }
+  if (!peer_dead) {
+    // Let the connection finish its handshake first: closing a tcp endpoint while the peer is
+    // still connecting back to us crashes UCX 1.13 (uct_tcp_iface_progress).
+    WaitUntil(
+        [&] {
+          auto p = peers_.find(link);
+          return p == peers_.end() || p->second.ready || !p->second.error.ok();
+        },
+        kCloseBound);
+    const bool drained = WaitUntil(
+        [&] {
+          auto p = peers_.find(link);
+          return p == peers_.end() || p->second.credits.outstanding() == 0;
+        },
+        kWaitBound);
+    if (!drained) {
+      KVT_LOG_WARN("ucx", "staged chunks to a disconnecting peer were not acknowledged in {} ms",
+                   kWaitBound.count());
+    }
+    it = peers_.find(link);
+    if (it != peers_.end()) {
+      Status bye = SendControl(it->second.ep, kAmBye, Encode(Bye{instance_, link}), {});
+      if (!bye.ok()) KVT_LOG_DEBUG("ucx", "staging bye not sent: {}", bye.ToString());
+    }
+  }
+  for (auto& [id, write] : writes_) {
+    if (write.link == link && write.status.code() == StatusCode::kInProgress) {
+      FailWrite(id, write, Aborted("peer disconnected during the write"));
+    }
+  }
+  it = peers_.find(link);
+  const ucp_ep_h ep = it->second.ep;
+  peers_.erase(it);
+  // Sends still in flight on it complete (cancelled, when forced) and free their slots.
+  CloseEndpointNow(ep, peer_dead);
+}
+
+Status StagedTransport::PostPages(WriteId id, PeerId link, const PageWrite& w) {
+  if (!attached()) {
+    return FailedPrecondition("no staged pool is registered; register CUDA buffers first");
+  }
+  auto pit = peers_.find(link);
+  if (pit == peers_.end()) return NotFound("no staged UCX peer " + std::to_string(link));
+  Peer& peer = pit->second;
+  if (!peer.error.ok()) return peer.error;
+  if (static_cast<size_t>(w.num_layers) * 2 != local_.size() ||
+      peer.regions.size() != local_.size()) {
+    return InvalidArgument("page write over " + std::to_string(w.num_layers) +
+                           " layers, but the pools register " + std::to_string(local_.size()) +
+                           " (here) and " + std::to_string(peer.regions.size()) +
+                           " (peer) buffers; expected 2 per layer");
+  }
+  uint64_t dst_len = std::numeric_limits<uint64_t>::max();
+  for (const RemoteRegion& r : peer.regions) dst_len = std::min(dst_len, r.length);
+  PlanSpec spec;
+  spec.src_pages = w.src_pages;
+  spec.dst_pages = w.dst_pages;
+  spec.num_layers = w.num_layers;
+  spec.layer_begin = w.layer_begin;
+  spec.layer_end = w.layer_end;
+  spec.src_item_len = limits_.item_len;
+  spec.dst_item_len = peer.regions[0].item_len;
+  spec.src_buffer_len = limits_.buffer_len;
+  spec.dst_buffer_len = dst_len;
+  spec.units = w.units;
+  KVT_RETURN_IF_ERROR(ValidatePlanSpec(spec));
+
+  Write write;
+  write.link = link;
+  write.src_pages.assign(w.src_pages.begin(), w.src_pages.end());
+  write.dst_pages.assign(w.dst_pages.begin(), w.dst_pages.end());
+  if (w.units.empty()) {
+    write.units.push_back(PageUnit{0, 0, limits_.item_len});
+  } else {
+    write.units.assign(w.units.begin(), w.units.end());
+  }
+  write.num_layers = w.num_layers;
+  const uint64_t slot = std::min(slot_bytes_, peer.remote.slot_bytes);
+  KVT_ASSIGN_OR_RETURN(write.plan,
+                       PlanChunks(w.layer_begin, w.layer_end,
+                                  static_cast<int64_t>(write.src_pages.size()), write.units, slot));
+  KVT_RETURN_IF_ERROR(copier_->Gate(w.ready, write.gate).WithContext("waiting for `ready`"));
+  write.status = write.plan.count() == 0 ? OkStatus() : InProgress();
+  const bool queue = write.plan.count() > 0;
+  writes_.emplace(id, std::move(write));
+  if (queue) {
+    pending_.insert(id);
+    ScheduleChunks();
+  }
+  return OkStatus();
+}
+
+Status StagedTransport::Check(WriteId id) {
+  auto it = writes_.find(id);
+  if (it == writes_.end()) return NotFound("no UCX write " + std::to_string(id));
+  if (it->second.status.code() == StatusCode::kInProgress) {
+    ucp_worker_progress(worker_);
+    Pump();
+    it = writes_.find(id);
+  }
+  return it->second.status;
+}
+
+void StagedTransport::Release(WriteId id) {
+  auto it = writes_.find(id);
+  if (it == writes_.end()) return;
+  pending_.erase(id);
+  const PeerId link = it->second.link;
+  if (it->second.status.code() == StatusCode::kInProgress) {
+    // Gathered chunks of a write that is no longer in progress are not sent.
+    it->second.status = Aborted("write released before it completed");
+  }
+  auto held = [&] {
+    auto p = peers_.find(link);
+    return p == peers_.end() ? 0u : p->second.credits.HeldBy(id);
+  };
+  if (held() > 0 && !WaitUntil([&] { return held() == 0; }, kWaitBound)) {
+    KVT_LOG_ERROR("ucx",
+                  "released write {} still has {} chunks unacknowledged after {} ms; its bytes "
+                  "may land later",
+                  id, held(), kWaitBound.count());
+    if (auto p = peers_.find(link); p != peers_.end()) p->second.credits.ReleaseWrite(id);
+  }
+  writes_.erase(id);
+}
+
+template <typename Done>
+bool StagedTransport::WaitUntil(Done&& done, std::chrono::milliseconds bound) {
+  const auto give_up = Clock::now() + bound;
+  while (!done()) {
+    if (Clock::now() > give_up) return false;
+    ucp_worker_progress(worker_);
+    Pump();
+  }
+  return true;
+}
+
+void StagedTransport::FailWrite(WriteId id, Write& write, const Status& status) {
+  pending_.erase(id);
+  if (write.status.code() != StatusCode::kInProgress) return;
+  write.status = status;
+  KVT_LOG_DEBUG("ucx", "staged write {} failed: {}", id, status.ToString());
+}
+
+void StagedTransport::FailChunk(SendSlot& slot, const Status& status) {
+  if (auto p = peers_.find(slot.link); p != peers_.end()) {
+    p->second.credits.Release(slot.write, slot.chunk);
+  }
+  if (auto w = writes_.find(slot.write); w != writes_.end()) {
+    FailWrite(slot.write, w->second, status.WithContext(ChunkName(slot.write, slot.chunk)));
+  }
+}
+
+void StagedTransport::PumpSendSlots() {
+  for (uint32_t i = 0; i < send_.size(); ++i) {
+    SendSlot& s = send_[i];
+    if (s.state == SendSlot::State::kGathering) {
+      StatusOr<bool> done = copier_->GatherDone(i);
+      if (!done.ok()) {
+        FailChunk(s, done.status());
+        s.state = SendSlot::State::kFree;
+        continue;
+      }
+      if (!*done) continue;
+      SendGathered(i);
+    }
+    if (s.state == SendSlot::State::kSending) {
+      const ucs_status_t st = ucp_request_check_status(s.request);
+      if (st == UCS_INPROGRESS) continue;
+      ucp_request_free(s.request);
+      s.request = nullptr;
+      s.state = SendSlot::State::kFree;
+      if (st != UCS_OK) FailChunk(s, UcsStatus(st, "UCX send of the chunk"));
+    }
+  }
+}
+
+void StagedTransport::SendGathered(uint32_t i) {
+  SendSlot& s = send_[i];
+  auto w = writes_.find(s.write);
+  auto p = peers_.find(s.link);
+  if (w == writes_.end() || w->second.status.code() != StatusCode::kInProgress ||
+      p == peers_.end()) {
+    // Released, failed or disconnected meanwhile: the chunk stays here.
+    if (p != peers_.end()) p->second.credits.Release(s.write, s.chunk);
+    s.state = SendSlot::State::kFree;
+    return;
+  }
+  ucp_request_param_t param = {};
+  param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+  // Rendezvous: the receiver pulls the payload when it has a slot for it, straight from ours.
+  param.flags = UCP_AM_SEND_FLAG_RNDV;
+  param.memory_type = UCS_MEMORY_TYPE_HOST;
+  ucs_status_ptr_t req = ucp_am_send_nbx(p->second.ep, kAmChunk, s.notice.data(), s.notice.size(),
+                                         SendPayload(i), s.payload_bytes, &param);
+  if (UCS_PTR_IS_ERR(req)) {
+    s.state = SendSlot::State::kFree;
+    FailChunk(s, UcsStatus(UCS_PTR_STATUS(req), "ucp_am_send_nbx of the chunk"));
+    return;
+  }
+  if (req == nullptr) {
+    s.state = SendSlot::State::kFree;  // sent already; the ack follows
+    return;
+  }
+  s.request = req;
+  s.state = SendSlot::State::kSending;
+}
+
+void StagedTransport::ScheduleChunks() {
+  if (pending_.empty()) return;
+  for (uint32_t i = 0; i < send_.size() && !pending_.empty(); ++i) {
+    if (send_[i].state != SendSlot::State::kFree) continue;
+    // The oldest write whose receiver has a credit left; others wait their turn.
+    bool started = false;
+    for (auto it = pending_.begin(); it != pending_.end();) {
+      const WriteId id = *it;
+      auto w = writes_.find(id);
+      if (w == writes_.end() || w->second.status.code() != StatusCode::kInProgress ||
+          w->second.next_chunk >= w->second.plan.count()) {
+        it = pending_.erase(it);
+        continue;
+      }
+      auto p = peers_.find(w->second.link);
+      if (p == peers_.end()) {
+        ++it;
+        FailWrite(id, w->second, Aborted("peer disconnected during the write"));
+        continue;
+      }
+      if (!p->second.error.ok()) {
+        ++it;
+        FailWrite(id, w->second, p->second.error);
+        continue;
+      }
+      if (!p->second.ready || p->second.credits.available() == 0) {
+        ++it;
+        continue;
+      }
+      StartChunk(i, id, w->second, p->second);
+      started = true;
+      break;
+    }
+    if (!started) break;
+  }
+}
+
+void StagedTransport::StartChunk(uint32_t i, WriteId id, Write& write, Peer& peer) {
+  const uint32_t index = write.next_chunk++;
+  if (write.next_chunk >= write.plan.count()) pending_.erase(id);
+  const Chunk chunk = write.plan.Get(index);
+  const int32_t layers = chunk.layer_end - chunk.layer_begin;
+  const int64_t pages = chunk.page_end - chunk.page_begin;
+  const PayloadLayout layout = LayoutPayload(layers, pages, write.units);
+  ChunkHeader header;
+  header.sender = instance_;
+  header.link = write.link;
+  header.write = id;
+  header.chunk = index;
+  header.chunk_count = write.plan.count();
+  header.num_layers = write.num_layers;
+  header.layer_begin = chunk.layer_begin;
+  header.layer_end = chunk.layer_end;
+  header.num_pages = static_cast<uint32_t>(pages);
+  header.num_units = static_cast<uint32_t>(write.units.size());
+  header.payload_bytes = layout.payload_bytes;
+  const auto dst = std::span<const int32_t>(write.dst_pages).subspan(chunk.page_begin, pages);
+  const auto src = std::span<const int32_t>(write.src_pages).subspan(chunk.page_begin, pages);
+  Status encoded =
+      EncodeChunkPrefix(header, dst, write.units, std::span<uint8_t>(SendPayload(i), slot_bytes_));
+  if (!encoded.ok()) {
+    FailWrite(id, write, encoded.WithContext(ChunkName(id, index)));
+    return;
+  }
+  if (!peer.credits.Acquire(id, index)) {
+    FailWrite(id, write, Internal("no credit for " + ChunkName(id, index)));
+    return;
+  }
+  CopierChunk cc;
+  cc.num_layers = write.num_layers;
+  cc.layer_begin = chunk.layer_begin;
+  cc.layer_end = chunk.layer_end;
+  cc.pages = src;
+  cc.units = layout.units;
+  cc.pages_offset = kChunkHeaderBytes;
+  cc.payload_bytes = layout.payload_bytes;
+  Status started = copier_->StartGather(i, cc, write.gate.get());
+  if (!started.ok()) {
+    peer.credits.Release(id, index);
+    FailWrite(id, write, started.WithContext("gathering " + ChunkName(id, index)));
+    return;
+  }
+  SendSlot& s = send_[i];
+  s.state = SendSlot::State::kGathering;
+  s.write = id;
+  s.chunk = index;
+  s.link = write.link;
+  s.notice = Encode(ChunkNotice{instance_, write.link, id, index});
+  s.payload_bytes = layout.payload_bytes;
+  s.request = nullptr;
+}
+
+void StagedTransport::HandleAck(const ChunkAck& ack, std::string_view message) {
+  auto w = writes_.find(ack.write);
+  if (w == writes_.end() || w->second.link != ack.link) return;
+  auto p = peers_.find(ack.link);
+  if (p == peers_.end() || !p->second.credits.Release(ack.write, ack.chunk)) return;
+  Write& write = w->second;
+  if (ack.code == StatusCode::kOk) {
+    ++write.acked;
+    if (write.acked == write.plan.count() && write.status.code() == StatusCode::kInProgress) {
+      write.status = OkStatus();
+    }
+    return;
+  }
+  FailWrite(ack.write, write,
+            Status(ack.code, "the receiver failed " + ChunkName(ack.write, ack.chunk) + ": " +
+                                 std::string(message)));
+}
+
+// ---- receiving ----------------------------------------------------------------------------------
+
+void StagedTransport::DropSender(uint64_t instance, bool peer_dead) {
+  if (instance == 0) return;
+  if (dropped_.insert(instance).second) {
+    // Bounded: a long-lived prefill side disconnects every decode peer it ever had.
+    dropped_order_.push_back(instance);
+    if (dropped_order_.size() > kMaxDropped) {
+      dropped_.erase(dropped_order_.front());
+      dropped_order_.pop_front();
+    }
+  }
+  auto sender = senders_.find(instance);
+  if (peer_dead && sender != senders_.end()) {
+    // No ack goes back to a dead peer; close our endpoint to it without a flush.
+    CloseEndpoint(sender->second.ep, /*force=*/true);
+    senders_.erase(sender);
+  }
+  // Bytes being scattered cannot be stopped; wait for them so none lands after we return.
+  // Queued and landing chunks are dropped as they come up (Landed sees the drop).
+  const bool settled = WaitUntil(
+      [&] {
+        for (const RecvSlot& r : recv_) {
+          if (r.state == RecvSlot::State::kScattering && r.notice.sender == instance) return false;
+        }
+        return true;
+      },
+      kWaitBound);
+  if (!settled) {
+    KVT_LOG_ERROR("ucx", "chunks of a disconnected sender were still being scattered after {} ms",
+                  kWaitBound.count());
+  }
+}
+
+void StagedTransport::HandleHellos() {
+  std::vector<PendingHello> hellos = std::move(hellos_);
+  hellos_.clear();
+  for (PendingHello& h : hellos) {
+    auto it = senders_.find(h.hello.sender);
+    if (it == senders_.end()) {
+      ucp_ep_params_t ep = {};
+      ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                      UCP_EP_PARAM_FIELD_ERR_HANDLER;
+      ep.address = reinterpret_cast<const ucp_address_t*>(h.address.data());
+      // As for our own peers: peer failure is the control plane's to detect (see ucx_backend).
+      ep.err_mode = UCP_ERR_HANDLING_MODE_NONE;
+      ep.err_handler.cb = &OnReverseEndpointError;
+      ep.err_handler.arg = nullptr;
+      ucp_ep_h handle = nullptr;
+      Status created = UcsStatus(ucp_ep_create(worker_, &ep, &handle), "ucp_ep_create");
+      if (!created.ok()) {
+        KVT_LOG_WARN("ucx", "cannot answer a staging hello: {}", created.ToString());
+        continue;
+      }
+      it = senders_.emplace(h.hello.sender, Sender{handle, {}}).first;
+    }
+    HelloAck ack;
+    ack.receiver = instance_;
+    ack.link = h.hello.link;
+    std::string message;
+    if (dropped_.count(h.hello.sender) != 0) {
+      ack.code = StatusCode::kFailedPrecondition;
+      message = "the receiver disconnected this sender; reconnect from both sides";
+    } else if (!attached()) {
+      ack.code = StatusCode::kFailedPrecondition;
+      message =
+          "the receiving ucx backend has no staged pool (it registered host memory, CUDA memory "
+          "UCX writes directly, or nothing)";
+    } else {
+      ack.slots = slots();
+      ack.slot_bytes = slot_bytes_;
+      it->second.links.insert(h.hello.link);
+    }
+    Status sent = SendControl(it->second.ep, kAmHelloAck, Encode(ack), message);
+    if (!sent.ok()) KVT_LOG_WARN("ucx", "staging hello ack not sent: {}", sent.ToString());
+  }
+}
+
+void StagedTransport::HandleByes() {
+  std::vector<Bye> byes = std::move(byes_);
+  byes_.clear();
+  for (const Bye& bye : byes) {
+    auto it = senders_.find(bye.sender);
+    if (it == senders_.end()) continue;
+    it->second.links.erase(bye.link);
+    if (!it->second.links.empty()) continue;
+    // Acks of its chunks went out before its bye (it waited for them); close gracefully.
+    CloseEndpoint(it->second.ep, /*force=*/false);
+    senders_.erase(it);
+  }
+}
+
+void StagedTransport::PumpRecvSlots() {
+  for (uint32_t i = 0; i < recv_.size(); ++i) {
+    RecvSlot& r = recv_[i];
+    if (r.state == RecvSlot::State::kLanding) {
+      const ucs_status_t st = ucp_request_check_status(r.request);
+      if (st == UCS_INPROGRESS) continue;
+      ucp_request_free(r.request);
+      r.request = nullptr;
+      if (st != UCS_OK) {
+        FinishReceive(i, UcsStatus(st, "receiving the chunk payload"));
+      } else {
+        Landed(i);
+      }
+    } else if (r.state == RecvSlot::State::kScattering) {
+      StatusOr<bool> done = copier_->ScatterDone(i);
+      if (!done.ok()) {
+        FinishReceive(i, done.status());
+      } else if (*done) {
+        FinishReceive(i, OkStatus());
+      }
+    }
+  }
+  for (uint32_t i = 0; i < recv_.size() && !arrivals_.empty(); ++i) {
+    if (recv_[i].state != RecvSlot::State::kFree) continue;
+    Arrival arrival = std::move(arrivals_.front());
+    arrivals_.pop_front();
+    Land(i, std::move(arrival));
+  }
+}
+
+void StagedTransport::Land(uint32_t i, Arrival a) {
+  RecvSlot& r = recv_[i];
+  r.notice = a.notice;
+  r.length = a.length;
+  r.request = nullptr;
+  if (a.rndv) {
+    ucp_request_param_t param = {};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+    param.memory_type = UCS_MEMORY_TYPE_HOST;
+    ucs_status_ptr_t req = ucp_am_recv_data_nbx(worker_, a.data, RecvPayload(i), a.length, &param);
+    if (UCS_PTR_IS_ERR(req)) {
+      FinishReceive(i, UcsStatus(UCS_PTR_STATUS(req), "ucp_am_recv_data_nbx"));
+      return;
+    }
+    if (req != nullptr) {
+      r.request = req;
+      r.state = RecvSlot::State::kLanding;
+      return;
+    }
+  } else if (a.data != nullptr) {
+    std::memcpy(RecvPayload(i), a.data, a.length);
+    ucp_am_data_release(worker_, a.data);
+  } else {
+    std::memcpy(RecvPayload(i), a.copy.data(), a.length);
+  }
+  Landed(i);
+}
+
+void StagedTransport::Landed(uint32_t i) {
+  RecvSlot& r = recv_[i];
+  if (dropped_.count(r.notice.sender) != 0) {
+    FinishReceive(i, Aborted("the receiver disconnected this sender; chunk dropped"));
+    return;
+  }
+  StatusOr<DecodedChunk> decoded = DecodeChunk(Bytes(RecvPayload(i), r.length), limits_);
+  if (!decoded.ok()) {
+    FinishReceive(i, decoded.status().WithContext("refusing a malformed chunk"));
+    return;
+  }
+  const ChunkHeader& h = decoded->header;
+  if (h.sender != r.notice.sender || h.link != r.notice.link || h.write != r.notice.write ||
+      h.chunk != r.notice.chunk) {
+    FinishReceive(i, DataLoss("chunk payload names " + ChunkName(h.write, h.chunk) +
+                              " but arrived as " + ChunkName(r.notice.write, r.notice.chunk)));
+    return;
+  }
+  r.chunk = std::move(decoded).value();
+  CopierChunk cc;
+  cc.num_layers = r.chunk.header.num_layers;
+  cc.layer_begin = r.chunk.header.layer_begin;
+  cc.layer_end = r.chunk.header.layer_end;
+  cc.pages = r.chunk.dst_pages;
+  cc.units = r.chunk.layout.units;
+  cc.pages_offset = r.chunk.pages_offset;
+  cc.payload_bytes = r.chunk.header.payload_bytes;
+  Status started = copier_->StartScatter(i, cc);
+  if (!started.ok()) {
+    FinishReceive(i, started.WithContext("scattering the chunk into the pool"));
+    return;
+  }
+  r.state = RecvSlot::State::kScattering;
+}
+
+void StagedTransport::FinishReceive(uint32_t i, const Status& status) {
+  RecvSlot& r = recv_[i];
+  r.state = RecvSlot::State::kFree;
+  if (!status.ok()) {
+    KVT_LOG_DEBUG("ucx", "receiving {}: {}", ChunkName(r.notice.write, r.notice.chunk),
+                  status.ToString());
+  }
+  Status reported = status;
+  if (status.ok() && dropped_.count(r.notice.sender) != 0) {
+    reported = Aborted("the receiver disconnected this sender while the chunk was scattered");
+  }
+  SendAck(r.notice, reported);
+}
+
+void StagedTransport::SendAck(const ChunkNotice& notice, const Status& status) {
+  auto it = senders_.find(notice.sender);
+  if (it == senders_.end()) return;  // a dead or unknown sender: nobody to tell
+  ChunkAck ack{notice.link, notice.write, notice.chunk, status.code()};
+  std::string message = status.message().substr(0, kMaxAckMessage);
+  Status sent = SendControl(it->second.ep, kAmChunkAck, Encode(ack), std::move(message));
+  if (!sent.ok()) KVT_LOG_WARN("ucx", "chunk ack not sent: {}", sent.ToString());
+}
+
+// ---- callbacks (inside ucp_worker_progress, mutex held) -----------------------------------------
+
+ucs_status_t StagedTransport::OnChunk(void* arg, const void* header, size_t header_length,
+                                      void* data, size_t length, const ucp_am_recv_param_t* param) {
+  auto* self = static_cast<StagedTransport*>(arg);
+  const bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
+  const bool persistent = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_DATA) != 0;
+  // Refusing a rendezvous chunk fails the sender's send with this status; an eager one can only
+  // be dropped (its sender then learns nothing until its own deadline).
+  auto refuse = [&](ucs_status_t why, const std::string& what) {
+    KVT_LOG_WARN("ucx", "refusing a staged chunk: {}", what);
+    return rndv ? why : UCS_OK;
+  };
+  StatusOr<ChunkNotice> notice = DecodeChunkNotice(Bytes(header, header_length));
+  if (!notice.ok()) return refuse(UCS_ERR_INVALID_PARAM, notice.status().ToString());
+  if (!self->attached()) return refuse(UCS_ERR_UNSUPPORTED, "no staged pool registered here");
+  if (self->dropped_.count(notice->sender) != 0) {
+    return refuse(UCS_ERR_REJECTED, "its sender was disconnected here");
+  }
+  if (length > self->slot_bytes_) {
+    return refuse(UCS_ERR_MESSAGE_TRUNCATED, "payload of " + std::to_string(length) +
+                                                 " bytes exceeds the slots of " +
+                                                 std::to_string(self->slot_bytes_));
+  }
+  Arrival arrival;
+  arrival.notice = *notice;
+  arrival.length = length;
+  arrival.rndv = rndv;
+  if (rndv || persistent) {
+    arrival.data = data;
+  } else {
+    const auto* bytes = static_cast<const uint8_t*>(data);
+    arrival.copy.assign(bytes, bytes + length);
+  }
+  self->arrivals_.push_back(std::move(arrival));
+  return (rndv || persistent) ? UCS_INPROGRESS : UCS_OK;
+}
+
+ucs_status_t StagedTransport::OnHello(void* arg, const void* header, size_t header_length,
+                                      void* data, size_t length, const ucp_am_recv_param_t* param) {
+  auto* self = static_cast<StagedTransport*>(arg);
+  StatusOr<Hello> hello = DecodeHello(Bytes(header, header_length));
+  if (!hello.ok() || (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0 || length == 0) {
+    KVT_LOG_WARN("ucx", "ignoring a malformed staging hello");
+    return UCS_OK;
+  }
+  // Endpoints cannot be created inside a callback; Pump answers it.
+  self->hellos_.push_back(
+      PendingHello{*hello, std::string(static_cast<const char*>(data), length)});
+  return UCS_OK;
+}
+
+ucs_status_t StagedTransport::OnHelloAck(void* arg, const void* header, size_t header_length,
+                                         void* data, size_t length,
+                                         const ucp_am_recv_param_t* param) {
+  auto* self = static_cast<StagedTransport*>(arg);
+  StatusOr<HelloAck> ack = DecodeHelloAck(Bytes(header, header_length));
+  if (!ack.ok() || (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0) return UCS_OK;
+  auto it = self->peers_.find(ack->link);
+  if (it == self->peers_.end() || it->second.remote.instance != ack->receiver) return UCS_OK;
+  Peer& peer = it->second;
+  if (ack->code != StatusCode::kOk) {
+    peer.error = Status(ack->code, "the peer refused staged writes: " +
+                                       std::string(static_cast<const char*>(data), length));
+    return UCS_OK;
+  }
+  peer.ready = true;
+  peer.credits.SetLimit(std::min(peer.remote.slots, ack->slots));
+  peer.remote.slot_bytes = std::min(peer.remote.slot_bytes, ack->slot_bytes);
+  return UCS_OK;
+}
+
+ucs_status_t StagedTransport::OnChunkAck(void* arg, const void* header, size_t header_length,
+                                         void* data, size_t length,
+                                         const ucp_am_recv_param_t* param) {
+  auto* self = static_cast<StagedTransport*>(arg);
+  StatusOr<ChunkAck> ack = DecodeChunkAck(Bytes(header, header_length));
+  if (!ack.ok() || (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0) return UCS_OK;
+  self->HandleAck(*ack, std::string_view(static_cast<const char*>(data), length));
+  return UCS_OK;
+}
+
+ucs_status_t StagedTransport::OnBye(void* arg, const void* header, size_t header_length, void*,
+                                    size_t, const ucp_am_recv_param_t*) {
+  auto* self = static_cast<StagedTransport*>(arg);
+  StatusOr<Bye> bye = DecodeBye(Bytes(header, header_length));
+  if (bye.ok()) self->byes_.push_back(*bye);
+  return UCS_OK;
+}
+
+// ---- control messages and progress --------------------------------------------------------------
+
+Status StagedTransport::SendControl(ucp_ep_h ep, unsigned am_id, std::vector<uint8_t> header,
+                                    std::string data) {
+  if (ep == nullptr) return FailedPrecondition("no endpoint for a staging control message");
+  // UCX 1.13 reads the header and data until the send completes; keep them until then.
+  control_.push_back(
+      ControlSend{std::move(header), std::move(data), nullptr, Clock::now() + kControlBound});
+  ControlSend& c = control_.back();
+  ucp_request_param_t param = {};
+  ucs_status_ptr_t req =
+      ucp_am_send_nbx(ep, am_id, c.header.data(), c.header.size(),
+                      c.data.empty() ? nullptr : c.data.data(), c.data.size(), &param);
+  if (UCS_PTR_IS_ERR(req)) {
+    control_.pop_back();
+    return UcsStatus(UCS_PTR_STATUS(req), "ucp_am_send_nbx");
+  }
+  if (req == nullptr) {
+    control_.pop_back();
+    return OkStatus();
+  }
+  c.request = req;
+  return OkStatus();
+}
+
+void StagedTransport::PumpControl() {
+  const auto now = Clock::now();
+  for (auto it = control_.begin(); it != control_.end();) {
+    const ucs_status_t st = ucp_request_check_status(it->request);
+    if (st == UCS_INPROGRESS && now < it->deadline) {
+      ++it;
+      continue;
+    }
+    if (st == UCS_INPROGRESS) {
+      KVT_LOG_WARN("ucx", "a staging control message was not delivered in {} ms; cancelling it",
+                   kControlBound.count());
+      ucp_request_cancel(worker_, it->request);
+      if (ucp_request_check_status(it->request) == UCS_INPROGRESS) {
+        // UCX still owns the buffers; keep them (this transport outlives the worker).
+        it->deadline = Clock::time_point::max();
+        ++it;
+        continue;
+      }
+    } else if (st != UCS_OK) {
+      KVT_LOG_DEBUG("ucx", "a staging control message failed: {}", ucs_status_string(st));
+    }
+    ucp_request_free(it->request);
+    it = control_.erase(it);
+  }
+  for (auto it = closing_.begin(); it != closing_.end();) {
+    if (ucp_request_check_status(it->request) == UCS_INPROGRESS && now < it->deadline) {
+      ++it;
+      continue;
+    }
+    ucp_request_free(it->request);
+    it = closing_.erase(it);
+  }
+}
+
+void StagedTransport::CloseEndpoint(ucp_ep_h ep, bool force) {
+  if (ep == nullptr) return;
+  ucp_request_param_t param = {};
+  if (force) {
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    param.flags = UCP_EP_CLOSE_FLAG_FORCE;
+  }
+  ucs_status_ptr_t req = ucp_ep_close_nbx(ep, &param);
+  if (req == nullptr || UCS_PTR_IS_ERR(req)) return;
+  closing_.push_back(Closing{req, Clock::now() + kCloseBound});
+}
+
+void StagedTransport::CloseEndpointNow(ucp_ep_h ep, bool force) {
+  if (ep == nullptr) return;
+  ucp_request_param_t param = {};
+  if (force) {
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    param.flags = UCP_EP_CLOSE_FLAG_FORCE;
+  }
+  ucs_status_ptr_t req = ucp_ep_close_nbx(ep, &param);
+  if (req == nullptr || UCS_PTR_IS_ERR(req)) return;
+  const auto give_up = Clock::now() + kCloseBound;
+  while (ucp_request_check_status(req) == UCS_INPROGRESS && Clock::now() < give_up) {
+    ucp_worker_progress(worker_);
+  }
+  if (ucp_request_check_status(req) == UCS_INPROGRESS) {
+    KVT_LOG_WARN("ucx", "staging endpoint close did not finish in {} ms (peer gone?)",
+                 kCloseBound.count());
+  }
+  ucp_request_free(req);
+}
+
+void StagedTransport::Pump() {
+  if (!hellos_.empty()) HandleHellos();
+  if (!byes_.empty()) HandleByes();
+  if (copier_ != nullptr) {
+    PumpSendSlots();
+    ScheduleChunks();
+    PumpRecvSlots();
+  }
+  if (!control_.empty() || !closing_.empty()) PumpControl();
+}
+
+bool StagedTransport::NeedsPolling() const {
+  // Copier completions (CUDA events, or the next Pump for the host copier) wake no event fd.
+  if (!hellos_.empty() || !byes_.empty()) return true;
+  for (const SendSlot& s : send_) {
+    if (s.state == SendSlot::State::kGathering) return true;
+  }
+  for (const RecvSlot& r : recv_) {
+    if (r.state == RecvSlot::State::kScattering) return true;
+  }
+  return false;
+}
+
+void StagedTransport::Quiesce() {
+  const bool idle = WaitUntil(
+      [&] {
+        for (const SendSlot& s : send_) {
+          if (s.state != SendSlot::State::kFree) return false;
+        }
+        for (const RecvSlot& r : recv_) {
+          if (r.state != RecvSlot::State::kFree) return false;
+        }
+        return true;
+      },
+      kWaitBound);
+  if (!idle) {
+    KVT_LOG_ERROR("ucx", "staging slots still busy after {} ms at shutdown", kWaitBound.count());
+    for (const SendSlot& s : send_) {
+      if (s.state == SendSlot::State::kSending) leak_slot_memory_ = true;
+    }
+    for (const RecvSlot& r : recv_) {
+      if (r.state == RecvSlot::State::kLanding) leak_slot_memory_ = true;
+    }
+  }
+}
+
+void StagedTransport::Shutdown() {
+  for (auto& [link, peer] : peers_) CloseEndpointNow(peer.ep, /*force=*/false);
+  peers_.clear();
+  for (auto& [instance, sender] : senders_) CloseEndpoint(sender.ep, /*force=*/false);
+  senders_.clear();
+  const auto give_up = Clock::now() + kCloseBound;
+  while ((!closing_.empty() || !control_.empty()) && Clock::now() < give_up) {
+    ucp_worker_progress(worker_);
+    PumpControl();
+  }
+  for (Closing& c : closing_) ucp_request_free(c.request);
+  closing_.clear();
+  for (ControlSend& c : control_) {
+    if (c.request != nullptr) ucp_request_cancel(worker_, c.request);
+  }
+  // Control requests still held are freed with the worker; their buffers live in control_ until
+  // this object goes (after the worker).
+  for (auto it = control_.begin(); it != control_.end();) {
+    if (ucp_request_check_status(it->request) != UCS_INPROGRESS) {
+      ucp_request_free(it->request);
+      it = control_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  copier_.reset();
+  FreeSlotMemory();
+  send_.clear();
+  recv_.clear();
+  // Arrivals still queued hold UCX descriptors; the worker frees them when it is destroyed.
+  arrivals_.clear();
+  writes_.clear();
+  pending_.clear();
+  peers_.clear();
+}
+
+}  // namespace ucx_staging
+}  // namespace kvt::transfer

@@ -1,0 +1,466 @@
+#include "backends/ucx/ucx_staging.h"
+
+#include <algorithm>
+#include <bit>
+#include <cstring>
+#include <limits>
+
+namespace kvt::transfer::ucx_staging {
+namespace {
+
+static_assert(std::endian::native == std::endian::little,
+              "the staging wire format is written in host order, which must be little-endian");
+
+constexpr uint64_t kSaturated = std::numeric_limits<uint64_t>::max();
+
+uint64_t SatAdd(uint64_t a, uint64_t b) { return a > kSaturated - b ? kSaturated : a + b; }
+uint64_t SatMul(uint64_t a, uint64_t b) {
+  if (a == 0 || b == 0) return 0;
+  return a > kSaturated / b ? kSaturated : a * b;
+}
+uint64_t AlignUp(uint64_t v, uint64_t a) {
+  const uint64_t r = v % a;
+  return r == 0 ? v : SatAdd(v, a - r);
+}
+
+// Little-endian field access at fixed offsets; the callers check sizes first.
+template <typename T>
+void Put(uint8_t* out, size_t offset, T value) {
+  std::memcpy(out + offset, &value, sizeof(T));
+}
+template <typename T>
+T Get(const uint8_t* in, size_t offset) {
+  T value;
+  std::memcpy(&value, in + offset, sizeof(T));
+  return value;
+}
+
+// Magic words of the control messages.
+constexpr uint32_t kNoticeMagic = 0x4e54564b;    // "KVTN"
+constexpr uint32_t kHelloMagic = 0x4854564b;     // "KVTH"
+constexpr uint32_t kHelloAckMagic = 0x4154564b;  // "KVTA"
+constexpr uint32_t kAckMagic = 0x4b54564b;       // "KVTK"
+constexpr uint32_t kByeMagic = 0x4254564b;       // "KVTB"
+constexpr uint32_t kTrailerMagic = 0x5554564b;   // "KVTU"
+
+Status CheckMessage(std::span<const uint8_t> bytes, size_t size, uint32_t magic, const char* what) {
+  if (bytes.size() != size) {
+    return DataLoss(std::string(what) + " of " + std::to_string(bytes.size()) +
+                    " bytes; expected " + std::to_string(size));
+  }
+  const uint32_t got = Get<uint32_t>(bytes.data(), 0);
+  if (got != magic) {
+    return DataLoss(std::string(what) + " has magic " + std::to_string(got) + "; expected " +
+                    std::to_string(magic));
+  }
+  return OkStatus();
+}
+
+StatusCode CodeFromWire(uint32_t raw) {
+  if (raw > static_cast<uint32_t>(StatusCode::kInProgress)) return StatusCode::kInternal;
+  return static_cast<StatusCode>(raw);
+}
+
+}  // namespace
+
+// ---- chunk plan -------------------------------------------------------------------------------
+
+PayloadLayout LayoutPayload(int32_t layers, int64_t pages, std::span<const PageUnit> units) {
+  PayloadLayout layout;
+  const uint64_t l = static_cast<uint64_t>(std::max(layers, 0));
+  const uint64_t p = static_cast<uint64_t>(std::max<int64_t>(pages, 0));
+  const uint64_t prefix = SatAdd(SatAdd(kChunkHeaderBytes, SatMul(4, p)),
+                                 SatMul(16, static_cast<uint64_t>(units.size())));
+  uint64_t offset = AlignUp(prefix, kPayloadAlign);
+  layout.data_offset = offset;
+  layout.units.reserve(units.size());
+  for (size_t u = 0; u < units.size(); ++u) {
+    if (u > 0) offset = AlignUp(offset, kPayloadAlign);
+    layout.units.push_back(
+        ChunkUnit{units[u].src_offset, units[u].dst_offset, units[u].bytes, offset});
+    offset = SatAdd(offset, SatMul(SatMul(2 * l, p), units[u].bytes));
+  }
+  layout.payload_bytes = offset;
+  return layout;
+}
+
+uint64_t PayloadBytes(int32_t layers, int64_t pages, std::span<const PageUnit> units) {
+  return LayoutPayload(layers, pages, units).payload_bytes;
+}
+
+Chunk ChunkPlan::Get(uint32_t index) const {
+  const int64_t layer_group = index / page_groups;
+  const int64_t page_group = index % page_groups;
+  Chunk chunk;
+  chunk.layer_begin = layer_begin + static_cast<int32_t>(layer_group * layers_per_chunk);
+  chunk.layer_end = std::min(layer_end, chunk.layer_begin + layers_per_chunk);
+  chunk.page_begin = page_group * pages_per_chunk;
+  chunk.page_end = std::min(num_pages, chunk.page_begin + pages_per_chunk);
+  return chunk;
+}
+
+StatusOr<ChunkPlan> PlanChunks(int32_t layer_begin, int32_t layer_end, int64_t num_pages,
+                               std::span<const PageUnit> units, uint64_t slot_bytes) {
+  if (layer_begin < 0 || layer_end <= layer_begin) {
+    return InvalidArgument("staged write: layer range [" + std::to_string(layer_begin) + ", " +
+                           std::to_string(layer_end) + ") is empty or negative");
+  }
+  if (num_pages < 0) {
+    return InvalidArgument("staged write: " + std::to_string(num_pages) + " pages");
+  }
+  if (units.empty() || units.size() > kMaxUnits) {
+    return InvalidArgument("staged write: " + std::to_string(units.size()) +
+                           " units per page; give 1 to " + std::to_string(kMaxUnits));
+  }
+  for (size_t u = 0; u < units.size(); ++u) {
+    if (units[u].bytes == 0) {
+      return InvalidArgument("staged write: unit " + std::to_string(u) + " has 0 bytes");
+    }
+  }
+  const int32_t layers = layer_end - layer_begin;
+  auto fits = [&](int32_t g, int64_t p) { return PayloadBytes(g, p, units) <= slot_bytes; };
+  if (!fits(1, 1)) {
+    return InvalidArgument("a staging slot of " + std::to_string(slot_bytes) +
+                           " bytes cannot hold one page of one " + "layer's K and V (" +
+                           std::to_string(PayloadBytes(1, 1, units)) +
+                           " bytes with the chunk header); raise ucx_staging_slot_bytes");
+  }
+  ChunkPlan plan;
+  plan.layer_begin = layer_begin;
+  plan.layer_end = layer_end;
+  plan.num_pages = num_pages;
+  if (num_pages == 0) {
+    plan.layers_per_chunk = layers;
+    plan.pages_per_chunk = 1;
+    plan.layer_groups = 1;
+    plan.page_groups = 0;
+    return plan;
+  }
+  int32_t g = 1;
+  int64_t p = 1;
+  if (fits(layers, 1)) {
+    g = layers;
+    int64_t lo = 1, hi = std::min(num_pages, kMaxChunkPages);  // fits(g, lo) holds
+    while (lo < hi) {
+      const int64_t mid = lo + (hi - lo + 1) / 2;
+      if (fits(g, mid)) {
+        lo = mid;
+      } else {
+        hi = mid - 1;
+      }
+    }
+    p = lo;
+  } else {
+    int32_t lo = 1, hi = layers;  // fits(lo, 1) holds
+    while (lo < hi) {
+      const int32_t mid = lo + (hi - lo + 1) / 2;
+      if (fits(mid, 1)) {
+        lo = mid;
+      } else {
+        hi = mid - 1;
+      }
+    }
+    g = lo;
+  }
+  // Balance: the same number of groups, each as even as possible (never larger than found).
+  plan.page_groups = (num_pages + p - 1) / p;
+  plan.pages_per_chunk = (num_pages + plan.page_groups - 1) / plan.page_groups;
+  plan.layer_groups = (layers + g - 1) / g;
+  plan.layers_per_chunk = (layers + plan.layer_groups - 1) / plan.layer_groups;
+  if (static_cast<uint64_t>(plan.layer_groups) * static_cast<uint64_t>(plan.page_groups) >
+      std::numeric_limits<uint32_t>::max()) {
+    return InvalidArgument("staged write of " + std::to_string(num_pages) + " pages x " +
+                           std::to_string(layers) + " layers needs more than 2^32 chunks");
+  }
+  return plan;
+}
+
+// ---- chunk wire format ------------------------------------------------------------------------
+//
+// Header fields: 0 magic u32, 4 version u16, 6 num_units u16, 8 sender, 16 link, 24 write,
+// 32 chunk u32, 36 chunk_count u32, 40 num_layers i32, 44 layer_begin i32, 48 layer_end i32,
+// 52 num_pages u32, 56 payload_bytes u64.
+
+Status EncodeChunkPrefix(const ChunkHeader& h, std::span<const int32_t> dst_pages,
+                         std::span<const PageUnit> units, std::span<uint8_t> payload) {
+  if (h.num_pages != dst_pages.size() || h.num_units != units.size() || units.empty() ||
+      units.size() > kMaxUnits || dst_pages.size() > static_cast<size_t>(kMaxChunkPages)) {
+    return InvalidArgument("chunk header names " + std::to_string(h.num_pages) + " pages and " +
+                           std::to_string(h.num_units) + " units but " +
+                           std::to_string(dst_pages.size()) + " and " +
+                           std::to_string(units.size()) + " were given");
+  }
+  const PayloadLayout layout =
+      LayoutPayload(h.layer_end - h.layer_begin, static_cast<int64_t>(dst_pages.size()), units);
+  if (h.payload_bytes != layout.payload_bytes) {
+    return InvalidArgument("chunk header says " + std::to_string(h.payload_bytes) +
+                           " payload bytes; the layout needs " +
+                           std::to_string(layout.payload_bytes));
+  }
+  if (payload.size() < layout.data_offset) {
+    return InvalidArgument("chunk prefix of " + std::to_string(layout.data_offset) +
+                           " bytes does not fit " + std::to_string(payload.size()));
+  }
+  uint8_t* out = payload.data();
+  std::memset(out, 0, layout.data_offset);
+  Put<uint32_t>(out, 0, kChunkMagic);
+  Put<uint16_t>(out, 4, kWireVersion);
+  Put<uint16_t>(out, 6, static_cast<uint16_t>(h.num_units));
+  Put<uint64_t>(out, 8, h.sender);
+  Put<uint64_t>(out, 16, h.link);
+  Put<uint64_t>(out, 24, h.write);
+  Put<uint32_t>(out, 32, h.chunk);
+  Put<uint32_t>(out, 36, h.chunk_count);
+  Put<int32_t>(out, 40, h.num_layers);
+  Put<int32_t>(out, 44, h.layer_begin);
+  Put<int32_t>(out, 48, h.layer_end);
+  Put<uint32_t>(out, 52, h.num_pages);
+  Put<uint64_t>(out, 56, h.payload_bytes);
+  if (!dst_pages.empty()) {
+    std::memcpy(out + kChunkHeaderBytes, dst_pages.data(), dst_pages.size() * sizeof(int32_t));
+  }
+  const size_t units_at = kChunkHeaderBytes + dst_pages.size() * sizeof(int32_t);
+  for (size_t u = 0; u < units.size(); ++u) {
+    Put<uint64_t>(out, units_at + 16 * u, units[u].dst_offset);
+    Put<uint64_t>(out, units_at + 16 * u + 8, units[u].bytes);
+  }
+  return OkStatus();
+}
+
+StatusOr<DecodedChunk> DecodeChunk(std::span<const uint8_t> payload, const ChunkLimits& limits) {
+  if (payload.size() < kChunkHeaderBytes) {
+    return DataLoss("chunk payload of " + std::to_string(payload.size()) +
+                    " bytes is shorter than its header (" + std::to_string(kChunkHeaderBytes) +
+                    ")");
+  }
+  const uint8_t* in = payload.data();
+  if (Get<uint32_t>(in, 0) != kChunkMagic) return DataLoss("chunk payload has a bad magic");
+  if (Get<uint16_t>(in, 4) != kWireVersion) {
+    return DataLoss("chunk wire version " + std::to_string(Get<uint16_t>(in, 4)) +
+                    "; this build speaks " + std::to_string(kWireVersion));
+  }
+  DecodedChunk chunk;
+  ChunkHeader& h = chunk.header;
+  h.num_units = Get<uint16_t>(in, 6);
+  h.sender = Get<uint64_t>(in, 8);
+  h.link = Get<uint64_t>(in, 16);
+  h.write = Get<uint64_t>(in, 24);
+  h.chunk = Get<uint32_t>(in, 32);
+  h.chunk_count = Get<uint32_t>(in, 36);
+  h.num_layers = Get<int32_t>(in, 40);
+  h.layer_begin = Get<int32_t>(in, 44);
+  h.layer_end = Get<int32_t>(in, 48);
+  h.num_pages = Get<uint32_t>(in, 52);
+  h.payload_bytes = Get<uint64_t>(in, 56);
+  if (h.chunk >= h.chunk_count) {
+    return DataLoss("chunk " + std::to_string(h.chunk) + " of a write of " +
+                    std::to_string(h.chunk_count) + " chunks");
+  }
+  if (h.num_units == 0 || h.num_units > kMaxUnits || h.num_pages == 0 ||
+      h.num_pages > static_cast<uint64_t>(kMaxChunkPages)) {
+    return DataLoss("chunk names " + std::to_string(h.num_pages) + " pages and " +
+                    std::to_string(h.num_units) + " units; allowed 1.." +
+                    std::to_string(kMaxChunkPages) + " and 1.." + std::to_string(kMaxUnits));
+  }
+  if (h.num_layers != limits.num_layers) {
+    return OutOfRange("chunk is for a pool of " + std::to_string(h.num_layers) +
+                      " layers; this pool has " + std::to_string(limits.num_layers));
+  }
+  if (h.layer_begin < 0 || h.layer_end <= h.layer_begin || h.layer_end > limits.num_layers) {
+    return OutOfRange("chunk layer range [" + std::to_string(h.layer_begin) + ", " +
+                      std::to_string(h.layer_end) + ") is not inside [0, " +
+                      std::to_string(limits.num_layers) + ")");
+  }
+  const size_t units_at = kChunkHeaderBytes + size_t{h.num_pages} * sizeof(int32_t);
+  const size_t prefix = units_at + 16 * size_t{h.num_units};
+  if (payload.size() < prefix) {
+    return DataLoss("chunk payload of " + std::to_string(payload.size()) +
+                    " bytes ends inside its page and unit lists (" + std::to_string(prefix) + ")");
+  }
+  chunk.dst_pages.resize(h.num_pages);
+  std::memcpy(chunk.dst_pages.data(), in + kChunkHeaderBytes,
+              size_t{h.num_pages} * sizeof(int32_t));
+  std::vector<PageUnit> units(h.num_units);
+  for (size_t u = 0; u < units.size(); ++u) {
+    units[u].dst_offset = Get<uint64_t>(in, units_at + 16 * u);
+    units[u].bytes = Get<uint64_t>(in, units_at + 16 * u + 8);
+    if (units[u].bytes == 0 || units[u].dst_offset > limits.item_len ||
+        units[u].bytes > limits.item_len - units[u].dst_offset) {
+      return OutOfRange("chunk unit " + std::to_string(u) + " of " +
+                        std::to_string(units[u].bytes) + " bytes at offset " +
+                        std::to_string(units[u].dst_offset) + " does not fit a page of " +
+                        std::to_string(limits.item_len) + " bytes");
+    }
+  }
+  const uint64_t pool_pages = limits.item_len == 0 ? 0 : limits.buffer_len / limits.item_len;
+  for (size_t i = 0; i < chunk.dst_pages.size(); ++i) {
+    const int32_t p = chunk.dst_pages[i];
+    if (p < 1 || static_cast<uint64_t>(p) >= pool_pages) {
+      return OutOfRange("chunk page " + std::to_string(p) + " at position " + std::to_string(i) +
+                        " is outside [1, " + std::to_string(pool_pages) + ")");
+    }
+  }
+  chunk.layout = LayoutPayload(h.layer_end - h.layer_begin, h.num_pages, units);
+  if (h.payload_bytes != chunk.layout.payload_bytes || payload.size() != h.payload_bytes) {
+    return DataLoss("chunk header says " + std::to_string(h.payload_bytes) + " bytes, its layout " +
+                    std::to_string(chunk.layout.payload_bytes) + ", and " +
+                    std::to_string(payload.size()) + " arrived");
+  }
+  return chunk;
+}
+
+// ---- control messages -------------------------------------------------------------------------
+
+std::vector<uint8_t> Encode(const ChunkNotice& m) {
+  std::vector<uint8_t> out(kChunkNoticeBytes, 0);
+  Put<uint32_t>(out.data(), 0, kNoticeMagic);
+  Put<uint64_t>(out.data(), 8, m.sender);
+  Put<uint64_t>(out.data(), 16, m.link);
+  Put<uint64_t>(out.data(), 24, m.write);
+  Put<uint32_t>(out.data(), 4, m.chunk);
+  return out;
+}
+
+StatusOr<ChunkNotice> DecodeChunkNotice(std::span<const uint8_t> bytes) {
+  KVT_RETURN_IF_ERROR(CheckMessage(bytes, kChunkNoticeBytes, kNoticeMagic, "chunk notice"));
+  ChunkNotice m;
+  m.chunk = Get<uint32_t>(bytes.data(), 4);
+  m.sender = Get<uint64_t>(bytes.data(), 8);
+  m.link = Get<uint64_t>(bytes.data(), 16);
+  m.write = Get<uint64_t>(bytes.data(), 24);
+  return m;
+}
+
+std::vector<uint8_t> Encode(const Hello& m) {
+  std::vector<uint8_t> out(kHelloBytes, 0);
+  Put<uint32_t>(out.data(), 0, kHelloMagic);
+  Put<uint16_t>(out.data(), 4, kWireVersion);
+  Put<uint64_t>(out.data(), 8, m.sender);
+  Put<uint64_t>(out.data(), 16, m.link);
+  return out;
+}
+
+StatusOr<Hello> DecodeHello(std::span<const uint8_t> bytes) {
+  KVT_RETURN_IF_ERROR(CheckMessage(bytes, kHelloBytes, kHelloMagic, "staging hello"));
+  if (Get<uint16_t>(bytes.data(), 4) != kWireVersion) {
+    return DataLoss("staging hello of wire version " +
+                    std::to_string(Get<uint16_t>(bytes.data(), 4)) + "; this build speaks " +
+                    std::to_string(kWireVersion));
+  }
+  return Hello{Get<uint64_t>(bytes.data(), 8), Get<uint64_t>(bytes.data(), 16)};
+}
+
+std::vector<uint8_t> Encode(const HelloAck& m) {
+  std::vector<uint8_t> out(kHelloAckBytes, 0);
+  Put<uint32_t>(out.data(), 0, kHelloAckMagic);
+  Put<uint32_t>(out.data(), 4, static_cast<uint32_t>(m.code));
+  Put<uint64_t>(out.data(), 8, m.receiver);
+  Put<uint64_t>(out.data(), 16, m.link);
+  Put<uint32_t>(out.data(), 24, m.slots);
+  Put<uint64_t>(out.data(), 32, m.slot_bytes);
+  return out;
+}
+
+StatusOr<HelloAck> DecodeHelloAck(std::span<const uint8_t> bytes) {
+  KVT_RETURN_IF_ERROR(CheckMessage(bytes, kHelloAckBytes, kHelloAckMagic, "staging hello ack"));
+  HelloAck m;
+  m.code = CodeFromWire(Get<uint32_t>(bytes.data(), 4));
+  m.receiver = Get<uint64_t>(bytes.data(), 8);
+  m.link = Get<uint64_t>(bytes.data(), 16);
+  m.slots = Get<uint32_t>(bytes.data(), 24);
+  m.slot_bytes = Get<uint64_t>(bytes.data(), 32);
+  return m;
+}
+
+std::vector<uint8_t> Encode(const ChunkAck& m) {
+  std::vector<uint8_t> out(kChunkAckBytes, 0);
+  Put<uint32_t>(out.data(), 0, kAckMagic);
+  Put<uint32_t>(out.data(), 4, static_cast<uint32_t>(m.code));
+  Put<uint64_t>(out.data(), 8, m.link);
+  Put<uint64_t>(out.data(), 16, m.write);
+  Put<uint32_t>(out.data(), 24, m.chunk);
+  return out;
+}
+
+StatusOr<ChunkAck> DecodeChunkAck(std::span<const uint8_t> bytes) {
+  KVT_RETURN_IF_ERROR(CheckMessage(bytes, kChunkAckBytes, kAckMagic, "chunk ack"));
+  ChunkAck m;
+  m.code = CodeFromWire(Get<uint32_t>(bytes.data(), 4));
+  m.link = Get<uint64_t>(bytes.data(), 8);
+  m.write = Get<uint64_t>(bytes.data(), 16);
+  m.chunk = Get<uint32_t>(bytes.data(), 24);
+  return m;
+}
+
+std::vector<uint8_t> Encode(const Bye& m) {
+  std::vector<uint8_t> out(kByeBytes, 0);
+  Put<uint32_t>(out.data(), 0, kByeMagic);
+  Put<uint64_t>(out.data(), 8, m.sender);
+  Put<uint64_t>(out.data(), 16, m.link);
+  return out;
+}
+
+StatusOr<Bye> DecodeBye(std::span<const uint8_t> bytes) {
+  KVT_RETURN_IF_ERROR(CheckMessage(bytes, kByeBytes, kByeMagic, "staging bye"));
+  return Bye{Get<uint64_t>(bytes.data(), 8), Get<uint64_t>(bytes.data(), 16)};
+}
+
+// ---- descriptor trailer -----------------------------------------------------------------------
+// 0 magic u32, 4 version u16, 6 flags u16 (bit 0: staged), 8 instance, 16 slots u32,
+// 20 reserved, 24 slot_bytes.
+
+std::string AppendTrailer(std::string_view worker_address, const AddressTrailer& t) {
+  std::string out(worker_address);
+  uint8_t bytes[kTrailerBytes] = {};
+  Put<uint32_t>(bytes, 0, kTrailerMagic);
+  Put<uint16_t>(bytes, 4, kWireVersion);
+  Put<uint16_t>(bytes, 6, t.staged ? 1 : 0);
+  Put<uint64_t>(bytes, 8, t.instance);
+  Put<uint32_t>(bytes, 16, t.slots);
+  Put<uint64_t>(bytes, 24, t.slot_bytes);
+  out.append(reinterpret_cast<const char*>(bytes), kTrailerBytes);
+  return out;
+}
+
+SplitAddress SplitPeerAddress(std::string_view address) {
+  SplitAddress split;
+  split.worker_address = address;
+  if (address.size() <= kTrailerBytes) return split;
+  const auto* t = reinterpret_cast<const uint8_t*>(address.data() + address.size() - kTrailerBytes);
+  if (Get<uint32_t>(t, 0) != kTrailerMagic || Get<uint16_t>(t, 4) != kWireVersion) return split;
+  AddressTrailer trailer;
+  trailer.staged = (Get<uint16_t>(t, 6) & 1) != 0;
+  trailer.instance = Get<uint64_t>(t, 8);
+  trailer.slots = Get<uint32_t>(t, 16);
+  trailer.slot_bytes = Get<uint64_t>(t, 24);
+  split.worker_address = address.substr(0, address.size() - kTrailerBytes);
+  split.trailer = trailer;
+  return split;
+}
+
+// ---- credits ----------------------------------------------------------------------------------
+
+bool CreditWindow::Acquire(uint64_t write, uint32_t chunk) {
+  if (available() == 0) return false;
+  return held_.insert({write, chunk}).second;
+}
+
+bool CreditWindow::Release(uint64_t write, uint32_t chunk) {
+  return held_.erase({write, chunk}) != 0;
+}
+
+uint32_t CreditWindow::ReleaseWrite(uint64_t write) {
+  auto begin = held_.lower_bound({write, 0});
+  auto end = held_.upper_bound({write, std::numeric_limits<uint32_t>::max()});
+  const uint32_t n = static_cast<uint32_t>(std::distance(begin, end));
+  held_.erase(begin, end);
+  return n;
+}
+
+uint32_t CreditWindow::HeldBy(uint64_t write) const {
+  auto begin = held_.lower_bound({write, 0});
+  auto end = held_.upper_bound({write, std::numeric_limits<uint32_t>::max()});
+  return static_cast<uint32_t>(std::distance(begin, end));
+}
+
+}  // namespace kvt::transfer::ucx_staging

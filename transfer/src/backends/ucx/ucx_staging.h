@@ -1,0 +1,258 @@
+// The pure parts of the ucx backend's staged path for CUDA pools: how a page write is cut into
+// chunks that fit a bounce slot, the self-describing wire format of a chunk and of the small
+// control messages, the descriptor trailer that announces a side's staging area, and the
+// credit window that bounds the chunks a sender has outstanding at one receiver.
+//
+// Staging moves a page write (backend.h PageWrite) as a sequence of chunks. A chunk is a
+// rectangle of the write: layers [layer_begin, layer_end) of the layer batch times pages
+// [page_begin, page_end) of the page list, for every unit of every page. Its payload is
+//
+//   [0, 64)                   ChunkHeader (fields below, little-endian)
+//   [64, 64 + 4 * pages)      destination page ids, int32
+//   [.., + 16 * units)        units: destination offset in the page (u64), bytes (u64)
+//   data_offset (256-aligned) one segment per unit, each 256-aligned, buffer-major within:
+//                             K of the chunk's layers, then V, each `pages * bytes` long
+//
+// so a receiver needs nothing but the payload (and its own pool) to scatter it, and refuses a
+// payload whose header does not describe exactly its bytes or names pages outside its pool.
+//
+// Pure functions and plain values, no UCX or CUDA calls: thread-safe. CreditWindow is a value;
+// its owner serialises access.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <set>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "kvt/common/status.h"
+#include "kvt/transfer/plan.h"
+
+namespace kvt::transfer::ucx_staging {
+
+inline constexpr uint32_t kChunkMagic = 0x4354564b;  // "KVTC"
+inline constexpr uint16_t kWireVersion = 1;
+inline constexpr uint64_t kChunkHeaderBytes = 64;
+inline constexpr uint64_t kPayloadAlign = 256;
+// Caps that keep per-chunk metadata bounded (device index buffers are sized from them).
+inline constexpr int64_t kMaxChunkPages = 16384;
+inline constexpr size_t kMaxUnits = 1024;
+// Smallest slot accepted (header, a few pages and their data).
+inline constexpr uint64_t kMinSlotBytes = 4096;
+
+// ---- chunk plan -------------------------------------------------------------------------------
+
+// One unit of every page as it sits in a chunk payload.
+struct ChunkUnit {
+  uint64_t src_offset = 0;      // in the source page (sender only)
+  uint64_t dst_offset = 0;      // in the destination page
+  uint64_t bytes = 0;           // per (buffer, page)
+  uint64_t payload_offset = 0;  // of this unit's segment; V follows K at + layers*pages*bytes
+};
+
+// Bytes of a payload holding `layers` layers x `pages` pages of these units (saturates at
+// UINT64_MAX instead of overflowing).
+uint64_t PayloadBytes(int32_t layers, int64_t pages, std::span<const PageUnit> units);
+
+// Where each unit's segment starts in such a payload, and where the data begins.
+struct PayloadLayout {
+  uint64_t data_offset = 0;
+  uint64_t payload_bytes = 0;
+  std::vector<ChunkUnit> units;
+};
+PayloadLayout LayoutPayload(int32_t layers, int64_t pages, std::span<const PageUnit> units);
+
+struct Chunk {
+  int32_t layer_begin = 0;  // absolute layer ids
+  int32_t layer_end = 0;
+  int64_t page_begin = 0;  // positions in the write's page lists
+  int64_t page_end = 0;
+};
+
+// How a write is cut: at most layers_per_chunk layers x pages_per_chunk pages a chunk, layer
+// groups outermost. Sizes are balanced (a 100-page write with room for 90 becomes 50 + 50).
+struct ChunkPlan {
+  int32_t layer_begin = 0;
+  int32_t layer_end = 0;
+  int64_t num_pages = 0;
+  int32_t layers_per_chunk = 0;
+  int64_t pages_per_chunk = 0;
+  int32_t layer_groups = 0;
+  int64_t page_groups = 0;
+
+  uint32_t count() const { return static_cast<uint32_t>(layer_groups * page_groups); }
+  // Precondition: index < count().
+  Chunk Get(uint32_t index) const;
+};
+
+// Plans the chunks of a write of `num_pages` pages over layers [layer_begin, layer_end) with
+// these units (whole pages: one unit of the item length) so that every payload fits
+// `slot_bytes`. InvalidArgument when no payload of one page of one layer fits, or when the
+// arguments are malformed (empty layer range, no units, more than kMaxUnits units, ...).
+StatusOr<ChunkPlan> PlanChunks(int32_t layer_begin, int32_t layer_end, int64_t num_pages,
+                               std::span<const PageUnit> units, uint64_t slot_bytes);
+
+// ---- chunk wire format ------------------------------------------------------------------------
+
+struct ChunkHeader {
+  uint64_t sender = 0;  // the sending backend's instance id
+  uint64_t link = 0;    // the sender's id of this connection (its PeerId)
+  uint64_t write = 0;
+  uint32_t chunk = 0;
+  uint32_t chunk_count = 0;
+  int32_t num_layers = 0;  // L: buffers l (K) and L + l (V)
+  int32_t layer_begin = 0;
+  int32_t layer_end = 0;
+  uint32_t num_pages = 0;
+  uint32_t num_units = 0;
+  uint64_t payload_bytes = 0;
+
+  friend bool operator==(const ChunkHeader&, const ChunkHeader&) = default;
+};
+
+// Writes the header, the destination pages and the units into the front of `payload` (which
+// must hold at least the layout's data_offset bytes). header.num_pages/num_units/payload_bytes
+// must agree with the spans and the layout; InvalidArgument otherwise.
+Status EncodeChunkPrefix(const ChunkHeader& header, std::span<const int32_t> dst_pages,
+                         std::span<const PageUnit> units, std::span<uint8_t> payload);
+
+// What the receiver's pool allows.
+struct ChunkLimits {
+  int32_t num_layers = 0;   // its L
+  uint64_t item_len = 0;    // bytes of one page of one buffer
+  uint64_t buffer_len = 0;  // bytes of its smallest buffer
+};
+
+struct DecodedChunk {
+  ChunkHeader header;
+  uint64_t pages_offset = kChunkHeaderBytes;  // where the int32 page ids sit in the payload
+  std::vector<int32_t> dst_pages;
+  PayloadLayout layout;  // units carry dst_offset, bytes and payload_offset (src_offset 0)
+};
+
+// Parses and checks a received payload: magic, version, counts within the caps, a layer range
+// inside [0, limits.num_layers), pages in [1, pages of the pool), units inside an item, and a
+// payload_bytes that equals both the layout and payload.size(). DataLoss for a payload that
+// does not describe itself consistently, OutOfRange for pages or units outside the pool.
+StatusOr<DecodedChunk> DecodeChunk(std::span<const uint8_t> payload, const ChunkLimits& limits);
+
+// ---- control messages (UCX active-message headers) --------------------------------------------
+
+// The AM header of a chunk: lets the receiver attribute a payload before it has landed.
+struct ChunkNotice {
+  uint64_t sender = 0;
+  uint64_t link = 0;
+  uint64_t write = 0;
+  uint32_t chunk = 0;
+  friend bool operator==(const ChunkNotice&, const ChunkNotice&) = default;
+};
+inline constexpr size_t kChunkNoticeBytes = 32;
+
+// Sender -> receiver when a connection is made; the AM data is the sender's worker address.
+struct Hello {
+  uint64_t sender = 0;
+  uint64_t link = 0;
+  friend bool operator==(const Hello&, const Hello&) = default;
+};
+inline constexpr size_t kHelloBytes = 24;
+
+// Receiver -> sender: accepted (code kOk) with the receiver's slots, or refused with a reason
+// (the AM data).
+struct HelloAck {
+  uint64_t receiver = 0;
+  uint64_t link = 0;
+  StatusCode code = StatusCode::kOk;
+  uint32_t slots = 0;
+  uint64_t slot_bytes = 0;
+  friend bool operator==(const HelloAck&, const HelloAck&) = default;
+};
+inline constexpr size_t kHelloAckBytes = 40;
+
+// Receiver -> sender once a chunk's bytes are in its pool (kOk) or it failed; the AM data is
+// the error message.
+struct ChunkAck {
+  uint64_t link = 0;
+  uint64_t write = 0;
+  uint32_t chunk = 0;
+  StatusCode code = StatusCode::kOk;
+  friend bool operator==(const ChunkAck&, const ChunkAck&) = default;
+};
+inline constexpr size_t kChunkAckBytes = 32;
+
+// Sender -> receiver on a graceful disconnect: forget this link.
+struct Bye {
+  uint64_t sender = 0;
+  uint64_t link = 0;
+  friend bool operator==(const Bye&, const Bye&) = default;
+};
+inline constexpr size_t kByeBytes = 24;
+
+std::vector<uint8_t> Encode(const ChunkNotice& m);
+std::vector<uint8_t> Encode(const Hello& m);
+std::vector<uint8_t> Encode(const HelloAck& m);
+std::vector<uint8_t> Encode(const ChunkAck& m);
+std::vector<uint8_t> Encode(const Bye& m);
+// Each decoder refuses (DataLoss) a buffer of the wrong size or with the wrong magic.
+StatusOr<ChunkNotice> DecodeChunkNotice(std::span<const uint8_t> bytes);
+StatusOr<Hello> DecodeHello(std::span<const uint8_t> bytes);
+StatusOr<HelloAck> DecodeHelloAck(std::span<const uint8_t> bytes);
+StatusOr<ChunkAck> DecodeChunkAck(std::span<const uint8_t> bytes);
+StatusOr<Bye> DecodeBye(std::span<const uint8_t> bytes);
+
+// ---- descriptor trailer -----------------------------------------------------------------------
+
+// Appended to PeerDescriptor.address after the UCX worker address: who this backend is and
+// whether (and how much) it stages CUDA pools.
+struct AddressTrailer {
+  uint64_t instance = 0;
+  bool staged = false;
+  uint32_t slots = 0;
+  uint64_t slot_bytes = 0;
+  friend bool operator==(const AddressTrailer&, const AddressTrailer&) = default;
+};
+inline constexpr size_t kTrailerBytes = 32;
+
+std::string AppendTrailer(std::string_view worker_address, const AddressTrailer& trailer);
+
+struct SplitAddress {
+  std::string_view worker_address;
+  std::optional<AddressTrailer> trailer;  // absent: a peer that appends none
+};
+SplitAddress SplitPeerAddress(std::string_view address);
+
+// ---- credits ----------------------------------------------------------------------------------
+
+// The chunks a sender has outstanding at one receiver (gathering, sent, or awaiting their ack),
+// never more than the receiver's slot count. A credit is taken per (write, chunk) and given back
+// exactly once, so a duplicated or forged ack cannot inflate the window.
+class CreditWindow {
+ public:
+  explicit CreditWindow(uint32_t limit = 0) : limit_(limit) {}
+
+  uint32_t limit() const { return limit_; }
+  uint32_t outstanding() const { return static_cast<uint32_t>(held_.size()); }
+  uint32_t available() const { return limit_ > outstanding() ? limit_ - outstanding() : 0; }
+  // Lowering the limit below what is outstanding only stops new acquisitions.
+  void SetLimit(uint32_t limit) { limit_ = limit; }
+
+  // Takes a credit for the chunk; false when none is available or the chunk already holds one.
+  bool Acquire(uint64_t write, uint32_t chunk);
+  // Returns the chunk's credit; false when it held none (unknown or duplicate ack).
+  bool Release(uint64_t write, uint32_t chunk);
+  // Returns every credit of the write; how many there were.
+  uint32_t ReleaseWrite(uint64_t write);
+  bool Holds(uint64_t write, uint32_t chunk) const { return held_.count({write, chunk}) != 0; }
+  uint32_t HeldBy(uint64_t write) const;
+  void Clear() { held_.clear(); }
+
+ private:
+  uint32_t limit_;
+  std::set<std::pair<uint64_t, uint32_t>> held_;
+};
+
+}  // namespace kvt::transfer::ucx_staging
