@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <netdb.h>
 #include <poll.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -48,6 +49,7 @@ using Clock = std::chrono::steady_clock;
 using control::ConnectionId;
 
 constexpr auto kBusyPoll = std::chrono::microseconds(20);
+constexpr auto kNotifiedPoll = std::chrono::microseconds(200);
 constexpr auto kIdlePoll = std::chrono::milliseconds(10);
 
 // True when nothing listens at host:port any more (connection refused), i.e. the process that
@@ -111,6 +113,14 @@ class TransferEngine::Impl : public control::ControlHandler {
     KVT_ASSIGN_OR_RETURN(PeerDescriptor descriptor, backend_->Register(regions));
     // Device backends take page lists (one gather/scatter launch per layer batch).
     page_writes_ = backend_->Capabilities().page_writes;
+    notified_ = backend_->Capabilities().notifies_completion;
+    if (notified_) {
+      // Never blocks (a CUDA host callback may call it): a flag the poller's wait checks.
+      backend_->SetCompletionNotifier([this] {
+        kicked_.store(true);
+        cv_.notify_all();
+      });
+    }
     local_info_ = MakePeerInfo(options_.name, options_.prefill, local_layout_, descriptor, regions);
     if (options_.prefill) {
       control::ControlServerOptions server = options_.server;
@@ -135,6 +145,7 @@ class TransferEngine::Impl : public control::ControlHandler {
     }
     cv_.notify_all();
     if (poller_.joinable()) poller_.join();
+    if (notified_) backend_->SetCompletionNotifier(nullptr);
     if (server_) server_->Stop();
     std::vector<std::unique_ptr<DecodePeer>> peers;
     {
@@ -1031,6 +1042,9 @@ class TransferEngine::Impl : public control::ControlHandler {
 
   // -------------------------------------------------------------------------------- poller --
   void PollLoop() {
+    // Short sleeps while writes are in flight: without this the kernel rounds each one up by
+    // the default 50 µs timer slack.
+    (void)prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
     std::unique_lock<std::mutex> lock(mu_);
     while (!stop_) {
       const auto now = Clock::now();
@@ -1074,8 +1088,14 @@ class TransferEngine::Impl : public control::ControlHandler {
           it = expired ? rooms_.erase(it) : std::next(it);
         }
       }
-      if (writes_in_flight) next_wake = std::min(next_wake, now + kBusyPoll);
-      cv_.wait_until(lock, next_wake);
+      // A backend that notifies completion wakes the poller itself; the poll is then only a
+      // safety net.
+      if (writes_in_flight) {
+        next_wake = std::min(next_wake, now + (notified_ ? kNotifiedPoll : kBusyPoll));
+      }
+      // A notification that came while this pass ran skips the sleep (one that comes between
+      // here and the wait is caught by the safety poll).
+      if (!kicked_.exchange(false)) cv_.wait_until(lock, next_wake);
     }
   }
 
@@ -1088,6 +1108,8 @@ class TransferEngine::Impl : public control::ControlHandler {
   uint64_t item_len_ = 0;
   uint64_t buffer_len_ = 0;
   bool page_writes_ = false;
+  bool notified_ = false;            // the backend calls the completion notifier
+  std::atomic<bool> kicked_{false};  // set by the notifier; consumed by the poller's wait
   std::atomic<bool> shut_down_{false};
   std::thread poller_;
 

@@ -14,6 +14,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -64,6 +65,9 @@ struct BackendCapabilities {
   // communicator). The engine then calls ConnectToken after Connect on the sending side, carries
   // the token in the hello-ack, and the receiving side joins with Accept.
   bool two_sided = false;
+  // Calls the completion notifier (SetCompletionNotifier) when writes complete, so the caller
+  // needs no tight polling loop.
+  bool notifies_completion = false;
 };
 
 // A page-indexed write: for every layer l in [layer_begin, layer_end), buffers l (K) and
@@ -135,6 +139,12 @@ class Backend {
   // OK once every byte of the write is visible at the peer; InProgress while it runs; another
   // error when it failed (the write's bytes at the peer are then undefined).
   virtual Status Check(WriteId write) = 0;
+
+  // Installs `notify` (null: none): the backend calls it, from any thread (a CUDA host callback
+  // or its progress thread), when a write may have completed, so that the caller Checks at once
+  // instead of at its next poll. `notify` must return quickly and never block or call back into
+  // the backend. Once this returns, the previous notifier is no longer running or called.
+  virtual void SetCompletionNotifier(std::function<void()> notify) {}
 
   // Frees a write's handle. A write still in flight is cancelled first and waited for, so after
   // Release no byte of it lands later.

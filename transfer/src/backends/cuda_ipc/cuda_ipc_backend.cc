@@ -297,6 +297,7 @@ class CudaIpcBackend final : public Backend {
     caps.cuda_memory = true;
     caps.inter_process = true;
     caps.page_writes = true;
+    caps.notifies_completion = true;
     return caps;
   }
 
@@ -808,6 +809,11 @@ class CudaIpcBackend final : public Backend {
       retiring_.push_back(std::move(slot));  // the staging copy may still read it
       return posted;
     }
+    // Wake the caller as soon as the GPU passes the completion event (the host function runs on
+    // CUDA's callback thread and only flags the caller; without it the caller polls).
+    if (cudaLaunchHostFunc(stream, &CudaIpcBackend::NotifyFromStream, this) != cudaSuccess) {
+      (void)cudaGetLastError();
+    }
     write.slot = std::move(slot);
     write.status = InProgress();
     const WriteId id = next_write_++;
@@ -815,7 +821,27 @@ class CudaIpcBackend final : public Backend {
     return id;
   }
 
+  // CUDA host function (no CUDA calls allowed): tells the installed notifier, if any.
+  static void CUDART_CB NotifyFromStream(void* self) {
+    auto* backend = static_cast<CudaIpcBackend*>(self);
+    std::lock_guard<std::mutex> lock(backend->notify_mutex_);
+    if (backend->notify_) backend->notify_();
+  }
+
+ public:
+  void SetCompletionNotifier(std::function<void()> notify) override {
+    std::lock_guard<std::mutex> lock(notify_mutex_);
+    notify_ = std::move(notify);
+  }
+
+ private:
   const uint64_t instance_;
+
+  // The completion notifier; its own mutex, never held across CUDA calls, so a host function
+  // waiting for it cannot stall a thread that waits for the stream under mutex_. The stream is
+  // drained (no host function pending) before the backend goes away.
+  std::mutex notify_mutex_;
+  std::function<void()> notify_;
 
   std::mutex mutex_;     // guards everything below
   int device_ = -1;      // the registered buffers' device; -1 before Register
