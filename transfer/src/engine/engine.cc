@@ -54,6 +54,14 @@ constexpr auto kIdlePoll = std::chrono::milliseconds(10);
 
 // True when nothing listens at host:port any more (connection refused), i.e. the process that
 // served it is gone. False when it accepts, or when the answer is unclear (timeout).
+inline void SpinPause() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#else
+  std::this_thread::yield();
+#endif
+}
+
 bool PeerPortRefuses(const std::string& host, uint16_t port) {
   addrinfo hints = {};
   hints.ai_socktype = SOCK_STREAM;
@@ -1049,6 +1057,7 @@ class TransferEngine::Impl : public control::ControlHandler {
     while (!stop_) {
       const auto now = Clock::now();
       bool writes_in_flight = false;
+      WriteId oldest_write = 0;  // the first room's first write in flight
       auto next_wake = now + kIdlePoll;
       std::vector<std::string> ids(active_.begin(), active_.end());
       for (const std::string& id : ids) {
@@ -1075,6 +1084,7 @@ class TransferEngine::Impl : public control::ControlHandler {
         next_wake = std::min(next_wake, room.deadline);
         if (options_.prefill && !room.writes.empty()) {
           CheckWritesLocked(room);
+          if (!room.writes.empty() && !writes_in_flight) oldest_write = room.writes.front();
           writes_in_flight |= !room.writes.empty();
         }
       }
@@ -1092,6 +1102,20 @@ class TransferEngine::Impl : public control::ControlHandler {
       // safety net.
       if (writes_in_flight) {
         next_wake = std::min(next_wake, now + (notified_ ? kNotifiedPoll : kBusyPoll));
+      }
+      if (writes_in_flight && notified_ && options_.device_spin.count() > 0) {
+        // Device writes complete on the GPU: watch one of them without the lock for a while
+        // (a CPU core for microsecond completion; waking from the notifier costs tens of µs),
+        // then run the pass again. A write released meanwhile just ends the spin.
+        lock.unlock();
+        const auto until = std::min(Clock::now() + options_.device_spin, next_wake);
+        while (!kicked_.load(std::memory_order_relaxed) && Clock::now() < until &&
+               backend_->Check(oldest_write).code() == StatusCode::kInProgress) {
+          SpinPause();
+        }
+        kicked_.store(false);
+        lock.lock();
+        continue;
       }
       // A notification that came while this pass ran skips the sleep (one that comes between
       // here and the wait is caught by the safety poll).

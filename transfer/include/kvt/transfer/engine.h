@@ -94,6 +94,11 @@ struct EngineOptions {
   // through the closed socket).
   std::chrono::milliseconds heartbeat_interval{1000};
   std::chrono::milliseconds peer_timeout{10000};
+  // Prefill engines with device backends (cuda_ipc): while writes are in flight the poller
+  // watches the oldest one's completion event for up to this long between passes instead of
+  // sleeping until the backend's notification (which costs tens of µs of wake-up): a CPU core
+  // while the GPU copies, for completion seen within microseconds. 0: sleep.
+  std::chrono::microseconds device_spin{200};
   uint32_t tp_rank = 0;
   uint32_t tp_size = 1;
   // Prefill: called (on a control thread, without engine locks held) when a TransferRequest
