@@ -8,12 +8,10 @@
 #include <utility>
 
 #include "bench_common.h"
+#include "gpu_spin.h"
 #include "kvt/common/log.h"
 
 namespace kvt::bench {
-namespace detail {
-cudaError_t LaunchSpinKernel(long long ns, int blocks, cudaStream_t stream);  // .cu
-}  // namespace detail
 
 StatusOr<double> TimeGpu(cudaStream_t stream, int warmup, int iters,
                          const std::function<Status()>& op, std::vector<double>* samples) {
@@ -72,8 +70,12 @@ Status LaunchSpin(int64_t ns, int blocks, cudaStream_t stream) {
     BENCH_CUDA(cudaGetDevice(&device));
     BENCH_CUDA(cudaDeviceGetAttribute(&blocks, cudaDevAttrMultiProcessorCount, device));
   }
-  return cuda::ToStatus(detail::LaunchSpinKernel(static_cast<long long>(ns), blocks, stream),
-                        "spin kernel launch");
+  // One warp per block; short sleeps leave the issue slots to the transfer's copy kernels.
+  const tools::GpuSpinShape shape{
+      .blocks = static_cast<unsigned>(blocks), .threads = 32, .sleep_ns = 256};
+  return cuda::ToStatus(
+      tools::LaunchGpuSpin(static_cast<uint64_t>(std::max<int64_t>(ns, 0)), nullptr, shape, stream),
+      "spin kernel launch");
 }
 
 StatusOr<int> ParseCudaDevice(const std::string& text) {

@@ -55,6 +55,7 @@
 #include <cstring>
 #include <deque>
 #include <fstream>
+#include <initializer_list>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -1264,17 +1265,9 @@ std::string Cell(double v, int precision = 2) {
   return std::isfinite(v) ? fmt::format("{:.{}f}", v, precision) : "-";
 }
 
-// One page-token size, start to end. Fills `out` and the two table rows.
-Status RunPageSize(const TransferOptions& o, int pt, int64_t per_token_bytes, json& out,
-                   std::string& bw_row, std::string& lat_row) {
-  const int64_t pages_per_request = (o.tokens + pt - 1) / pt;
-  const int64_t request_tokens = pages_per_request * pt;
-  const int64_t request_bytes = request_tokens * per_token_bytes;
-  KVT_ASSIGN_OR_RETURN(int64_t pool_bytes, ParseBytes(o.pool_bytes));
-  int64_t pool_tokens = pool_bytes / per_token_bytes / pt * pt;
-  // Room for two requests at least, so random pages have somewhere to come from.
-  pool_tokens = std::max(pool_tokens, 2 * request_tokens + pt);
-
+// The side configuration of one page-token size, host or CUDA pools alike.
+SideConfig BaseSideConfig(const TransferOptions& o, int pt, int64_t pool_tokens,
+                          int64_t request_bytes) {
   SideConfig c;
   c.backend = o.backend;
   c.ucx_tls = o.ucx_tls;
@@ -1288,6 +1281,77 @@ Status RunPageSize(const TransferOptions& o, int pt, int64_t per_token_bytes, js
   c.contiguous_bytes = request_bytes;
   c.seed = o.seed + static_cast<uint32_t>(pt);
   c.timeout_s = o.timeout_s;
+  return c;
+}
+
+// o.iters timed whole requests after o.warmup untimed ones, and the prefill peer's stats from
+// just before and just after the timed ones.
+struct WholeRequests {
+  Latencies latencies;
+  double wall_ms = 0;
+  json before, after;
+};
+
+StatusOr<WholeRequests> RunWholeRequests(const TransferOptions& o, PeerLink& link,
+                                         DecodeSide& decode, int64_t pages_per_request) {
+  for (int i = 0; i < o.warmup; ++i) {
+    KVT_RETURN_IF_ERROR(decode.Request(fmt::format("w{}", i), pages_per_request).status());
+  }
+  WholeRequests whole;
+  KVT_ASSIGN_OR_RETURN(whole.before,
+                       link.Call({{"type", "stats"}, {"reset", true}}, std::chrono::seconds(30)));
+  const auto run_t0 = Clock::now();
+  for (int i = 0; i < o.iters; ++i) {
+    KVT_ASSIGN_OR_RETURN(Sample s, decode.Request(fmt::format("t{}", i), pages_per_request));
+    whole.latencies.Add(s);
+  }
+  whole.wall_ms = Ms(Clock::now() - run_t0);
+  KVT_ASSIGN_OR_RETURN(whole.after,
+                       link.Call({{"type", "stats"}, {"reset", true}}, std::chrono::seconds(30)));
+  return whole;
+}
+
+// o.latency_requests one-page requests (a few untimed first) into `small`; the prefill peer's
+// stats over them.
+StatusOr<json> RunOnePageRequests(const TransferOptions& o, PeerLink& link, DecodeSide& decode,
+                                  Latencies& small) {
+  for (int i = 0; i < std::min(o.latency_requests, 20); ++i) {
+    KVT_RETURN_IF_ERROR(decode.Request(fmt::format("x{}", i), 1).status());
+  }
+  KVT_RETURN_IF_ERROR(
+      link.Call({{"type", "stats"}, {"reset", true}}, std::chrono::seconds(30)).status());
+  for (int i = 0; i < o.latency_requests; ++i) {
+    KVT_ASSIGN_OR_RETURN(Sample s, decode.Request(fmt::format("l{}", i), 1));
+    small.Add(s);
+  }
+  return link.Call({{"type", "stats"}, {"reset", true}}, std::chrono::seconds(30));
+}
+
+// A whole and a one-page request whose bytes the decode side checks; out["verified_mismatches"].
+Status VerifyRequests(DecodeSide& decode, int pt, int64_t pages_per_request, json& out) {
+  KVT_RETURN_IF_ERROR(decode
+                          .Request("v" + std::to_string(1000 + pt), pages_per_request,
+                                   static_cast<uint64_t>(1000 + pt))
+                          .status());
+  KVT_RETURN_IF_ERROR(
+      decode.Request("v" + std::to_string(2000 + pt), 1, static_cast<uint64_t>(2000 + pt))
+          .status());
+  out["verified_mismatches"] = decode.verified_mismatches();
+  return OkStatus();
+}
+
+// One page-token size, start to end. Fills `out` and the two table rows.
+Status RunPageSize(const TransferOptions& o, int pt, int64_t per_token_bytes, json& out,
+                   std::string& bw_row, std::string& lat_row) {
+  const int64_t pages_per_request = (o.tokens + pt - 1) / pt;
+  const int64_t request_tokens = pages_per_request * pt;
+  const int64_t request_bytes = request_tokens * per_token_bytes;
+  KVT_ASSIGN_OR_RETURN(int64_t pool_bytes, ParseBytes(o.pool_bytes));
+  int64_t pool_tokens = pool_bytes / per_token_bytes / pt * pt;
+  // Room for two requests at least, so random pages have somewhere to come from.
+  pool_tokens = std::max(pool_tokens, 2 * request_tokens + pt);
+
+  SideConfig c = BaseSideConfig(o, pt, pool_tokens, request_bytes);
   const auto reply_timeout = std::chrono::seconds(o.timeout_s * (o.iters + o.warmup + 2) + 60);
 
   out = json{{"page_tokens", pt},
@@ -1334,49 +1398,21 @@ Status RunPageSize(const TransferOptions& o, int pt, int64_t per_token_bytes, js
   runs_ms.erase(runs_ms.begin(), runs_ms.begin() + o.warmup);
 
   // kvt: whole requests.
-  for (int i = 0; i < o.warmup; ++i) {
-    KVT_RETURN_IF_ERROR(decode->Request(fmt::format("w{}", i), pages_per_request).status());
-  }
-  KVT_ASSIGN_OR_RETURN(json before,
-                       link->Call({{"type", "stats"}, {"reset", true}}, std::chrono::seconds(30)));
-  Latencies big;
-  const auto run_t0 = Clock::now();
-  for (int i = 0; i < o.iters; ++i) {
-    KVT_ASSIGN_OR_RETURN(Sample s, decode->Request(fmt::format("t{}", i), pages_per_request));
-    big.Add(s);
-  }
-  const double run_ms = Ms(Clock::now() - run_t0);
-  KVT_ASSIGN_OR_RETURN(json after,
-                       link->Call({{"type", "stats"}, {"reset", true}}, std::chrono::seconds(30)));
+  KVT_ASSIGN_OR_RETURN(WholeRequests whole, RunWholeRequests(o, *link, *decode, pages_per_request));
+  const Latencies& big = whole.latencies;
+  const double run_ms = whole.wall_ms;
+  const json& before = whole.before;
+  const json& after = whole.after;
   const double runs_per_request = static_cast<double>(after.at("runs_posted").get<uint64_t>() -
                                                       before.at("runs_posted").get<uint64_t>()) /
                                   o.iters;
   const json big_post = after;
 
   // One-page requests.
-  for (int i = 0; i < std::min(o.latency_requests, 20); ++i) {
-    KVT_RETURN_IF_ERROR(decode->Request(fmt::format("x{}", i), 1).status());
-  }
-  KVT_RETURN_IF_ERROR(
-      link->Call({{"type", "stats"}, {"reset", true}}, std::chrono::seconds(30)).status());
   Latencies small;
-  for (int i = 0; i < o.latency_requests; ++i) {
-    KVT_ASSIGN_OR_RETURN(Sample s, decode->Request(fmt::format("l{}", i), 1));
-    small.Add(s);
-  }
-  KVT_ASSIGN_OR_RETURN(json small_post,
-                       link->Call({{"type", "stats"}, {"reset", true}}, std::chrono::seconds(30)));
+  KVT_ASSIGN_OR_RETURN(json small_post, RunOnePageRequests(o, *link, *decode, small));
 
-  if (o.verify) {
-    KVT_RETURN_IF_ERROR(decode
-                            ->Request("v" + std::to_string(1000 + pt), pages_per_request,
-                                      static_cast<uint64_t>(1000 + pt))
-                            .status());
-    KVT_RETURN_IF_ERROR(
-        decode->Request("v" + std::to_string(2000 + pt), 1, static_cast<uint64_t>(2000 + pt))
-            .status());
-    out["verified_mismatches"] = decode->verified_mismatches();
-  }
+  if (o.verify) KVT_RETURN_IF_ERROR(VerifyRequests(*decode, pt, pages_per_request, out));
   if (after.at("callback_errors").get<uint64_t>() != 0) {
     return Internal("prefill peer callback failed: " +
                     after.at("first_callback_error").get<std::string>());
@@ -1622,20 +1658,11 @@ Status RunGpuPageSizeBody(const TransferOptions& o, const SideConfig& c, int64_t
   out["ceilings"] = ceilings;
 
   // kvt: whole requests.
-  for (int i = 0; i < o.warmup; ++i) {
-    KVT_RETURN_IF_ERROR(decode->Request(fmt::format("w{}", i), pages_per_request).status());
-  }
-  KVT_ASSIGN_OR_RETURN(json before,
-                       link->Call({{"type", "stats"}, {"reset", true}}, std::chrono::seconds(30)));
-  Latencies big;
-  const auto run_t0 = Clock::now();
-  for (int i = 0; i < o.iters; ++i) {
-    KVT_ASSIGN_OR_RETURN(Sample s, decode->Request(fmt::format("t{}", i), pages_per_request));
-    big.Add(s);
-  }
-  const double run_ms = Ms(Clock::now() - run_t0);
-  KVT_ASSIGN_OR_RETURN(json after,
-                       link->Call({{"type", "stats"}, {"reset", true}}, std::chrono::seconds(30)));
+  KVT_ASSIGN_OR_RETURN(WholeRequests whole, RunWholeRequests(o, *link, *decode, pages_per_request));
+  const Latencies& big = whole.latencies;
+  const double run_ms = whole.wall_ms;
+  const json& before = whole.before;
+  const json& after = whole.after;
   auto per_request = [&](const char* key) {
     return static_cast<double>(after.at(key).get<uint64_t>() - before.at(key).get<uint64_t>()) /
            o.iters;
@@ -1644,18 +1671,8 @@ Status RunGpuPageSizeBody(const TransferOptions& o, const SideConfig& c, int64_t
   const double runs_per_request = per_request("runs_posted");
 
   // One-page requests: the fixed cost (control plane, posting, completion) of a request.
-  for (int i = 0; i < std::min(o.latency_requests, 20); ++i) {
-    KVT_RETURN_IF_ERROR(decode->Request(fmt::format("x{}", i), 1).status());
-  }
-  KVT_RETURN_IF_ERROR(
-      link->Call({{"type", "stats"}, {"reset", true}}, std::chrono::seconds(30)).status());
   Latencies small;
-  for (int i = 0; i < o.latency_requests; ++i) {
-    KVT_ASSIGN_OR_RETURN(Sample s, decode->Request(fmt::format("l{}", i), 1));
-    small.Add(s);
-  }
-  KVT_ASSIGN_OR_RETURN(json small_post,
-                       link->Call({{"type", "stats"}, {"reset", true}}, std::chrono::seconds(30)));
+  KVT_ASSIGN_OR_RETURN(json small_post, RunOnePageRequests(o, *link, *decode, small));
 
   // Layerwise: a simulated forward per request.
   double tail_ratio_max = NAN;
@@ -1666,19 +1683,10 @@ Status RunGpuPageSizeBody(const TransferOptions& o, const SideConfig& c, int64_t
     out["layerwise"] = lw;
   }
 
-  if (o.verify) {
-    KVT_RETURN_IF_ERROR(decode
-                            ->Request("v" + std::to_string(1000 + pt), pages_per_request,
-                                      static_cast<uint64_t>(1000 + pt))
-                            .status());
-    KVT_RETURN_IF_ERROR(
-        decode->Request("v" + std::to_string(2000 + pt), 1, static_cast<uint64_t>(2000 + pt))
-            .status());
-    out["verified_mismatches"] = decode->verified_mismatches();
-  }
+  if (o.verify) KVT_RETURN_IF_ERROR(VerifyRequests(*decode, pt, pages_per_request, out));
   KVT_ASSIGN_OR_RETURN(json last,
                        link->Call({{"type", "stats"}, {"reset", true}}, std::chrono::seconds(30)));
-  for (const json* s : {&after, &small_post, &last}) {
+  for (const json* s : std::initializer_list<const json*>{&after, &small_post, &last}) {
     if (s->at("callback_errors").get<uint64_t>() != 0) {
       return Internal("prefill peer callback failed: " +
                       s->at("first_callback_error").get<std::string>());
@@ -1780,19 +1788,7 @@ Status RunGpuPageSize(const TransferOptions& o, int pt, int device, int64_t per_
     KVT_ASSIGN_OR_RETURN(int64_t pool_bytes, ParseBytes(o.pool_bytes));
     pool_tokens = std::max(pool_tokens, pool_bytes / per_token_bytes / pt * pt);
   }
-  SideConfig c;
-  c.backend = o.backend;
-  c.ucx_tls = o.ucx_tls;
-  c.ucx_spin_us = o.ucx_spin_us;
-  c.page_tokens = pt;
-  c.pool_tokens = pool_tokens;
-  c.layers = o.layers;
-  c.heads = o.heads;
-  c.head_dim = o.head_dim;
-  c.dtype = o.dtype;
-  c.contiguous_bytes = request_bytes;
-  c.seed = o.seed + static_cast<uint32_t>(pt);
-  c.timeout_s = o.timeout_s;
+  SideConfig c = BaseSideConfig(o, pt, pool_tokens, request_bytes);
   c.cuda = true;
   c.device = device;
   c.ucx_cuda_mode = o.ucx_cuda_mode;

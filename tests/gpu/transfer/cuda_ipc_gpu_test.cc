@@ -11,13 +11,9 @@
 // expects, byte for byte. Also the mapping cache's lifetime and a peer killed with SIGKILL.
 // Every wait is bounded.
 #include <cuda_runtime_api.h>
-#include <fcntl.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-#include <poll.h>
 #include <signal.h>
-#include <spawn.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -41,14 +37,19 @@
 // Private headers of kvt::transfer (this target has no transfer/src include path).
 #include "../../../transfer/src/backends/cuda_ipc/cuda_ipc_backend.h"
 #include "../../../transfer/src/backends/cuda_ipc/cuda_ipc_codec.h"
-
-extern char** environ;
+#include "../../unit/backends/backend_test_util.h"
+#include "child_process.h"
 
 namespace kvt::transfer {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+using testing::ApplyPageWrite;
+using testing::DescribeMismatch;
+using testing::DistinctPages;
 using ::testing::HasSubstr;
+using testing::RandomBytes;
+using testing::WaitFor;
 
 #define KVT_SKIP_WITHOUT_GPU()   \
   if (!::kvt::cuda::HasDevice()) \
@@ -123,78 +124,12 @@ class GpuPool {
   int device_ = 0;
 };
 
-std::vector<uint8_t> RandomImage(size_t bytes, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::vector<uint8_t> image(bytes);
-  for (auto& b : image) b = static_cast<uint8_t>(rng());
-  return image;
-}
-
-// `n` distinct pages from [1, pages) in random order (page 0 is the dummy page).
-std::vector<int32_t> DistinctPages(size_t n, int32_t pages, std::mt19937& rng) {
-  std::vector<int32_t> all(static_cast<size_t>(pages - 1));
-  std::iota(all.begin(), all.end(), 1);
-  std::shuffle(all.begin(), all.end(), rng);
-  all.resize(n);
-  return all;
-}
-
-// Applies a page write to host images of both pools (buffers of buffer_bytes each).
-void ApplyPages(const PageWrite& w, const std::vector<uint8_t>& src, std::vector<uint8_t>& dst,
-                uint64_t buffer_bytes, uint64_t item) {
-  std::vector<PageUnit> units(w.units.begin(), w.units.end());
-  if (units.empty()) units.push_back({0, 0, item});
-  for (int32_t l = w.layer_begin; l < w.layer_end; ++l) {
-    for (int32_t b : {l, w.num_layers + l}) {
-      for (size_t i = 0; i < w.src_pages.size(); ++i) {
-        for (const PageUnit& u : units) {
-          std::memcpy(dst.data() + b * buffer_bytes + w.dst_pages[i] * item + u.dst_offset,
-                      src.data() + b * buffer_bytes + w.src_pages[i] * item + u.src_offset,
-                      u.bytes);
-        }
-      }
-    }
-  }
-}
-
 void ApplyRuns(std::span<const CopyRun> runs, const std::vector<uint8_t>& src,
                std::vector<uint8_t>& dst, uint64_t buffer_bytes) {
   for (const CopyRun& r : runs) {
     std::memcpy(dst.data() + r.buffer * buffer_bytes + r.dst_offset,
                 src.data() + r.buffer * buffer_bytes + r.src_offset, r.bytes);
   }
-}
-
-// "" when equal, else where the first difference is.
-std::string Compare(const std::vector<uint8_t>& expected, const std::vector<uint8_t>& actual,
-                    uint64_t buffer_bytes) {
-  if (expected.size() != actual.size()) {
-    return "size " + std::to_string(actual.size()) + ", expected " +
-           std::to_string(expected.size());
-  }
-  size_t first = expected.size(), count = 0;
-  for (size_t i = 0; i < expected.size(); ++i) {
-    if (expected[i] != actual[i]) {
-      if (count++ == 0) first = i;
-    }
-  }
-  if (count == 0) return "";
-  char line[200];
-  std::snprintf(
-      line, sizeof(line), "%zu bytes differ; first at buffer %llu offset %llu: expected %u, got %u",
-      count, static_cast<unsigned long long>(first / buffer_bytes),
-      static_cast<unsigned long long>(first % buffer_bytes), expected[first], actual[first]);
-  return line;
-}
-
-Status WaitFor(Backend& backend, WriteId id) {
-  const auto give_up = Clock::now() + std::chrono::seconds(20);
-  while (Clock::now() < give_up) {
-    Status st = backend.Check(id);
-    if (st.code() != StatusCode::kInProgress) return st;
-    std::this_thread::sleep_for(std::chrono::microseconds(50));
-  }
-  return DeadlineExceeded("write did not finish in 20 s");
 }
 
 std::unique_ptr<Backend> NewBackend() {
@@ -237,7 +172,7 @@ class CudaIpcSameProcess : public ::testing::Test {
     KVT_SKIP_WITHOUT_GPU();
     KVT_ASSERT_OK(src_.Init(kLayers, kPages, kItem));
     KVT_ASSERT_OK(dst_.Init(kLayers, kPages, kItem));
-    src_image_ = RandomImage(src_.bytes(), 1);
+    src_image_ = RandomBytes(src_.bytes(), 1);
     KVT_ASSERT_OK(src_.Upload(src_image_));
     KVT_ASSERT_OK(dst_.Fill(kPoison));
     expected_.assign(dst_.bytes(), kPoison);
@@ -260,7 +195,7 @@ class CudaIpcSameProcess : public ::testing::Test {
   void ExpectDestination() {
     auto actual = dst_.Download();
     ASSERT_TRUE(actual.ok()) << actual.status();
-    const std::string diff = Compare(expected_, *actual, dst_.buffer_bytes());
+    const std::string diff = DescribeMismatch(expected_, *actual, dst_.buffer_bytes(), dst_.item());
     EXPECT_EQ(diff, "");
   }
 
@@ -290,7 +225,7 @@ TEST_F(CudaIpcSameProcess, WholePagesOfLayerBatchesAreByteExact) {
     KVT_ASSERT_OK(WaitFor(*sender_, *id));
     EXPECT_TRUE(sender_->Check(*id).ok());  // stays OK
     sender_->Release(*id);
-    ApplyPages(w, src_image_, expected_, dst_.buffer_bytes(), kItem);
+    ApplyPageWrite(w, src_image_, expected_, dst_.buffer_bytes(), kItem);
     ExpectDestination();
   }
 }
@@ -311,7 +246,7 @@ TEST_F(CudaIpcSameProcess, UnitsAreByteExactIncludingUnalignedOnes) {
   ASSERT_TRUE(id.ok()) << id.status();
   KVT_ASSERT_OK(WaitFor(*sender_, *id));
   sender_->Release(*id);
-  ApplyPages(w, src_image_, expected_, dst_.buffer_bytes(), kItem);
+  ApplyPageWrite(w, src_image_, expected_, dst_.buffer_bytes(), kItem);
   ExpectDestination();
 }
 
@@ -346,7 +281,7 @@ TEST_F(CudaIpcSameProcess, CopyWaitsOnTheGpuForTheReadyEvent) {
   ASSERT_TRUE(idle.ok()) << idle.status();
   auto ready = cuda::Event::Create(/*timing=*/false);
   ASSERT_TRUE(ready.ok()) << ready.status();
-  const std::vector<uint8_t> fresh = RandomImage(src_.bytes(), 99);
+  const std::vector<uint8_t> fresh = RandomBytes(src_.bytes(), 99);
   auto pinned = cuda::PinnedBuffer::Allocate(fresh.size());
   ASSERT_TRUE(pinned.ok()) << pinned.status();
   std::memcpy(pinned->data(), fresh.data(), fresh.size());
@@ -380,7 +315,7 @@ TEST_F(CudaIpcSameProcess, CopyWaitsOnTheGpuForTheReadyEvent) {
   KVT_ASSERT_OK(WaitFor(*sender_, *id));
   EXPECT_FALSE(gate.timed_out());
   sender_->Release(*id);
-  ApplyPages(w, fresh, expected_, dst_.buffer_bytes(), kItem);
+  ApplyPageWrite(w, fresh, expected_, dst_.buffer_bytes(), kItem);
   ExpectDestination();
   KVT_ASSERT_OK(producer->Synchronize());
 }
@@ -412,7 +347,7 @@ TEST_F(CudaIpcSameProcess, DisconnectWaitsForWritesInFlightAndAbortsThem) {
   opener.join();
   KVT_ASSERT_OK(disconnected);
   // Disconnect returned only after the copy ran: its bytes are there.
-  ApplyPages(w, src_image_, expected_, dst_.buffer_bytes(), kItem);
+  ApplyPageWrite(w, src_image_, expected_, dst_.buffer_bytes(), kItem);
   ExpectDestination();
   const Status after = sender_->Check(*id);
   EXPECT_EQ(after.code(), StatusCode::kAborted) << after;
@@ -452,7 +387,7 @@ TEST_F(CudaIpcSameProcess, ReleaseOfAWriteInFlightWaitsForIt) {
   });
   sender_->Release(*id);  // blocks until the copy ran; no byte of it lands later
   opener.join();
-  ApplyPages(w, src_image_, expected_, dst_.buffer_bytes(), kItem);
+  ApplyPageWrite(w, src_image_, expected_, dst_.buffer_bytes(), kItem);
   ExpectDestination();
   EXPECT_EQ(sender_->Check(*id).code(), StatusCode::kNotFound);
   KVT_ASSERT_OK(producer->Synchronize());
@@ -487,7 +422,7 @@ TEST_F(CudaIpcSameProcess, ManyWritesFromTwoThreadsReuseScratch) {
       w.num_layers = kLayers;
       w.layer_begin = layer;
       w.layer_end = layer + 1;
-      ApplyPages(w, src_image_, expected_, dst_.buffer_bytes(), kItem);
+      ApplyPageWrite(w, src_image_, expected_, dst_.buffer_bytes(), kItem);
     }
   }
   ExpectDestination();
@@ -623,7 +558,7 @@ TEST(CudaIpcCrossDevice, WritesIntoAPoolOnAnotherGpu) {
   GpuPool src, dst;
   KVT_ASSERT_OK(src.Init(2, 16, 4096, 0));
   KVT_ASSERT_OK(dst.Init(2, 16, 4096, 1));
-  const std::vector<uint8_t> image = RandomImage(src.bytes(), 3);
+  const std::vector<uint8_t> image = RandomBytes(src.bytes(), 3);
   KVT_ASSERT_OK(src.Upload(image));
   KVT_ASSERT_OK(dst.Fill(kPoison));
   auto a = NewBackend(), b = NewBackend();
@@ -653,237 +588,32 @@ TEST(CudaIpcCrossDevice, WritesIntoAPoolOnAnotherGpu) {
   KVT_ASSERT_OK(WaitFor(*a, *id));
   a->Release(*id);
   std::vector<uint8_t> expected(dst.bytes(), kPoison);
-  ApplyPages(w, image, expected, dst.buffer_bytes(), 4096);
+  ApplyPageWrite(w, image, expected, dst.buffer_bytes(), 4096);
   auto actual = dst.Download();
   ASSERT_TRUE(actual.ok()) << actual.status();
-  EXPECT_EQ(Compare(expected, *actual, dst.buffer_bytes()), "");
+  EXPECT_EQ(DescribeMismatch(expected, *actual, dst.buffer_bytes(), dst.item()), "");
 }
 
 // ---- Two processes ------------------------------------------------------------------------
 
 constexpr char kChildEnv[] = "KVT_CUDA_IPC_TEST_CHILD_FDS";
-constexpr int kChildIn = 100;  // the child's ends of the pipes
-constexpr int kChildOut = 101;
 
-// Length-prefixed messages over a pair of pipe ends; every read is bounded.
-class Channel {
- public:
-  Channel() = default;
-  Channel(int in, int out) : in_(in), out_(out) {}
-  ~Channel() { Close(); }
-  Channel(Channel&& o) noexcept : in_(std::exchange(o.in_, -1)), out_(std::exchange(o.out_, -1)) {}
-  Channel& operator=(Channel&& o) noexcept {
-    Close();
-    in_ = std::exchange(o.in_, -1);
-    out_ = std::exchange(o.out_, -1);
-    return *this;
-  }
-  void Close() {
-    if (in_ >= 0) close(in_);
-    if (out_ >= 0) close(out_);
-    in_ = out_ = -1;
-  }
-
-  Status Send(std::string_view message) {
-    const uint64_t size = message.size();
-    KVT_RETURN_IF_ERROR(WriteAll(&size, sizeof(size)));
-    return WriteAll(message.data(), message.size());
-  }
-  StatusOr<std::string> Receive(std::chrono::milliseconds timeout) {
-    const auto deadline = Clock::now() + timeout;
-    uint64_t size = 0;
-    KVT_RETURN_IF_ERROR(ReadAll(&size, sizeof(size), deadline));
-    if (size > (uint64_t{1} << 32))
-      return DataLoss("message of " + std::to_string(size) + " bytes");
-    std::string message(size, '\0');
-    KVT_RETURN_IF_ERROR(ReadAll(message.data(), size, deadline));
-    return message;
-  }
-
- private:
-  Status WriteAll(const void* data, size_t bytes) {
-    const auto* p = static_cast<const char*>(data);
-    while (bytes > 0) {
-      const ssize_t n = write(out_, p, bytes);
-      if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) return Unavailable(std::string("pipe write: ") + std::strerror(errno));
-      p += n;
-      bytes -= static_cast<size_t>(n);
-    }
-    return OkStatus();
-  }
-  Status ReadAll(void* data, size_t bytes, Clock::time_point deadline) {
-    auto* p = static_cast<char*>(data);
-    while (bytes > 0) {
-      const auto left =
-          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
-      if (left <= 0) return DeadlineExceeded("no message from the other process in time");
-      pollfd pfd = {in_, POLLIN, 0};
-      const int ready = poll(&pfd, 1, static_cast<int>(std::min<long long>(left, 1000)));
-      if (ready < 0 && errno == EINTR) continue;
-      if (ready <= 0) continue;
-      const ssize_t n = read(in_, p, bytes);
-      if (n < 0 && errno == EINTR) continue;
-      if (n == 0) return Unavailable("the other process closed its pipe (exited?)");
-      if (n < 0) return Unavailable(std::string("pipe read: ") + std::strerror(errno));
-      p += n;
-      bytes -= static_cast<size_t>(n);
-    }
-    return OkStatus();
-  }
-  int in_ = -1;
-  int out_ = -1;
-};
-
-void PutU64(std::string& out, uint64_t v) { out.append(reinterpret_cast<const char*>(&v), 8); }
-void PutString(std::string& out, const std::string& s) {
-  PutU64(out, s.size());
-  out += s;
-}
-
-std::string EncodeDescriptor(const PeerDescriptor& d) {
-  std::string out;
-  PutString(out, d.backend);
-  PutString(out, d.address);
-  PutU64(out, d.regions.size());
-  for (const RemoteRegion& r : d.regions) {
-    PutU64(out, r.base);
-    PutU64(out, r.length);
-    PutU64(out, r.item_len);
-    PutString(out, r.key);
-  }
-  return out;
-}
-
-StatusOr<PeerDescriptor> DecodeDescriptor(std::string_view in) {
-  size_t at = 0;
-  auto u64 = [&](uint64_t& v) {
-    if (in.size() - at < 8) return false;
-    std::memcpy(&v, in.data() + at, 8);
-    at += 8;
-    return true;
-  };
-  auto str = [&](std::string& s) {
-    uint64_t n = 0;
-    if (!u64(n) || in.size() - at < n) return false;
-    s.assign(in.data() + at, n);
-    at += n;
-    return true;
-  };
-  PeerDescriptor d;
-  uint64_t count = 0;
-  if (!str(d.backend) || !str(d.address) || !u64(count)) return DataLoss("short descriptor");
-  for (uint64_t i = 0; i < count; ++i) {
-    RemoteRegion r;
-    if (!u64(r.base) || !u64(r.length) || !u64(r.item_len) || !str(r.key)) {
-      return DataLoss("short descriptor region");
-    }
-    d.regions.push_back(std::move(r));
-  }
-  return d;
-}
+using testing::Channel;
 
 // The child process: owns the destination pool, publishes it, and checks it on request.
-class Child {
+class Child : public testing::ChildProcess {
  public:
-  ~Child() { Kill(); }
-
-  Status Start() {
-    int to_child[2], from_child[2];
-    if (pipe2(to_child, O_CLOEXEC) != 0 || pipe2(from_child, O_CLOEXEC) != 0) {
-      return Internal(std::string("pipe2: ") + std::strerror(errno));
-    }
-    char exe[4096] = {};
-    const ssize_t len = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
-    if (len <= 0) return Internal("readlink /proc/self/exe failed");
-    std::vector<std::string> env;
-    for (char** e = environ; *e != nullptr; ++e) {
-      const std::string_view var(*e);
-      // The child runs one hidden test: no sharding, no report overwriting the parent's.
-      if (var.starts_with(kChildEnv) || var.starts_with("GTEST_")) continue;
-      env.emplace_back(var);
-    }
-    env.push_back(std::string(kChildEnv) + "=" + std::to_string(kChildIn) + "," +
-                  std::to_string(kChildOut));
-    std::vector<std::string> args = {exe, "--gtest_filter=CudaIpcChild.DISABLED_Owner",
-                                     "--gtest_also_run_disabled_tests", "--gtest_brief=1"};
-    std::vector<char*> argv, envp;
-    for (auto& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    for (auto& e : env) envp.push_back(e.data());
-    envp.push_back(nullptr);
-    posix_spawn_file_actions_t actions;
-    posix_spawn_file_actions_init(&actions);
-    posix_spawn_file_actions_adddup2(&actions, to_child[0], kChildIn);
-    posix_spawn_file_actions_adddup2(&actions, from_child[1], kChildOut);
-    const int err = posix_spawn(&pid_, exe, &actions, nullptr, argv.data(), envp.data());
-    posix_spawn_file_actions_destroy(&actions);
-    close(to_child[0]);
-    close(from_child[1]);
-    if (err != 0) {
-      close(to_child[1]);
-      close(from_child[0]);
-      pid_ = -1;
-      return Internal(std::string("posix_spawn: ") + std::strerror(err));
-    }
-    channel_ = Channel(from_child[0], to_child[1]);
-    return OkStatus();
-  }
+  Status Start() { return ChildProcess::Start(kChildEnv, "CudaIpcChild.DISABLED_Owner"); }
 
   StatusOr<PeerDescriptor> Descriptor() {
-    auto message = channel_.Receive(std::chrono::seconds(60));
+    auto message = channel().Receive(std::chrono::seconds(60));
     if (!message.ok()) return message.status().WithContext("waiting for the child's descriptor");
-    return DecodeDescriptor(*message);
+    auto decoded = testing::DecodeDescriptor(*message);
+    if (!decoded.ok()) return decoded.status();
+    return std::move(decoded->descriptor);
   }
 
-  // "" when the child's pool equals `expected`, else the child's description of the mismatch.
-  StatusOr<std::string> Verify(const std::vector<uint8_t>& expected) {
-    KVT_RETURN_IF_ERROR(channel_.Send("verify"));
-    KVT_RETURN_IF_ERROR(channel_.Send(
-        std::string_view(reinterpret_cast<const char*>(expected.data()), expected.size())));
-    return channel_.Receive(std::chrono::seconds(60));
-  }
-
-  // Asks the child to exit; its exit status (0 when its own checks passed).
-  StatusOr<int> Stop() {
-    KVT_RETURN_IF_ERROR(channel_.Send("exit"));
-    auto bye = channel_.Receive(std::chrono::seconds(30));
-    if (!bye.ok()) return bye.status();
-    return Reap(std::chrono::seconds(30));
-  }
-
-  // SIGKILL; waits (bounded) until the process is gone.
-  void Kill() {
-    if (pid_ <= 0) return;
-    kill(pid_, SIGKILL);
-    (void)Reap(std::chrono::seconds(30));
-  }
-
- private:
-  StatusOr<int> Reap(std::chrono::seconds limit) {
-    const auto give_up = Clock::now() + limit;
-    while (pid_ > 0) {
-      int status = 0;
-      const pid_t done = waitpid(pid_, &status, WNOHANG);
-      if (done == pid_) {
-        pid_ = -1;
-        return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-      }
-      if (done < 0 && errno != EINTR) {
-        pid_ = -1;
-        return Internal(std::string("waitpid: ") + std::strerror(errno));
-      }
-      if (Clock::now() > give_up) {
-        kill(pid_, SIGKILL);
-        return DeadlineExceeded("the child did not exit in time; killed it");
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    }
-    return Internal("no child");
-  }
-
-  pid_t pid_ = -1;
-  Channel channel_;
+  StatusOr<int> Stop() { return ChildProcess::Stop(std::chrono::seconds(30)); }
 };
 
 // The hidden child: runs only when started by Child::Start.
@@ -901,7 +631,7 @@ TEST(CudaIpcChild, DISABLED_Owner) {
   ASSERT_TRUE(backend);
   auto descriptor = backend->Register(pool.Regions());
   ASSERT_TRUE(descriptor.ok()) << descriptor.status();
-  KVT_ASSERT_OK(channel.Send(EncodeDescriptor(*descriptor)));
+  KVT_ASSERT_OK(channel.Send(testing::EncodeDescriptor(*descriptor)));
   while (true) {
     auto command = channel.Receive(std::chrono::seconds(120));
     if (!command.ok()) break;  // the parent is gone
@@ -911,7 +641,8 @@ TEST(CudaIpcChild, DISABLED_Owner) {
       auto actual = pool.Download();
       ASSERT_TRUE(actual.ok()) << actual.status();
       const std::vector<uint8_t> want(expected->begin(), expected->end());
-      KVT_ASSERT_OK(channel.Send(Compare(want, *actual, pool.buffer_bytes())));
+      KVT_ASSERT_OK(
+          channel.Send(DescribeMismatch(want, *actual, pool.buffer_bytes(), pool.item())));
     } else if (*command == "exit") {
       KVT_ASSERT_OK(channel.Send("bye"));
       break;
@@ -925,7 +656,7 @@ class CudaIpcTwoProcesses : public ::testing::Test {
     KVT_SKIP_WITHOUT_GPU();
     signal(SIGPIPE, SIG_IGN);  // a dead child must fail a write, not kill the test
     KVT_ASSERT_OK(src_.Init(kLayers, kPages, kItem));
-    src_image_ = RandomImage(src_.bytes(), 42);
+    src_image_ = RandomBytes(src_.bytes(), 42);
     KVT_ASSERT_OK(src_.Upload(src_image_));
     expected_.assign(src_.bytes(), kPoison);  // the child's pool starts poisoned
     sender_ = NewBackend();
@@ -997,8 +728,8 @@ TEST_F(CudaIpcTwoProcesses, PagesUnitsAndRunsLandByteExactInTheOtherProcess) {
     KVT_ASSERT_OK(WaitFor(*sender_, id));
     sender_->Release(id);
   }
-  ApplyPages(whole, src_image_, expected_, src_.buffer_bytes(), kItem);
-  ApplyPages(parts, src_image_, expected_, src_.buffer_bytes(), kItem);
+  ApplyPageWrite(whole, src_image_, expected_, src_.buffer_bytes(), kItem);
+  ApplyPageWrite(parts, src_image_, expected_, src_.buffer_bytes(), kItem);
   ApplyRuns(runs, src_image_, expected_, src_.buffer_bytes());
   ExpectChildHasExpected();
 
@@ -1042,7 +773,7 @@ TEST_F(CudaIpcTwoProcesses, OneMappingPerAllocationWhateverTheConnections) {
   ASSERT_TRUE(id.ok()) << id.status();
   KVT_ASSERT_OK(WaitFor(*sender_, *id));
   sender_->Release(*id);
-  ApplyPages(w, src_image_, expected_, src_.buffer_bytes(), kItem);
+  ApplyPageWrite(w, src_image_, expected_, src_.buffer_bytes(), kItem);
   ExpectChildHasExpected();
 
   KVT_ASSERT_OK(sender_->Disconnect(*second));

@@ -13,13 +13,9 @@
 // and a communicator that never comes up (the queued write fails after connect_timeout, the
 // in-progress init is aborted). Every wait is bounded.
 #include <cuda_runtime_api.h>
-#include <fcntl.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-#include <poll.h>
 #include <signal.h>
-#include <spawn.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -41,14 +37,18 @@
 // Private headers of kvt::transfer (this target has no transfer/src include path).
 #include "../../../transfer/src/backends/nccl/nccl_backend.h"
 #include "../../../transfer/src/backends/nccl/nccl_protocol.h"
-
-extern char** environ;
+#include "../../unit/backends/backend_test_util.h"
+#include "child_process.h"
 
 namespace kvt::transfer {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+using testing::ApplyPageWrite;
+using testing::DescribeMismatch;
+using testing::DistinctPages;
 using ::testing::HasSubstr;
+using testing::RandomBytes;
 
 #define KVT_ASSERT_OK(expr)             \
   do {                                  \
@@ -134,58 +134,6 @@ class GpuPool {
   int device_ = 0;
 };
 
-std::vector<uint8_t> RandomImage(size_t bytes, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::vector<uint8_t> image(bytes);
-  for (auto& b : image) b = static_cast<uint8_t>(rng());
-  return image;
-}
-
-// Applies a page write to host images of the two pools, as the receiver must see it.
-void ApplyWrite(const std::vector<uint8_t>& src, std::vector<uint8_t>& dst,
-                std::span<const int32_t> src_pages, std::span<const int32_t> dst_pages,
-                int32_t layer_begin, int32_t layer_end, std::span<const PageUnit> units) {
-  const PageUnit whole{0, 0, kItem};
-  const std::span<const PageUnit> us = units.empty() ? std::span<const PageUnit>(&whole, 1) : units;
-  for (int32_t l = layer_begin; l < layer_end; ++l) {
-    for (int32_t b : {l, kLayers + l}) {
-      const uint64_t base = static_cast<uint64_t>(b) * GpuPool::buffer_bytes();
-      for (size_t i = 0; i < src_pages.size(); ++i) {
-        for (const PageUnit& u : us) {
-          std::memcpy(dst.data() + base + dst_pages[i] * kItem + u.dst_offset,
-                      src.data() + base + src_pages[i] * kItem + u.src_offset, u.bytes);
-        }
-      }
-    }
-  }
-}
-
-// "" when equal, else where the first difference is.
-std::string Compare(const std::vector<uint8_t>& want, const std::vector<uint8_t>& got) {
-  if (want.size() != got.size()) {
-    return "sizes differ: " + std::to_string(want.size()) + " vs " + std::to_string(got.size());
-  }
-  const auto [w, g] = std::mismatch(want.begin(), want.end(), got.begin());
-  if (w == want.end()) return "";
-  const uint64_t at = static_cast<uint64_t>(w - want.begin());
-  const uint64_t buffer = at / GpuPool::buffer_bytes();
-  const uint64_t page = at % GpuPool::buffer_bytes() / kItem;
-  const uint64_t count = static_cast<uint64_t>(std::count_if(
-      want.begin(), want.end(), [&, i = size_t{0}](uint8_t v) mutable { return v != got[i++]; }));
-  return std::to_string(count) + " bytes differ; first at buffer " + std::to_string(buffer) +
-         " page " + std::to_string(page) + " byte " + std::to_string(at % kItem) + ": expected " +
-         std::to_string(*w) + ", got " + std::to_string(*g);
-}
-
-// `n` distinct pages from [1, kPages) in random order.
-std::vector<int32_t> DistinctPages(size_t n, std::mt19937& rng) {
-  std::vector<int32_t> all(kPages - 1);
-  std::iota(all.begin(), all.end(), 1);
-  std::shuffle(all.begin(), all.end(), rng);
-  all.resize(n);
-  return all;
-}
-
 // Polls until no write is InProgress or `limit` passed; the final statuses.
 std::vector<Status> WaitAll(Backend& backend, const std::vector<WriteId>& writes,
                             std::chrono::milliseconds limit) {
@@ -205,245 +153,41 @@ std::vector<Status> WaitAll(Backend& backend, const std::vector<WriteId>& writes
 // ---- Two processes --------------------------------------------------------------------------
 
 constexpr char kChildEnv[] = "KVT_NCCL_TEST_CHILD";  // "<in fd>,<out fd>,<device>"
-constexpr int kChildIn = 100;
-constexpr int kChildOut = 101;
-
-// Length-prefixed messages over a pair of pipe ends; every read is bounded.
-class Channel {
- public:
-  Channel() = default;
-  Channel(int in, int out) : in_(in), out_(out) {}
-  ~Channel() { Close(); }
-  Channel(Channel&& o) noexcept : in_(std::exchange(o.in_, -1)), out_(std::exchange(o.out_, -1)) {}
-  Channel& operator=(Channel&& o) noexcept {
-    Close();
-    in_ = std::exchange(o.in_, -1);
-    out_ = std::exchange(o.out_, -1);
-    return *this;
-  }
-  void Close() {
-    if (in_ >= 0) close(in_);
-    if (out_ >= 0) close(out_);
-    in_ = out_ = -1;
-  }
-  Status Send(std::string_view message) {
-    const uint64_t size = message.size();
-    KVT_RETURN_IF_ERROR(WriteAll(&size, sizeof(size)));
-    return WriteAll(message.data(), message.size());
-  }
-  StatusOr<std::string> Receive(std::chrono::milliseconds timeout) {
-    const auto deadline = Clock::now() + timeout;
-    uint64_t size = 0;
-    KVT_RETURN_IF_ERROR(ReadAll(&size, sizeof(size), deadline));
-    if (size > (uint64_t{1} << 32)) return DataLoss("message of " + std::to_string(size) + " B");
-    std::string message(size, '\0');
-    KVT_RETURN_IF_ERROR(ReadAll(message.data(), size, deadline));
-    return message;
-  }
-
- private:
-  Status WriteAll(const void* data, size_t bytes) {
-    const auto* p = static_cast<const char*>(data);
-    while (bytes > 0) {
-      const ssize_t n = write(out_, p, bytes);
-      if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) return Unavailable(std::string("pipe write: ") + std::strerror(errno));
-      p += n;
-      bytes -= static_cast<size_t>(n);
-    }
-    return OkStatus();
-  }
-  Status ReadAll(void* data, size_t bytes, Clock::time_point deadline) {
-    auto* p = static_cast<char*>(data);
-    while (bytes > 0) {
-      const auto left =
-          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
-      if (left <= 0) return DeadlineExceeded("no message from the other process in time");
-      pollfd pfd = {in_, POLLIN, 0};
-      const int ready = poll(&pfd, 1, static_cast<int>(std::min<long long>(left, 1000)));
-      if (ready <= 0) continue;
-      const ssize_t n = read(in_, p, bytes);
-      if (n < 0 && errno == EINTR) continue;
-      if (n == 0) return Unavailable("the other process closed its pipe (exited?)");
-      if (n < 0) return Unavailable(std::string("pipe read: ") + std::strerror(errno));
-      p += n;
-      bytes -= static_cast<size_t>(n);
-    }
-    return OkStatus();
-  }
-  int in_ = -1;
-  int out_ = -1;
-};
-
-void PutU64(std::string& out, uint64_t v) { out.append(reinterpret_cast<const char*>(&v), 8); }
-void PutString(std::string& out, const std::string& s) {
-  PutU64(out, s.size());
-  out += s;
-}
-
-// A descriptor and a token (empty for the child's hello) as one message.
-std::string EncodeHello(const PeerDescriptor& d, const std::string& token) {
-  std::string out;
-  PutString(out, d.backend);
-  PutString(out, d.address);
-  PutString(out, token);
-  PutU64(out, d.regions.size());
-  for (const RemoteRegion& r : d.regions) {
-    PutU64(out, r.base);
-    PutU64(out, r.length);
-    PutU64(out, r.item_len);
-    PutString(out, r.key);
-  }
-  return out;
-}
-
-StatusOr<std::pair<PeerDescriptor, std::string>> DecodeHello(std::string_view in) {
-  size_t at = 0;
-  auto u64 = [&](uint64_t& v) {
-    if (in.size() - at < 8) return false;
-    std::memcpy(&v, in.data() + at, 8);
-    at += 8;
-    return true;
-  };
-  auto str = [&](std::string& s) {
-    uint64_t n = 0;
-    if (!u64(n) || in.size() - at < n) return false;
-    s.assign(in.data() + at, n);
-    at += n;
-    return true;
-  };
-  PeerDescriptor d;
-  std::string token;
-  uint64_t count = 0;
-  if (!str(d.backend) || !str(d.address) || !str(token) || !u64(count)) {
-    return DataLoss("short hello");
-  }
-  for (uint64_t i = 0; i < count; ++i) {
-    RemoteRegion r;
-    if (!u64(r.base) || !u64(r.length) || !u64(r.item_len) || !str(r.key)) {
-      return DataLoss("short hello region");
-    }
-    d.regions.push_back(std::move(r));
-  }
-  return std::make_pair(std::move(d), std::move(token));
-}
+using testing::Channel;
 
 // The decode process: owns the destination pool on device 1, joins with Accept, and answers
 // commands ("verify" + image, "disconnect", "exit").
-class Child {
+class Child : public testing::ChildProcess {
  public:
-  ~Child() { Kill(); }
-
   Status Start() {
-    int to_child[2], from_child[2];
-    if (pipe2(to_child, O_CLOEXEC) != 0 || pipe2(from_child, O_CLOEXEC) != 0) {
-      return Internal(std::string("pipe2: ") + std::strerror(errno));
-    }
-    char exe[4096] = {};
-    const ssize_t len = readlink("/proc/self/exe", exe, sizeof(exe) - 1);
-    if (len <= 0) return Internal("readlink /proc/self/exe failed");
-    std::vector<std::string> env;
-    for (char** e = environ; *e != nullptr; ++e) {
-      const std::string_view var(*e);
-      if (var.starts_with(kChildEnv) || var.starts_with("GTEST_")) continue;
-      env.emplace_back(var);
-    }
-    env.push_back(std::string(kChildEnv) + "=" + std::to_string(kChildIn) + "," +
-                  std::to_string(kChildOut) + "," + std::to_string(kChildDevice));
-    std::vector<std::string> args = {exe, "--gtest_filter=NcclChild.DISABLED_Decode",
-                                     "--gtest_also_run_disabled_tests", "--gtest_brief=1"};
-    std::vector<char*> argv, envp;
-    for (auto& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    for (auto& e : env) envp.push_back(e.data());
-    envp.push_back(nullptr);
-    posix_spawn_file_actions_t actions;
-    posix_spawn_file_actions_init(&actions);
-    posix_spawn_file_actions_adddup2(&actions, to_child[0], kChildIn);
-    posix_spawn_file_actions_adddup2(&actions, from_child[1], kChildOut);
-    const int err = posix_spawn(&pid_, exe, &actions, nullptr, argv.data(), envp.data());
-    posix_spawn_file_actions_destroy(&actions);
-    close(to_child[0]);
-    close(from_child[1]);
-    if (err != 0) {
-      close(to_child[1]);
-      close(from_child[0]);
-      pid_ = -1;
-      return Internal(std::string("posix_spawn: ") + std::strerror(err));
-    }
-    channel_ = Channel(from_child[0], to_child[1]);
-    return OkStatus();
+    return ChildProcess::Start(kChildEnv, "NcclChild.DISABLED_Decode",
+                               "," + std::to_string(kChildDevice));
   }
 
   StatusOr<PeerDescriptor> Hello() {
-    auto message = channel_.Receive(std::chrono::seconds(120));
+    auto message = channel().Receive(std::chrono::seconds(120));
     if (!message.ok()) return message.status().WithContext("waiting for the child's hello");
-    auto hello = DecodeHello(*message);
+    auto hello = testing::DecodeDescriptor(*message);
     if (!hello.ok()) return hello.status();
-    return hello->first;
+    return hello->descriptor;
   }
 
   // Sends this side's descriptor and token; the child Accepts (which returns at once).
   Status HelloAck(const PeerDescriptor& descriptor, const std::string& token) {
-    KVT_RETURN_IF_ERROR(channel_.Send(EncodeHello(descriptor, token)));
-    auto reply = channel_.Receive(std::chrono::seconds(60));
+    KVT_RETURN_IF_ERROR(channel().Send(testing::EncodeDescriptor(descriptor, token)));
+    auto reply = channel().Receive(std::chrono::seconds(60));
     if (!reply.ok()) return reply.status();
     if (*reply != "accepted") return Internal("the child's Accept: " + *reply);
     return OkStatus();
   }
 
-  // "" when the child's pool equals `expected`, else the child's description of the mismatch.
-  StatusOr<std::string> Verify(const std::vector<uint8_t>& expected) {
-    KVT_RETURN_IF_ERROR(channel_.Send("verify"));
-    KVT_RETURN_IF_ERROR(channel_.Send(
-        std::string_view(reinterpret_cast<const char*>(expected.data()), expected.size())));
-    return channel_.Receive(std::chrono::seconds(60));
-  }
-
   // The child's graceful Disconnect: "<status> <milliseconds>".
   StatusOr<std::string> Disconnect() {
-    KVT_RETURN_IF_ERROR(channel_.Send("disconnect"));
-    return channel_.Receive(std::chrono::seconds(60));
+    KVT_RETURN_IF_ERROR(channel().Send("disconnect"));
+    return channel().Receive(std::chrono::seconds(60));
   }
 
-  StatusOr<int> Stop() {
-    KVT_RETURN_IF_ERROR(channel_.Send("exit"));
-    auto bye = channel_.Receive(std::chrono::seconds(60));
-    if (!bye.ok()) return bye.status();
-    return Reap(std::chrono::seconds(60));
-  }
-
-  void Kill() {
-    if (pid_ <= 0) return;
-    kill(pid_, SIGKILL);
-    (void)Reap(std::chrono::seconds(30));
-  }
-
- private:
-  StatusOr<int> Reap(std::chrono::seconds limit) {
-    const auto give_up = Clock::now() + limit;
-    while (pid_ > 0) {
-      int status = 0;
-      const pid_t done = waitpid(pid_, &status, WNOHANG);
-      if (done == pid_) {
-        pid_ = -1;
-        return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-      }
-      if (done < 0 && errno != EINTR) {
-        pid_ = -1;
-        return Internal(std::string("waitpid: ") + std::strerror(errno));
-      }
-      if (Clock::now() > give_up) {
-        kill(pid_, SIGKILL);
-        return DeadlineExceeded("the child did not exit in time; killed it");
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    }
-    return Internal("no child");
-  }
-
-  pid_t pid_ = -1;
-  Channel channel_;
+  StatusOr<int> Stop() { return ChildProcess::Stop(std::chrono::seconds(60)); }
 };
 
 // The hidden child: runs only when started by Child::Start.
@@ -461,12 +205,12 @@ TEST(NcclChild, DISABLED_Decode) {
   ASSERT_TRUE(backend.ok()) << backend.status();
   auto descriptor = (*backend)->Register(pool.Regions());
   ASSERT_TRUE(descriptor.ok()) << descriptor.status();
-  KVT_ASSERT_OK(channel.Send(EncodeHello(*descriptor, "")));
+  KVT_ASSERT_OK(channel.Send(testing::EncodeDescriptor(*descriptor)));
   auto ack = channel.Receive(std::chrono::seconds(120));
   ASSERT_TRUE(ack.ok()) << ack.status();
-  auto hello = DecodeHello(*ack);
+  auto hello = testing::DecodeDescriptor(*ack);
   ASSERT_TRUE(hello.ok()) << hello.status();
-  auto peer = (*backend)->Accept(hello->first, hello->second);
+  auto peer = (*backend)->Accept(hello->descriptor, hello->token);
   KVT_ASSERT_OK(channel.Send(peer.ok() ? std::string("accepted") : peer.status().ToString()));
   ASSERT_TRUE(peer.ok()) << peer.status();
   while (true) {
@@ -478,7 +222,8 @@ TEST(NcclChild, DISABLED_Decode) {
       auto actual = pool.Download();
       ASSERT_TRUE(actual.ok()) << actual.status();
       KVT_ASSERT_OK(
-          channel.Send(Compare(std::vector<uint8_t>(expected->begin(), expected->end()), *actual)));
+          channel.Send(DescribeMismatch(std::vector<uint8_t>(expected->begin(), expected->end()),
+                                        *actual, GpuPool::buffer_bytes(), kItem)));
     } else if (*command == "disconnect") {
       const auto start = Clock::now();
       Status status = (*backend)->Disconnect(*peer, Backend::DisconnectMode::kGraceful);
@@ -505,7 +250,7 @@ class NcclTwoProcesses : public ::testing::Test {
     ASSERT_TRUE(backend.ok()) << backend.status();
     sender_ = std::move(backend).value();
     KVT_ASSERT_OK(src_.Init(kParentDevice));
-    src_image_ = RandomImage(GpuPool::bytes(), 42);
+    src_image_ = RandomBytes(GpuPool::bytes(), 42);
     KVT_ASSERT_OK(src_.Upload(src_image_));
     expected_.assign(GpuPool::bytes(), kPoison);
     auto descriptor = sender_->Register(src_.Regions());
@@ -558,7 +303,7 @@ class NcclTwoProcesses : public ::testing::Test {
     write.units = units;
     write.ready = ready;
     auto id = sender_->PostPages(peer_, write);
-    if (id.ok()) ApplyWrite(src_image_, expected_, src_pages, dst_pages, begin, end, units);
+    if (id.ok()) ApplyPageWrite(write, src_image_, expected_, GpuPool::buffer_bytes(), kItem);
     return id;
   }
 
@@ -576,7 +321,7 @@ TEST_F(NcclTwoProcesses, RandomPagesAcrossLayerBatchesLandByteExact) {
   std::vector<WriteId> writes;
   // Destination pages are disjoint across writes so that the expected image does not depend
   // on the order of writes (which the pair keeps anyway).
-  std::vector<int32_t> dst_all = DistinctPages(kPages - 1, rng);
+  std::vector<int32_t> dst_all = DistinctPages(kPages - 1, kPages, rng);
   size_t next_dst = 0;
   auto take = [&](size_t n) {
     std::vector<int32_t> pages(dst_all.begin() + next_dst, dst_all.begin() + next_dst + n);
@@ -587,7 +332,7 @@ TEST_F(NcclTwoProcesses, RandomPagesAcrossLayerBatchesLandByteExact) {
   std::vector<std::vector<int32_t>> keep;  // page lists stay alive until posted (copied anyway)
   for (auto [begin, end] : {std::pair{0, 1}, std::pair{1, 3}, std::pair{3, 4}}) {
     const size_t n = 20 + rng() % 40;
-    keep.push_back(DistinctPages(n, rng));
+    keep.push_back(DistinctPages(n, kPages, rng));
     keep.push_back(take(n));
     auto id = Post(keep[keep.size() - 2], keep.back(), begin, end);
     ASSERT_TRUE(id.ok()) << id.status();
@@ -595,7 +340,7 @@ TEST_F(NcclTwoProcesses, RandomPagesAcrossLayerBatchesLandByteExact) {
   }
   // Partial pages (a head range of each token, as between pools of different TP sizes).
   const std::vector<PageUnit> units = {{0, 512, 1024}, {3072, 0, 512}, {2048, 2048, 8}};
-  keep.push_back(DistinctPages(33, rng));
+  keep.push_back(DistinctPages(33, kPages, rng));
   keep.push_back(take(33));
   auto partial = Post(keep[keep.size() - 2], keep.back(), 0, kLayers, units);
   ASSERT_TRUE(partial.ok()) << partial.status();
@@ -616,8 +361,8 @@ TEST_F(NcclTwoProcesses, RandomPagesAcrossLayerBatchesLandByteExact) {
 
 TEST_F(NcclTwoProcesses, AWriteLargerThanAllStagingSlotsStreamsThroughThem) {
   std::mt19937 rng(11);
-  const std::vector<int32_t> src_pages = DistinctPages(kPages - 1, rng);
-  const std::vector<int32_t> dst_pages = DistinctPages(kPages - 1, rng);
+  const std::vector<int32_t> src_pages = DistinctPages(kPages - 1, kPages, rng);
+  const std::vector<int32_t> dst_pages = DistinctPages(kPages - 1, kPages, rng);
   const uint64_t bytes = 2ULL * kLayers * (kPages - 1) * kItem;  // 8 MiB
   const nccl::NcclTuning tuning = TestTuning();
   ASSERT_GT(bytes, nccl::kRing * tuning.slot_bytes * 10) << "the write must wrap the ring often";
@@ -634,15 +379,15 @@ TEST_F(NcclTwoProcesses, AWriteLargerThanAllStagingSlotsStreamsThroughThem) {
 // old bytes long before.
 TEST_F(NcclTwoProcesses, TheReadyEventGatesThePackOnTheGpuNotOnTheCaller) {
   std::mt19937 rng(13);
-  const std::vector<int32_t> src_pages = DistinctPages(40, rng);
-  const std::vector<int32_t> dst_pages = DistinctPages(40, rng);
+  const std::vector<int32_t> src_pages = DistinctPages(40, kPages, rng);
+  const std::vector<int32_t> dst_pages = DistinctPages(40, kPages, rng);
   auto stream = cuda::Stream::Create(kParentDevice);
   ASSERT_TRUE(stream.ok()) << stream.status();
   auto ready = cuda::Event::Create(/*timing=*/false);
   ASSERT_TRUE(ready.ok()) << ready.status();
   auto staged = cuda::PinnedBuffer::Allocate(GpuPool::bytes());
   ASSERT_TRUE(staged.ok()) << staged.status();
-  std::vector<uint8_t> fresh = RandomImage(GpuPool::bytes(), 99);
+  std::vector<uint8_t> fresh = RandomBytes(GpuPool::bytes(), 99);
   std::memcpy(staged->data(), fresh.data(), fresh.size());
   KVT_ASSERT_OK(cuda::ToStatus(
       cudaLaunchHostFunc(
@@ -672,7 +417,7 @@ TEST_F(NcclTwoProcesses, TheReadyEventGatesThePackOnTheGpuNotOnTheCaller) {
 
 TEST_F(NcclTwoProcesses, GracefulDisconnectClosesBothSidesWithoutWaitingOut) {
   std::mt19937 rng(17);
-  const std::vector<int32_t> pages = DistinctPages(64, rng);
+  const std::vector<int32_t> pages = DistinctPages(64, kPages, rng);
   auto id = Post(pages, pages, 0, kLayers);
   ASSERT_TRUE(id.ok()) << id.status();
   EXPECT_TRUE(WaitAll(*sender_, {*id}, std::chrono::seconds(60))[0].ok());
@@ -702,8 +447,8 @@ TEST_F(NcclTwoProcesses, GracefulDisconnectClosesBothSidesWithoutWaitingOut) {
 
 TEST_F(NcclTwoProcesses, APeerKilledMidTransferFailsWritesAndNothingHangs) {
   std::mt19937 rng(19);
-  const std::vector<int32_t> src_pages = DistinctPages(kPages - 1, rng);
-  const std::vector<int32_t> dst_pages = DistinctPages(kPages - 1, rng);
+  const std::vector<int32_t> src_pages = DistinctPages(kPages - 1, kPages, rng);
+  const std::vector<int32_t> dst_pages = DistinctPages(kPages - 1, kPages, rng);
   std::vector<WriteId> writes;
   const auto start = Clock::now();
   // Keep the pair busy; the child dies while writes stream and more are posted after.
@@ -754,8 +499,8 @@ TEST_F(NcclTwoProcesses, APeerKilledMidTransferFailsWritesAndNothingHangs) {
 
 TEST_F(NcclTwoProcesses, DisconnectAsPeerDeadAbortsWritesInFlight) {
   std::mt19937 rng(23);
-  const std::vector<int32_t> src_pages = DistinctPages(kPages - 1, rng);
-  const std::vector<int32_t> dst_pages = DistinctPages(kPages - 1, rng);
+  const std::vector<int32_t> src_pages = DistinctPages(kPages - 1, kPages, rng);
+  const std::vector<int32_t> dst_pages = DistinctPages(kPages - 1, kPages, rng);
   std::vector<WriteId> writes;
   for (int i = 0; i < 16; ++i) {
     auto id = Post(src_pages, dst_pages, 0, kLayers);

@@ -12,6 +12,7 @@
 #include <thread>
 #include <vector>
 
+#include "../../unit/backends/backend_test_util.h"
 #include "kvt/kernels/cuda_util.h"
 #include "kvt/transfer/backend.h"
 #include "kvt/transfer/backends.h"
@@ -24,6 +25,8 @@ namespace {
   GTEST_SKIP() << "no CUDA device: " << ::kvt::cuda::DeviceCount().reason
 
 using Clock = std::chrono::steady_clock;
+using testing::DistinctPages;
+using testing::WaitFor;
 
 // A device pool: 2L buffers (K of layers 0..L-1, then V) of `pages` pages of `item` bytes, all in
 // one allocation, with a host image for expectations.
@@ -50,7 +53,7 @@ class DevicePool {
   }
   void Fill(uint32_t seed) {
     std::mt19937 rng(seed);
-    for (auto& byte : image) byte = static_cast<uint8_t>(rng());
+    testing::FillRandom(image, rng);
   }
   void Poison() { std::fill(image.begin(), image.end(), 0xEE); }
   Status Upload() { return cuda::Copy(memory_.data(), image.data(), image.size()); }
@@ -70,20 +73,19 @@ class DevicePool {
   void Apply(const DevicePool& src, const std::vector<uint8_t>& src_bytes,
              const std::vector<int32_t>& src_pages, const std::vector<int32_t>& dst_pages,
              int32_t begin, int32_t end, const std::vector<PageUnit>& units) {
-    const std::vector<PageUnit> whole = {{0, 0, item_}};
-    const auto& us = units.empty() ? whole : units;
-    for (int32_t l = begin; l < end; ++l) {
-      for (int32_t b : {l, layers_ + l}) {
-        for (size_t i = 0; i < src_pages.size(); ++i) {
-          for (const PageUnit& u : us) {
-            std::memcpy(
-                Page(image, b, dst_pages[i]) + u.dst_offset,
-                src_bytes.data() + b * src.BufferBytes() + src_pages[i] * src.item_ + u.src_offset,
-                u.bytes);
-          }
-        }
-      }
-    }
+    PageWrite w;
+    w.src_pages = src_pages;
+    w.dst_pages = dst_pages;
+    w.num_layers = layers_;
+    w.layer_begin = begin;
+    w.layer_end = end;
+    w.units = units;
+    testing::ApplyPageWrite(
+        w, item_,
+        [&](int32_t b, int32_t page) {
+          return src_bytes.data() + b * src.BufferBytes() + page * src.item_;
+        },
+        [&](int32_t b, int32_t page) { return Page(image, b, page); });
   }
 
   std::vector<uint8_t> image;
@@ -94,25 +96,6 @@ class DevicePool {
   uint64_t item_ = 0;
   cuda::DeviceBuffer memory_;
 };
-
-Status WaitFor(Backend& backend, WriteId id,
-               std::chrono::seconds bound = std::chrono::seconds(30)) {
-  const auto give_up = Clock::now() + bound;
-  while (Clock::now() < give_up) {
-    Status st = backend.Check(id);
-    if (st.code() != StatusCode::kInProgress) return st;
-    std::this_thread::sleep_for(std::chrono::microseconds(50));
-  }
-  return DeadlineExceeded("write did not finish in " + std::to_string(bound.count()) + " s");
-}
-
-std::vector<int32_t> Pages(int64_t n, int64_t range, std::mt19937& rng) {
-  std::vector<int32_t> all(static_cast<size_t>(range - 1));
-  std::iota(all.begin(), all.end(), 1);
-  std::shuffle(all.begin(), all.end(), rng);
-  all.resize(static_cast<size_t>(n));
-  return all;
-}
 
 // Sleeps on a stream (a host function), standing in for a producer's kernel that runs long.
 void HostSleep(void* ms) {
@@ -190,14 +173,7 @@ class UcxStagedGpu : public ::testing::TestWithParam<std::string> {
   void ExpectDestination(const std::vector<uint8_t>& expected) {
     auto got = dst_.Download();
     ASSERT_TRUE(got.ok()) << got.status();
-    ASSERT_EQ(got->size(), expected.size());
-    size_t mismatches = 0, first = 0;
-    for (size_t i = 0; i < expected.size(); ++i) {
-      if ((*got)[i] != expected[i] && mismatches++ == 0) first = i;
-    }
-    EXPECT_EQ(mismatches, 0u) << "first mismatch at byte " << first << " (buffer "
-                              << first / dst_.BufferBytes() << ", page "
-                              << first % dst_.BufferBytes() / kItem << ")";
+    EXPECT_EQ(testing::DescribeMismatch(expected, *got, dst_.BufferBytes(), kItem), "");
   }
 
   DevicePool src_;
@@ -225,15 +201,15 @@ TEST_P(UcxStagedGpu, PageWritesAcrossLayerBatchesAreByteExact) {
   const std::vector<std::pair<int32_t, int32_t>> batches = {{0, 1}, {1, 2}, {2, 4}, {0, kLayers}};
   for (auto [begin, end] : batches) {
     const int64_t n = end - begin == kLayers ? kPages - 1 : 20 + rng() % 40;
-    const std::vector<int32_t> src = Pages(n, kPages, rng);
-    const std::vector<int32_t> dst = Pages(n, kPages, rng);
+    const std::vector<int32_t> src = DistinctPages(n, kPages, rng);
+    const std::vector<int32_t> dst = DistinctPages(n, kPages, rng);
     auto w = Post(src, dst, begin, end);
     ASSERT_TRUE(w.ok()) << w.status();
     writes.push_back(*w);
     dst_.Apply(src_, src_.image, src, dst, begin, end, {});
   }
   for (WriteId w : writes) {
-    Status st = WaitFor(*sender_, w);
+    Status st = WaitFor(*sender_, w, std::chrono::seconds(30));
     ASSERT_TRUE(st.ok()) << st;
     sender_->Release(w);
   }
@@ -245,11 +221,11 @@ TEST_P(UcxStagedGpu, UnitsMovePartsOfPages) {
   std::mt19937 rng(9);
   // A head range of each token and an odd-sized, odd-offset piece (narrow kernel accesses).
   const std::vector<PageUnit> units = {{0, 4096, 1024}, {2048, 2048, 1024}, {5001, 77, 333}};
-  const std::vector<int32_t> src = Pages(50, kPages, rng);
-  const std::vector<int32_t> dst = Pages(50, kPages, rng);
+  const std::vector<int32_t> src = DistinctPages(50, kPages, rng);
+  const std::vector<int32_t> dst = DistinctPages(50, kPages, rng);
   auto w = Post(src, dst, 1, kLayers, units);
   ASSERT_TRUE(w.ok()) << w.status();
-  Status st = WaitFor(*sender_, *w);
+  Status st = WaitFor(*sender_, *w, std::chrono::seconds(30));
   ASSERT_TRUE(st.ok()) << st;
   dst_.Apply(src_, src_.image, src, dst, 1, kLayers, units);
   ExpectDestination(dst_.image);
@@ -276,15 +252,15 @@ TEST_P(UcxStagedGpu, ReadyEventGatesTheCopy) {
             cudaSuccess);
   ASSERT_TRUE(ready->Record(producer->get()).ok());
 
-  const std::vector<int32_t> src = Pages(40, kPages, rng);
-  const std::vector<int32_t> dst = Pages(40, kPages, rng);
+  const std::vector<int32_t> src = DistinctPages(40, kPages, rng);
+  const std::vector<int32_t> dst = DistinctPages(40, kPages, rng);
   const auto start = Clock::now();
   auto w = Post(src, dst, 0, kLayers, {}, ready->get());
   const auto post_time = Clock::now() - start;
   ASSERT_TRUE(w.ok()) << w.status();
   EXPECT_LT(post_time, std::chrono::milliseconds(150)) << "PostPages waited on the CPU";
   ASSERT_TRUE(ready->Record(idle->get()).ok());
-  Status st = WaitFor(*sender_, *w);
+  Status st = WaitFor(*sender_, *w, std::chrono::seconds(30));
   ASSERT_TRUE(st.ok()) << st;
   EXPECT_GE(Clock::now() - start, std::chrono::milliseconds(250));
   dst_.Apply(src_, fresh_image, src, dst, 0, kLayers, {});
@@ -302,8 +278,8 @@ TEST_P(UcxStagedGpu, ReleaseInFlightLandsNothing) {
   ASSERT_TRUE(EnqueueSleep(producer->get(), 400).ok());
   ASSERT_TRUE(ready->Record(producer->get()).ok());
   std::mt19937 rng(13);
-  const std::vector<int32_t> src = Pages(kPages - 1, kPages, rng);
-  const std::vector<int32_t> dst = Pages(kPages - 1, kPages, rng);
+  const std::vector<int32_t> src = DistinctPages(kPages - 1, kPages, rng);
+  const std::vector<int32_t> dst = DistinctPages(kPages - 1, kPages, rng);
   auto w = Post(src, dst, 0, kLayers, {}, ready->get());
   ASSERT_TRUE(w.ok()) << w.status();
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
@@ -320,7 +296,7 @@ TEST_P(UcxStagedGpu, ReleaseInFlightLandsNothing) {
   const std::vector<int32_t> one = {5};
   auto again = Post(one, one, 0, 1);
   ASSERT_TRUE(again.ok()) << again.status();
-  ASSERT_TRUE(WaitFor(*sender_, *again).ok());
+  ASSERT_TRUE(WaitFor(*sender_, *again, std::chrono::seconds(30)).ok());
   dst_.Apply(src_, src_.image, one, one, 0, 1, {});
   ExpectDestination(dst_.image);
 }
@@ -337,8 +313,8 @@ TEST_P(UcxStagedGpu, PeerDeadDisconnectFailsWritesInFlight) {
   std::mt19937 rng(17);
   std::vector<WriteId> writes;
   for (int i = 0; i < 3; ++i) {
-    const std::vector<int32_t> src = Pages(60, kPages, rng);
-    const std::vector<int32_t> dst = Pages(60, kPages, rng);
+    const std::vector<int32_t> src = DistinctPages(60, kPages, rng);
+    const std::vector<int32_t> dst = DistinctPages(60, kPages, rng);
     auto w = Post(src, dst, 0, kLayers, {}, i == 0 ? ready->get() : nullptr);
     ASSERT_TRUE(w.ok()) << w.status();
     writes.push_back(*w);
@@ -381,8 +357,8 @@ TEST_P(UcxStagedGpu, ReportsThroughputOfALargeWrite) {
   auto peer = (*a)->Connect(*rd);
   ASSERT_TRUE(peer.ok()) << peer.status();
   std::mt19937 rng(19);
-  const std::vector<int32_t> pages_src = Pages(kBigPages - 1, kBigPages, rng);
-  const std::vector<int32_t> pages_dst = Pages(kBigPages - 1, kBigPages, rng);
+  const std::vector<int32_t> pages_src = DistinctPages(kBigPages - 1, kBigPages, rng);
+  const std::vector<int32_t> pages_dst = DistinctPages(kBigPages - 1, kBigPages, rng);
   PageWrite w;
   w.src_pages = pages_src;
   w.dst_pages = pages_dst;
@@ -413,14 +389,7 @@ TEST_P(UcxStagedGpu, ReportsThroughputOfALargeWrite) {
 INSTANTIATE_TEST_SUITE_P(Transports, UcxStagedGpu,
                          ::testing::Values(std::string(""), std::string("shm,self"),
                                            std::string("tcp")),
-                         [](const ::testing::TestParamInfo<std::string>& info) {
-                           if (info.param.empty()) return std::string("default");
-                           std::string name = info.param;
-                           for (char& c : name) {
-                             if (c == ',') c = '_';
-                           }
-                           return name;
-                         });
+                         testing::TransportsTestName);
 
 }  // namespace
 }  // namespace kvt::transfer

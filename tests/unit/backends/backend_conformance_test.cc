@@ -7,6 +7,7 @@
 #include <thread>
 #include <vector>
 
+#include "backend_test_util.h"
 #include "kvt/transfer/backend.h"
 #include "kvt/transfer/backends.h"
 
@@ -35,9 +36,7 @@ struct Buffers {
 
 void Randomize(Buffers& buffers, uint32_t seed) {
   std::mt19937 rng(seed);
-  for (auto& b : buffers.data) {
-    for (auto& byte : b) byte = static_cast<uint8_t>(rng());
-  }
+  for (auto& b : buffers.data) testing::FillRandom(b, rng);
 }
 
 Status WaitFor(Backend& backend, WriteId id) {

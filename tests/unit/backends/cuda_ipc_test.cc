@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "backend_test_util.h"
 #include "backends/cuda_ipc/cuda_ipc_codec.h"
 #include "backends/cuda_ipc/cuda_ipc_program.h"
 #include "kvt/kernels/cuda_util.h"
@@ -24,6 +25,7 @@
 namespace kvt::transfer::cuda_ipc {
 namespace {
 
+using testing::DistinctPages;
 using ::testing::HasSubstr;
 
 // ---- Creation and names -------------------------------------------------------------------
@@ -272,9 +274,7 @@ struct HostPool {
     buffers.assign(2 * static_cast<size_t>(layers), std::vector<uint8_t>(pages * item, fill));
   }
   void Randomize(std::mt19937& rng) {
-    for (auto& b : buffers) {
-      for (auto& byte : b) byte = static_cast<uint8_t>(rng());
-    }
+    for (auto& b : buffers) testing::FillRandom(b, rng);
   }
   std::vector<LocalRegion> Local() {
     std::vector<LocalRegion> out;
@@ -309,26 +309,9 @@ Status Execute(const CopyProgram& program) {
 
 // What a page write must leave in the destination, computed independently of the planner.
 void ApplyPageWrite(const PageWrite& w, const HostPool& src, HostPool& dst) {
-  std::vector<PageUnit> units(w.units.begin(), w.units.end());
-  if (units.empty()) units.push_back({0, 0, src.item});
-  for (int32_t l = w.layer_begin; l < w.layer_end; ++l) {
-    for (int32_t b : {l, w.num_layers + l}) {
-      for (size_t i = 0; i < w.src_pages.size(); ++i) {
-        for (const PageUnit& u : units) {
-          std::memcpy(dst.buffers[b].data() + w.dst_pages[i] * dst.item + u.dst_offset,
-                      src.buffers[b].data() + w.src_pages[i] * src.item + u.src_offset, u.bytes);
-        }
-      }
-    }
-  }
-}
-
-std::vector<int32_t> DistinctPages(size_t n, int32_t pages, std::mt19937& rng) {
-  std::vector<int32_t> all(static_cast<size_t>(pages - 1));
-  std::iota(all.begin(), all.end(), 1);  // page 0 is the dummy page
-  std::shuffle(all.begin(), all.end(), rng);
-  all.resize(n);
-  return all;
+  testing::ApplyPageWrite(
+      w, src.item, [&](int32_t b, int32_t page) { return src.buffers[b].data() + page * src.item; },
+      [&](int32_t b, int32_t page) { return dst.buffers[b].data() + page * dst.item; });
 }
 
 constexpr int kLayers = 4;

@@ -16,6 +16,7 @@
 #include <thread>
 #include <vector>
 
+#include "backend_test_util.h"
 #include "backends/ucx/ucx_backend.h"
 #include "kvt/kernels/cuda_util.h"
 #include "kvt/transfer/backend.h"
@@ -24,6 +25,7 @@
 namespace kvt::transfer {
 namespace {
 
+using testing::DistinctPages;
 using ucx_staging::ChunkPlan;
 using ucx_staging::CreditWindow;
 using ucx_staging::PayloadBytes;
@@ -415,26 +417,22 @@ struct HostPool {
   }
   void Randomize(uint32_t seed) {
     std::mt19937 rng(seed);
-    for (auto& b : buffers) {
-      for (auto& byte : b) byte = static_cast<uint8_t>(rng());
-    }
+    for (auto& b : buffers) testing::FillRandom(b, rng);
   }
   // Applies a page write to `this` (the destination) from `src`, as the backend must.
   void Apply(const HostPool& src, const std::vector<int32_t>& src_pages,
              const std::vector<int32_t>& dst_pages, int32_t begin, int32_t end,
              const std::vector<PageUnit>& units) {
-    const std::vector<PageUnit> whole = {{0, 0, item}};
-    const auto& us = units.empty() ? whole : units;
-    for (int32_t l = begin; l < end; ++l) {
-      for (int32_t b : {l, layers + l}) {
-        for (size_t i = 0; i < src_pages.size(); ++i) {
-          for (const PageUnit& u : us) {
-            std::memcpy(buffers[b].data() + dst_pages[i] * item + u.dst_offset,
-                        src.buffers[b].data() + src_pages[i] * item + u.src_offset, u.bytes);
-          }
-        }
-      }
-    }
+    PageWrite w;
+    w.src_pages = src_pages;
+    w.dst_pages = dst_pages;
+    w.num_layers = layers;
+    w.layer_begin = begin;
+    w.layer_end = end;
+    w.units = units;
+    testing::ApplyPageWrite(
+        w, item, [&](int32_t b, int32_t page) { return src.buffers[b].data() + page * item; },
+        [&](int32_t b, int32_t page) { return buffers[b].data() + page * item; });
   }
   int32_t layers;
   int64_t pages;
@@ -444,22 +442,7 @@ struct HostPool {
 
 Status WaitFor(Backend& backend, WriteId id,
                std::chrono::seconds bound = std::chrono::seconds(20)) {
-  const auto give_up = std::chrono::steady_clock::now() + bound;
-  while (std::chrono::steady_clock::now() < give_up) {
-    Status st = backend.Check(id);
-    if (st.code() != StatusCode::kInProgress) return st;
-    std::this_thread::sleep_for(std::chrono::microseconds(100));
-  }
-  return DeadlineExceeded("write did not finish in " + std::to_string(bound.count()) + " s");
-}
-
-// `n` distinct pages from [1, range) in random order.
-std::vector<int32_t> Pages(int64_t n, int64_t range, std::mt19937& rng) {
-  std::vector<int32_t> all(static_cast<size_t>(range - 1));
-  std::iota(all.begin(), all.end(), 1);
-  std::shuffle(all.begin(), all.end(), rng);
-  all.resize(static_cast<size_t>(n));
-  return all;
+  return testing::WaitFor(backend, id, bound, std::chrono::microseconds(100));
 }
 
 constexpr int32_t kLayers = 4;
@@ -544,8 +527,8 @@ TEST_P(StagedHostProtocol, PageWritesAcrossLayerBatchesAreByteExact) {
   HostPool expected(kLayers, kPages, kItem, 0xEE);
   std::vector<WriteId> writes;
   const std::vector<std::pair<int32_t, int32_t>> batches = {{0, 1}, {1, 3}, {3, 4}};
-  const std::vector<int32_t> src = Pages(40, kPages, rng);
-  const std::vector<int32_t> dst = Pages(40, kPages, rng);
+  const std::vector<int32_t> src = DistinctPages(40, kPages, rng);
+  const std::vector<int32_t> dst = DistinctPages(40, kPages, rng);
   for (auto [begin, end] : batches) {
     auto w = Post(src, dst, begin, end);
     ASSERT_TRUE(w.ok()) << w.status();
@@ -563,8 +546,8 @@ TEST_P(StagedHostProtocol, PageWritesAcrossLayerBatchesAreByteExact) {
 TEST_P(StagedHostProtocol, AWriteLargerThanAllSlotsReusesThem) {
   Start(2, 2, 8192);
   std::mt19937 rng(23);
-  const std::vector<int32_t> src = Pages(kPages - 1, kPages, rng);
-  const std::vector<int32_t> dst = Pages(kPages - 1, kPages, rng);
+  const std::vector<int32_t> src = DistinctPages(kPages - 1, kPages, rng);
+  const std::vector<int32_t> dst = DistinctPages(kPages - 1, kPages, rng);
   // 63 pages x 8 buffers x 1 KiB = 504 KiB through 4 slots of 8 KiB.
   auto w = Post(src, dst, 0, kLayers);
   ASSERT_TRUE(w.ok()) << w.status();
@@ -579,8 +562,8 @@ TEST_P(StagedHostProtocol, UnitsMovePartsOfPages) {
   Start(4, 4, 16384);
   std::mt19937 rng(29);
   const std::vector<PageUnit> units = {{0, 512, 128}, {640, 0, 256}, {1000, 1000, 24}};
-  const std::vector<int32_t> src = Pages(30, kPages, rng);
-  const std::vector<int32_t> dst = Pages(30, kPages, rng);
+  const std::vector<int32_t> src = DistinctPages(30, kPages, rng);
+  const std::vector<int32_t> dst = DistinctPages(30, kPages, rng);
   auto w = Post(src, dst, 1, 4, units);
   ASSERT_TRUE(w.ok()) << w.status();
   ASSERT_TRUE(WaitFor(*sender_, *w).ok()) << sender_->Check(*w);
@@ -652,8 +635,8 @@ TEST_P(StagedHostProtocol, RefusesCopyRunsBadPagesAndMismatchedPeers) {
 TEST_P(StagedHostProtocol, ReleaseInFlightLandsNothingLater) {
   Start(2, 2, 8192, /*delay_us=*/20000);
   std::mt19937 rng(37);
-  const std::vector<int32_t> src = Pages(kPages - 1, kPages, rng);
-  const std::vector<int32_t> dst = Pages(kPages - 1, kPages, rng);
+  const std::vector<int32_t> src = DistinctPages(kPages - 1, kPages, rng);
+  const std::vector<int32_t> dst = DistinctPages(kPages - 1, kPages, rng);
   auto w = Post(src, dst, 0, kLayers);
   ASSERT_TRUE(w.ok()) << w.status();
   std::this_thread::sleep_for(std::chrono::milliseconds(30));
@@ -681,8 +664,8 @@ TEST_P(StagedHostProtocol, PeerDeadDisconnectFailsWritesInFlightWithoutHanging) 
   std::mt19937 rng(41);
   std::vector<WriteId> writes;
   for (int i = 0; i < 3; ++i) {
-    const std::vector<int32_t> src = Pages(40, kPages, rng);
-    const std::vector<int32_t> dst = Pages(40, kPages, rng);
+    const std::vector<int32_t> src = DistinctPages(40, kPages, rng);
+    const std::vector<int32_t> dst = DistinctPages(40, kPages, rng);
     auto w = Post(src, dst, 0, kLayers);
     ASSERT_TRUE(w.ok()) << w.status();
     writes.push_back(*w);
@@ -704,8 +687,8 @@ TEST_P(StagedHostProtocol, PeerDeadDisconnectFailsWritesInFlightWithoutHanging) 
 TEST_P(StagedHostProtocol, GracefulDisconnectAbortsUnfinishedWrites) {
   Start(2, 2, 8192, /*delay_us=*/5000);
   std::mt19937 rng(43);
-  const std::vector<int32_t> src = Pages(kPages - 1, kPages, rng);
-  const std::vector<int32_t> dst = Pages(kPages - 1, kPages, rng);
+  const std::vector<int32_t> src = DistinctPages(kPages - 1, kPages, rng);
+  const std::vector<int32_t> dst = DistinctPages(kPages - 1, kPages, rng);
   auto w = Post(src, dst, 0, kLayers);
   ASSERT_TRUE(w.ok()) << w.status();
   std::this_thread::sleep_for(std::chrono::milliseconds(10));
@@ -731,8 +714,8 @@ TEST_P(StagedHostProtocol, ReceiverDropsChunksOfAPeerItDisconnected) {
   ASSERT_TRUE(back.ok()) << back.status();
   ASSERT_TRUE(receiver_->Disconnect(*back).ok());
   std::mt19937 rng(47);
-  const std::vector<int32_t> src = Pages(10, kPages, rng);
-  const std::vector<int32_t> dst = Pages(10, kPages, rng);
+  const std::vector<int32_t> src = DistinctPages(10, kPages, rng);
+  const std::vector<int32_t> dst = DistinctPages(10, kPages, rng);
   // Either the sender already learned it is refused (its hello was answered after the drop) and
   // the post fails, or the chunks are refused on arrival and the write fails; it never hangs.
   auto w = Post(src, dst, 0, kLayers);
@@ -752,14 +735,7 @@ TEST_P(StagedHostProtocol, ReceiverDropsChunksOfAPeerItDisconnected) {
 INSTANTIATE_TEST_SUITE_P(Transports, StagedHostProtocol,
                          ::testing::Values(std::string(""), std::string("tcp"),
                                            std::string("shm,self")),
-                         [](const ::testing::TestParamInfo<std::string>& info) {
-                           if (info.param.empty()) return std::string("default");
-                           std::string name = info.param;
-                           for (char& c : name) {
-                             if (c == ',') c = '_';
-                           }
-                           return name;
-                         });
+                         testing::TransportsTestName);
 
 }  // namespace
 }  // namespace kvt::transfer

@@ -2,13 +2,10 @@
 
 #include <unistd.h>
 
-#include <charconv>
 #include <cstring>
-#include <fstream>
 #include <random>
-#include <vector>
 
-#include "kvt/common/log.h"
+#include "backends/host_identity.h"
 
 namespace kvt::transfer::cuda_ipc {
 namespace {
@@ -25,19 +22,6 @@ uint64_t GetU64(std::string_view in, size_t at) {
     v |= static_cast<uint64_t>(static_cast<uint8_t>(in[at + i])) << (8 * i);
   }
   return v;
-}
-
-std::string Hex(uint64_t v) {
-  char buf[17];
-  auto [end, ec] = std::to_chars(buf, buf + sizeof(buf), v, 16);
-  return std::string(buf, end);
-}
-
-template <typename T>
-bool ParseNumber(std::string_view text, T& out, int base) {
-  if (text.empty()) return false;
-  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), out, base);
-  return ec == std::errc() && end == text.data() + text.size();
 }
 
 }  // namespace
@@ -107,35 +91,17 @@ std::string EncodeAddress(const ProcessAddress& a) {
 }
 
 StatusOr<ProcessAddress> DecodeAddress(std::string_view text) {
-  std::vector<std::string_view> tokens;
-  for (size_t at = 0; at <= text.size();) {
-    size_t space = text.find(' ', at);
-    if (space == std::string_view::npos) space = text.size();
-    if (space > at) tokens.push_back(text.substr(at, space - at));
-    at = space + 1;
-  }
-  const std::string shown(text.substr(0, 200));
-  if (tokens.empty() || tokens[0] != kAddressPrefix) {
-    if (!tokens.empty() && tokens[0].starts_with("cuda_ipc/")) {
-      return InvalidArgument("cuda_ipc address version '" + std::string(tokens[0]) +
-                             "', this build reads '" + std::string(kAddressPrefix) +
-                             "'; run the same kvt version on both sides");
-    }
-    return InvalidArgument("not a cuda_ipc address: '" + shown + "' (it must start with '" +
-                           std::string(kAddressPrefix) +
-                           "'); the peer must publish with the cuda_ipc backend");
-  }
+  static constexpr TextRecordFormat kFormat = {
+      .prefix = kAddressPrefix,
+      .what = "cuda_ipc address",
+      .not_one = "not a cuda_ipc address",
+      .use_instead = "the peer must publish with the cuda_ipc backend",
+  };
+  KVT_ASSIGN_OR_RETURN(const TextRecordFields fields, ParseTextRecord(text, kFormat));
   ProcessAddress a;
   bool have_boot = false, have_pid = false, have_proc = false, have_dev = false, have_pci = false,
        have_inst = false;
-  for (size_t i = 1; i < tokens.size(); ++i) {
-    const size_t eq = tokens[i].find('=');
-    if (eq == std::string_view::npos) {
-      return InvalidArgument("cuda_ipc address field '" + std::string(tokens[i]) +
-                             "' is not name=value in '" + shown + "'");
-    }
-    const std::string_view name = tokens[i].substr(0, eq);
-    const std::string_view value = tokens[i].substr(eq + 1);
+  for (const auto& [name, value] : fields) {
     bool ok = !value.empty();
     if (name == "boot") {
       a.boot_id = std::string(value);
@@ -157,8 +123,8 @@ StatusOr<ProcessAddress> DecodeAddress(std::string_view text) {
       have_inst = true;
     }
     if (!ok) {
-      return InvalidArgument("cuda_ipc address field '" + std::string(tokens[i]) +
-                             "' has a malformed value in '" + shown + "'");
+      return InvalidArgument("cuda_ipc address field '" + ShownText(name) + "=" + ShownText(value) +
+                             "' has a malformed value in '" + ShownText(text) + "'");
     }
   }
   const char* missing = !have_boot   ? "boot"
@@ -170,7 +136,7 @@ StatusOr<ProcessAddress> DecodeAddress(std::string_view text) {
                                      : nullptr;
   if (missing != nullptr) {
     return InvalidArgument(std::string("cuda_ipc address lacks the '") + missing + "=' field: '" +
-                           shown + "'");
+                           ShownText(text) + "'");
   }
   return a;
 }
@@ -182,24 +148,7 @@ bool SameProcess(const ProcessAddress& a, const ProcessAddress& b) {
 }
 
 const std::string& ThisBootId() {
-  static const std::string boot_id = [] {
-    std::ifstream in("/proc/sys/kernel/random/boot_id");
-    std::string id;
-    if (in) std::getline(in, id);
-    while (!id.empty() && (id.back() == '\n' || id.back() == ' ')) id.pop_back();
-    if (!id.empty() && id.find(' ') == std::string::npos) return id;
-    // Without the boot id the hostname stands in: peers then count as another host unless
-    // they fell back the same way, which refuses cuda_ipc rather than risking a wrong open.
-    char host[256] = {};
-    gethostname(host, sizeof(host) - 1);
-    std::string fallback = std::string("host:") + host;
-    for (char& c : fallback) {
-      if (c == ' ') c = '_';
-    }
-    KVT_LOG_WARN("ipc", "cannot read /proc/sys/kernel/random/boot_id; identifying the host as {}",
-                 fallback);
-    return fallback;
-  }();
+  static const std::string boot_id = ReadBootId("ipc");
   return boot_id;
 }
 

@@ -1,15 +1,11 @@
 #include "backends/nccl/nccl_protocol.h"
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <cctype>
-#include <charconv>
 #include <cstring>
-#include <fstream>
 #include <limits>
 
-#include "kvt/common/log.h"
+#include "backends/host_identity.h"
 
 namespace kvt::transfer::nccl {
 namespace {
@@ -39,41 +35,6 @@ T Get(std::span<const uint8_t> in, size_t at) {
   U v = 0;
   for (size_t i = 0; i < sizeof(T); ++i) v |= static_cast<U>(static_cast<U>(in[at + i]) << (8 * i));
   return static_cast<T>(v);
-}
-
-template <typename T>
-bool ParseNumber(std::string_view text, T& out, int base) {
-  if (text.empty()) return false;
-  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), out, base);
-  return ec == std::errc() && end == text.data() + text.size();
-}
-
-std::string Hex(uint64_t v) {
-  char buf[17];
-  auto [end, ec] = std::to_chars(buf, buf + sizeof(buf), v, 16);
-  return std::string(buf, end);
-}
-
-std::vector<std::string_view> SplitSpaces(std::string_view text) {
-  std::vector<std::string_view> tokens;
-  size_t i = 0;
-  while (i < text.size()) {
-    while (i < text.size() && text[i] == ' ') ++i;
-    const size_t start = i;
-    while (i < text.size() && text[i] != ' ') ++i;
-    if (i > start) tokens.push_back(text.substr(start, i - start));
-  }
-  return tokens;
-}
-
-// Text shown in errors: at most 160 characters, control characters replaced.
-std::string Shown(std::string_view text) {
-  std::string shown(text.substr(0, 160));
-  for (char& c : shown) {
-    if (static_cast<unsigned char>(c) < 0x20 || static_cast<unsigned char>(c) >= 0x7F) c = '?';
-  }
-  if (text.size() > 160) shown += "...";
-  return shown;
 }
 
 bool EqualsIgnoreCase(std::string_view a, std::string_view b) {
@@ -106,35 +67,6 @@ uint64_t EvenGroupSize(uint64_t count, uint64_t limit) {
   return (count + groups - 1) / groups;
 }
 
-// Name/value fields of a one-line text record ("<prefix> name=value ..."): the record's fields
-// in order, or InvalidArgument for a field that is not name=value.
-StatusOr<std::vector<std::pair<std::string_view, std::string_view>>> Fields(std::string_view text,
-                                                                            std::string_view prefix,
-                                                                            std::string_view what) {
-  const std::vector<std::string_view> tokens = SplitSpaces(text);
-  if (tokens.empty() || tokens[0] != prefix) {
-    const std::string_view family = prefix.substr(0, prefix.find('/'));
-    if (!tokens.empty() && tokens[0].substr(0, family.size() + 1) == std::string(family) + "/") {
-      return InvalidArgument(std::string(what) + " version '" + std::string(tokens[0]) +
-                             "', this build reads '" + std::string(prefix) +
-                             "'; run the same kvt version on both sides");
-    }
-    return InvalidArgument("not an " + std::string(what) + ": '" + Shown(text) +
-                           "' (it must start with '" + std::string(prefix) +
-                           "'); the peer must use the nccl backend");
-  }
-  std::vector<std::pair<std::string_view, std::string_view>> fields;
-  for (size_t i = 1; i < tokens.size(); ++i) {
-    const size_t eq = tokens[i].find('=');
-    if (eq == std::string_view::npos || eq == 0) {
-      return InvalidArgument(std::string(what) + " field '" + Shown(tokens[i]) +
-                             "' is not name=value in '" + Shown(text) + "'");
-    }
-    fields.emplace_back(tokens[i].substr(0, eq), tokens[i].substr(eq + 1));
-  }
-  return fields;
-}
-
 }  // namespace
 
 // ---- Process addresses ----------------------------------------------------------------------
@@ -145,7 +77,13 @@ std::string EncodeAddress(const ProcessAddress& a) {
 }
 
 StatusOr<ProcessAddress> DecodeAddress(std::string_view text) {
-  KVT_ASSIGN_OR_RETURN(auto fields, Fields(text, kAddressPrefix, "nccl address"));
+  static constexpr TextRecordFormat kFormat = {
+      .prefix = kAddressPrefix,
+      .what = "nccl address",
+      .not_one = "not an nccl address",
+      .use_instead = "the peer must use the nccl backend",
+  };
+  KVT_ASSIGN_OR_RETURN(const TextRecordFields fields, ParseTextRecord(text, kFormat));
   ProcessAddress a;
   bool have_boot = false, have_pid = false, have_dev = false, have_pci = false;
   for (const auto& [name, value] : fields) {
@@ -164,8 +102,8 @@ StatusOr<ProcessAddress> DecodeAddress(std::string_view text) {
       have_pci = true;
     }
     if (!ok) {
-      return InvalidArgument("nccl address field '" + Shown(name) + "=" + Shown(value) +
-                             "' has a malformed value in '" + Shown(text) + "'");
+      return InvalidArgument("nccl address field '" + ShownText(name) + "=" + ShownText(value) +
+                             "' has a malformed value in '" + ShownText(text) + "'");
     }
   }
   const char* missing = !have_boot  ? "boot"
@@ -175,7 +113,7 @@ StatusOr<ProcessAddress> DecodeAddress(std::string_view text) {
                                     : nullptr;
   if (missing != nullptr) {
     return InvalidArgument(std::string("nccl address lacks the '") + missing + "=' field: '" +
-                           Shown(text) + "'");
+                           ShownText(text) + "'");
   }
   return a;
 }
@@ -190,23 +128,7 @@ Status CheckPeerPlacement(const ProcessAddress& local, const ProcessAddress& pee
 }
 
 const std::string& ThisBootId() {
-  static const std::string boot_id = [] {
-    std::ifstream in("/proc/sys/kernel/random/boot_id");
-    std::string id;
-    if (in) std::getline(in, id);
-    while (!id.empty() && (id.back() == '\n' || id.back() == ' ')) id.pop_back();
-    if (!id.empty() && id.find(' ') == std::string::npos) return id;
-    // Without the boot id the hostname stands in; two processes of one host then still agree.
-    char host[256] = {};
-    gethostname(host, sizeof(host) - 1);
-    std::string fallback = std::string("host:") + host;
-    for (char& c : fallback) {
-      if (c == ' ') c = '_';
-    }
-    KVT_LOG_WARN("nccl", "cannot read /proc/sys/kernel/random/boot_id; identifying the host as {}",
-                 fallback);
-    return fallback;
-  }();
+  static const std::string boot_id = ReadBootId("nccl");
   return boot_id;
 }
 
@@ -226,23 +148,29 @@ std::string EncodeToken(const PairToken& token) {
 }
 
 StatusOr<PairToken> DecodeToken(std::string_view text) {
-  KVT_ASSIGN_OR_RETURN(auto fields, Fields(text, kTokenPrefix, "nccl pair token"));
+  static constexpr TextRecordFormat kFormat = {
+      .prefix = kTokenPrefix,
+      .what = "nccl pair token",
+      .not_one = "not an nccl pair token",
+      .use_instead = "the peer must use the nccl backend",
+  };
+  KVT_ASSIGN_OR_RETURN(const TextRecordFields fields, ParseTextRecord(text, kFormat));
   PairToken token;
   bool have_slot = false, have_tick = false, have_nonce = false, have_id = false;
   for (const auto& [name, value] : fields) {
     if (name == "slot") {
       if (!ParseNumber(value, token.slot_bytes, 10)) {
-        return InvalidArgument("nccl pair token: slot '" + Shown(value) + "' is not a number");
+        return InvalidArgument("nccl pair token: slot '" + ShownText(value) + "' is not a number");
       }
       have_slot = true;
     } else if (name == "tick") {
       if (!ParseNumber(value, token.idle_tick_ms, 10)) {
-        return InvalidArgument("nccl pair token: tick '" + Shown(value) + "' is not a number");
+        return InvalidArgument("nccl pair token: tick '" + ShownText(value) + "' is not a number");
       }
       have_tick = true;
     } else if (name == "nonce") {
       if (!ParseNumber(value, token.nonce, 16)) {
-        return InvalidArgument("nccl pair token: nonce '" + Shown(value) + "' is not hex");
+        return InvalidArgument("nccl pair token: nonce '" + ShownText(value) + "' is not hex");
       }
       have_nonce = true;
     } else if (name == "id") {

@@ -1,0 +1,119 @@
+// Helpers for the backend tests (unit and GPU): random pool contents, random page lists, what a
+// page write must leave in the destination (computed independently of any backend), byte
+// comparison of pool images, and waiting for a write. Header-only, test-only, no CUDA.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <span>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kvt/common/status.h"
+#include "kvt/transfer/backend.h"
+
+namespace kvt::transfer::testing {
+
+// Overwrites `bytes` with bytes drawn from `rng`.
+inline void FillRandom(std::span<uint8_t> bytes, std::mt19937& rng) {
+  for (auto& b : bytes) b = static_cast<uint8_t>(rng());
+}
+
+// `size` bytes drawn from a generator seeded with `seed`.
+inline std::vector<uint8_t> RandomBytes(size_t size, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<uint8_t> bytes(size);
+  FillRandom(bytes, rng);
+  return bytes;
+}
+
+// `n` distinct pages from [1, range) in random order (page 0 is the dummy page).
+inline std::vector<int32_t> DistinctPages(int64_t n, int64_t range, std::mt19937& rng) {
+  std::vector<int32_t> all(static_cast<size_t>(range - 1));
+  std::iota(all.begin(), all.end(), 1);
+  std::shuffle(all.begin(), all.end(), rng);
+  all.resize(static_cast<size_t>(n));
+  return all;
+}
+
+// Applies a page write to host copies of two pools, as the backend must: for every layer l of
+// the write, buffers l (K) and num_layers + l (V), every page pair and every unit (the whole
+// page of `page_bytes` when the write has none). `src_page(buffer, page)` and
+// `dst_page(buffer, page)` return where a page starts in the host copies.
+template <typename SrcPage, typename DstPage>
+void ApplyPageWrite(const PageWrite& w, uint64_t page_bytes, SrcPage src_page, DstPage dst_page) {
+  const PageUnit whole{0, 0, page_bytes};
+  const std::span<const PageUnit> units =
+      w.units.empty() ? std::span<const PageUnit>(&whole, 1) : w.units;
+  for (int32_t l = w.layer_begin; l < w.layer_end; ++l) {
+    for (int32_t b : {l, w.num_layers + l}) {
+      for (size_t i = 0; i < w.src_pages.size(); ++i) {
+        for (const PageUnit& u : units) {
+          std::memcpy(dst_page(b, w.dst_pages[i]) + u.dst_offset,
+                      src_page(b, w.src_pages[i]) + u.src_offset, u.bytes);
+        }
+      }
+    }
+  }
+}
+
+// The same for pools held as one image each: buffer b starts at b * buffer_bytes, page p of it
+// p * item further.
+inline void ApplyPageWrite(const PageWrite& w, const std::vector<uint8_t>& src,
+                           std::vector<uint8_t>& dst, uint64_t buffer_bytes, uint64_t item) {
+  ApplyPageWrite(
+      w, item, [&](int32_t b, int32_t page) { return src.data() + b * buffer_bytes + page * item; },
+      [&](int32_t b, int32_t page) { return dst.data() + b * buffer_bytes + page * item; });
+}
+
+// "" when the pool images are equal, else how many bytes differ and where the first is.
+inline std::string DescribeMismatch(const std::vector<uint8_t>& want,
+                                    const std::vector<uint8_t>& got, uint64_t buffer_bytes,
+                                    uint64_t item) {
+  if (want.size() != got.size()) {
+    return "sizes differ: " + std::to_string(want.size()) + " vs " + std::to_string(got.size());
+  }
+  const auto [w, g] = std::mismatch(want.begin(), want.end(), got.begin());
+  if (w == want.end()) return "";
+  const uint64_t at = static_cast<uint64_t>(w - want.begin());
+  const uint64_t buffer = at / buffer_bytes;
+  const uint64_t page = at % buffer_bytes / item;
+  const uint64_t count = static_cast<uint64_t>(std::count_if(
+      want.begin(), want.end(), [&, i = size_t{0}](uint8_t v) mutable { return v != got[i++]; }));
+  return std::to_string(count) + " bytes differ; first at buffer " + std::to_string(buffer) +
+         " page " + std::to_string(page) + " byte " + std::to_string(at % buffer_bytes % item) +
+         ": expected " + std::to_string(*w) + ", got " + std::to_string(*g);
+}
+
+// Polls Check until the write is no longer InProgress, or DeadlineExceeded after `bound`.
+inline Status WaitFor(Backend& backend, WriteId id,
+                      std::chrono::seconds bound = std::chrono::seconds(20),
+                      std::chrono::microseconds poll = std::chrono::microseconds(50)) {
+  const auto give_up = std::chrono::steady_clock::now() + bound;
+  while (std::chrono::steady_clock::now() < give_up) {
+    Status st = backend.Check(id);
+    if (st.code() != StatusCode::kInProgress) return st;
+    std::this_thread::sleep_for(poll);
+  }
+  return DeadlineExceeded("write did not finish in " + std::to_string(bound.count()) + " s");
+}
+
+// Test names for a suite parameterized by UCX transports ("" = UCX's choice): "default",
+// "shm_self", "tcp".
+inline std::string TransportsTestName(const ::testing::TestParamInfo<std::string>& info) {
+  if (info.param.empty()) return std::string("default");
+  std::string name = info.param;
+  for (char& c : name) {
+    if (c == ',') c = '_';
+  }
+  return name;
+}
+
+}  // namespace kvt::transfer::testing
