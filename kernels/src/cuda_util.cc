@@ -261,7 +261,12 @@ Status Copy(void* dst, const void* src, size_t bytes) {
     return InvalidArgument("cuda::Copy of " + std::to_string(bytes) + " bytes with a null " +
                            (dst == nullptr ? "dst" : "src") + " pointer");
   }
-  return ToStatus(cudaMemcpy(dst, src, bytes, cudaMemcpyDefault), "cudaMemcpy");
+  KVT_RETURN_IF_ERROR(ToStatus(cudaMemcpy(dst, src, bytes, cudaMemcpyDefault), "cudaMemcpy"));
+  // From pageable host memory cudaMemcpy returns once the bytes are staged, before the DMA into
+  // device memory completes; work on non-blocking streams (every kvt stream) does not wait for
+  // the legacy stream, so wait here: on return the bytes are at the destination.
+  return ToStatus(cudaStreamSynchronize(cudaStreamLegacy),
+                  "cudaStreamSynchronize after cudaMemcpy");
 }
 
 }  // namespace kvt::cuda

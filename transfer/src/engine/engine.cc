@@ -50,6 +50,7 @@ using control::ConnectionId;
 
 constexpr auto kBusyPoll = std::chrono::microseconds(20);
 constexpr auto kNotifiedPoll = std::chrono::microseconds(200);
+constexpr auto kDeviceSpinGap = std::chrono::microseconds(4);
 constexpr auto kIdlePoll = std::chrono::milliseconds(10);
 
 // True when nothing listens at host:port any more (connection refused), i.e. the process that
@@ -1111,7 +1112,10 @@ class TransferEngine::Impl : public control::ControlHandler {
         const auto until = std::min(Clock::now() + options_.device_spin, next_wake);
         while (!kicked_.load(std::memory_order_relaxed) && Clock::now() < until &&
                backend_->Check(oldest_write).code() == StatusCode::kInProgress) {
-          SpinPause();
+          // A few µs between checks: Check takes the backend's lock, which posting threads
+          // need too.
+          const auto next = Clock::now() + kDeviceSpinGap;
+          while (Clock::now() < next) SpinPause();
         }
         kicked_.store(false);
         lock.lock();

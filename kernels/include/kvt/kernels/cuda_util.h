@@ -125,7 +125,8 @@ class Event {
   cudaEvent_t event_ = nullptr;
 };
 
-// Copies `bytes` with cudaMemcpy (kind inferred by UVA), synchronously.
+// Copies `bytes` with cudaMemcpy (kind inferred by UVA) and waits until they are at the
+// destination (also from pageable host memory), so work on any stream may read them after.
 Status Copy(void* dst, const void* src, size_t bytes);
 
 }  // namespace kvt::cuda
