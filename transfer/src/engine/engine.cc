@@ -1104,7 +1104,7 @@ class TransferEngine::Impl : public control::ControlHandler {
       if (writes_in_flight) {
         next_wake = std::min(next_wake, now + (notified_ ? kNotifiedPoll : kBusyPoll));
       }
-      if (writes_in_flight && notified_ && options_.device_spin.count() > 0) {
+      if (writes_in_flight && page_writes_ && options_.device_spin.count() > 0) {
         // Device writes complete on the GPU: watch one of them without the lock for a while
         // (a CPU core for microsecond completion; waking from the notifier costs tens of µs),
         // then run the pass again. A write released meanwhile just ends the spin.

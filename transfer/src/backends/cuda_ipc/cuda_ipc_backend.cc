@@ -267,6 +267,8 @@ class CudaIpcBackend final : public Backend {
       DeviceGuard guard(device_);
       drained = guard.status();
       if (drained.ok()) drained = DrainLocked("the cuda_ipc stream at shutdown");
+      // Host functions on the notify stream name this object: let them run out first.
+      if (drained.ok() && notify_stream_.get() != nullptr) drained = notify_stream_.Synchronize();
     }
     if (!drained.ok()) {
       // The GPU may still read scratch tables or write through the mappings: keep them.
@@ -413,7 +415,9 @@ class CudaIpcBackend final : public Backend {
     KVT_CUDA_RETURN_IF_ERROR(cudaDeviceGetPCIBusId(pci, sizeof(pci) - 1, device));
     if (stream_.get() == nullptr || device != device_) {
       KVT_ASSIGN_OR_RETURN(cuda::Stream stream, cuda::Stream::Create(device));
+      KVT_ASSIGN_OR_RETURN(cuda::Stream notify, cuda::Stream::Create(device));
       stream_ = std::move(stream);
+      notify_stream_ = std::move(notify);
       free_.clear();  // scratch of another device
     }
     ProcessAddress self = Self();
@@ -809,10 +813,13 @@ class CudaIpcBackend final : public Backend {
       retiring_.push_back(std::move(slot));  // the staging copy may still read it
       return posted;
     }
-    // Wake the caller as soon as the GPU passes the completion event (the host function runs on
-    // CUDA's callback thread and only flags the caller; without it the caller polls).
-    if (cudaLaunchHostFunc(stream, &CudaIpcBackend::NotifyFromStream, this) != cudaSuccess) {
-      (void)cudaGetLastError();
+    // Wake the caller once the GPU passes the completion event: a host function (run on CUDA's
+    // callback thread; it only flags the caller) on a side stream that waits for the event, so
+    // the transfer stream's next copy never waits for the callback thread.
+    if (cudaStreamWaitEvent(notify_stream_.get(), slot->done.get(), 0) != cudaSuccess ||
+        cudaLaunchHostFunc(notify_stream_.get(), &CudaIpcBackend::NotifyFromStream, this) !=
+            cudaSuccess) {
+      (void)cudaGetLastError();  // the caller's poll still sees the write complete
     }
     write.slot = std::move(slot);
     write.status = InProgress();
@@ -843,9 +850,10 @@ class CudaIpcBackend final : public Backend {
   std::mutex notify_mutex_;
   std::function<void()> notify_;
 
-  std::mutex mutex_;     // guards everything below
-  int device_ = -1;      // the registered buffers' device; -1 before Register
-  cuda::Stream stream_;  // the transfer stream (non-blocking) on device_; destroyed last
+  std::mutex mutex_;            // guards everything below
+  int device_ = -1;             // the registered buffers' device; -1 before Register
+  cuda::Stream stream_;         // the transfer stream (non-blocking) on device_; destroyed last
+  cuda::Stream notify_stream_;  // completion host functions, behind each write's event
   std::vector<LocalRegion> local_;
   std::unordered_map<PeerId, Peer> peers_;
   std::unordered_map<WriteId, Write> writes_;
