@@ -140,12 +140,27 @@ StatusOr<PatternCheck> VerifyPatternCuda(const PatternArgs& args, cudaStream_t s
   PatternCheck check;
   if (args.num_layers == 0 || args.num_tokens == 0 || args.row_bytes == 0) return check;
   KVT_ASSIGN_OR_RETURN(int sms, internal::CurrentDeviceSmCount());
-  int device = 0;
-  KVT_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
-  KVT_ASSIGN_OR_RETURN(cuda::DeviceBuffer scratch,
-                       cuda::DeviceBuffer::Allocate(sizeof(VerifyResult), device));
+  // The result word comes from the stream-ordered allocator, so checking a request does not
+  // synchronise the whole device (cudaFree would, stalling other streams' transfers); devices
+  // without memory pools fall back to cudaMalloc.
+  void* raw = nullptr;
+  cuda::DeviceBuffer fallback;
+  if (cudaMallocAsync(&raw, sizeof(VerifyResult), stream) != cudaSuccess) {
+    (void)cudaGetLastError();
+    int device = 0;
+    KVT_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+    KVT_ASSIGN_OR_RETURN(fallback, cuda::DeviceBuffer::Allocate(sizeof(VerifyResult), device));
+    raw = nullptr;
+  }
+  struct AsyncFree {
+    void* p;
+    cudaStream_t s;
+    ~AsyncFree() {
+      if (p != nullptr) (void)cudaFreeAsync(p, s);
+    }
+  } release{raw, stream};
   VerifyResult host{0, ~0ull, 0};
-  auto* dev = scratch.as<VerifyResult>();
+  auto* dev = raw != nullptr ? static_cast<VerifyResult*>(raw) : fallback.as<VerifyResult>();
   KVT_CUDA_RETURN_IF_ERROR(
       cudaMemcpyAsync(dev, &host, sizeof(host), cudaMemcpyHostToDevice, stream));
   const int64_t rows = 2 * static_cast<int64_t>(args.num_layers) * args.num_tokens;
