@@ -1,7 +1,9 @@
 #include "kvt/kernels/cuda_util.h"
 
+#include <cuda.h>
 #include <cuda_runtime_api.h>
 
+#include <cstdio>
 #include <string>
 #include <utility>
 
@@ -254,6 +256,56 @@ void Event::Reset() {
 }
 
 // ---- Copy ---------------------------------------------------------------------------------
+
+namespace {
+
+using MemGetAddressRangeFn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
+
+std::string HexAddress(uint64_t address) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%llx", static_cast<unsigned long long>(address));
+  return text;
+}
+
+StatusOr<MemGetAddressRangeFn> AddressRangeFunction() {
+  static const StatusOr<MemGetAddressRangeFn> function = []() -> StatusOr<MemGetAddressRangeFn> {
+    void* symbol = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+#if CUDART_VERSION >= 12050
+    const cudaError_t err = cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &symbol, 12000,
+                                                             cudaEnableDefault, &found);
+#else
+    const cudaError_t err =
+        cudaGetDriverEntryPoint("cuMemGetAddressRange", &symbol, cudaEnableDefault, &found);
+#endif
+    if (err != cudaSuccess) {
+      return ToStatus(err, "cudaGetDriverEntryPoint(cuMemGetAddressRange)");
+    }
+    if (found != cudaDriverEntryPointSuccess || symbol == nullptr) {
+      return Unavailable("the CUDA driver does not provide cuMemGetAddressRange (lookup result " +
+                         std::to_string(static_cast<int>(found)) + "); update the NVIDIA driver");
+    }
+    return reinterpret_cast<MemGetAddressRangeFn>(symbol);
+  }();
+  return function;
+}
+
+}  // namespace
+
+// ---- FindAllocation -----------------------------------------------------------------------
+
+StatusOr<Allocation> FindAllocation(uint64_t address) {
+  KVT_ASSIGN_OR_RETURN(MemGetAddressRangeFn range, AddressRangeFunction());
+  CUdeviceptr base = 0;
+  size_t bytes = 0;
+  const CUresult result = range(&base, &bytes, static_cast<CUdeviceptr>(address));
+  if (result != CUDA_SUCCESS) {
+    return InvalidArgument("cuMemGetAddressRange(0x" + HexAddress(address) +
+                           ") failed with CUresult " + std::to_string(static_cast<int>(result)) +
+                           ": the address is not inside a CUDA allocation of this process");
+  }
+  return Allocation{static_cast<uint64_t>(base), static_cast<uint64_t>(bytes)};
+}
 
 Status Copy(void* dst, const void* src, size_t bytes) {
   if (bytes == 0) return OkStatus();

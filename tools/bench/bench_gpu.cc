@@ -1,6 +1,5 @@
 #include "bench_gpu.h"
 
-#include <cuda.h>  // CUresult, CUdeviceptr (types only; entry points come through the runtime)
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -90,29 +89,6 @@ StatusOr<int> ParseCudaDevice(const std::string& text) {
     }
   }
   return InvalidArgument("device '" + text + "' is not cuda:N (e.g. cuda:0)");
-}
-
-StatusOr<std::pair<uint64_t, uint64_t>> AllocationRange(const void* ptr) {
-  using GetAddressRange = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
-  static GetAddressRange fn = nullptr;
-  if (fn == nullptr) {
-    void* entry = nullptr;
-    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-    BENCH_CUDA(cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &entry, 12000,
-                                                cudaEnableDefault, &found));
-    if (entry == nullptr || found != cudaDriverEntryPointSuccess) {
-      return Unavailable("the CUDA driver has no cuMemGetAddressRange entry point");
-    }
-    fn = reinterpret_cast<GetAddressRange>(entry);
-  }
-  CUdeviceptr base = 0;
-  size_t size = 0;
-  const CUresult r = fn(&base, &size, reinterpret_cast<CUdeviceptr>(ptr));
-  if (r != CUDA_SUCCESS) {
-    return Internal(
-        fmt::format("cuMemGetAddressRange({}) failed with CUresult {}", ptr, static_cast<int>(r)));
-  }
-  return std::make_pair(static_cast<uint64_t>(base), static_cast<uint64_t>(size));
 }
 
 StatusOr<IpcMapping> IpcMapping::Open(const cudaIpcMemHandle_t& handle, int device) {

@@ -58,10 +58,6 @@ Status LaunchSpin(int64_t ns, int blocks, cudaStream_t stream);
 // "cuda:N" -> N. InvalidArgument for anything else.
 StatusOr<int> ParseCudaDevice(const std::string& text);
 
-// The cudaMalloc allocation that holds `ptr` (current device's context): its base and size, from
-// the driver's cuMemGetAddressRange (through cudaGetDriverEntryPointByVersion, so no -lcuda).
-StatusOr<std::pair<uint64_t, uint64_t>> AllocationRange(const void* ptr);
-
 // An allocation of another process, mapped into this one with cudaIpcOpenMemHandle
 // (cudaIpcMemLazyEnablePeerAccess); closed on destruction. Opening a handle this process has
 // open already (e.g. in a transfer backend) returns the same mapping, reference counted.

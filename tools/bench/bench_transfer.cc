@@ -1209,16 +1209,16 @@ class DecodeSide {
     std::vector<uint64_t> alloc_bases;
     json allocs = json::array(), buffers = json::array();
     for (uint64_t ptr : infos_.data_ptrs) {
-      KVT_ASSIGN_OR_RETURN(auto range, AllocationRange(reinterpret_cast<const void*>(ptr)));
-      auto it = std::find(alloc_bases.begin(), alloc_bases.end(), range.first);
+      KVT_ASSIGN_OR_RETURN(cuda::Allocation range, cuda::FindAllocation(ptr));
+      auto it = std::find(alloc_bases.begin(), alloc_bases.end(), range.base);
       if (it == alloc_bases.end()) {
         cudaIpcMemHandle_t handle{};
-        BENCH_CUDA(cudaIpcGetMemHandle(&handle, reinterpret_cast<void*>(range.first)));
+        BENCH_CUDA(cudaIpcGetMemHandle(&handle, reinterpret_cast<void*>(range.base)));
         allocs.push_back(Hex(IpcHandleBytes(handle)));
-        alloc_bases.push_back(range.first);
+        alloc_bases.push_back(range.base);
         it = alloc_bases.end() - 1;
       }
-      buffers.push_back(json::array({it - alloc_bases.begin(), ptr - range.first}));
+      buffers.push_back(json::array({it - alloc_bases.begin(), ptr - range.base}));
     }
     return json{{"allocs", allocs}, {"buffers", buffers}};
   }

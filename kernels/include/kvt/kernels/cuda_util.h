@@ -125,6 +125,17 @@ class Event {
   cudaEvent_t event_ = nullptr;
 };
 
+// The CUDA allocation (cudaMalloc block) that holds `address`, from the driver's
+// cuMemGetAddressRange, found at run time (cudaGetDriverEntryPointByVersion), so binaries do not
+// link libcuda and still load on machines without a driver. The device's context must be current.
+// InvalidArgument when the address is not inside an allocation of this process; Unavailable
+// when the driver lacks the entry point.
+struct Allocation {
+  uint64_t base = 0;
+  uint64_t bytes = 0;
+};
+StatusOr<Allocation> FindAllocation(uint64_t address);
+
 // Copies `bytes` with cudaMemcpy (kind inferred by UVA) and waits until they are at the
 // destination (also from pageable host memory), so work on any stream may read them after.
 Status Copy(void* dst, const void* src, size_t bytes);

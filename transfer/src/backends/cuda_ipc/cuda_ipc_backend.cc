@@ -1,8 +1,8 @@
 // The cuda_ipc backend (see cuda_ipc_backend.h).
 //
 // Register: every buffer must be device memory of one GPU; the allocation holding it is found
-// with the driver's cuMemGetAddressRange (looked up at run time, so binaries load on machines
-// without a driver) and named by one cudaIpcGetMemHandle per distinct allocation; each buffer's
+// with kvt::cuda::FindAllocation (the driver's cuMemGetAddressRange, looked up at run time) and
+// named by one cudaIpcGetMemHandle per distinct allocation; each buffer's
 // key carries (handle, offset in the allocation, allocation size).
 //
 // Connect: a peer of this process is written through its own addresses; a peer in another
@@ -17,9 +17,6 @@
 // allocates nothing once warm: cudaMalloc and cudaFree synchronise the device.
 #include "backends/cuda_ipc/cuda_ipc_backend.h"
 
-// CUresult and CUdeviceptr only: the driver is reached through the runtime's entry-point
-// lookup, never linked.
-#include <cuda.h>
 #include <cuda_runtime_api.h>
 #include <unistd.h>
 
@@ -122,51 +119,8 @@ Status WaitForEvent(cudaEvent_t event, Clock::duration limit, const std::string&
   }
 }
 
-// ---- The driver's cuMemGetAddressRange, found at run time ---------------------------------
-
-using MemGetAddressRangeFn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
-
-StatusOr<MemGetAddressRangeFn> AddressRangeFunction() {
-  static const StatusOr<MemGetAddressRangeFn> function = []() -> StatusOr<MemGetAddressRangeFn> {
-    void* symbol = nullptr;
-    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-#if CUDART_VERSION >= 12050
-    const cudaError_t err = cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &symbol, 12000,
-                                                             cudaEnableDefault, &found);
-#else
-    const cudaError_t err =
-        cudaGetDriverEntryPoint("cuMemGetAddressRange", &symbol, cudaEnableDefault, &found);
-#endif
-    if (err != cudaSuccess) {
-      return cuda::ToStatus(err, "cudaGetDriverEntryPoint(cuMemGetAddressRange)");
-    }
-    if (found != cudaDriverEntryPointSuccess || symbol == nullptr) {
-      return Unavailable("the CUDA driver does not provide cuMemGetAddressRange (lookup result " +
-                         std::to_string(static_cast<int>(found)) + "); update the NVIDIA driver");
-    }
-    return reinterpret_cast<MemGetAddressRangeFn>(symbol);
-  }();
-  return function;
-}
-
-struct Allocation {
-  uint64_t base = 0;
-  uint64_t bytes = 0;
-};
-
-// The CUDA allocation holding `address` (the current device's context must be current).
-StatusOr<Allocation> FindAllocation(uint64_t address) {
-  KVT_ASSIGN_OR_RETURN(MemGetAddressRangeFn range, AddressRangeFunction());
-  CUdeviceptr base = 0;
-  size_t bytes = 0;
-  const CUresult result = range(&base, &bytes, static_cast<CUdeviceptr>(address));
-  if (result != CUDA_SUCCESS) {
-    return InvalidArgument("cuMemGetAddressRange(" + Hex(address) + ") failed with CUresult " +
-                           std::to_string(static_cast<int>(result)) +
-                           ": the address is not inside a CUDA allocation of this process");
-  }
-  return Allocation{static_cast<uint64_t>(base), static_cast<uint64_t>(bytes)};
-}
+using cuda::Allocation;
+using cuda::FindAllocation;
 
 // ---- Process-wide cache of opened peer allocations ----------------------------------------
 
@@ -868,7 +822,11 @@ class CudaIpcBackend final : public Backend {
 StatusOr<std::unique_ptr<Backend>> CreateCudaIpcBackend(const BackendOptions& options) {
   const cuda::DeviceCountResult devices = cuda::DeviceCount();
   if (devices.count <= 0) return Unavailable("cuda_ipc needs a CUDA device: " + devices.reason);
-  KVT_RETURN_IF_ERROR(AddressRangeFunction().status().WithContext("cuda_ipc"));
+  // The driver's allocation lookup must exist (address 0 is in no allocation: InvalidArgument).
+  const Status lookup = FindAllocation(0).status();
+  if (!lookup.ok() && lookup.code() != StatusCode::kInvalidArgument) {
+    return lookup.WithContext("cuda_ipc");
+  }
   return std::unique_ptr<Backend>(std::make_unique<CudaIpcBackend>(RandomU64()));
 }
 
