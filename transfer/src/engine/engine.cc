@@ -344,7 +344,10 @@ class TransferEngine::Impl : public control::ControlHandler {
   }
 
   Status LayersReady(const std::string& room_id, int32_t layers_done, cudaEvent_t ready) {
-    if (!options_.prefill) return FailedPrecondition("LayersReady is for prefill engines");
+    if (!options_.prefill) {
+      return FailedPrecondition(
+          "LayersReady is for prefill engines; call it on the engine that Send()s the room");
+    }
     std::lock_guard<std::mutex> lock(mu_);
     auto it = rooms_.find(room_id);
     if (it == rooms_.end()) return NotFound("no room '" + room_id + "'; call Send first");
