@@ -19,6 +19,22 @@ PlanSpec Spec(const std::vector<int32_t>& src, const std::vector<int32_t>& dst) 
   return spec;
 }
 
+TEST(PlanTest, ReusesTheStorageItIsGiven) {
+  std::vector<int32_t> src = {1, 2, 3, 7, 8};
+  std::vector<int32_t> dst = {4, 5, 9, 10, 11};
+  auto fresh = BuildPlan(Spec(src, dst));
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  // Stale runs in the storage are cleared; its buffer (capacity) is what the plan writes into.
+  std::vector<CopyRun> storage(64, CopyRun{7, 7, 7, 7});
+  const CopyRun* buffer = storage.data();
+  auto reused = BuildPlan(Spec(src, dst), std::move(storage));
+  ASSERT_TRUE(reused.ok()) << reused.status();
+  EXPECT_EQ(reused->runs, fresh->runs);
+  EXPECT_EQ(reused->runs.data(), buffer);
+  EXPECT_EQ(reused->total_bytes, fresh->total_bytes);
+  EXPECT_EQ(reused->layer_begin_index, fresh->layer_begin_index);
+}
+
 TEST(PlanTest, CoalescesPagesConsecutiveOnBothSides) {
   std::vector<int32_t> src = {1, 2, 3, 7, 8};
   std::vector<int32_t> dst = {4, 5, 9, 10, 11};

@@ -313,6 +313,7 @@ class TransferEngine::Impl : public control::ControlHandler {
         FailLocked(room, sent.WithContext("sending the transfer request"));
         return sent;
       }
+      room.request_sent = Clock::now();
       AdvanceState(room, RequestState::kWaitingForInput);
     }
     return OkStatus();
@@ -480,6 +481,11 @@ class TransferEngine::Impl : public control::ControlHandler {
     Clock::time_point created;
     Clock::time_point deadline;
     Clock::time_point finished;
+    Clock::time_point request_sent;  // RequestInfo's timeline
+    Clock::time_point request_seen;
+    Clock::time_point source_ready;
+    Clock::time_point first_post;
+    Clock::time_point last_post;
     int32_t layer_begin = 0;
     int32_t layer_end = 0;
     uint64_t bytes = 0;
@@ -551,6 +557,11 @@ class TransferEngine::Impl : public control::ControlHandler {
     info.pages_reusable = room.pages_reusable;
     info.created = room.created;
     info.finished = room.finished;
+    info.request_sent = room.request_sent;
+    info.request_seen = room.request_seen;
+    info.source_ready = room.source_ready;
+    info.first_post = room.first_post;
+    info.last_post = room.last_post;
     return info;
   }
 
@@ -561,6 +572,11 @@ class TransferEngine::Impl : public control::ControlHandler {
     if (IsFinal(to)) {
       room.finished = Clock::now();
       active_.erase(room.id);
+      // The backend copied the runs when they were posted: the storage can serve the next plan.
+      if (room.plan) {
+        RecycleRunsLocked(std::move(room.plan->runs));
+        room.plan.reset();
+      }
       if (to == RequestState::kSuccess) {
         ++stats_.requests_succeeded;
         stats_.bytes += room.bytes;
@@ -569,6 +585,34 @@ class TransferEngine::Impl : public control::ControlHandler {
       }
       final_cv_.notify_all();
     }
+  }
+
+  // Run storage of finished plans, reused by the next ones (planning then allocates nothing in
+  // steady state). At most kSpareRunVectors vectors of at most kMaxSpareRunBytes each.
+  static constexpr size_t kSpareRunVectors = 4;
+  static constexpr size_t kMaxSpareRunBytes = size_t{32} << 20;
+
+  void RecycleRunsLocked(std::vector<CopyRun> runs) {
+    if (runs.capacity() == 0 || runs.capacity() * sizeof(CopyRun) > kMaxSpareRunBytes) return;
+    if (spare_runs_.size() < kSpareRunVectors) {
+      spare_runs_.push_back(std::move(runs));
+      return;
+    }
+    // Full: keep the larger vectors (they serve every smaller plan without regrowing).
+    auto smallest =
+        std::min_element(spare_runs_.begin(), spare_runs_.end(),
+                         [](const auto& a, const auto& b) { return a.capacity() < b.capacity(); });
+    if (smallest->capacity() < runs.capacity()) *smallest = std::move(runs);
+  }
+
+  std::vector<CopyRun> TakeSpareRunsLocked() {
+    if (spare_runs_.empty()) return {};
+    auto largest =
+        std::max_element(spare_runs_.begin(), spare_runs_.end(),
+                         [](const auto& a, const auto& b) { return a.capacity() < b.capacity(); });
+    std::vector<CopyRun> runs = std::move(*largest);
+    spare_runs_.erase(largest);
+    return runs;
   }
 
   void FailLocked(Room& room, Status why) {
@@ -665,7 +709,7 @@ class TransferEngine::Impl : public control::ControlHandler {
           return;
         }
       } else {
-        StatusOr<Plan> plan = BuildPlan(spec);
+        StatusOr<Plan> plan = BuildPlan(spec, TakeSpareRunsLocked());
         if (!plan.ok()) {
           FailAndReportLocked(room, plan.status().WithContext("room '" + room.id + "'"));
           return;
@@ -677,6 +721,9 @@ class TransferEngine::Impl : public control::ControlHandler {
       AdvanceState(room, RequestState::kWaitingForInput);
     }
     const int32_t ready_end = std::min(room.layers_ready, room.layer_end);
+    if (ready_end == room.layer_end && room.source_ready == Clock::time_point()) {
+      room.source_ready = Clock::now();
+    }
     if (ready_end > room.posted_end) {
       uint64_t bytes = 0;
       size_t num_runs = 0;
@@ -688,6 +735,8 @@ class TransferEngine::Impl : public control::ControlHandler {
         return;
       }
       room.writes.push_back(*write);
+      room.last_post = Clock::now();
+      if (room.first_post == Clock::time_point()) room.first_post = room.last_post;
       room.bytes += bytes;
       room.posted_end = ready_end;
       ++stats_.writes_posted;
@@ -860,6 +909,7 @@ class TransferEngine::Impl : public control::ControlHandler {
         }
       }
       room->have_request = true;
+      room->request_seen = Clock::now();
       room->conn = conn;
       room->layer_begin = begin;
       room->layer_end = end;
@@ -1149,6 +1199,7 @@ class TransferEngine::Impl : public control::ControlHandler {
   mutable std::condition_variable final_cv_;  // a room became final (WaitRequest)
   bool stop_ = false;
   std::unordered_map<std::string, Room> rooms_;
+  std::vector<std::vector<CopyRun>> spare_runs_;             // RecycleRunsLocked
   std::set<std::string> active_;                             // non-final rooms
   std::unordered_map<ConnectionId, Session> sessions_;       // prefill: decode peers by connection
   std::map<PeerHandle, std::unique_ptr<DecodePeer>> peers_;  // decode: prefill peers

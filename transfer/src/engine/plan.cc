@@ -87,7 +87,7 @@ uint64_t PlanBytes(const PlanSpec& spec) {
          static_cast<uint64_t>(std::max(0, spec.layer_end - spec.layer_begin));
 }
 
-StatusOr<Plan> BuildPlan(const PlanSpec& spec) {
+StatusOr<Plan> BuildPlan(const PlanSpec& spec, std::vector<CopyRun> storage) {
   KVT_RETURN_IF_ERROR(ValidatePlanSpec(spec));
   const bool whole_pages = spec.units.empty();
   const PageUnit whole{0, 0, spec.src_item_len};
@@ -114,6 +114,8 @@ StatusOr<Plan> BuildPlan(const PlanSpec& spec) {
   }
 
   Plan plan;
+  plan.runs = std::move(storage);
+  plan.runs.clear();
   plan.layer_begin = spec.layer_begin;
   plan.layer_end = spec.layer_end;
   const size_t layers = static_cast<size_t>(spec.layer_end - spec.layer_begin);
