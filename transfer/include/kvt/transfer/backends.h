@@ -22,6 +22,10 @@ struct BackendOptions {
   // ucx: when UCX maps a peer's buffers into this process (shared memory on the same host,
   // ucp_rkey_ptr), write them with plain copies instead of one UCX put per run.
   bool ucx_direct_shm = true;
+  // ucx, direct copies: writes of at most this many bytes are copied on the posting thread;
+  // larger ones on the backend's copy thread, so that posting (often the control plane's
+  // thread, under the engine's lock) never waits for a bulk copy.
+  size_t ucx_direct_inline_bytes = size_t{256} << 10;
   // loopback: a posted write completes (its bytes are copied) only once this much time has
   // passed, so tests can abort or time out writes in flight. 0 copies at post time.
   int loopback_delay_us = 0;

@@ -7,8 +7,12 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstring>
+#include <deque>
+#include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <random>
 #include <string>
@@ -68,6 +72,7 @@ class UcxBackend final : public Backend {
   UcxBackend(const BackendOptions& options, const UcxTestHooks& hooks)
       : spin_(std::chrono::microseconds(options.ucx_spin_us)),
         direct_shm_(options.ucx_direct_shm),
+        direct_inline_bytes_(options.ucx_direct_inline_bytes),
         transports_(options.ucx_transports),
         cuda_mode_(options.ucx_cuda_mode),
         staging_slots_(options.ucx_staging_slots),
@@ -79,6 +84,18 @@ class UcxBackend final : public Backend {
     stop_.store(true);
     if (worker_ != nullptr) ucp_worker_signal(worker_);
     if (progress_.joinable()) progress_.join();
+    {
+      ApiLock lock(*this);  // no byte of an unfinished direct copy lands after this
+      for (auto& [id, write] : writes_) {
+        if (write.job) CancelJob(*write.job);
+      }
+    }
+    {
+      std::lock_guard<std::mutex> lock(copy_mu_);
+      copy_stop_ = true;
+    }
+    copy_cv_.notify_all();
+    if (copier_.joinable()) copier_.join();  // finishes or cancels the queued copies first
     ApiLock lock(*this);
     for (auto& [id, write] : writes_) WaitLocked(write);
     writes_.clear();
@@ -154,6 +171,7 @@ class UcxBackend final : public Backend {
         UcsStatus(ucp_worker_get_address(worker_, &worker_address_, &worker_address_len_),
                   "ucp_worker_get_address"));
     progress_ = std::thread([this] { ProgressLoop(); });
+    copier_ = std::thread([this] { CopyLoop(); });
     return OkStatus();
   }
 
@@ -166,6 +184,8 @@ class UcxBackend final : public Backend {
     caps.inter_process = true;
     caps.inter_node = true;
     caps.page_writes = staged_.load(std::memory_order_acquire);
+    // Direct copies and flushes call the notifier; the staged path does not (it is polled).
+    caps.notifies_completion = !caps.page_writes;
     return caps;
   }
 
@@ -324,6 +344,10 @@ class UcxBackend final : public Backend {
       staging_->DropSender(it->second.remote_instance, dead);
     }
     it = peers_.find(id);
+    // Copies into the peer's mapping must stop before closing the endpoint unmaps it.
+    for (auto& [wid, write] : writes_) {
+      if (write.peer == id && write.job) CancelJob(*write.job);
+    }
     ClosePeerLocked(it->second, dead);
     peers_.erase(it);
     for (auto& [wid, write] : writes_) {
@@ -353,16 +377,35 @@ class UcxBackend final : public Backend {
     }
     KVT_RETURN_IF_ERROR(CheckRuns(runs, local_, peer.regions));
     if (!peer.direct.empty()) {
-      // Shared memory mapped here: copy, and publish the stores before "done" can be sent.
-      for (const CopyRun& run : runs) {
-        std::memcpy(peer.direct[run.buffer] + run.dst_offset,
-                    reinterpret_cast<const uint8_t*>(local_[run.buffer].base) + run.src_offset,
-                    run.bytes);
-      }
-      std::atomic_thread_fence(std::memory_order_release);
+      // Shared memory mapped here: plain copies. Small writes at once; large ones on the copy
+      // thread (the stores are published before the job reads as done).
+      uint64_t bytes = 0;
+      for (const CopyRun& run : runs) bytes += run.bytes;
       Write write;
       write.peer = id;
-      write.status = OkStatus();
+      if (bytes <= direct_inline_bytes_) {
+        for (const CopyRun& run : runs) {
+          std::memcpy(peer.direct[run.buffer] + run.dst_offset,
+                      reinterpret_cast<const uint8_t*>(local_[run.buffer].base) + run.src_offset,
+                      run.bytes);
+        }
+        std::atomic_thread_fence(std::memory_order_release);
+        write.status = OkStatus();
+      } else {
+        auto job = std::make_shared<DirectJob>();
+        job->runs.assign(runs.begin(), runs.end());
+        job->dst = peer.direct;
+        job->src.reserve(local_.size());
+        for (const LocalRegion& r : local_)
+          job->src.push_back(reinterpret_cast<const uint8_t*>(r.base));
+        {
+          std::lock_guard<std::mutex> copy_lock(copy_mu_);
+          copy_queue_.push_back(job);
+        }
+        copy_cv_.notify_one();
+        write.job = std::move(job);
+        write.status = InProgress();
+      }
       const WriteId wid = next_write_++;
       writes_.emplace(wid, std::move(write));
       return wid;
@@ -381,7 +424,15 @@ class UcxBackend final : public Backend {
     }
     Write write;
     write.peer = id;
-    ucs_status_ptr_t flush = ucp_ep_flush_nbx(peer.ep, &param);
+    // The flush's callback (run inside ucp_worker_progress) wakes the caller through the
+    // completion notifier.
+    ucp_request_param_t flush_param = {};
+    flush_param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    flush_param.cb.send = [](void*, ucs_status_t, void* self) {
+      static_cast<UcxBackend*>(self)->Notify();
+    };
+    flush_param.user_data = this;
+    ucs_status_ptr_t flush = ucp_ep_flush_nbx(peer.ep, &flush_param);
     if (UCS_PTR_IS_ERR(flush)) {
       write.status = UcsStatus(UCS_PTR_STATUS(flush), "ucp_ep_flush_nbx");
     } else if (flush == nullptr) {
@@ -424,11 +475,17 @@ class UcxBackend final : public Backend {
       return NotFound("no UCX write " + std::to_string(id));
     }
     Write& write = it->second;
+    if (write.job) PollJob(write);
     if (write.flush != nullptr) {
       ucp_worker_progress(worker_);
       PollLocked(write);
     }
     return write.status;
+  }
+
+  void SetCompletionNotifier(std::function<void()> notify) override {
+    std::lock_guard<std::mutex> lock(notify_mu_);
+    notify_ = std::move(notify);
   }
 
   StatusOr<void*> AllocateHost(size_t bytes) override {
@@ -516,11 +573,95 @@ class UcxBackend final : public Backend {
     KVT_LOG_DEBUG("ucx", "peer buffers mapped directly ({} buffers): writes are plain copies",
                   peer.direct.size());
   }
+  // A large write into a directly mapped peer, copied on the copy thread.
+  struct DirectJob {
+    enum class State { kQueued, kRunning, kDone, kCancelled };
+    std::vector<CopyRun> runs;
+    std::vector<uint8_t*> dst;        // the peer's buffers as mapped here
+    std::vector<const uint8_t*> src;  // ours
+    State state = State::kQueued;     // guarded by copy_mu_
+    std::atomic<bool> cancel{false};  // read by the copy thread between runs
+  };
   struct Write {
     PeerId peer = 0;
-    void* flush = nullptr;  // outstanding flush request
+    void* flush = nullptr;           // outstanding flush request
+    std::shared_ptr<DirectJob> job;  // a direct copy not yet seen finished
     Status status;
   };
+
+  void Notify() {
+    std::lock_guard<std::mutex> lock(notify_mu_);
+    if (notify_) notify_();
+  }
+
+  // Copies the queued direct writes, one at a time, in order.
+  void CopyLoop() {
+    std::unique_lock<std::mutex> lock(copy_mu_);
+    while (true) {
+      copy_cv_.wait(lock, [this] { return copy_stop_ || !copy_queue_.empty(); });
+      if (copy_queue_.empty()) return;  // stopping, nothing left
+      std::shared_ptr<DirectJob> job = std::move(copy_queue_.front());
+      copy_queue_.pop_front();
+      if (job->state != DirectJob::State::kQueued) continue;  // cancelled while queued
+      if (copy_stop_) {
+        job->state = DirectJob::State::kCancelled;
+        continue;
+      }
+      job->state = DirectJob::State::kRunning;
+      lock.unlock();
+      bool cancelled = false;
+      if (hooks_.direct_copy_delay_us > 0) {
+        const auto until = Clock::now() + std::chrono::microseconds(hooks_.direct_copy_delay_us);
+        while (Clock::now() < until && !job->cancel.load(std::memory_order_relaxed)) {
+          std::this_thread::sleep_for(std::chrono::microseconds(200));
+        }
+      }
+      for (const CopyRun& run : job->runs) {
+        if (job->cancel.load(std::memory_order_relaxed)) {
+          cancelled = true;
+          break;
+        }
+        std::memcpy(job->dst[run.buffer] + run.dst_offset, job->src[run.buffer] + run.src_offset,
+                    run.bytes);
+      }
+      std::atomic_thread_fence(std::memory_order_release);  // the bytes before "done"
+      lock.lock();
+      job->state = cancelled ? DirectJob::State::kCancelled : DirectJob::State::kDone;
+      copy_done_cv_.notify_all();
+      lock.unlock();
+      Notify();
+      lock.lock();
+    }
+  }
+
+  // Stops a direct copy: dequeued if it has not started, else told to stop between runs and
+  // waited for. Afterwards no byte of it lands any more.
+  void CancelJob(DirectJob& job) {
+    std::unique_lock<std::mutex> lock(copy_mu_);
+    if (job.state == DirectJob::State::kQueued) {
+      job.state = DirectJob::State::kCancelled;
+      return;
+    }
+    job.cancel.store(true, std::memory_order_relaxed);
+    copy_done_cv_.wait(lock, [&] { return job.state != DirectJob::State::kRunning; });
+  }
+
+  // Moves a direct write's status on once its copy finished (or was cancelled).
+  void PollJob(Write& write) {
+    DirectJob::State state;
+    {
+      std::lock_guard<std::mutex> lock(copy_mu_);
+      state = write.job->state;
+    }
+    if (state == DirectJob::State::kDone) {
+      std::atomic_thread_fence(std::memory_order_acquire);
+      write.status = OkStatus();
+      write.job.reset();
+    } else if (state == DirectJob::State::kCancelled) {
+      write.status = Aborted("the direct copy was cancelled before it finished");
+      write.job.reset();
+    }
+  }
   struct Allocation {
     ucp_mem_h memh = nullptr;
     size_t length = 0;
@@ -590,8 +731,13 @@ class UcxBackend final : public Backend {
     write.status = st == UCS_OK ? OkStatus() : UcsStatus(st, "UCX write failed at flush");
   }
 
-  // Progresses until the write's flush has finished (bounded: a dead endpoint fails its flush).
+  // Progresses until the write's flush has finished (bounded: a dead endpoint fails its flush);
+  // a direct copy still running is cancelled and waited for.
   void WaitLocked(Write& write) {
+    if (write.job) {
+      CancelJob(*write.job);
+      PollJob(write);
+    }
     const auto give_up = Clock::now() + std::chrono::seconds(30);
     while (write.flush != nullptr) {
       ucp_worker_progress(worker_);
@@ -679,6 +825,7 @@ class UcxBackend final : public Backend {
 
   const std::chrono::microseconds spin_;
   const bool direct_shm_;
+  const size_t direct_inline_bytes_;
   const std::string transports_;
   const std::string cuda_mode_;
   const int staging_slots_;
@@ -689,6 +836,17 @@ class UcxBackend final : public Backend {
   std::atomic<bool> stop_{false};
   std::atomic<int> api_waiters_{0};  // API calls waiting for mutex_
   std::thread progress_;
+
+  // The copy thread and its queue (direct writes above direct_inline_bytes_).
+  std::mutex copy_mu_;
+  std::condition_variable copy_cv_;       // work queued, or stop
+  std::condition_variable copy_done_cv_;  // a job left kRunning
+  std::deque<std::shared_ptr<DirectJob>> copy_queue_;
+  bool copy_stop_ = false;
+  std::thread copier_;
+
+  std::mutex notify_mu_;  // guards notify_; held while it runs
+  std::function<void()> notify_;
 
   ucp_context_h context_ = nullptr;
   uint64_t memory_types_ = 0;

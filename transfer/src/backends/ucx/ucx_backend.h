@@ -10,7 +10,10 @@ namespace kvt::transfer {
 
 // UCX backend: one UCP context and worker, a progress thread, pool buffers registered once with
 // ucp_mem_map, rkeys in the descriptor, ucp_put_nbx per run and an endpoint flush before a
-// write counts as complete.
+// write counts as complete. When UCX maps a peer's buffers into this process (shared memory,
+// ucp_rkey_ptr), writes are plain copies instead: small ones on the posting thread, larger ones
+// (BackendOptions::ucx_direct_inline_bytes) on the backend's copy thread. Flush and copy
+// completions call the completion notifier.
 //
 // CUDA pools: registered directly when this UCX handles CUDA memory (ucp_context_query memory
 // types; ucx_cuda_mode "auto" or "direct"); otherwise ("auto" or "staged") staged through pinned
@@ -24,6 +27,9 @@ struct UcxTestHooks {
   // Each staged gather and scatter reports completion only this long after it started, so that
   // tests can hold chunks in flight.
   int host_copy_delay_us = 0;
+  // Direct copies (peers mapped into this process) start only this long after the copy thread
+  // took them, so that tests can release or disconnect with a copy in flight.
+  int direct_copy_delay_us = 0;
 };
 StatusOr<std::unique_ptr<Backend>> CreateUcxBackendForTest(const BackendOptions& options,
                                                            const UcxTestHooks& hooks);

@@ -1,0 +1,188 @@
+// The ucx backend's direct path: when UCX maps the peer's buffers into this process (shared
+// memory from the peer's AllocateHost, ucp_rkey_ptr), writes are plain copies; those above
+// ucx_direct_inline_bytes run on the backend's copy thread. Byte exactness, completion
+// notification, and that Release / Disconnect / destruction leave no copy landing afterwards.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "backends/ucx/ucx_backend.h"
+#include "kvt/transfer/backend.h"
+#include "kvt/transfer/backends.h"
+
+namespace kvt::transfer {
+namespace {
+
+constexpr int kBuffers = 4;
+constexpr uint64_t kItem = 4096;
+constexpr uint64_t kPages = 64;
+constexpr uint64_t kBufferBytes = kItem * kPages;
+constexpr uint8_t kPoison = 0xEE;
+
+Status WaitFor(Backend& backend, WriteId id) {
+  for (int i = 0; i < 20000; ++i) {
+    Status st = backend.Check(id);
+    if (st.code() != StatusCode::kInProgress) return st;
+    std::this_thread::sleep_for(std::chrono::microseconds(500));
+  }
+  return DeadlineExceeded("write did not finish in 10 s");
+}
+
+class UcxDirectTest : public ::testing::Test {
+ protected:
+  // inline_bytes: ucx_direct_inline_bytes; delay_us: the copy thread's start delay (test hook).
+  void Start(size_t inline_bytes, int delay_us) {
+    BackendOptions options;
+    options.ucx_direct_inline_bytes = inline_bytes;
+    UcxTestHooks hooks;
+    hooks.direct_copy_delay_us = delay_us;
+    auto a = CreateUcxBackendForTest(options, hooks);
+    ASSERT_TRUE(a.ok()) << a.status();
+    auto b = CreateUcxBackendForTest(options, hooks);
+    ASSERT_TRUE(b.ok()) << b.status();
+    sender_ = std::move(a).value();
+    receiver_ = std::move(b).value();
+    notified_ = std::make_shared<std::atomic<int>>(0);
+    ASSERT_TRUE(sender_->Capabilities().notifies_completion);
+    sender_->SetCompletionNotifier([n = notified_] { n->fetch_add(1); });
+
+    std::mt19937 rng(3);
+    src_.assign(kBuffers, std::vector<uint8_t>(kBufferBytes));
+    for (auto& buffer : src_) {
+      for (auto& byte : buffer) byte = static_cast<uint8_t>(rng());
+    }
+    // The receiver's buffers in memory its UCX shares with peers on this host.
+    auto block = receiver_->AllocateHost(kBuffers * kBufferBytes);
+    ASSERT_TRUE(block.ok()) << block.status();
+    dst_ = static_cast<uint8_t*>(*block);
+    std::memset(dst_, kPoison, kBuffers * kBufferBytes);
+
+    std::vector<LocalRegion> src_regions, dst_regions;
+    for (int b = 0; b < kBuffers; ++b) {
+      src_regions.push_back(LocalRegion{reinterpret_cast<uint64_t>(src_[b].data()), kBufferBytes,
+                                        kItem, MemoryKind::kHost, -1});
+      dst_regions.push_back(LocalRegion{reinterpret_cast<uint64_t>(dst_ + b * kBufferBytes),
+                                        kBufferBytes, kItem, MemoryKind::kHost, -1});
+    }
+    ASSERT_TRUE(sender_->Register(src_regions).ok());
+    auto rd = receiver_->Register(dst_regions);
+    ASSERT_TRUE(rd.ok()) << rd.status();
+    auto peer = sender_->Connect(*rd);
+    ASSERT_TRUE(peer.ok()) << peer.status();
+    peer_ = *peer;
+  }
+
+  void TearDown() override {
+    sender_.reset();
+    if (receiver_ && dst_ != nullptr) receiver_->FreeHost(dst_);
+    receiver_.reset();
+  }
+
+  // Every page of every buffer, shuffled destinations: 1 MiB in 256 runs.
+  std::vector<CopyRun> AllPages() const {
+    std::vector<uint64_t> dst_pages(kPages);
+    for (uint64_t i = 0; i < kPages; ++i) dst_pages[i] = i;
+    std::mt19937 rng(9);
+    std::shuffle(dst_pages.begin(), dst_pages.end(), rng);
+    std::vector<CopyRun> runs;
+    for (uint32_t b = 0; b < kBuffers; ++b) {
+      for (uint64_t p = 0; p < kPages; ++p)
+        runs.push_back({b, p * kItem, dst_pages[p] * kItem, kItem});
+    }
+    return runs;
+  }
+
+  bool AllPoison() const {
+    for (uint64_t i = 0; i < kBuffers * kBufferBytes; ++i) {
+      if (dst_[i] != kPoison) return false;
+    }
+    return true;
+  }
+
+  std::unique_ptr<Backend> sender_, receiver_;
+  std::vector<std::vector<uint8_t>> src_;
+  uint8_t* dst_ = nullptr;
+  PeerId peer_ = 0;
+  std::shared_ptr<std::atomic<int>> notified_;
+};
+
+TEST_F(UcxDirectTest, LargeWritesAreCopiedOnTheCopyThreadByteExactAndNotified) {
+  Start(/*inline_bytes=*/0, /*delay_us=*/0);
+  const std::vector<CopyRun> runs = AllPages();
+  auto write = sender_->PostWrite(peer_, runs);
+  ASSERT_TRUE(write.ok()) << write.status();
+  ASSERT_TRUE(WaitFor(*sender_, *write).ok());
+  sender_->Release(*write);
+  for (const CopyRun& r : runs) {
+    ASSERT_EQ(std::memcmp(dst_ + r.buffer * kBufferBytes + r.dst_offset,
+                          src_[r.buffer].data() + r.src_offset, r.bytes),
+              0)
+        << "buffer " << r.buffer << " offset " << r.dst_offset;
+  }
+  EXPECT_GE(notified_->load(), 1);
+}
+
+TEST_F(UcxDirectTest, WritesUpToTheInlineLimitCompleteWhenPosted) {
+  Start(/*inline_bytes=*/kItem, /*delay_us=*/1000000);
+  CopyRun run{1, 3 * kItem, 5 * kItem, kItem};
+  auto write = sender_->PostWrite(peer_, {&run, 1});
+  ASSERT_TRUE(write.ok()) << write.status();
+  EXPECT_TRUE(sender_->Check(*write).ok());  // no copy thread (its delay would show)
+  EXPECT_EQ(std::memcmp(dst_ + kBufferBytes + 5 * kItem, src_[1].data() + 3 * kItem, kItem), 0);
+  sender_->Release(*write);
+}
+
+TEST_F(UcxDirectTest, ReleaseCancelsACopyInFlightAndNothingLandsLater) {
+  Start(/*inline_bytes=*/0, /*delay_us=*/2000000);
+  auto write = sender_->PostWrite(peer_, AllPages());
+  ASSERT_TRUE(write.ok()) << write.status();
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_EQ(sender_->Check(*write).code(), StatusCode::kInProgress);
+  const auto t0 = std::chrono::steady_clock::now();
+  sender_->Release(*write);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(1));  // not the 2 s delay
+  EXPECT_EQ(sender_->Check(*write).code(), StatusCode::kNotFound);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_TRUE(AllPoison());
+  // The copy thread still serves the next write.
+  Start(/*inline_bytes=*/0, /*delay_us=*/0);
+  auto next = sender_->PostWrite(peer_, AllPages());
+  ASSERT_TRUE(next.ok());
+  EXPECT_TRUE(WaitFor(*sender_, *next).ok());
+}
+
+TEST_F(UcxDirectTest, DisconnectAbortsCopiesInFlight) {
+  Start(/*inline_bytes=*/0, /*delay_us=*/2000000);
+  auto first = sender_->PostWrite(peer_, AllPages());
+  auto second = sender_->PostWrite(peer_, AllPages());  // queued behind the first
+  ASSERT_TRUE(first.ok() && second.ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  ASSERT_TRUE(sender_->Disconnect(peer_).ok());
+  for (WriteId w : {*first, *second}) {
+    const Status st = sender_->Check(w);
+    EXPECT_EQ(st.code(), StatusCode::kAborted) << st;
+    sender_->Release(w);
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_TRUE(AllPoison());
+}
+
+TEST_F(UcxDirectTest, DestroyingTheBackendStopsCopiesInFlight) {
+  Start(/*inline_bytes=*/0, /*delay_us=*/2000000);
+  auto write = sender_->PostWrite(peer_, AllPages());
+  ASSERT_TRUE(write.ok());
+  const auto t0 = std::chrono::steady_clock::now();
+  sender_.reset();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(1));
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_TRUE(AllPoison());
+}
+
+}  // namespace
+}  // namespace kvt::transfer
