@@ -101,6 +101,7 @@ struct TransferOptions {
   int iters = 10;
   int warmup = 2;
   int latency_requests = 1000;
+  int inflight = 4;  // pipelined figure: requests kept in flight (<= 1: not measured)
   int layers = 32;
   int heads = 8;
   int head_dim = 128;
@@ -598,6 +599,26 @@ class PrefillPeer {
 
   const uint64_t* DeviceBases() const { return d_bases_.as<const uint64_t>(); }
 
+  // The prefill engine's timeline of every room seen since the last stats reset: room ->
+  // [request_seen, source_ready, first_post, last_post, finished] in steady_clock ns (0: not
+  // reached; rooms the engine already forgot are left out).
+  json Timelines() {
+    std::vector<std::string> rooms;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      rooms = rooms_seen_;
+    }
+    json out = json::object();
+    auto ns = [](Clock::time_point t) { return t == Clock::time_point() ? 0 : SteadyNs(t); };
+    for (const std::string& room : rooms) {
+      StatusOr<transfer::RequestInfo> info = engine_->GetRequest(room);
+      if (!info.ok()) continue;
+      out[room] = {ns(info->request_seen), ns(info->source_ready), ns(info->first_post),
+                   ns(info->last_post), ns(info->finished)};
+    }
+    return out;
+  }
+
   // `n` distinct random pages: a window of the shuffled page ids at a random start.
   std::vector<int32_t> PickPages(size_t n) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -620,6 +641,10 @@ class PrefillPeer {
   // thread (a simulated forward writing one layer at a time, pattern <id>).
   void OnTransferRequest(const std::string& room, size_t num_pages) {
     const auto t0 = Clock::now();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      rooms_seen_.push_back(room);
+    }
     if (num_pages > permutation_.size()) {
       RecordError(OutOfRange(fmt::format("room '{}' asks for {} pages; the pool has {}", room,
                                          num_pages, permutation_.size())));
@@ -941,8 +966,9 @@ class PrefillPeer {
       }
       if (type == "stats") {
         const transfer::EngineStats s = engine_->stats();
+        json reply = {{"timelines", Timelines()}};
         std::lock_guard<std::mutex> lock(mu_);
-        json reply = {{"requests_succeeded", s.requests_succeeded},
+        reply.update({{"requests_succeeded", s.requests_succeeded},
                       {"requests_failed", s.requests_failed},
                       {"bytes", s.bytes},
                       {"writes_posted", s.writes_posted},
@@ -951,8 +977,11 @@ class PrefillPeer {
                       {"post_ms_p99", Percentile(post_ms_, 0.99)},
                       {"post_count", post_ms_.size()},
                       {"callback_errors", errors_},
-                      {"first_callback_error", first_error_}};
-        if (m.value("reset", false)) post_ms_.clear();
+                      {"first_callback_error", first_error_}});
+        if (m.value("reset", false)) {
+          post_ms_.clear();
+          rooms_seen_.clear();
+        }
         return reply;
       }
     } catch (const json::exception& e) {
@@ -989,7 +1018,8 @@ class PrefillPeer {
   std::mutex mu_;  // guards everything below (control threads and the message loop)
   std::mt19937 rng_;
   std::vector<int32_t> permutation_;
-  std::vector<double> post_ms_;  // per request: Send + LayersReady (posting every run)
+  std::vector<double> post_ms_;          // per request: Send + LayersReady (posting every run)
+  std::vector<std::string> rooms_seen_;  // since the last stats reset
   json forward_records_ = json::array();
   uint64_t errors_ = 0;
   std::string first_error_;
@@ -1094,6 +1124,8 @@ struct Sample {
   double engine_ms = 0;  // Receive called -> the engine saw TransferDone (RequestInfo::finished)
   double caller_ms = 0;  // Receive called -> WaitRequest returned
   Clock::time_point posted, finished;
+  Clock::time_point request_sent;  // the decode engine handed the TransferRequest to the wire
+  std::string room;
 };
 
 struct Latencies {
@@ -1154,17 +1186,42 @@ class DecodeSide {
     return d;
   }
 
+  // A request whose Receive was called and whose end is not yet waited for.
+  struct Pending {
+    std::string room;
+    std::vector<int32_t> dst;
+    Clock::time_point t0;
+    uint64_t verify_id = 0;
+  };
+
   // One request of `num_pages` pages; room names starting with 'v' are verification requests.
   StatusOr<Sample> Request(const std::string& room, int64_t num_pages, uint64_t verify_id = 0) {
+    KVT_ASSIGN_OR_RETURN(Pending p, Start(room, num_pages, verify_id));
+    return Finish(std::move(p));
+  }
+
+  // Allocates the pages and calls Receive; Finish waits for the request (in Start order, so
+  // several may be in flight).
+  StatusOr<Pending> Start(const std::string& room, int64_t num_pages, uint64_t verify_id = 0) {
     if (engine_ == nullptr) return FailedPrecondition("the decode engine was shut down");
+    Pending p;
+    p.room = room;
+    p.verify_id = verify_id;
     KVT_ASSIGN_OR_RETURN(std::vector<int32_t> pages, allocator_->Allocate(num_pages));
-    const std::vector<int32_t> dst = pages;
-    const auto t0 = Clock::now();
+    p.dst = pages;
+    p.t0 = Clock::now();
     Status posted = engine_->Receive(room, peer_, std::move(pages));
     if (!posted.ok()) {
-      (void)allocator_->Free(dst);
+      (void)allocator_->Free(p.dst);
       return posted.WithContext("Receive of room '" + room + "'");
     }
+    return p;
+  }
+
+  StatusOr<Sample> Finish(Pending p) {
+    const std::string& room = p.room;
+    const std::vector<int32_t>& dst = p.dst;
+    const auto t0 = p.t0;
     StatusOr<transfer::RequestInfo> info =
         engine_->WaitRequest(room, std::chrono::seconds(config_.timeout_s + 5));
     const auto t2 = Clock::now();
@@ -1177,7 +1234,8 @@ class DecodeSide {
       if (info->pages_reusable) (void)allocator_->Free(dst);
       return info->status.WithContext("room '" + room + "' failed");
     }
-    Sample s{Ms(info->finished - t0), Ms(t2 - t0), t0, info->finished};
+    Sample s{Ms(info->finished - t0), Ms(t2 - t0), t0, info->finished, info->request_sent, room};
+    const uint64_t verify_id = p.verify_id;
     if (verify_id != 0) {
       KVT_ASSIGN_OR_RETURN(kernels::PatternCheck check, Verify(verify_id, dst));
       verified_mismatches_ += check.mismatches;
@@ -1261,6 +1319,8 @@ class DecodeSide {
   std::string first_mismatch_;
 };
 
+double SafeRatio(double a, double b) { return (std::isfinite(a) && b > 0) ? a / b : NAN; }
+
 std::string Cell(double v, int precision = 2) {
   return std::isfinite(v) ? fmt::format("{:.{}f}", v, precision) : "-";
 }
@@ -1288,6 +1348,7 @@ SideConfig BaseSideConfig(const TransferOptions& o, int pt, int64_t pool_tokens,
 // just before and just after the timed ones.
 struct WholeRequests {
   Latencies latencies;
+  std::vector<Sample> samples;
   double wall_ms = 0;
   json before, after;
 };
@@ -1304,11 +1365,130 @@ StatusOr<WholeRequests> RunWholeRequests(const TransferOptions& o, PeerLink& lin
   for (int i = 0; i < o.iters; ++i) {
     KVT_ASSIGN_OR_RETURN(Sample s, decode.Request(fmt::format("t{}", i), pages_per_request));
     whole.latencies.Add(s);
+    whole.samples.push_back(std::move(s));
   }
   whole.wall_ms = Ms(Clock::now() - run_t0);
   KVT_ASSIGN_OR_RETURN(whole.after,
                        link.Call({{"type", "stats"}, {"reset", true}}, std::chrono::seconds(30)));
   return whole;
+}
+
+json PhaseBreakdown(const std::vector<Sample>& samples, const json& timelines, int pt,
+                    std::string& row);
+
+// o.iters whole requests with o.inflight of them in flight at once (Receive of the next ones
+// before the oldest is done, as a decode node serving many requests does): GB/s = all their
+// bytes / the wall time from the first Receive to the last done. Empty when o.inflight <= 1.
+StatusOr<json> RunPipelined(const TransferOptions& o, PeerLink& link, DecodeSide& decode,
+                            int64_t pages_per_request, double request_bytes, int pt,
+                            std::string& phase_row) {
+  if (o.inflight <= 1) return json();
+  // Untimed first: a full window, so that every page the window uses was written once (the
+  // sequential requests reuse one request's worth of pages; first touches of shared memory
+  // mappings cost page faults, not transfer time).
+  {
+    std::deque<DecodeSide::Pending> warm;
+    Status failed;
+    for (int i = 0; i < o.inflight && failed.ok(); ++i) {
+      StatusOr<DecodeSide::Pending> p = decode.Start(fmt::format("q{}", i), pages_per_request);
+      if (p.ok()) {
+        warm.push_back(std::move(p).value());
+      } else {
+        failed = p.status();
+      }
+    }
+    for (DecodeSide::Pending& p : warm) {
+      StatusOr<Sample> s = decode.Finish(std::move(p));
+      if (failed.ok() && !s.ok()) failed = s.status();
+    }
+    KVT_RETURN_IF_ERROR(failed.WithContext("pipelined warm-up"));
+  }
+  KVT_RETURN_IF_ERROR(
+      link.Call({{"type", "stats"}, {"reset", true}}, std::chrono::seconds(30)).status());
+  std::deque<DecodeSide::Pending> window;
+  Latencies latencies;
+  std::vector<Sample> samples;
+  Status failed;
+  const auto t0 = Clock::now();
+  for (int started = 0, finished = 0; finished < o.iters;) {
+    while (failed.ok() && started < o.iters && static_cast<int>(window.size()) < o.inflight) {
+      StatusOr<DecodeSide::Pending> p =
+          decode.Start(fmt::format("p{}", started), pages_per_request);
+      if (!p.ok()) {
+        failed = p.status();
+        break;
+      }
+      window.push_back(std::move(p).value());
+      ++started;
+    }
+    if (window.empty()) break;
+    StatusOr<Sample> s = decode.Finish(std::move(window.front()));
+    window.pop_front();
+    ++finished;
+    if (!s.ok()) {
+      if (failed.ok()) failed = s.status();
+      continue;  // drain the rest of the window before reporting
+    }
+    latencies.Add(*s);
+    samples.push_back(std::move(s).value());
+  }
+  const double wall_ms = Ms(Clock::now() - t0);
+  KVT_RETURN_IF_ERROR(
+      failed.WithContext(fmt::format("pipelined requests ({} in flight)", o.inflight)));
+  KVT_ASSIGN_OR_RETURN(json stats,
+                       link.Call({{"type", "stats"}, {"reset", true}}, std::chrono::seconds(30)));
+  json phases = PhaseBreakdown(samples, stats.at("timelines"), pt, phase_row);
+  phase_row += fmt::format("  ({} in flight)", o.inflight);
+  return json{{"inflight", o.inflight},
+              {"requests", o.iters},
+              {"wall_ms", wall_ms},
+              {"gbps", GBps(request_bytes * o.iters, wall_ms)},
+              {"latency", latencies.ToJson(1.0, "ms")},
+              {"phases", phases}};
+}
+
+// Where a whole request's time went, p50 over `samples` (decode side) joined with the prefill
+// engine's timelines (`stats` reply): both processes stamp with steady_clock (CLOCK_MONOTONIC,
+// one clock per host), so the cross-process phases are direct differences.
+json PhaseBreakdown(const std::vector<Sample>& samples, const json& timelines, int pt,
+                    std::string& row) {
+  static constexpr const char* kNames[] = {"receive_us", "to_prefill_us", "source_us",
+                                           "post_us",    "copy_us",       "done_us"};
+  std::vector<double> phase[6], total;
+  for (const Sample& s : samples) {
+    if (!timelines.contains(s.room)) continue;
+    const std::vector<int64_t> t = timelines.at(s.room);
+    if (t.size() != 5 || std::find(t.begin(), t.end(), 0) != t.end()) continue;
+    const int64_t stamps[7] = {
+        SteadyNs(s.posted), SteadyNs(s.request_sent), t[0], t[1], t[3], t[4], SteadyNs(s.finished)};
+    for (int k = 0; k < 6; ++k)
+      phase[k].push_back(static_cast<double>(stamps[k + 1] - stamps[k]) / 1e3);
+    total.push_back(static_cast<double>(stamps[6] - stamps[0]) / 1e3);
+  }
+  json out = {{"requests", total.size()},
+              {"total_us_p50", Percentile(total, 0.5)},
+              {"meaning",
+               "receive: decode Receive -> TransferRequest handed to the connection; to_prefill: "
+               "-> the prefill engine saw it; source: -> Send and LayersReady to the last layer "
+               "were in (the application's callback); post: -> the backend accepted the last "
+               "write; copy: -> every write visible (the copy and its completion detection); "
+               "done: -> the decode engine processed TransferDone"}};
+  row = fmt::format("{:>6} {:>8}", pt, total.size());
+  for (int k = 0; k < 6; ++k) {
+    out[std::string(kNames[k]) + "_p50"] = Percentile(phase[k], 0.5);
+    row += fmt::format(" {:>10}", Cell(Percentile(phase[k], 0.5), 1));
+  }
+  row += fmt::format(" {:>10}", Cell(Percentile(total, 0.5), 1));
+  return out;
+}
+
+const char* kPhaseHeader =
+    "where a whole request's time goes, p50 microseconds (decode Receive -> ... -> decode done)";
+
+std::string PhaseColumns() {
+  return fmt::format("{:>6} {:>8} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10}", "tokens",
+                     "requests", "receive", "to-prefill", "source", "post", "copy", "done",
+                     "total");
 }
 
 // o.latency_requests one-page requests (a few untimed first) into `small`; the prefill peer's
@@ -1342,14 +1522,15 @@ Status VerifyRequests(DecodeSide& decode, int pt, int64_t pages_per_request, jso
 
 // One page-token size, start to end. Fills `out` and the two table rows.
 Status RunPageSize(const TransferOptions& o, int pt, int64_t per_token_bytes, json& out,
-                   std::string& bw_row, std::string& lat_row) {
+                   std::string& bw_row, std::string& lat_row, std::string& phase_row) {
   const int64_t pages_per_request = (o.tokens + pt - 1) / pt;
   const int64_t request_tokens = pages_per_request * pt;
   const int64_t request_bytes = request_tokens * per_token_bytes;
   KVT_ASSIGN_OR_RETURN(int64_t pool_bytes, ParseBytes(o.pool_bytes));
   int64_t pool_tokens = pool_bytes / per_token_bytes / pt * pt;
-  // Room for two requests at least, so random pages have somewhere to come from.
-  pool_tokens = std::max(pool_tokens, 2 * request_tokens + pt);
+  // Room for two requests at least, so random pages have somewhere to come from, and for the
+  // pipelined requests in flight.
+  pool_tokens = std::max(pool_tokens, std::max(2, o.inflight + 1) * request_tokens + pt);
 
   SideConfig c = BaseSideConfig(o, pt, pool_tokens, request_bytes);
   const auto reply_timeout = std::chrono::seconds(o.timeout_s * (o.iters + o.warmup + 2) + 60);
@@ -1407,6 +1588,12 @@ Status RunPageSize(const TransferOptions& o, int pt, int64_t per_token_bytes, js
                                                       before.at("runs_posted").get<uint64_t>()) /
                                   o.iters;
   const json big_post = after;
+  out["phases"] = PhaseBreakdown(whole.samples, after.at("timelines"), pt, phase_row);
+  std::string pipe_phase_row;
+  KVT_ASSIGN_OR_RETURN(json pipelined,
+                       RunPipelined(o, *link, *decode, pages_per_request,
+                                    static_cast<double>(request_bytes), pt, pipe_phase_row));
+  if (!pipe_phase_row.empty()) phase_row += "\n" + pipe_phase_row;
 
   // One-page requests.
   Latencies small;
@@ -1439,17 +1626,23 @@ Status RunPageSize(const TransferOptions& o, int pt, int64_t per_token_bytes, js
   out["raw_backend_same_runs"] =
       json{{"gbps", raw_runs_gbps}, {"ms_median", Median(runs_ms)}, {"runs", runs.at("runs")}};
   out["ratio_kvt_to_contiguous_put"] = ratio;
+  const double pipe_gbps = pipelined.is_null() ? NAN : pipelined.at("gbps").get<double>();
+  if (!pipelined.is_null()) {
+    pipelined["ratio_to_contiguous_put"] = SafeRatio(pipe_gbps, put_gbps);
+    out["kvt_pipelined"] = pipelined;
+  }
   out["ratio_kvt_to_memcpy"] = memcpy_gbps > 0 ? kvt_gbps / memcpy_gbps : NAN;
   out["ratio_kvt_to_raw_same_runs"] = raw_runs_gbps > 0 ? kvt_gbps / raw_runs_gbps : NAN;
   out["one_page"] = small.ToJson(1000.0, "us");
   out["one_page"]["bytes"] = one_page_bytes;
   out["one_page"]["prefill_post_us_p50"] = small_post.at("post_ms_p50").get<double>() * 1000;
 
-  bw_row = fmt::format("{:>6} {:>8.0f} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>7}", pt,
-                       runs_per_request, Cell(kvt_gbps), Cell(aggregate_gbps), Cell(kvt_p50, 1),
-                       Cell(Percentile(big.engine_ms, 0.99), 1), Cell(memcpy_gbps), Cell(put_gbps),
-                       Cell(raw_runs_gbps), Cell(ratio),
-                       Cell(big_post.at("post_ms_p50").get<double>(), 1));
+  bw_row = fmt::format(
+      "{:>6} {:>8.0f} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>7} {:>8} {:>8}", pt,
+      runs_per_request, Cell(kvt_gbps), Cell(aggregate_gbps), Cell(kvt_p50, 1),
+      Cell(Percentile(big.engine_ms, 0.99), 1), Cell(memcpy_gbps), Cell(put_gbps),
+      Cell(raw_runs_gbps), Cell(ratio), Cell(big_post.at("post_ms_p50").get<double>(), 1),
+      Cell(pipe_gbps), Cell(SafeRatio(pipe_gbps, put_gbps)));
   lat_row = fmt::format("{:>6} {:>9.0f} {:>8} {:>8} {:>9} {:>9} {:>9}", pt, one_page_bytes,
                         Cell(Percentile(small.engine_ms, 0.5) * 1000, 0),
                         Cell(Percentile(small.engine_ms, 0.99) * 1000, 0),
@@ -1487,8 +1680,6 @@ double FigureGbps(const json& ceilings, const char* key) {
   return ceilings[key].value("gbps", NAN);
 }
 
-double SafeRatio(double a, double b) { return (std::isfinite(a) && b > 0) ? a / b : NAN; }
-
 std::string RatioX(double r) { return std::isfinite(r) ? fmt::format("{:.0f}x", r) : "-"; }
 
 // One target: `value` against `threshold` (at least, or at most when `at_most`).
@@ -1504,7 +1695,7 @@ json Target(const std::string& name, int page_tokens, double value, double thres
 }
 
 struct GpuRows {
-  std::string bw, lat, layerwise;
+  std::string bw, lat, layerwise, phase;
   std::vector<std::string> targets;
 };
 
@@ -1669,6 +1860,13 @@ Status RunGpuPageSizeBody(const TransferOptions& o, const SideConfig& c, int64_t
   };
   const double writes_per_request = per_request("writes_posted");
   const double runs_per_request = per_request("runs_posted");
+  out["phases"] = PhaseBreakdown(whole.samples, after.at("timelines"), pt, rows.phase);
+  std::string pipe_phase_row;
+  KVT_ASSIGN_OR_RETURN(json pipelined,
+                       RunPipelined(o, *link, *decode, pages_per_request,
+                                    static_cast<double>(request_bytes), pt, pipe_phase_row));
+  if (!pipe_phase_row.empty()) rows.phase += "\n" + pipe_phase_row;
+  const double pipe_gbps = pipelined.is_null() ? NAN : pipelined.at("gbps").get<double>();
 
   // One-page requests: the fixed cost (control plane, posting, completion) of a request.
   Latencies small;
@@ -1710,6 +1908,11 @@ Status RunGpuPageSizeBody(const TransferOptions& o, const SideConfig& c, int64_t
   out["one_page"]["bytes"] = static_cast<double>(request_bytes / pages_per_request);
   out["one_page"]["prefill_post_us_p50"] = small_post.at("post_ms_p50").get<double>() * 1000;
   json ratios = {{"kvt_to_contiguous_d2d", SafeRatio(kvt_gbps, contiguous)}};
+  if (!pipelined.is_null()) {
+    pipelined["ratio_to_contiguous_d2d"] = SafeRatio(pipe_gbps, contiguous);
+    out["kvt_pipelined"] = pipelined;
+    ratios["kvt_pipelined_to_contiguous_d2d"] = SafeRatio(pipe_gbps, contiguous);
+  }
   const std::string check =
       !o.verify ? "-" : (decode->verified_mismatches() == 0 ? "ok" : "MISMATCH");
   if (ipc) {
@@ -1718,18 +1921,24 @@ Status RunGpuPageSizeBody(const TransferOptions& o, const SideConfig& c, int64_t
     ratios["kvt_to_memcpy_async_per_page"] = SafeRatio(kvt_gbps, per_page);
     ratios["kvt_to_memcpy_batch_async"] = SafeRatio(kvt_gbps, batch);
     rows.bw = fmt::format(
-        "{:>6} {:>7.0f} {:>9} {:>8} {:>8} {:>8} {:>9} {:>8} {:>9} {:>8} {:>8} {:>8} {:>8} {:>6}",
+        "{:>6} {:>7.0f} {:>9} {:>8} {:>8} {:>8} {:>9} {:>8} {:>9} {:>8} {:>8} {:>8} {:>8} {:>6} "
+        "{:>8} {:>8}",
         pt, writes_per_request, Cell(kvt_gbps, 1), Cell(aggregate_gbps, 1), Cell(kvt_p50, 3),
         Cell(Percentile(big.engine_ms, 0.99), 3), Cell(contiguous, 1),
         Cell(SafeRatio(kvt_gbps, contiguous), 3), Cell(per_page, 2),
         RatioX(SafeRatio(kvt_gbps, per_page)), Cell(batch, 2), RatioX(SafeRatio(kvt_gbps, batch)),
-        Cell(post_ms, 3), check);
+        Cell(post_ms, 3), check, Cell(pipe_gbps, 1), Cell(SafeRatio(pipe_gbps, contiguous), 3));
     // The issue's targets.
     const std::map<int, double> contiguous_target = {{1, 0.80}, {16, 0.90}, {64, 0.90}};
     json targets = json::array();
     if (auto it = contiguous_target.find(pt); it != contiguous_target.end()) {
-      targets.push_back(
-          Target("kvt / contiguous D2D", pt, SafeRatio(kvt_gbps, contiguous), it->second));
+      targets.push_back(Target("kvt / contiguous D2D, one request at a time (p50)", pt,
+                               SafeRatio(kvt_gbps, contiguous), it->second));
+      if (!pipelined.is_null()) {
+        targets.push_back(Target(
+            fmt::format("kvt / contiguous D2D, {} requests in flight (aggregate)", o.inflight), pt,
+            SafeRatio(pipe_gbps, contiguous), it->second));
+      }
     }
     if (pt == 16) {
       targets.push_back(
@@ -1753,11 +1962,12 @@ Status RunGpuPageSizeBody(const TransferOptions& o, const SideConfig& c, int64_t
     ratios["kvt_to_contiguous_d2h"] = SafeRatio(kvt_gbps, d2h);
     ratios["kvt_to_contiguous_h2d"] = SafeRatio(kvt_gbps, h2d);
     rows.bw = fmt::format(
-        "{:>6} {:>7.0f} {:>9} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>9} {:>8} {:>8} {:>6}", pt,
-        writes_per_request, Cell(kvt_gbps, 2), Cell(aggregate_gbps, 2), Cell(kvt_p50, 2),
+        "{:>6} {:>7.0f} {:>9} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>9} {:>8} {:>8} {:>6} {:>8} "
+        "{:>8}",
+        pt, writes_per_request, Cell(kvt_gbps, 2), Cell(aggregate_gbps, 2), Cell(kvt_p50, 2),
         Cell(Percentile(big.engine_ms, 0.99), 2), Cell(d2h, 1), Cell(SafeRatio(kvt_gbps, d2h), 3),
         Cell(h2d, 1), Cell(contiguous, 1), Cell(SafeRatio(kvt_gbps, contiguous), 4),
-        Cell(post_ms, 2), check);
+        Cell(post_ms, 2), check, Cell(pipe_gbps, 2), Cell(SafeRatio(pipe_gbps, d2h), 3));
     out["targets"] = json::array();  // the issue sets none for the staged path
   }
   out["ratios"] = ratios;
@@ -1783,7 +1993,8 @@ Status RunGpuPageSize(const TransferOptions& o, int pt, int device, int64_t per_
   const int64_t pages_per_request = (tokens + pt - 1) / pt;
   const int64_t request_tokens = pages_per_request * pt;
   const int64_t request_bytes = request_tokens * per_token_bytes;
-  int64_t pool_tokens = 2 * request_tokens + pt;  // random pages need room to come from
+  // Random pages need room to come from, and the pipelined requests room to be in flight.
+  int64_t pool_tokens = std::max(2, o.inflight + 1) * request_tokens + pt;
   if (!o.pool_bytes.empty()) {
     KVT_ASSIGN_OR_RETURN(int64_t pool_bytes, ParseBytes(o.pool_bytes));
     pool_tokens = std::max(pool_tokens, pool_bytes / per_token_bytes / pt * pt);
@@ -1880,6 +2091,7 @@ Status RunTransferGpu(const TransferOptions& o, int device) {
            {"iters", o.iters},
            {"warmup", o.warmup},
            {"latency_requests", o.latency_requests},
+           {"inflight", o.inflight},
            {"peer_items", o.peer_items},
            {"layer_time_us", o.layer_time_us},
            {"layerwise_requests", o.layerwise_requests},
@@ -1939,15 +2151,21 @@ Status RunTransferGpu(const TransferOptions& o, int device) {
 
   if (ipc) {
     fmt::print(
-        "\n{:>6} {:>7} {:>9} {:>8} {:>8} {:>8} {:>9} {:>8} {:>9} {:>8} {:>8} {:>8} {:>8} {:>6}\n",
+        "\n{:>6} {:>7} {:>9} {:>8} {:>8} {:>8} {:>9} {:>8} {:>9} {:>8} {:>8} {:>8} {:>8} {:>6} "
+        "{:>8} "
+        "{:>8}\n",
         "tokens", "wr/req", "kvt GB/s", "aggr", "p50 ms", "p99 ms", "contig", "kvt/ctg", "per-page",
-        "kvt/pp", "batch", "kvt/bat", "post ms", "check");
+        "kvt/pp", "batch", "kvt/bat", "post ms", "check", "pipe", "pipe/ctg");
   } else {
-    fmt::print("\n{:>6} {:>7} {:>9} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>9} {:>8} {:>8} {:>6}\n",
-               "tokens", "wr/req", "kvt GB/s", "aggr", "p50 ms", "p99 ms", "D2H", "kvt/D2H", "H2D",
-               "D2D", "kvt/D2D", "post ms", "check");
+    fmt::print(
+        "\n{:>6} {:>7} {:>9} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>9} {:>8} {:>8} {:>6} {:>8} "
+        "{:>8}\n",
+        "tokens", "wr/req", "kvt GB/s", "aggr", "p50 ms", "p99 ms", "D2H", "kvt/D2H", "H2D", "D2D",
+        "kvt/D2D", "post ms", "check", "pipe", "pipe/D2H");
   }
   for (const GpuRows& r : all_rows) fmt::print("{}\n", r.bw);
+  fmt::print("\n{}\n{}\n", kPhaseHeader, PhaseColumns());
+  for (const GpuRows& r : all_rows) fmt::print("{}\n", r.phase);
   if (o.layerwise_requests > 0) {
     fmt::print("\nlayerwise: simulated forward, {} requests per size, microseconds\n",
                o.layerwise_requests);
@@ -2066,6 +2284,8 @@ Status RunTransfer(const TransferOptions& options) {
                        {"iters", o.iters},
                        {"warmup", o.warmup},
                        {"latency_requests", o.latency_requests},
+                       {"inflight", o.inflight},
+                       {"inflight", o.inflight},
                        {"pool_per_side", o.pool_bytes},
                        {"seed", o.seed}};
   doc["notes"] =
@@ -2086,12 +2306,12 @@ Status RunTransfer(const TransferOptions& options) {
       static_cast<double>(o.tokens * per_token_bytes) / (1 << 20), o.iters);
 
   json results = json::array();
-  std::vector<std::string> bw_rows, lat_rows;
+  std::vector<std::string> bw_rows, lat_rows, phase_rows;
   Status first_error;
   for (int pt : page_tokens) {
     json r;
-    std::string bw, lat;
-    Status s = RunPageSize(o, pt, per_token_bytes, r, bw, lat);
+    std::string bw, lat, phase;
+    Status s = RunPageSize(o, pt, per_token_bytes, r, bw, lat, phase);
     if (!s.ok()) {
       fmt::print("page_tokens {}: {}\n", pt, s.ToString());
       r["page_tokens"] = pt;
@@ -2100,16 +2320,19 @@ Status RunTransfer(const TransferOptions& options) {
     } else {
       bw_rows.push_back(bw);
       lat_rows.push_back(lat);
+      phase_rows.push_back(phase);
     }
     results.push_back(r);
   }
   doc["results"] = results;
   doc["loadavg_end"] = LoadAverage();
 
-  fmt::print("\n{:>6} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>7}\n", "tokens",
-             "runs/req", "kvt GB/s", "aggr", "p50 ms", "p99 ms", "memcpy", "ctg put", "raw runs",
-             "kvt/put", "post ms");
+  fmt::print("\n{:>6} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>7} {:>8} {:>8}\n",
+             "tokens", "runs/req", "kvt GB/s", "aggr", "p50 ms", "p99 ms", "memcpy", "ctg put",
+             "raw runs", "kvt/put", "post ms", "pipe", "pipe/put");
   for (const std::string& row : bw_rows) fmt::print("{}\n", row);
+  fmt::print("\n{}\n{}\n", kPhaseHeader, PhaseColumns());
+  for (const std::string& row : phase_rows) fmt::print("{}\n", row);
   fmt::print("\none-page requests ({} each), microseconds\n", o.latency_requests);
   fmt::print("{:>6} {:>9} {:>8} {:>8} {:>9} {:>9} {:>9}\n", "tokens", "bytes", "p50", "p99",
              "wait p50", "wait p99", "post p50");
@@ -2121,7 +2344,9 @@ Status RunTransfer(const TransferOptions& options) {
       "all requests / loop wall time; memcpy = one thread, contiguous; ctg put = raw backend, one "
       "contiguous run of the same bytes between the two processes; raw runs = raw backend posting "
       "the same runs as one kvt request; post ms = prefill Send+LayersReady (posting every "
-      "run).\n");
+      "run); pipe = GB/s with {} requests in flight (all bytes / wall time, first Receive -> last "
+      "done), pipe/put = pipe / ctg put.\n",
+      o.inflight);
   if (!o.json_path.empty()) {
     KVT_RETURN_IF_ERROR(WriteJson(o.json_path, doc));
     fmt::print("wrote {}\n", o.json_path);
@@ -2161,6 +2386,9 @@ void AddTransferCommand(CLI::App& app, int& exit_code) {
   cmd->add_option("--warmup", opts->warmup, "untimed requests first")->capture_default_str();
   cmd->add_option("--latency-requests", opts->latency_requests,
                   "one-page requests timed per page size")
+      ->capture_default_str();
+  cmd->add_option("--inflight", opts->inflight,
+                  "pipelined figure: whole requests kept in flight at once (<= 1: not measured)")
       ->capture_default_str();
   cmd->add_option("--layers", opts->layers, "layers (2 x layers buffers)")->capture_default_str();
   cmd->add_option("--heads", opts->heads, "KV heads")->capture_default_str();
