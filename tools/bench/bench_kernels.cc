@@ -203,6 +203,12 @@ std::vector<SweepEntry> SweepTunings() {
     int unroll, threads, per_item, chunk;
     bool streaming, prefetch;
     SweepLayout layout;
+    // Session 3 variants (PageCopyTuning::pipeline / async_smem); blocks_per_sm 0 = as many as
+    // fit.
+    bool pipeline = false;
+    bool async_smem = false;
+    int async_stages = 4;
+    int blocks_per_sm = 0;
   };
   constexpr SweepLayout R = SweepLayout::kRandom;
   const V variants[] = {
@@ -216,14 +222,34 @@ std::vector<SweepEntry> SweepTunings() {
       {4, 512, 32, 8192, false, false, R},  // ld.nc + plain stores
       {8, 512, 32, 0, true, false, R},      // unroll 8, uncapped registers
       {8, 256, 32, 0, true, false, R},      //
-      {8, 256, 32, 8192, true, false, R},   //
+      {8, 256, 32, 8192, true, false, R},   // the default
       {4, 512, 32, 0, true, true, R},       // L2 bulk prefetch of each unit's source
       {4, 512, 32, 8192, true, true, R},    //
       {4, 512, 32, 16384, true, true, R},   //
       {8, 256, 32, 8192, true, true, R},    //
+      // Session 3: register double buffering (loads of batch k+1 before the stores of batch k).
+      {4, 256, 32, 8192, true, false, R, true},  // 64 registers: 4 blocks of 256 per SM
+      {4, 512, 32, 8192, true, false, R, true},  //
+      {8, 256, 32, 8192, true, false, R, true},  // ~103 registers: 2 blocks of 256 per SM
+      {8, 512, 32, 8192, true, false, R, true},  //
+      // Session 3: cp.async rings in shared memory (stage = 32 x unroll x 16 B per warp;
+      // 256 threads: unroll 4 = 16 KiB per block per stage, unroll 8 = 32 KiB).
+      {4, 256, 32, 8192, true, false, R, false, true, 2, 4},   // 32 KiB per block
+      {4, 256, 32, 8192, true, false, R, false, true, 4, 2},   // 64 KiB per block
+      {4, 256, 32, 8192, true, false, R, false, true, 4, 3},   //
+      {4, 256, 32, 8192, true, false, R, false, true, 6, 2},   // 96 KiB per block
+      {4, 256, 32, 16384, true, false, R, false, true, 4, 3},  // longer units: fewer ring fills
+      {4, 256, 32, 0, true, false, R, false, true, 4, 3},      //
+      {4, 256, 32, 16384, true, false, R, false, true, 2, 4},  //
+      {4, 256, 32, 16384, true, false, R, false, true, 3, 4},  // 48 KiB per block
+      // ~86 registers: at most 2 blocks of 256 per SM.
+      {8, 256, 32, 8192, true, false, R, false, true, 2, 2},       // 64 KiB per block
+      {8, 256, 32, 16384, true, false, R, false, true, 2, 2},      //
       {4, 512, 32, 0, true, false, SweepLayout::kBothContiguous},  // calibration
       {4, 512, 32, 8192, true, false, SweepLayout::kBothContiguous},
       {8, 256, 32, 8192, true, true, SweepLayout::kBothContiguous},
+      {8, 256, 32, 8192, true, false, SweepLayout::kBothContiguous},
+      {4, 256, 32, 16384, true, false, SweepLayout::kBothContiguous, false, true, 4, 3},
       {4, 512, 32, 0, true, false, SweepLayout::kSrcContiguous},
       {4, 512, 32, 0, true, false, SweepLayout::kDstContiguous},
       {4, 512, 32, 0, true, false, R},  // the first row again: run-to-run spread
@@ -237,6 +263,10 @@ std::vector<SweepEntry> SweepTunings() {
     e.tuning.chunk_bytes = v.chunk;
     e.tuning.streaming = v.streaming;
     e.tuning.prefetch_l2 = v.prefetch;
+    e.tuning.pipeline = v.pipeline;
+    e.tuning.async_smem = v.async_smem;
+    e.tuning.async_stages = v.async_stages;
+    e.tuning.blocks_per_sm = v.blocks_per_sm;
     e.layout = v.layout;
     out.push_back(e);
   }
@@ -251,7 +281,16 @@ json TuningJson(const kernels::PageCopyTuning& t) {
               {"blocks_per_sm", t.blocks_per_sm},
               {"page_major", t.page_major},
               {"chunk_bytes", t.chunk_bytes},
-              {"prefetch_l2", t.prefetch_l2}};
+              {"prefetch_l2", t.prefetch_l2},
+              {"pipeline", t.pipeline},
+              {"async_smem", t.async_smem},
+              {"async_stages", t.async_stages}};
+}
+
+// The sweep's short name for a row's variant: "plain", "pipe" or "async<stages>".
+std::string VariantCell(const json& row) {
+  if (row.value("async_smem", false)) return fmt::format("async{}", row["async_stages"].get<int>());
+  return row.value("pipeline", false) ? "pipe" : "plain";
 }
 
 Status RunGpuSize(const KernelsOptions& o, const Layout& l, int iters, json& out) {
@@ -344,6 +383,10 @@ Status RunGpuSize(const KernelsOptions& o, const Layout& l, int iters, json& out
         a.dst_bases = d_dst_contig.as<uint64_t>();
         a.dst_pages = nullptr;
       }
+      // On the random layout the copies land on the verified destination pages: poison them
+      // first and check every byte after the timed runs (the variants are experiments).
+      const bool verify = e.layout == SweepLayout::kRandom;
+      if (verify) BENCH_CUDA(cudaMemsetAsync(p.dst.data(), 0xA5, l.slab_bytes(), stream));
       auto ms = TimeGpu(stream, 2, iters, [&] { return kernels::PageCopyCudaTuned(a, t, stream); });
       json row = TuningJson(t);
       row["layout"] = SweepLayoutName(e.layout);
@@ -351,6 +394,15 @@ Status RunGpuSize(const KernelsOptions& o, const Layout& l, int iters, json& out
         row["median_ms"] = *ms;
         row["gbps"] = GBps(static_cast<double>(l.moved_bytes), *ms);
         row["ratio_to_contiguous"] = contig.gbps > 0 ? row["gbps"].get<double>() / contig.gbps : 0;
+        if (verify) {
+          auto row_check =
+              kernels::VerifyPatternCuda(PatternOf(l, d_dst_bases, d_dst_pages, o.layers), stream);
+          if (row_check.ok()) {
+            row["verified_mismatches"] = row_check->mismatches;
+          } else {
+            row["error"] = row_check.status().ToString();
+          }
+        }
       } else {
         row["error"] = ms.status().ToString();
       }
@@ -382,16 +434,22 @@ Status RunGpuSize(const KernelsOptions& o, const Layout& l, int iters, json& out
   if (o.sweep) {
     for (const auto& row : sweep) {
       const std::string head = fmt::format(
-          "         sweep u{} s{} t{:<4} g{:<3} c{:<5} pf{} {:<10}", row["unroll"].get<int>(),
-          row["streaming"].get<bool>() ? 1 : 0, row["threads_per_block"].get<int>(),
-          row["threads_per_item"].get<int>(), row["chunk_bytes"].get<int>(),
+          "         sweep {:<6} u{} s{} t{:<4} g{:<3} c{:<5} b{} pf{} {:<10}", VariantCell(row),
+          row["unroll"].get<int>(), row["streaming"].get<bool>() ? 1 : 0,
+          row["threads_per_block"].get<int>(), row["threads_per_item"].get<int>(),
+          row["chunk_bytes"].get<int>(), row["blocks_per_sm"].get<int>(),
           row["prefetch_l2"].get<bool>() ? 1 : 0, row["layout"].get<std::string>());
       if (row.contains("error")) {
         fmt::print("{}: {}\n", head, row["error"].get<std::string>());
         continue;
       }
-      fmt::print("{}: {:8.1f} GB/s  {:.3f} of contiguous\n", head, row["gbps"].get<double>(),
-                 row["ratio_to_contiguous"].get<double>());
+      std::string check_cell;
+      if (row.contains("verified_mismatches")) {
+        const uint64_t bad = row["verified_mismatches"].get<uint64_t>();
+        check_cell = bad == 0 ? "  ok" : fmt::format("  MISMATCH ({} bytes)", bad);
+      }
+      fmt::print("{}: {:8.1f} GB/s  {:.3f} of contiguous{}\n", head, row["gbps"].get<double>(),
+                 row["ratio_to_contiguous"].get<double>(), check_cell);
     }
   }
   if (!batch.error.empty()) fmt::print("         cudaMemcpyBatchAsync: {}\n", batch.error);

@@ -182,6 +182,166 @@ TEST_P(PageCopyGpuTest, ChunkedTuningsMatchCpuReference) {
 INSTANTIATE_TEST_SUITE_P(Layouts, PageCopyGpuTest, ::testing::ValuesIn(kCases),
                          [](const auto& info) { return std::string(info.param.name); });
 
+// ---- Session 3 variants (PageCopyTuning::pipeline, PageCopyTuning::async_smem) ------------
+//
+// With unroll 4 a ring stage is 128 16-byte vectors (2 KiB), with unroll 8 256 (4 KiB). These
+// layouts add, to kCases, units shorter than one lane round, exact multiples of a stage, many
+// stages (wrapping every ring depth) plus a partial stage plus a tail under 16 bytes, aligned
+// and narrow units mixed in one launch, and a partial last chunk at 8 KiB chunks.
+const CopyCase kStageCases[] = {
+    {"one_vector", 4, 50, 16, 0, 0, 0, 0, 0, 0, true, true},
+    {"part_lane_round_tail", 3, 40, 16 * 20 + 3, 0, 0, 13, 13, 0, 0, true, true},
+    {"exact_stages", 2, 20, 4096 * 5, 0, 0, 0, 0, 0, 0, true, true},
+    // 21 stages of 2 KiB + 45 vectors + 7 bytes; stride a multiple of 16: all items aligned.
+    {"many_stages_tail", 2, 12, 2048 * 21 + 16 * 45 + 7, 0, 0, 9, 9, 0, 0, true, true},
+    // The same length with strides that are not: odd pages' items take the narrow path.
+    {"many_stages_mixed_alignment", 2, 12, 2048 * 21 + 16 * 45 + 7, 0, 0, 0, 0, 0, 0, true, true},
+    {"partial_last_chunk", 3, 10, 8192 * 3 + 16 * 70 + 8, 0, 0, 8, 8, 0, 0, true, true},
+    {"eight_aligned_large", 2, 20, 32768, 4, 4, 0, 0, 4, 4, true, true},
+    {"dst_odd_large", 2, 10, 32768 + 5, 0, 1, 11, 0, 0, 0, true, true},
+    {"offset_48_large", 3, 16, 16384 + 16 * 9, 48, 16, 0, 0, 0, 0, true, true},
+};
+
+std::vector<CopyCase> Session3Cases() {
+  std::vector<CopyCase> out(std::begin(kCases), std::end(kCases));
+  out.insert(out.end(), std::begin(kStageCases), std::end(kStageCases));
+  return out;
+}
+
+std::string TuningName(const PageCopyTuning& t) {
+  std::string n = t.async_smem ? "async" : (t.pipeline ? "pipeline" : "plain");
+  n += " u" + std::to_string(t.unroll) + " t" + std::to_string(t.threads_per_block) + " c" +
+       std::to_string(t.chunk_bytes) + " b" + std::to_string(t.blocks_per_sm) + " s" +
+       std::to_string(t.streaming ? 1 : 0);
+  if (t.async_smem) n += " stages" + std::to_string(t.async_stages);
+  if (t.prefetch_l2) n += " pf";
+  return n;
+}
+
+// The variants the GPU tests run: both unrolls, 2..16 warps per block, whole items and 8 KiB
+// chunks, ring depths 2..8, grids smaller than the work (blocks_per_sm 1), tiny 48-byte chunks.
+std::vector<PageCopyTuning> Session3Tunings() {
+  std::vector<PageCopyTuning> out;
+  const PageCopyTuning base = DefaultPageCopyTuning();
+  for (int unroll : {4, 8}) {
+    for (int threads : {256, 512}) {
+      for (int chunk : {0, 8192}) {
+        PageCopyTuning t = base;
+        t.pipeline = true;
+        t.unroll = unroll;
+        t.threads_per_block = threads;
+        t.chunk_bytes = chunk;
+        t.blocks_per_sm = chunk == 0 ? 1 : 0;
+        out.push_back(t);
+      }
+    }
+  }
+  {
+    PageCopyTuning t = base;
+    t.pipeline = true;
+    t.unroll = 4;
+    t.streaming = false;
+    out.push_back(t);
+    t.unroll = 8;
+    t.chunk_bytes = 0;
+    out.push_back(t);
+    t = base;
+    t.pipeline = true;
+    t.unroll = 4;
+    t.chunk_bytes = 48;
+    t.blocks_per_sm = 1;
+    out.push_back(t);
+  }
+  struct A {
+    int unroll, stages;
+  };
+  for (const A& a : {A{4, 2}, A{4, 3}, A{4, 8}, A{8, 2}, A{8, 5}}) {
+    for (int threads : {64, 256}) {
+      for (int chunk : {0, 8192}) {
+        PageCopyTuning t = base;
+        t.async_smem = true;
+        t.unroll = a.unroll;
+        t.async_stages = a.stages;
+        t.threads_per_block = threads;
+        t.chunk_bytes = chunk;
+        t.blocks_per_sm = chunk == 0 ? 1 : 0;
+        out.push_back(t);
+      }
+    }
+    PageCopyTuning t = base;
+    t.async_smem = true;
+    t.unroll = a.unroll;
+    t.async_stages = a.stages;
+    t.chunk_bytes = 48;
+    out.push_back(t);
+  }
+  {
+    PageCopyTuning t = base;
+    t.async_smem = true;
+    t.unroll = 4;
+    t.async_stages = 4;
+    t.streaming = false;
+    out.push_back(t);
+    t.streaming = true;
+    t.prefetch_l2 = true;
+    out.push_back(t);
+    t.prefetch_l2 = false;
+    t.blocks_per_sm = 3;  // 3 x 64 KiB rings per SM
+    out.push_back(t);
+    t.threads_per_block = 512;
+    t.async_stages = 7;  // 224 KiB: the largest ring that validates
+    t.blocks_per_sm = 0;
+    out.push_back(t);
+  }
+  return out;
+}
+
+class Session3VariantGpuTest : public ::testing::TestWithParam<CopyCase> {};
+
+TEST_P(Session3VariantGpuTest, MatchesCpuReference) {
+  KVT_SKIP_WITHOUT_GPU();
+  uint32_t seed = 300;
+  for (const PageCopyTuning& t : Session3Tunings()) {
+    SCOPED_TRACE(TuningName(t));
+    CheckCopy(GetParam(), seed++,
+              [&](const PageCopyArgs& a, cudaStream_t s) { return PageCopyCudaTuned(a, t, s); });
+    if (HasFatalFailure()) return;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, Session3VariantGpuTest, ::testing::ValuesIn(Session3Cases()),
+                         [](const auto& info) { return std::string(info.param.name); });
+
+// Random layouts (lengths, offsets, strides, misalignments), each with a random variant.
+TEST(Session3VariantGpuRandomTest, RandomLayoutsAndVariants) {
+  KVT_SKIP_WITHOUT_GPU();
+  const std::vector<PageCopyTuning> tunings = Session3Tunings();
+  std::mt19937 rng(3003);
+  auto pick = [&](int64_t lo, int64_t hi) {
+    return std::uniform_int_distribution<int64_t>(lo, hi)(rng);
+  };
+  for (int iter = 0; iter < 60; ++iter) {
+    CopyCase c{"random",
+               static_cast<int32_t>(pick(1, 6)),
+               pick(1, 40),
+               pick(0, 1) ? 16 * pick(1, 3000) : pick(1, 50000),
+               pick(0, 1) ? 0 : 16 * pick(0, 4),
+               pick(0, 1) ? 0 : pick(0, 40),
+               pick(0, 1) ? 0 : 16 * pick(0, 4),
+               pick(0, 1) ? 0 : pick(0, 64),
+               static_cast<size_t>(pick(0, 2) ? 0 : pick(0, 15)),
+               static_cast<size_t>(pick(0, 2) ? 0 : pick(0, 15)),
+               pick(0, 3) != 0,
+               pick(0, 3) != 0};
+    const PageCopyTuning& t = tunings[static_cast<size_t>(pick(0, tunings.size() - 1))];
+    SCOPED_TRACE(::testing::Message()
+                 << "iter " << iter << ": " << TuningName(t) << ", bytes " << c.bytes);
+    CheckCopy(c, static_cast<uint32_t>(iter),
+              [&](const PageCopyArgs& a, cudaStream_t s) { return PageCopyCudaTuned(a, t, s); });
+    if (HasFatalFailure()) return;
+  }
+}
+
 TEST(PageCopyGpuRandomTest, RandomLayouts) {
   KVT_SKIP_WITHOUT_GPU();
   std::mt19937 rng(77);
@@ -208,16 +368,24 @@ TEST(PageCopyGpuRandomTest, RandomLayouts) {
   }
 }
 
-TEST(PackGpuTest, PackAndUnpackMatchCpuReference) {
-  KVT_SKIP_WITHOUT_GPU();
-  std::mt19937 rng(5);
-  struct P {
-    int32_t buffers;
-    int64_t pages, bytes, offset, stride_extra;
-    size_t misalign;
-  };
-  for (const P& p : {P{64, 100, 2048, 0, 0, 0}, P{3, 17, 777, 5, 9, 3}, P{8, 64, 32768, 0, 0, 0},
-                     P{2, 5, 1, 0, 0, 1}}) {
+struct PackCase {
+  int32_t buffers;
+  int64_t pages, bytes, offset, stride_extra;
+  size_t misalign;
+};
+
+const PackCase kPackCases[] = {
+    {64, 100, 2048, 0, 0, 0}, {3, 17, 777, 5, 9, 3}, {8, 64, 32768, 0, 0, 0}, {2, 5, 1, 0, 0, 1}};
+
+// Packs random pools into poisoned staging with `pack`, then unpacks fresh random staging into
+// poisoned pools with `unpack`, each against PackCpu / UnpackCpu, every byte compared.
+template <typename Pack, typename Unpack>
+void CheckPackUnpack(const std::vector<PackCase>& cases, uint32_t seed, Pack pack, Unpack unpack) {
+  std::mt19937 rng(seed);
+  for (const PackCase& p : cases) {
+    SCOPED_TRACE(::testing::Message()
+                 << p.buffers << " buffers x " << p.pages << " pages of " << p.bytes
+                 << " bytes, offset " << p.offset << ", misalign " << p.misalign);
     const int64_t stride = p.offset + p.bytes + p.stride_extra;
     const int64_t pool_pages = p.pages * 2;
     std::vector<std::unique_ptr<DeviceBytes>> pool;
@@ -254,7 +422,7 @@ TEST(PackGpuTest, PackAndUnpackMatchCpuReference) {
     host.staging = staging.host.data();
     auto stream = cuda::Stream::Create();
     ASSERT_TRUE(stream.ok());
-    KVT_ASSERT_OK(PackCuda(dev, stream->get()));
+    KVT_ASSERT_OK(pack(dev, stream->get()));
     KVT_ASSERT_OK(stream->Synchronize());
     KVT_ASSERT_OK(PackCpu(host));
     auto packed = staging.Download();
@@ -268,7 +436,7 @@ TEST(PackGpuTest, PackAndUnpackMatchCpuReference) {
       std::fill(buf->host.begin(), buf->host.end(), 0xA5);
       KVT_ASSERT_OK(buf->Upload());
     }
-    KVT_ASSERT_OK(UnpackCuda(dev, stream->get()));
+    KVT_ASSERT_OK(unpack(dev, stream->get()));
     KVT_ASSERT_OK(stream->Synchronize());
     KVT_ASSERT_OK(UnpackCpu(host));
     for (auto& buf : pool) {
@@ -276,6 +444,33 @@ TEST(PackGpuTest, PackAndUnpackMatchCpuReference) {
       ASSERT_TRUE(got.ok());
       ASSERT_EQ(*got, buf->host) << "unpack of " << p.bytes << "-byte items";
     }
+  }
+}
+
+TEST(PackGpuTest, PackAndUnpackMatchCpuReference) {
+  KVT_SKIP_WITHOUT_GPU();
+  CheckPackUnpack(
+      std::vector<PackCase>(std::begin(kPackCases), std::end(kPackCases)), 5,
+      [](const PackArgs& a, cudaStream_t s) { return PackCuda(a, s); },
+      [](const PackArgs& a, cudaStream_t s) { return UnpackCuda(a, s); });
+}
+
+// Pack and unpack descriptions (staging side: one base plus a buffer stride, no tables) through
+// the session 3 variants.
+TEST(PackGpuTest, Session3VariantsPackAndUnpack) {
+  KVT_SKIP_WITHOUT_GPU();
+  std::vector<PackCase> cases(std::begin(kPackCases), std::end(kPackCases));
+  cases.push_back({4, 9, 2048 * 5 + 16 * 33 + 4, 0, 12, 0});  // stages + partial + tail
+  cases.push_back({2, 7, 8192 * 2 + 96, 16, 0, 0});           // partial last chunk
+  cases.push_back({3, 5, 4096 * 4, 0, 0, 8});                 // 8-aligned: narrow path
+  uint32_t seed = 50;
+  for (const PageCopyTuning& t : Session3Tunings()) {
+    if (t.chunk_bytes == 48 || t.prefetch_l2 || !t.streaming) continue;  // fewer, all layouts
+    SCOPED_TRACE(TuningName(t));
+    CheckPackUnpack(
+        cases, seed++, [&](const PackArgs& a, cudaStream_t s) { return PackCudaTuned(a, t, s); },
+        [&](const PackArgs& a, cudaStream_t s) { return UnpackCudaTuned(a, t, s); });
+    if (HasFatalFailure()) return;
   }
 }
 

@@ -39,14 +39,31 @@ struct PageCopyTuning {
   // (cp.async.bulk.prefetch.L2; skipped when the source or length is not 16-aligned). Measured
   // slower on an H200 (docs/kernels.md); kept as an experiment knob.
   bool prefetch_l2 = false;
+  // Register software pipelining of the 16-byte path (session 3 experiment): each lane keeps two
+  // batches of `unroll` 16-byte registers and issues the loads of batch k+1 before the stores of
+  // batch k, so a warp always has loads in flight. Needs threads_per_item 32.
+  bool pipeline = false;
+  // Loads through shared memory with Ampere-style cp.async (session 3 experiment): each warp owns
+  // a ring of async_stages stages of 32 x unroll x 16 bytes in dynamic shared memory, issues the
+  // cp.async loads of stage k + async_stages - 1 while it drains stage k to global memory, so
+  // bytes in flight cost no registers. 16-aligned units only (others take the narrow path).
+  // Needs threads_per_item 32, not pipeline, and threads_per_block / 32 * async_stages * unroll
+  // * 512 bytes of shared memory per block (at most 227 KiB).
+  bool async_smem = false;
+  // Ring stages per warp for async_smem: 2..8 (checked whatever async_smem is).
+  int32_t async_stages = 4;
 };
 
 // The tuning PageCopyCuda uses.
 PageCopyTuning DefaultPageCopyTuning();
 
 // PageCopyCuda with explicit launch knobs (validated: unroll 4|8, threads a multiple of 32,
-// chunk_bytes 0 or a multiple of 16).
+// chunk_bytes 0 or a multiple of 16, the pipeline / async_smem constraints above).
 Status PageCopyCudaTuned(const PageCopyArgs& args, const PageCopyTuning& tuning,
                          cudaStream_t stream);
+
+// PackCuda / UnpackCuda with explicit launch knobs (validated as above).
+Status PackCudaTuned(const PackArgs& args, const PageCopyTuning& tuning, cudaStream_t stream);
+Status UnpackCudaTuned(const PackArgs& args, const PageCopyTuning& tuning, cudaStream_t stream);
 
 }  // namespace kvt::kernels
