@@ -101,7 +101,8 @@ struct TransferOptions {
   int iters = 10;
   int warmup = 2;
   int latency_requests = 1000;
-  int inflight = 4;  // pipelined figure: requests kept in flight (<= 1: not measured)
+  int inflight = 4;             // pipelined figure: requests kept in flight (<= 1: not measured)
+  int pipelined_requests = 64;  // pipelined figure: requests timed
   int layers = 32;
   int heads = 8;
   int head_dim = 128;
@@ -1376,9 +1377,10 @@ StatusOr<WholeRequests> RunWholeRequests(const TransferOptions& o, PeerLink& lin
 json PhaseBreakdown(const std::vector<Sample>& samples, const json& timelines, int pt,
                     std::string& row);
 
-// o.iters whole requests with o.inflight of them in flight at once (Receive of the next ones
-// before the oldest is done, as a decode node serving many requests does): GB/s = all their
-// bytes / the wall time from the first Receive to the last done. Empty when o.inflight <= 1.
+// o.pipelined_requests whole requests with o.inflight of them in flight at once (Receive of the
+// next ones before the oldest is done, as a decode node serving many requests does): GB/s = all
+// their bytes / the wall time from the first Receive to the last done (the first request's
+// latency and the last one's drain included). Empty when o.inflight <= 1.
 StatusOr<json> RunPipelined(const TransferOptions& o, PeerLink& link, DecodeSide& decode,
                             int64_t pages_per_request, double request_bytes, int pt,
                             std::string& phase_row) {
@@ -1410,8 +1412,9 @@ StatusOr<json> RunPipelined(const TransferOptions& o, PeerLink& link, DecodeSide
   std::vector<Sample> samples;
   Status failed;
   const auto t0 = Clock::now();
-  for (int started = 0, finished = 0; finished < o.iters;) {
-    while (failed.ok() && started < o.iters && static_cast<int>(window.size()) < o.inflight) {
+  const int total = o.pipelined_requests;
+  for (int started = 0, finished = 0; finished < total;) {
+    while (failed.ok() && started < total && static_cast<int>(window.size()) < o.inflight) {
       StatusOr<DecodeSide::Pending> p =
           decode.Start(fmt::format("p{}", started), pages_per_request);
       if (!p.ok()) {
@@ -1439,12 +1442,30 @@ StatusOr<json> RunPipelined(const TransferOptions& o, PeerLink& link, DecodeSide
                        link.Call({{"type", "stats"}, {"reset", true}}, std::chrono::seconds(30)));
   json phases = PhaseBreakdown(samples, stats.at("timelines"), pt, phase_row);
   phase_row += fmt::format("  ({} in flight)", o.inflight);
+  // Every request's stamps, µs from the first Receive: how the requests overlapped.
+  json per_request = json::array();
+  const int64_t origin = SteadyNs(t0);
+  auto us = [origin](int64_t ns) { return ns == 0 ? json(nullptr) : json((ns - origin) / 1e3); };
+  for (const Sample& s : samples) {
+    json r = {{"room", s.room},
+              {"receive", us(SteadyNs(s.posted))},
+              {"request_sent", us(SteadyNs(s.request_sent))},
+              {"done_seen", us(SteadyNs(s.finished))}};
+    if (stats.at("timelines").contains(s.room)) {
+      const std::vector<int64_t> t = stats.at("timelines").at(s.room);
+      const char* names[] = {"prefill_request_seen", "prefill_source_ready", "prefill_first_post",
+                             "prefill_last_post", "prefill_finished"};
+      for (size_t k = 0; k < t.size() && k < 5; ++k) r[names[k]] = us(t[k]);
+    }
+    per_request.push_back(r);
+  }
   return json{{"inflight", o.inflight},
-              {"requests", o.iters},
+              {"requests", total},
               {"wall_ms", wall_ms},
-              {"gbps", GBps(request_bytes * o.iters, wall_ms)},
+              {"gbps", GBps(request_bytes * total, wall_ms)},
               {"latency", latencies.ToJson(1.0, "ms")},
-              {"phases", phases}};
+              {"phases", phases},
+              {"per_request_us", per_request}};
 }
 
 // Where a whole request's time went, p50 over `samples` (decode side) joined with the prefill
@@ -2092,6 +2113,7 @@ Status RunTransferGpu(const TransferOptions& o, int device) {
            {"warmup", o.warmup},
            {"latency_requests", o.latency_requests},
            {"inflight", o.inflight},
+           {"pipelined_requests", o.pipelined_requests},
            {"peer_items", o.peer_items},
            {"layer_time_us", o.layer_time_us},
            {"layerwise_requests", o.layerwise_requests},
@@ -2224,12 +2246,13 @@ Status RunTransfer(const TransferOptions& options) {
                     options.heads, options.head_dim));
   }
   if (options.tokens < 0 || options.iters <= 0 || options.warmup < 0 ||
-      options.latency_requests < 0 || options.timeout_s <= 0) {
+      options.latency_requests < 0 || options.timeout_s <= 0 ||
+      (options.inflight > 1 && options.pipelined_requests <= 0)) {
     return InvalidArgument(fmt::format(
         "--iters ({}) and --timeout ({}) must be > 0, --tokens ({}; 0 = automatic), --warmup ({}) "
-        "and --latency-requests ({}) >= 0",
-        options.iters, options.timeout_s, options.tokens, options.warmup,
-        options.latency_requests));
+        "and --latency-requests ({}) >= 0, --pipelined-requests ({}) > 0 with --inflight > 1",
+        options.iters, options.timeout_s, options.tokens, options.warmup, options.latency_requests,
+        options.pipelined_requests));
   }
   if (options.backend != "ucx" && options.backend != "loopback" && options.backend != "cuda_ipc") {
     return InvalidArgument("--backend is '" + options.backend + "'; use ucx, loopback or cuda_ipc");
@@ -2285,7 +2308,11 @@ Status RunTransfer(const TransferOptions& options) {
                        {"warmup", o.warmup},
                        {"latency_requests", o.latency_requests},
                        {"inflight", o.inflight},
+                       {"pipelined_requests", o.pipelined_requests},
+                       {"pipelined_requests", o.pipelined_requests},
                        {"inflight", o.inflight},
+                       {"pipelined_requests", o.pipelined_requests},
+                       {"pipelined_requests", o.pipelined_requests},
                        {"pool_per_side", o.pool_bytes},
                        {"seed", o.seed}};
   doc["notes"] =
@@ -2344,9 +2371,9 @@ Status RunTransfer(const TransferOptions& options) {
       "all requests / loop wall time; memcpy = one thread, contiguous; ctg put = raw backend, one "
       "contiguous run of the same bytes between the two processes; raw runs = raw backend posting "
       "the same runs as one kvt request; post ms = prefill Send+LayersReady (posting every "
-      "run); pipe = GB/s with {} requests in flight (all bytes / wall time, first Receive -> last "
-      "done), pipe/put = pipe / ctg put.\n",
-      o.inflight);
+      "run); pipe = GB/s of {} requests with {} in flight (all bytes / wall time, first Receive -> "
+      "last done), pipe/put = pipe / ctg put.\n",
+      o.pipelined_requests, o.inflight);
   if (!o.json_path.empty()) {
     KVT_RETURN_IF_ERROR(WriteJson(o.json_path, doc));
     fmt::print("wrote {}\n", o.json_path);
@@ -2389,6 +2416,9 @@ void AddTransferCommand(CLI::App& app, int& exit_code) {
       ->capture_default_str();
   cmd->add_option("--inflight", opts->inflight,
                   "pipelined figure: whole requests kept in flight at once (<= 1: not measured)")
+      ->capture_default_str();
+  cmd->add_option("--pipelined-requests", opts->pipelined_requests,
+                  "pipelined figure: whole requests timed (first Receive -> last done)")
       ->capture_default_str();
   cmd->add_option("--layers", opts->layers, "layers (2 x layers buffers)")->capture_default_str();
   cmd->add_option("--heads", opts->heads, "KV heads")->capture_default_str();

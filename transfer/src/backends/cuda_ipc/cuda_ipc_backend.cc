@@ -223,6 +223,7 @@ class CudaIpcBackend final : public Backend {
       if (drained.ok()) drained = DrainLocked("the cuda_ipc stream at shutdown");
       // Host functions on the notify stream name this object: let them run out first.
       if (drained.ok() && notify_stream_.get() != nullptr) drained = notify_stream_.Synchronize();
+      if (drained.ok() && copy_stream_.get() != nullptr) drained = copy_stream_.Synchronize();
     }
     if (!drained.ok()) {
       // The GPU may still read scratch tables or write through the mappings: keep them.
@@ -370,8 +371,10 @@ class CudaIpcBackend final : public Backend {
     if (stream_.get() == nullptr || device != device_) {
       KVT_ASSIGN_OR_RETURN(cuda::Stream stream, cuda::Stream::Create(device));
       KVT_ASSIGN_OR_RETURN(cuda::Stream notify, cuda::Stream::Create(device));
+      KVT_ASSIGN_OR_RETURN(cuda::Stream copy, cuda::Stream::Create(device));
       stream_ = std::move(stream);
       notify_stream_ = std::move(notify);
+      copy_stream_ = std::move(copy);
       free_.clear();  // scratch of another device
     }
     ProcessAddress self = Self();
@@ -575,6 +578,7 @@ class CudaIpcBackend final : public Backend {
   struct Slot {
     cuda::PinnedBuffer host;
     cuda::DeviceBuffer device;
+    cuda::Event staged;  // the tables' upload (copy stream) finished
     cuda::Event done;
   };
   struct Peer {
@@ -671,6 +675,7 @@ class CudaIpcBackend final : public Backend {
       free_.pop_back();
     } else {
       slot = std::make_unique<Slot>();
+      KVT_ASSIGN_OR_RETURN(slot->staged, cuda::Event::Create(/*timing=*/false));
       KVT_ASSIGN_OR_RETURN(slot->done, cuda::Event::Create(/*timing=*/false));
     }
     const size_t capacity = std::bit_ceil(std::max(bytes, kMinScratchBytes));
@@ -731,11 +736,24 @@ class CudaIpcBackend final : public Backend {
     const cudaStream_t stream = stream_.get();
     // A launch error left on this thread by the caller's own work must not be reported as ours.
     (void)cudaGetLastError();
+    // The tables go up on the copy stream, so the upload overlaps the copies already queued on
+    // the transfer stream instead of sitting between two of them; the transfer stream waits
+    // for it first thing (so the completion event covers it).
     Status staged = cuda::ToStatus(cudaMemcpyAsync(slot->device.data(), slot->host.data(), bytes,
-                                                   cudaMemcpyHostToDevice, stream),
+                                                   cudaMemcpyHostToDevice, copy_stream_.get()),
                                    "cudaMemcpyAsync of the write's tables");
+    if (staged.ok()) staged = slot->staged.Record(copy_stream_.get());
+    if (staged.ok()) {
+      staged = cuda::ToStatus(cudaStreamWaitEvent(stream, slot->staged.get(), 0),
+                              "cudaStreamWaitEvent on the tables' upload");
+    }
     if (!staged.ok()) {
-      RecycleLocked(std::move(slot));  // nothing was enqueued
+      // The upload may still read the pinned tables: retire the slot behind the copy stream.
+      if (copy_stream_.Synchronize().ok()) {
+        RecycleLocked(std::move(slot));
+      } else {
+        (void)slot.release();
+      }
       return staged;
     }
     Status posted = OkStatus();
@@ -808,6 +826,7 @@ class CudaIpcBackend final : public Backend {
   int device_ = -1;             // the registered buffers' device; -1 before Register
   cuda::Stream stream_;         // the transfer stream (non-blocking) on device_; destroyed last
   cuda::Stream notify_stream_;  // completion host functions, behind each write's event
+  cuda::Stream copy_stream_;    // uploads of the writes' tables
   std::vector<LocalRegion> local_;
   std::unordered_map<PeerId, Peer> peers_;
   std::unordered_map<WriteId, Write> writes_;
