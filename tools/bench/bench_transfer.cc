@@ -2219,9 +2219,12 @@ Status RunTransferGpu(const TransferOptions& o, int device) {
         "CUDA events); per-page / batch = one cudaMemcpyAsync per (buffer, page) / "
         "cudaMemcpyBatchAsync into the decode pool through CUDA IPC, timed on {} items of each "
         "request (see JSON items_timed) and scaled by bytes; wr/req = backend writes per request; "
-        "post ms = prefill Send + LayersReady. Layerwise: tail = decode done - last layer's event "
-        "seen complete (host CLOCK_MONOTONIC in both processes); T meas = median layer interval.\n",
-        o.peer_items == 0 ? std::string("all") : fmt::format("up to {}", o.peer_items));
+        "post ms = prefill Send + LayersReady; pipe = GB/s of {} requests with {} in flight (all "
+        "bytes / wall time, first Receive -> last done). Layerwise: tail = decode done - last "
+        "layer's event seen complete (host CLOCK_MONOTONIC in both processes); T meas = median "
+        "layer interval.\n",
+        o.peer_items == 0 ? std::string("all") : fmt::format("up to {}", o.peer_items),
+        o.pipelined_requests, o.inflight);
   } else {
     fmt::print(
         "\nkvt GB/s = request bytes / p50 latency (before Receive -> done seen on the decode "
