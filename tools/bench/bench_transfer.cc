@@ -120,6 +120,9 @@ struct TransferOptions {
   double layer_time_us = 200;  // simulated forward: spin per layer
   int layerwise_requests = 10;
   int spin_blocks = 0;  // 0: one per multiprocessor
+  // CUDA pools: the prefill side as a thread of this process instead of a child process (the
+  // cuda_ipc backend then writes the pool directly, without CUDA IPC mappings; diagnostic).
+  bool same_process = false;
 };
 
 constexpr int64_t kGpuRequestBytes = int64_t{1} << 30;  // default request size on CUDA pools
@@ -1844,7 +1847,7 @@ Status RunGpuPageSizeBody(const TransferOptions& o, const SideConfig& c, int64_t
   const bool ipc = c.backend == "cuda_ipc";
   const auto reply_timeout = std::chrono::seconds(o.timeout_s * (o.iters + o.warmup + 2) + 120);
 
-  KVT_ASSIGN_OR_RETURN(link, PeerLink::Start(/*in_process=*/false));
+  KVT_ASSIGN_OR_RETURN(link, PeerLink::Start(o.same_process));
   KVT_RETURN_IF_ERROR(SendMessage(link->fd(), c.ToJson()));
   KVT_ASSIGN_OR_RETURN(json ready, link->Reply(std::chrono::seconds(180)));
   KVT_ASSIGN_OR_RETURN(decode, DecodeSide::Create(c, ready.at("port").get<uint16_t>(), json()));
@@ -2118,6 +2121,7 @@ Status RunTransferGpu(const TransferOptions& o, int device) {
            {"layer_time_us", o.layer_time_us},
            {"layerwise_requests", o.layerwise_requests},
            {"spin_blocks", o.spin_blocks},
+           {"same_process", o.same_process},
            {"pool_per_side", o.pool_bytes.empty() ? "2 requests + 1 page" : o.pool_bytes},
            {"seed", o.seed},
            {"verify", o.verify}};
@@ -2456,6 +2460,10 @@ void AddTransferCommand(CLI::App& app, int& exit_code) {
   cmd->add_option("--layerwise-requests", opts->layerwise_requests,
                   "CUDA pools: simulated-forward requests timed per page size (0: none)")
       ->capture_default_str();
+  cmd->add_flag("--same-process", opts->same_process,
+                "CUDA pools: run the prefill side as a thread of this process (cuda_ipc then "
+                "writes without CUDA IPC mappings; the per-page peers, which need them, are not "
+                "measured); a diagnostic of what the mappings cost");
   cmd->add_option("--spin-blocks", opts->spin_blocks,
                   "CUDA pools, layerwise: blocks of 32 threads of the spin kernel (0: one per SM)")
       ->capture_default_str();
