@@ -12,6 +12,7 @@
 #include <thread>
 #include <vector>
 
+#include "backend_test_util.h"
 #include "backends/ucx/ucx_backend.h"
 #include "kvt/transfer/backend.h"
 #include "kvt/transfer/backends.h"
@@ -19,20 +20,13 @@
 namespace kvt::transfer {
 namespace {
 
+using testing::WaitFor;
+
 constexpr int kBuffers = 4;
 constexpr uint64_t kItem = 4096;
 constexpr uint64_t kPages = 64;
 constexpr uint64_t kBufferBytes = kItem * kPages;
 constexpr uint8_t kPoison = 0xEE;
-
-Status WaitFor(Backend& backend, WriteId id) {
-  for (int i = 0; i < 20000; ++i) {
-    Status st = backend.Check(id);
-    if (st.code() != StatusCode::kInProgress) return st;
-    std::this_thread::sleep_for(std::chrono::microseconds(500));
-  }
-  return DeadlineExceeded("write did not finish in 10 s");
-}
 
 class UcxDirectTest : public ::testing::Test {
  protected:
