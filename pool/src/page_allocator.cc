@@ -1,7 +1,7 @@
 #include "kvt/pool/page_allocator.h"
 
+#include <algorithm>
 #include <string>
-#include <unordered_map>
 
 namespace kvt::pool {
 
@@ -42,32 +42,33 @@ StatusOr<std::vector<int32_t>> PageAllocator::Allocate(int64_t n) {
 
 Status PageAllocator::Free(std::span<const int32_t> pages) {
   std::lock_guard<std::mutex> lock(mu_);
-  // Validate everything first: a bad list must leave the allocator untouched.
-  std::unordered_map<int32_t, size_t> seen;
-  seen.reserve(pages.size());
+  // One pass marks each page free as it is checked (no allocation, no per-page string: freeing a
+  // request's 8192 pages must not cost milliseconds); a bad id rolls the marks back, so a bad
+  // list leaves the allocator untouched.
+  auto refuse = [&](size_t i, const std::string& why) {
+    for (size_t j = 0; j < i; ++j) allocated_[pages[j]] = true;
+    return InvalidArgument("page id " + std::to_string(pages[i]) + " at position " +
+                           std::to_string(i) + why);
+  };
   for (size_t i = 0; i < pages.size(); ++i) {
     const int32_t id = pages[i];
-    const std::string where = "page id " + std::to_string(id) + " at position " + std::to_string(i);
-    if (id == 0) {
-      return InvalidArgument(where + " is the dummy page, which is never allocated");
-    }
+    if (id == 0) return refuse(i, " is the dummy page, which is never allocated");
     if (id < 0 || id > num_pages_) {
-      return InvalidArgument(where + " is not a page of this allocator (valid ids 1.." +
-                             std::to_string(num_pages_) + ")");
+      return refuse(
+          i, " is not a page of this allocator (valid ids 1.." + std::to_string(num_pages_) + ")");
     }
     if (!allocated_[id]) {
-      return InvalidArgument(where + " is not allocated (double free?)");
-    }
-    const auto [it, inserted] = seen.emplace(id, i);
-    if (!inserted) {
-      return InvalidArgument(where + " repeats position " + std::to_string(it->second) +
+      // Either never allocated, or listed earlier in this call (which marked it free).
+      const auto first = std::find(pages.begin(), pages.begin() + static_cast<ptrdiff_t>(i), id);
+      if (first != pages.begin() + static_cast<ptrdiff_t>(i)) {
+        return refuse(i, " repeats position " + std::to_string(first - pages.begin()) +
                              " (double free in one call)");
+      }
+      return refuse(i, " is not allocated (double free?)");
     }
-  }
-  for (int32_t id : pages) {
     allocated_[id] = false;
-    free_ids_.push_back(id);
   }
+  free_ids_.insert(free_ids_.end(), pages.begin(), pages.end());
   return OkStatus();
 }
 

@@ -94,6 +94,21 @@ TEST(PageAllocatorTest, DuplicateInOneCallIsRefused) {
   EXPECT_TRUE(a->IsAllocated(2));
 }
 
+TEST(PageAllocatorTest, ABadIdLateInALongListLeavesEveryPageAllocated) {
+  auto a = Make(10000);
+  auto pages = a->Allocate(8192);
+  ASSERT_TRUE(pages.ok());
+  std::vector<int32_t> list = *pages;
+  list.push_back(list[100]);  // a repeat at the end: everything before it was checked first
+  Status st = a->Free(list);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(st.message(), HasSubstr("at position 8192 repeats position 100"));
+  for (int32_t id : *pages) ASSERT_TRUE(a->IsAllocated(id)) << id;
+  EXPECT_EQ(a->NumFree(), 10000 - 8192);
+  ASSERT_TRUE(a->Free(*pages).ok());  // the same list without the repeat frees them all
+  EXPECT_EQ(a->NumFree(), 10000);
+}
+
 TEST(PageAllocatorTest, ForeignAndDummyIdsAreRefused) {
   auto a = Make(4);
   ASSERT_TRUE(a->Allocate(4).ok());
