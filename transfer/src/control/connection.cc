@@ -1,10 +1,12 @@
 #include "connection.h"
 
 #include <fmt/format.h>
+#include <sys/socket.h>
 
 #include <boost/asio/dispatch.hpp>
 #include <boost/asio/post.hpp>
 #include <boost/asio/write.hpp>
+#include <cerrno>
 #include <exception>
 #include <utility>
 
@@ -82,6 +84,30 @@ Status Connection::Send(const v1::Envelope& envelope) {
         "{}): the peer reads too slowly; retry later",
         config_.id, remote_address_, frames - 1, bytes - frame.size(),
         config_.limits.max_queued_frames, config_.limits.max_queued_bytes));
+  }
+  {
+    // Nothing queued and nothing being written: write the frame here, now. What the socket does
+    // not take at once (a full send buffer) continues on the strand before any later frame.
+    std::unique_lock<std::mutex> lock(write_mu_);
+    if (direct_ok_ && !writing_ && write_queue_.empty()) {
+      const ssize_t n =
+          ::send(socket_.native_handle(), frame.data(), frame.size(), MSG_DONTWAIT | MSG_NOSIGNAL);
+      if (n == static_cast<ssize_t>(frame.size())) {
+        queued_frames_.fetch_sub(1);
+        queued_bytes_.fetch_sub(frame.size());
+        return OkStatus();
+      }
+      if (n > 0) {
+        queued_bytes_.fetch_sub(static_cast<size_t>(n));
+        frame.erase(0, static_cast<size_t>(n));
+      }
+      // n < 0 (EAGAIN, or an error the strand's write will meet and report): the strand retries.
+      writing_ = true;
+      write_queue_.push_back(std::move(frame));
+      lock.unlock();
+      asio::post(strand_, [self = shared_from_this()] { self->ResumeWrite(); });
+      return OkStatus();
+    }
   }
   // dispatch, not post: a handler that replies from the strand (the usual case) queues its reply
   // at once, ahead of anything the rest of the current read produces (e.g. an Error frame).
@@ -418,6 +444,10 @@ void Connection::OnAuthResult(const v1::Envelope& envelope) {
 void Connection::Open() {
   state_ = State::kOpen;
   was_open_ = true;
+  {
+    std::lock_guard<std::mutex> lock(write_mu_);
+    direct_ok_ = true;
+  }
   CancelTimer(handshake_timer_);
   if (config_.limits.heartbeat_interval.count() > 0) ArmHeartbeatTimer();
   ConnectionInfo info;
@@ -478,6 +508,10 @@ void Connection::BeginClose(Status why, bool flush) {
   if (closing_or_closed()) return;
   close_reason_ = std::move(why);
   closing_.store(true);
+  {
+    std::lock_guard<std::mutex> lock(write_mu_);
+    direct_ok_ = false;  // from here on frames go through the queue (draining sends them)
+  }
   CancelTimer(handshake_timer_);
   CancelTimer(idle_timer_);
   CancelTimer(heartbeat_timer_);
@@ -492,9 +526,12 @@ void Connection::BeginClose(Status why, bool flush) {
   linger_timer_.async_wait([self = shared_from_this()](const boost::system::error_code& ec) {
     if (!ec && self->state_ == State::kDraining) self->FinishClose();
   });
-  if (!writing_ && write_queue_.empty()) {
-    boost::system::error_code ignored;
-    socket_.shutdown(tcp::socket::shutdown_send, ignored);
+  {
+    std::lock_guard<std::mutex> lock(write_mu_);
+    if (!writing_ && write_queue_.empty()) {
+      boost::system::error_code ignored;
+      socket_.shutdown(tcp::socket::shutdown_send, ignored);
+    }
   }
   if (!reading_) ReadSome();
 }
@@ -509,10 +546,21 @@ void Connection::FinishClose() {
   CancelTimer(idle_timer_);
   CancelTimer(heartbeat_timer_);
   CancelTimer(linger_timer_);
-  boost::system::error_code ignored;
-  socket_.shutdown(tcp::socket::shutdown_both, ignored);
-  socket_.close(ignored);
-  if (!writing_) write_queue_.clear();  // else OnWrite clears it once the write is cancelled
+  {
+    // Under the write lock: no Send() is writing to the descriptor while it closes.
+    std::lock_guard<std::mutex> lock(write_mu_);
+    direct_ok_ = false;
+    boost::system::error_code ignored;
+    socket_.shutdown(tcp::socket::shutdown_both, ignored);
+    socket_.close(ignored);
+    if (!writing_) {  // else OnWrite clears it once the write is cancelled
+      for (const std::string& frame : write_queue_) {
+        queued_frames_.fetch_sub(1);
+        queued_bytes_.fetch_sub(frame.size());
+      }
+      write_queue_.clear();
+    }
+  }
   KVT_LOG_DEBUG("ctl", "connection {} ({}) closed: {}", config_.id, remote_address_,
                 close_reason_.ToString());
   ConnectionCallbacks callbacks = std::move(callbacks_);
@@ -551,11 +599,12 @@ void Connection::EnqueueFrame(std::string frame) {
     queued_bytes_.fetch_sub(frame.size());
     return;
   }
+  std::lock_guard<std::mutex> lock(write_mu_);
   write_queue_.push_back(std::move(frame));
-  if (!writing_) WriteNext();
+  if (!writing_) WriteNextLocked();
 }
 
-void Connection::WriteNext() {
+void Connection::WriteNextLocked() {
   if (write_queue_.empty()) {
     writing_ = false;
     if (state_ == State::kDraining) {
@@ -565,13 +614,32 @@ void Connection::WriteNext() {
     return;
   }
   writing_ = true;
+  StartWriteLocked();
+}
+
+void Connection::StartWriteLocked() {
   asio::async_write(socket_, asio::buffer(write_queue_.front()),
                     [self = shared_from_this()](const boost::system::error_code& ec, size_t) {
                       self->OnWrite(ec);
                     });
 }
 
+void Connection::ResumeWrite() {
+  std::lock_guard<std::mutex> lock(write_mu_);
+  if (state_ == State::kClosed) {  // closed meanwhile: the frame will never go out
+    writing_ = false;
+    for (const std::string& frame : write_queue_) {
+      queued_frames_.fetch_sub(1);
+      queued_bytes_.fetch_sub(frame.size());
+    }
+    write_queue_.clear();
+    return;
+  }
+  StartWriteLocked();
+}
+
 void Connection::OnWrite(const boost::system::error_code& ec) {
+  std::unique_lock<std::mutex> lock(write_mu_);
   queued_frames_.fetch_sub(1);
   queued_bytes_.fetch_sub(write_queue_.front().size());
   write_queue_.pop_front();
@@ -586,6 +654,7 @@ void Connection::OnWrite(const boost::system::error_code& ec) {
   }
   if (ec) {
     writing_ = false;
+    lock.unlock();
     if (state_ != State::kDraining) {
       close_reason_ = Unavailable(fmt::format("connection {} to {}: write failed: {}", config_.id,
                                               remote_address_, ec.message()));
@@ -594,7 +663,7 @@ void Connection::OnWrite(const boost::system::error_code& ec) {
     FinishClose();
     return;
   }
-  WriteNext();
+  WriteNextLocked();
 }
 
 }  // namespace kvt::control::internal

@@ -15,6 +15,7 @@
 #include <deque>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -103,7 +104,12 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // Queues a frame built on the strand; `bypass_limits` for the final Error frame.
   Status SendNow(const v1::Envelope& envelope, bool bypass_limits);
   void EnqueueFrame(std::string frame);
-  void WriteNext();
+  // write_mu_ held: writes the queue's next frame, or marks writing done.
+  void WriteNextLocked();
+  // write_mu_ held, writing_ set: starts the asynchronous write of the queue's front frame.
+  void StartWriteLocked();
+  // Strand: continues a frame that Send() started writing on its own thread.
+  void ResumeWrite();
   void OnWrite(const boost::system::error_code& ec);
 
   void ArmIdleTimer(std::chrono::steady_clock::duration after);
@@ -122,8 +128,6 @@ class Connection : public std::enable_shared_from_this<Connection> {
   Status close_reason_;
   FrameDecoder decoder_;
   std::vector<char> read_buffer_;
-  std::deque<std::string> write_queue_;
-  bool writing_ = false;
   bool reading_ = false;
   std::string nonce_;         // server: the challenge nonce; client: the server's nonce
   std::string client_nonce_;  // client: ours, when asking for the server's proof
@@ -138,6 +142,13 @@ class Connection : public std::enable_shared_from_this<Connection> {
   asio::steady_timer heartbeat_timer_;
   asio::steady_timer linger_timer_;
 
+  // The write side, shared with Send() callers on other threads: a Send() that finds nothing
+  // queued and nothing being written writes its frame straight to the socket on its own thread
+  // (no hop to the connection's thread: a control message's latency is mostly wake-ups).
+  std::mutex write_mu_;
+  std::deque<std::string> write_queue_;  // guarded by write_mu_
+  bool writing_ = false;                 // guarded by write_mu_; a frame is being written
+  bool direct_ok_ = false;               // guarded by write_mu_; open, and the socket is not closed
   // Shared with Send() callers on other threads.
   std::atomic<bool> closing_{false};
   std::atomic<size_t> queued_frames_{0};

@@ -306,14 +306,16 @@ class TransferEngine::Impl : public control::ControlHandler {
       req->set_deadline_ms(static_cast<uint32_t>(deadline.count()));
       req->set_backend(std::string(backend_->Name()));
       client = peer->second->client.get();
-      // Sent under the lock so that the answer cannot overtake the room's state change.
+      // Sent under the lock so that the answer cannot overtake the room's state change. Stamped
+      // before: the send may write to the socket on this thread, and the peer may act on it
+      // before this thread runs again.
+      room.request_sent = Clock::now();
       Status sent = client->Send(envelope);
       if (!sent.ok()) {
         room.pages_reusable = true;  // nothing was asked of the peer
         FailLocked(room, sent.WithContext("sending the transfer request"));
         return sent;
       }
-      room.request_sent = Clock::now();
       AdvanceState(room, RequestState::kWaitingForInput);
     }
     return OkStatus();

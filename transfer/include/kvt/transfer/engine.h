@@ -63,8 +63,9 @@ struct RequestInfo {
   std::chrono::steady_clock::time_point created;
   std::chrono::steady_clock::time_point finished;  // valid in final states
   // Where a request's time went (steady_clock, one clock for every process of a host; a
-  // default-constructed point = not reached). Decode: `request_sent` = the TransferRequest was
-  // handed to the control connection; `finished` = TransferDone processed. Prefill:
+  // default-constructed point = not reached). Decode: `request_sent` = the TransferRequest is
+  // handed to the control connection (stamped just before); `finished` = TransferDone
+  // processed. Prefill:
   // `request_seen` = the TransferRequest arrived; `source_ready` = the request, Send and
   // LayersReady up to the layer range's end were all in (the earliest moment the last write
   // could be posted); `first_post` / `last_post` = the backend accepted the
