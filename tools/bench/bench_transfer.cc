@@ -119,7 +119,8 @@ struct TransferOptions {
   int64_t peer_items = 16384;  // per-page / batch peers: items timed (0: all)
   double layer_time_us = 200;  // simulated forward: spin per layer
   int layerwise_requests = 10;
-  int spin_blocks = 0;  // 0: one per multiprocessor
+  int spin_blocks = 0;          // 0: one per multiprocessor
+  int64_t device_spin_us = -1;  // prefill engine's device_spin; < 0: its default
   // CUDA pools: the prefill side as a thread of this process instead of a child process (the
   // cuda_ipc backend then writes the pool directly, without CUDA IPC mappings; diagnostic).
   bool same_process = false;
@@ -289,6 +290,7 @@ struct SideConfig {
   int64_t ucx_staging_slot_bytes = int64_t{4} << 20;
   int64_t layer_time_ns = 200000;
   int spin_blocks = 0;
+  int64_t device_spin_us = -1;  // prefill EngineOptions::device_spin; < 0: the engine's default
 
   json ToJson() const {
     return {{"backend", backend},
@@ -309,7 +311,8 @@ struct SideConfig {
             {"ucx_staging_slots", ucx_staging_slots},
             {"ucx_staging_slot_bytes", ucx_staging_slot_bytes},
             {"layer_time_ns", layer_time_ns},
-            {"spin_blocks", spin_blocks}};
+            {"spin_blocks", spin_blocks},
+            {"device_spin_us", device_spin_us}};
   }
   static StatusOr<SideConfig> FromJson(const json& j) {
     SideConfig c;
@@ -333,6 +336,7 @@ struct SideConfig {
       c.ucx_staging_slot_bytes = j.value("ucx_staging_slot_bytes", int64_t{4} << 20);
       c.layer_time_ns = j.value("layer_time_ns", int64_t{200000});
       c.spin_blocks = j.value("spin_blocks", 0);
+      c.device_spin_us = j.value("device_spin_us", int64_t{-1});
     } catch (const json::exception& e) {
       return DataLoss(std::string("malformed peer configuration: ") + e.what());
     }
@@ -574,7 +578,11 @@ class PrefillPeer {
     e.backend_options = config_.BackendOptions();
     e.server.bind_address = "127.0.0.1";
     e.default_deadline = std::chrono::seconds(config_.timeout_s);
-    e.retention = std::chrono::milliseconds(0);  // the poller sweeps final rooms within ~1 s
+    // Final rooms are kept for the timelines the stats reply carries (pipelined runs last seconds).
+    e.retention = std::chrono::minutes(2);
+    if (config_.device_spin_us >= 0) {
+      e.device_spin = std::chrono::microseconds(config_.device_spin_us);
+    }
     e.on_transfer_request = [this](const std::string& room, size_t num_pages) {
       OnTransferRequest(room, num_pages);
     };
@@ -2031,6 +2039,7 @@ Status RunGpuPageSize(const TransferOptions& o, int pt, int device, int64_t per_
   KVT_ASSIGN_OR_RETURN(c.ucx_staging_slot_bytes, ParseBytes(o.ucx_staging_slot_bytes));
   c.layer_time_ns = static_cast<int64_t>(std::llround(o.layer_time_us * 1000));
   c.spin_blocks = o.spin_blocks;
+  c.device_spin_us = o.device_spin_us;
 
   out = json{{"page_tokens", pt},
              {"pages_per_request", pages_per_request},
@@ -2121,6 +2130,7 @@ Status RunTransferGpu(const TransferOptions& o, int device) {
            {"layer_time_us", o.layer_time_us},
            {"layerwise_requests", o.layerwise_requests},
            {"spin_blocks", o.spin_blocks},
+           {"device_spin_us", o.device_spin_us},
            {"same_process", o.same_process},
            {"pool_per_side", o.pool_bytes.empty() ? "2 requests + 1 page" : o.pool_bytes},
            {"seed", o.seed},
@@ -2464,6 +2474,11 @@ void AddTransferCommand(CLI::App& app, int& exit_code) {
                 "CUDA pools: run the prefill side as a thread of this process (cuda_ipc then "
                 "writes without CUDA IPC mappings; the per-page peers, which need them, are not "
                 "measured); a diagnostic of what the mappings cost");
+  cmd->add_option(
+         "--device-spin-us", opts->device_spin_us,
+         "CUDA pools: the prefill engine's EngineOptions::device_spin (how long its poller "
+         "watches a device write between passes; < 0: the engine's default, 200)")
+      ->capture_default_str();
   cmd->add_option("--spin-blocks", opts->spin_blocks,
                   "CUDA pools, layerwise: blocks of 32 threads of the spin kernel (0: one per SM)")
       ->capture_default_str();
