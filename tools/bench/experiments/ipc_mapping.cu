@@ -72,6 +72,28 @@ __global__ void Scatter(const uint4* __restrict__ src, uint4* __restrict__ dst,
   }
 }
 
+// Median of 6 timed launches (after one untimed) of `launch(sms)`, CUDA events, in ms.
+template <typename Launch>
+double MedianMs(Launch launch) {
+  int sms = 0;
+  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  std::vector<float> ms;
+  for (int i = 0; i < 7; ++i) {
+    CK(cudaEventRecord(a));
+    launch(sms);
+    CK(cudaEventRecord(b));
+    CK(cudaEventSynchronize(b));
+    float t = 0;
+    CK(cudaEventElapsedTime(&t, a, b));
+    if (i > 0) ms.push_back(t);
+  }
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
 // Item w goes to buffer w / (items / 64) (buffer-major, as PageCopyKernel enumerates), slot
 // dst_item[w] of that buffer.
 __global__ void Scatter64(const uint4* __restrict__ src, uint4* const* __restrict__ dst,
@@ -116,24 +138,10 @@ double TimeScatter64(const std::vector<void*>& dsts, size_t buffer_bytes) {
   CK(cudaMemcpy(ds, s.data(), kItems * 4, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(dd, d.data(), kItems * 4, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(table, dsts.data(), 64 * sizeof(void*), cudaMemcpyHostToDevice));
-  int sms = 0;
-  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
-  std::vector<float> ms;
-  for (int i = 0; i < 7; ++i) {
-    CK(cudaEventRecord(a));
+  return MedianMs([&](int sms) {
     Scatter64<<<sms * 4, 256>>>(static_cast<const uint4*>(src),
                                 reinterpret_cast<uint4* const*>(table), ds, dd, kItems);
-    CK(cudaEventRecord(b));
-    CK(cudaEventSynchronize(b));
-    float t = 0;
-    CK(cudaEventElapsedTime(&t, a, b));
-    if (i > 0) ms.push_back(t);
-  }
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
+  });
 }
 
 std::string Hex(const cudaIpcMemHandle_t& h) {
@@ -171,27 +179,14 @@ double TimeScatter(void* dst, size_t dst_bytes) {
   CK(cudaMalloc(&dd, kItems * 4));
   CK(cudaMemcpy(ds, s.data(), kItems * 4, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(dd, d.data(), kItems * 4, cudaMemcpyHostToDevice));
-  int sms = 0;
-  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
-  std::vector<float> ms;
-  for (int i = 0; i < 7; ++i) {
-    CK(cudaEventRecord(a));
+  const double ms = MedianMs([&](int sms) {
     Scatter<<<sms * 4, 256>>>(static_cast<const uint4*>(src), static_cast<uint4*>(dst), ds, dd,
                               kItems);
-    CK(cudaEventRecord(b));
-    CK(cudaEventSynchronize(b));
-    float t = 0;
-    CK(cudaEventElapsedTime(&t, a, b));
-    if (i > 0) ms.push_back(t);
-  }
-  std::sort(ms.begin(), ms.end());
+  });
   CK(cudaFree(src));
   CK(cudaFree(ds));
   CK(cudaFree(dd));
-  return ms[ms.size() / 2];
+  return ms;
 }
 
 void Report(const char* mode, size_t bytes, double ms) {

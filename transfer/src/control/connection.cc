@@ -553,13 +553,7 @@ void Connection::FinishClose() {
     boost::system::error_code ignored;
     socket_.shutdown(tcp::socket::shutdown_both, ignored);
     socket_.close(ignored);
-    if (!writing_) {  // else OnWrite clears it once the write is cancelled
-      for (const std::string& frame : write_queue_) {
-        queued_frames_.fetch_sub(1);
-        queued_bytes_.fetch_sub(frame.size());
-      }
-      write_queue_.clear();
-    }
+    if (!writing_) DropQueuedLocked();  // else OnWrite drops it once the write is cancelled
   }
   KVT_LOG_DEBUG("ctl", "connection {} ({}) closed: {}", config_.id, remote_address_,
                 close_reason_.ToString());
@@ -624,15 +618,19 @@ void Connection::StartWriteLocked() {
                     });
 }
 
+void Connection::DropQueuedLocked() {
+  for (const std::string& frame : write_queue_) {
+    queued_frames_.fetch_sub(1);
+    queued_bytes_.fetch_sub(frame.size());
+  }
+  write_queue_.clear();
+}
+
 void Connection::ResumeWrite() {
   std::lock_guard<std::mutex> lock(write_mu_);
   if (state_ == State::kClosed) {  // closed meanwhile: the frame will never go out
     writing_ = false;
-    for (const std::string& frame : write_queue_) {
-      queued_frames_.fetch_sub(1);
-      queued_bytes_.fetch_sub(frame.size());
-    }
-    write_queue_.clear();
+    DropQueuedLocked();
     return;
   }
   StartWriteLocked();
@@ -645,11 +643,7 @@ void Connection::OnWrite(const boost::system::error_code& ec) {
   write_queue_.pop_front();
   if (state_ == State::kClosed) {
     writing_ = false;
-    for (const std::string& frame : write_queue_) {
-      queued_frames_.fetch_sub(1);
-      queued_bytes_.fetch_sub(frame.size());
-    }
-    write_queue_.clear();
+    DropQueuedLocked();
     return;
   }
   if (ec) {

@@ -110,6 +110,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void StartWriteLocked();
   // Strand: continues a frame that Send() started writing on its own thread.
   void ResumeWrite();
+  // write_mu_ held: forgets every queued frame (the connection is closed).
+  void DropQueuedLocked();
   void OnWrite(const boost::system::error_code& ec);
 
   void ArmIdleTimer(std::chrono::steady_clock::duration after);
