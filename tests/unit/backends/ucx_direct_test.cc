@@ -119,6 +119,10 @@ TEST_F(UcxDirectTest, LargeWritesAreCopiedOnTheCopyThreadByteExactAndNotified) {
               0)
         << "buffer " << r.buffer << " offset " << r.dst_offset;
   }
+  // The copy thread notifies right after marking the copy done, so Check may see it done first.
+  for (int i = 0; i < 1000 && notified_->load() == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
   EXPECT_GE(notified_->load(), 1);
 }
 
