@@ -109,6 +109,61 @@ TEST_P(EngineTest, LayersGoOutAsTheyBecomeReady) {
   EXPECT_EQ(sent->layers_posted, 4);
 }
 
+TEST_P(EngineTest, TimelineStampsEveryStepInOrder) {
+  Start();
+  const PeerHandle peer = Connect();
+  std::vector<int32_t> src = {1, 2, 3}, dst = {7, 8, 9};
+  const auto before = std::chrono::steady_clock::now();
+  ASSERT_TRUE(decode_->Receive("timed", peer, dst).ok());
+  ASSERT_TRUE(prefill_->Send("timed", src).ok());
+  ASSERT_TRUE(prefill_->LayersReady("timed", 2).ok());  // two layer batches: two posts
+  ASSERT_TRUE(prefill_->LayersReady("timed", 4).ok());
+  auto got = decode_->WaitRequest("timed", 5s);
+  ASSERT_TRUE(got.ok()) << got.status();
+  ASSERT_EQ(got->state, RequestState::kSuccess) << got->status;
+  auto sent = prefill_->WaitRequest("timed", 5s);
+  ASSERT_TRUE(sent.ok()) << sent.status();
+  const std::chrono::steady_clock::time_point unset{};
+  // Decode: Receive -> request handed to the connection -> TransferDone processed.
+  EXPECT_LE(before, got->created);
+  EXPECT_NE(got->request_sent, unset);
+  EXPECT_LE(got->created, got->request_sent);
+  EXPECT_LE(got->request_sent, got->finished);
+  EXPECT_EQ(got->request_seen, unset);  // prefill-side stamps stay unset on the decode side
+  // Prefill: request seen -> source ready -> first and last post -> every write visible.
+  for (auto t : {sent->request_seen, sent->source_ready, sent->first_post, sent->last_post}) {
+    EXPECT_NE(t, unset);
+  }
+  EXPECT_LE(sent->request_seen, sent->source_ready);
+  EXPECT_LE(sent->first_post, sent->last_post);
+  EXPECT_LE(sent->source_ready, sent->last_post);
+  EXPECT_LE(sent->last_post, sent->finished);
+  // Across the two engines (one steady clock): sent before seen, done here before done there.
+  EXPECT_LE(got->request_sent, sent->request_seen);
+  EXPECT_LE(sent->finished, got->finished);
+
+  // A request aborted before its source came never posted: those stamps stay unset.
+  ASSERT_TRUE(decode_->Receive("aborted", peer, {20, 21}).ok());
+  for (int i = 0; i < 500; ++i) {
+    auto seen = prefill_->GetRequest("aborted");
+    if (seen.ok() && seen->request_seen != unset) break;
+    std::this_thread::sleep_for(1ms);
+  }
+  ASSERT_TRUE(decode_->Abort("aborted", "test").ok());
+  for (int i = 0; i < 500; ++i) {
+    auto a = prefill_->GetRequest("aborted");
+    if (a.ok() && IsFinal(a->state)) break;
+    std::this_thread::sleep_for(1ms);
+  }
+  auto aborted = prefill_->GetRequest("aborted");
+  ASSERT_TRUE(aborted.ok()) << aborted.status();
+  EXPECT_TRUE(IsFinal(aborted->state));
+  EXPECT_NE(aborted->request_seen, unset);
+  EXPECT_EQ(aborted->source_ready, unset);
+  EXPECT_EQ(aborted->first_post, unset);
+  EXPECT_EQ(aborted->last_post, unset);
+}
+
 TEST_P(EngineTest, LayerRangeMovesOnlyThoseLayers) {
   Start();
   const PeerHandle peer = Connect();
