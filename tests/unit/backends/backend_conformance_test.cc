@@ -14,6 +14,8 @@
 namespace kvt::transfer {
 namespace {
 
+using testing::WaitFor;
+
 constexpr uint64_t kItem = 4096;
 constexpr uint64_t kPages = 32;
 constexpr int kBuffers = 4;
@@ -37,15 +39,6 @@ struct Buffers {
 void Randomize(Buffers& buffers, uint32_t seed) {
   std::mt19937 rng(seed);
   for (auto& b : buffers.data) testing::FillRandom(b, rng);
-}
-
-Status WaitFor(Backend& backend, WriteId id) {
-  for (int i = 0; i < 200000; ++i) {
-    Status st = backend.Check(id);
-    if (st.code() != StatusCode::kInProgress) return st;
-    std::this_thread::sleep_for(std::chrono::microseconds(50));
-  }
-  return DeadlineExceeded("write did not finish in 10 s");
 }
 
 class BackendConformance : public ::testing::TestWithParam<std::string> {
