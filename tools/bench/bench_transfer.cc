@@ -2058,6 +2058,28 @@ Status RunGpuPageSize(const TransferOptions& o, int pt, int device, int64_t per_
   return s;
 }
 
+// The configuration both modes (host and CUDA pools) record in their JSON.
+json CommonConfig(const TransferOptions& o, DType dtype, int64_t row_bytes, int64_t per_token_bytes,
+                  int64_t tokens) {
+  const char* env_tls = std::getenv("UCX_TLS");
+  return json{{"backend", o.backend},
+              {"ucx_tls", o.ucx_tls.empty() ? "(UCX default)" : o.ucx_tls},
+              {"env_UCX_TLS", env_tls ? env_tls : ""},
+              {"layers", o.layers},
+              {"heads", o.heads},
+              {"head_dim", o.head_dim},
+              {"dtype", std::string(DTypeName(dtype))},
+              {"bytes_per_token_per_buffer", row_bytes},
+              {"bytes_per_token", per_token_bytes},
+              {"tokens", tokens},
+              {"iters", o.iters},
+              {"warmup", o.warmup},
+              {"latency_requests", o.latency_requests},
+              {"inflight", o.inflight},
+              {"pipelined_requests", o.pipelined_requests},
+              {"seed", o.seed}};
+}
+
 Status RunTransferGpu(const TransferOptions& o, int device) {
   KVT_ASSIGN_OR_RETURN(std::vector<int> page_tokens, ParseIntList(o.page_tokens));
   KVT_ASSIGN_OR_RETURN(DType dtype, ParseDType(o.dtype));
@@ -2104,28 +2126,13 @@ Status RunTransferGpu(const TransferOptions& o, int device) {
   doc["machine"] = DescribeMachine(true);
   doc["machine"]["device"] = device;
   doc["loadavg_start"] = LoadAverage();
-  const char* env_tls = std::getenv("UCX_TLS");
-  doc["config"] =
-      json{{"backend", o.backend},
-           {"device", fmt::format("cuda:{}", device)},
+  doc["config"] = CommonConfig(o, dtype, row_bytes, per_token_bytes, tokens);
+  doc["config"].update(
+      json{{"device", fmt::format("cuda:{}", device)},
            {"memory", "cuda"},
-           {"ucx_tls", o.ucx_tls.empty() ? "(UCX default)" : o.ucx_tls},
-           {"env_UCX_TLS", env_tls ? env_tls : ""},
            {"ucx_cuda_mode", o.ucx_cuda_mode},
            {"ucx_staging_slots", o.ucx_staging_slots},
            {"ucx_staging_slot_bytes", o.ucx_staging_slot_bytes},
-           {"layers", o.layers},
-           {"heads", o.heads},
-           {"head_dim", o.head_dim},
-           {"dtype", std::string(DTypeName(dtype))},
-           {"bytes_per_token_per_buffer", row_bytes},
-           {"bytes_per_token", per_token_bytes},
-           {"tokens", tokens},
-           {"iters", o.iters},
-           {"warmup", o.warmup},
-           {"latency_requests", o.latency_requests},
-           {"inflight", o.inflight},
-           {"pipelined_requests", o.pipelined_requests},
            {"peer_items", o.peer_items},
            {"layer_time_us", o.layer_time_us},
            {"layerwise_requests", o.layerwise_requests},
@@ -2133,8 +2140,7 @@ Status RunTransferGpu(const TransferOptions& o, int device) {
            {"device_spin_us", o.device_spin_us},
            {"same_process", o.same_process},
            {"pool_per_side", o.pool_bytes.empty() ? "2 requests + 1 page" : o.pool_bytes},
-           {"seed", o.seed},
-           {"verify", o.verify}};
+           {"verify", o.verify}});
   doc["notes"] =
       "Both processes on one GPU, pools in device memory, random pages on both sides. Latency: "
       "decode side, before Receive -> the decode engine saw TransferDone (RequestInfo::finished); "
@@ -2309,29 +2315,8 @@ Status RunTransfer(const TransferOptions& options) {
   doc["command"] = CommandLine();
   doc["machine"] = DescribeMachine(false);
   doc["loadavg_start"] = LoadAverage();
-  const char* env_tls = std::getenv("UCX_TLS");
-  doc["config"] = json{{"backend", o.backend},
-                       {"ucx_tls", o.ucx_tls.empty() ? "(UCX default)" : o.ucx_tls},
-                       {"env_UCX_TLS", env_tls ? env_tls : ""},
-                       {"ucx_spin_us", o.ucx_spin_us},
-                       {"layers", o.layers},
-                       {"heads", o.heads},
-                       {"head_dim", o.head_dim},
-                       {"dtype", std::string(DTypeName(dtype))},
-                       {"bytes_per_token_per_buffer", row_bytes},
-                       {"bytes_per_token", per_token_bytes},
-                       {"tokens", o.tokens},
-                       {"iters", o.iters},
-                       {"warmup", o.warmup},
-                       {"latency_requests", o.latency_requests},
-                       {"inflight", o.inflight},
-                       {"pipelined_requests", o.pipelined_requests},
-                       {"pipelined_requests", o.pipelined_requests},
-                       {"inflight", o.inflight},
-                       {"pipelined_requests", o.pipelined_requests},
-                       {"pipelined_requests", o.pipelined_requests},
-                       {"pool_per_side", o.pool_bytes},
-                       {"seed", o.seed}};
+  doc["config"] = CommonConfig(o, dtype, row_bytes, per_token_bytes, o.tokens);
+  doc["config"].update(json{{"ucx_spin_us", o.ucx_spin_us}, {"pool_per_side", o.pool_bytes}});
   doc["notes"] =
       "Latency: decode side, Receive called -> engine saw TransferDone (RequestInfo::finished); "
       "caller_* adds the WaitRequest wake-up. kvt GB/s = request bytes / p50 latency; aggregate "
