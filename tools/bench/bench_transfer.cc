@@ -2301,6 +2301,11 @@ Status RunTransfer(const TransferOptions& options) {
         "--backend cuda_ipc moves CUDA pools; use --device cuda:N (default "
         "cuda:0), or --backend ucx for host pools");
   }
+  if (options.same_process || options.device_spin_us >= 0) {
+    return InvalidArgument(
+        "--same-process and --device-spin-us apply to CUDA pools only; add --device cuda:N (or "
+        "use --backend cuda_ipc), or drop them for the host path");
+  }
   // Host pools: the defaults as they always were.
   TransferOptions o = options;
   if (o.tokens == 0) o.tokens = 1024;
