@@ -36,6 +36,7 @@ class EngineTest : public ::testing::TestWithParam<std::string> {
     p.backend_options.loopback_page_writes = GetParam() == "loopback_pages";
     p.backend_options.loopback_delay_us = loopback_delay_us;
     p.default_deadline = 5s;
+    p.control_busy_poll = busy_poll_;
     auto prefill = TransferEngine::Create(p, src_pool_.get());
     ASSERT_TRUE(prefill.ok()) << prefill.status();
     prefill_ = std::move(prefill).value();
@@ -60,6 +61,7 @@ class EngineTest : public ::testing::TestWithParam<std::string> {
     prefill_.reset();
   }
 
+  std::chrono::microseconds busy_poll_{0};  // EngineOptions::control_busy_poll of both engines
   std::unique_ptr<pool::KvPool> src_pool_, dst_pool_;
   std::unique_ptr<TransferEngine> prefill_, decode_;
 };
@@ -84,6 +86,36 @@ TEST_P(EngineTest, WholeRequestArrivesByteExact) {
   EXPECT_EQ(sent->state, RequestState::kSuccess);
   EXPECT_EQ(prefill_->stats().requests_succeeded, 1u);
   EXPECT_EQ(decode_->stats().bytes, info->bytes);
+}
+
+// The control threads polling instead of sleeping (EngineOptions::control_busy_poll): requests
+// whole and layer by layer, back to back, arrive byte-exact, and the engines shut down while
+// their io threads poll (a request still in flight keeps them polling).
+TEST_P(EngineTest, BusyPollingControlThreadsMoveRequests) {
+  busy_poll_ = 500us;
+  Start();
+  const PeerHandle peer = Connect();
+  for (int r = 0; r < 12; ++r) {
+    const std::string room = "busy-" + std::to_string(r);
+    std::vector<int32_t> src = {1 + r % 3, 7, 20 + r}, dst = {30 + r, 2 + r % 5, 60};
+    Fill(*src_pool_, 100 + r, src);
+    ASSERT_TRUE(decode_->Receive(room, peer, dst).ok());
+    ASSERT_TRUE(prefill_->Send(room, src).ok());
+    if (r % 2 == 0) {
+      ASSERT_TRUE(prefill_->LayersReady(room, 4).ok());
+    } else {
+      for (int32_t layer = 1; layer <= 4; ++layer) {
+        ASSERT_TRUE(prefill_->LayersReady(room, layer).ok());
+      }
+    }
+    auto info = decode_->WaitRequest(room, 5s);
+    ASSERT_TRUE(info.ok()) << info.status();
+    ASSERT_EQ(info->state, RequestState::kSuccess) << info->status;
+    EXPECT_EQ(Mismatches(*dst_pool_, 100 + r, dst), 0u) << room;
+  }
+  std::vector<int32_t> dst = {3};
+  ASSERT_TRUE(decode_->Receive("left-in-flight", peer, dst).ok());
+  EXPECT_EQ(decode_->stats().requests_succeeded, 12u);
 }
 
 TEST_P(EngineTest, LayersGoOutAsTheyBecomeReady) {
@@ -334,6 +366,18 @@ TEST(EngineGuards, PoolsTheGuardsRefuseCannotBeRegistered) {
   auto engine = TransferEngine::Create(e, pool.get());
   ASSERT_FALSE(engine.ok());
   EXPECT_NE(engine.status().message().find("state layers"), std::string::npos) << engine.status();
+}
+
+TEST(EngineGuards, NegativeControlBusyPollIsRefused) {
+  auto pool = MakePool(SmallPoolOptions());
+  EngineOptions e;
+  e.backend = "loopback";
+  e.control_busy_poll = std::chrono::microseconds(-1);
+  auto engine = TransferEngine::Create(e, pool.get());
+  ASSERT_FALSE(engine.ok());
+  EXPECT_EQ(engine.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(engine.status().message().find("control_busy_poll = -1"), std::string::npos)
+      << engine.status();
 }
 
 TEST(EngineGuards, RolesAreEnforced) {

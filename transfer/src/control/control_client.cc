@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "connection.h"
+#include "io_loop.h"
 #include "kvt/common/log.h"
 #include "kvt/transfer/control/auth.h"
 
@@ -89,21 +90,17 @@ StatusOr<std::unique_ptr<ControlClient>> ControlClient::Connect(const ControlCli
   }
   if (options.port == 0) return InvalidArgument("ControlClientOptions::port is 0");
   if (options.max_inbox_frames < 1) return InvalidArgument("max_inbox_frames must be >= 1");
+  if (options.busy_poll.window.count() < 0) {
+    return InvalidArgument(fmt::format("busy_poll.window = {} us: must be >= 0 (0: no polling)",
+                                       options.busy_poll.window.count()));
+  }
 
   auto impl = std::make_unique<Impl>(options, handler);
   Impl* raw = impl.get();
   // From here on, `client` owns the thread: every early return joins it.
   std::unique_ptr<ControlClient> client(new ControlClient(std::move(impl)));
-  raw->thread = std::thread([raw] {
-    while (true) {
-      try {
-        raw->io.run();
-        return;
-      } catch (const std::exception& e) {
-        KVT_LOG_ERROR("ctl", "exception escaped a control client handler: {}", e.what());
-      }
-    }
-  });
+  raw->thread = std::thread(
+      [raw] { internal::RunIoLoop(raw->io, raw->options.busy_poll, "control client"); });
 
   // 1. Resolve and connect, bounded by connect_timeout. Everything runs on one strand, so the
   // timer and the completions see `timed_out` consistently.
@@ -247,6 +244,10 @@ StatusOr<v1::Envelope> ControlClient::Receive(std::chrono::milliseconds timeout)
   }
   if (impl_->closed) return impl_->close_status;
   return DeadlineExceeded(fmt::format("no control message within {} ms", Ms(timeout)));
+}
+
+void ControlClient::Wake() {
+  if (impl_->options.busy_poll.window.count() > 0) asio::post(impl_->io, [] {});
 }
 
 bool ControlClient::connected() const {

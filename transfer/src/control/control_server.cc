@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "connection.h"
+#include "io_loop.h"
 #include "kvt/common/log.h"
 #include "kvt/transfer/control/auth.h"
 #include "kvt/transfer/control/protocol.h"
@@ -45,21 +46,6 @@ StatusOr<asio::ip::address> ParseBindAddress(const std::string& text) {
                     text));
   }
   return address;
-}
-
-// Runs an io_context until it is stopped. A handler that throws is logged and the loop goes on:
-// one bad callback must not take the control plane down.
-void RunIoContext(asio::io_context& io) {
-  while (true) {
-    try {
-      io.run();
-      return;
-    } catch (const std::exception& e) {
-      KVT_LOG_ERROR("ctl", "exception escaped an io handler: {}", e.what());
-    } catch (...) {
-      KVT_LOG_ERROR("ctl", "non-standard exception escaped an io handler");
-    }
-  }
 }
 
 }  // namespace
@@ -209,6 +195,10 @@ std::shared_ptr<internal::Connection> ControlServer::Impl::Find(ConnectionId id)
 StatusOr<std::unique_ptr<ControlServer>> ControlServer::Create(const ControlServerOptions& options,
                                                                ControlHandler* handler) {
   if (handler == nullptr) return InvalidArgument("ControlServer::Create: handler is null");
+  if (options.busy_poll.window.count() < 0) {
+    return InvalidArgument(fmt::format("busy_poll.window = {} us: must be >= 0 (0: no polling)",
+                                       options.busy_poll.window.count()));
+  }
   if (options.num_threads < 1 || options.num_threads > kMaxThreads) {
     return InvalidArgument(
         fmt::format("num_threads = {}: must be in 1..{}", options.num_threads, kMaxThreads));
@@ -253,7 +243,8 @@ StatusOr<std::unique_ptr<ControlServer>> ControlServer::Create(const ControlServ
   asio::post(raw->accept_strand, [raw] { raw->StartAccept(); });
   try {
     for (size_t i = 0; i < options.num_threads; ++i) {
-      raw->threads.emplace_back([raw] { RunIoContext(raw->io); });
+      raw->threads.emplace_back(
+          [raw] { internal::RunIoLoop(raw->io, raw->options.busy_poll, "control server"); });
     }
   } catch (const std::system_error& e) {
     auto server = std::unique_ptr<ControlServer>(new ControlServer(std::move(impl)));

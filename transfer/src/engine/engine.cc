@@ -18,6 +18,7 @@
 #include <thread>
 #include <unordered_map>
 
+#include "control/io_loop.h"
 #include "engine/layout_codec.h"
 #include "kvt/common/log.h"
 #include "kvt/kernels/cuda_util.h"
@@ -55,14 +56,6 @@ constexpr auto kIdlePoll = std::chrono::milliseconds(10);
 
 // True when nothing listens at host:port any more (connection refused), i.e. the process that
 // served it is gone. False when it accepts, or when the answer is unclear (timeout).
-inline void SpinPause() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#else
-  std::this_thread::yield();
-#endif
-}
-
 bool PeerPortRefuses(const std::string& host, uint16_t port) {
   addrinfo hints = {};
   hints.ai_socktype = SOCK_STREAM;
@@ -100,6 +93,11 @@ class TransferEngine::Impl : public control::ControlHandler {
 
   Status Init() {
     if (pool_ == nullptr) return InvalidArgument("the engine needs a pool (got null)");
+    if (options_.control_busy_poll.count() < 0) {
+      return InvalidArgument("EngineOptions::control_busy_poll = " +
+                             std::to_string(options_.control_busy_poll.count()) +
+                             " us: must be >= 0 (0: the control threads sleep between frames)");
+    }
     // The pool's guards decide what may be registered for transfer.
     KVT_ASSIGN_OR_RETURN(pool::ContiguousBufInfos infos, pool_->GetContiguousBufInfos());
     KVT_ASSIGN_OR_RETURN(local_layout_, LayoutFromPool(*pool_, options_.tp_rank, options_.tp_size));
@@ -136,6 +134,7 @@ class TransferEngine::Impl : public control::ControlHandler {
       server.server_id = options_.name;
       server.limits.heartbeat_interval = options_.heartbeat_interval;
       server.limits.idle_timeout = options_.peer_timeout;
+      server.busy_poll = BusyPoll();
       KVT_ASSIGN_OR_RETURN(server_, control::ControlServer::Create(server, this));
     }
     poller_ = std::thread([this] { PollLoop(); });
@@ -144,6 +143,14 @@ class TransferEngine::Impl : public control::ControlHandler {
                  regions.size(), item_len_,
                  server_ ? ", control port " + std::to_string(server_->port()) : "");
     return OkStatus();
+  }
+
+  // The control endpoints' busy polling: frames are expected while any request is not final.
+  control::BusyPollOptions BusyPoll() const {
+    control::BusyPollOptions busy;
+    busy.window = options_.control_busy_poll;
+    busy.hint = [this] { return active_count_.load(std::memory_order_relaxed) > 0; };
+    return busy;
   }
 
   void Shutdown() {
@@ -209,6 +216,7 @@ class TransferEngine::Impl : public control::ControlHandler {
     copts.cluster_token = options_.cluster_token;
     copts.limits.heartbeat_interval = options_.heartbeat_interval;
     copts.limits.idle_timeout = options_.peer_timeout;
+    copts.busy_poll = BusyPoll();
     auto client = control::ControlClient::Connect(copts, raw->handler.get());
     if (!client.ok()) {
       DropPeer(id);
@@ -317,6 +325,8 @@ class TransferEngine::Impl : public control::ControlHandler {
         return sent;
       }
       AdvanceState(room, RequestState::kWaitingForInput);
+      // With busy polling, the answer is expected now: have the io thread poll for it.
+      client->Wake();
     }
     return OkStatus();
   }
@@ -545,6 +555,7 @@ class TransferEngine::Impl : public control::ControlHandler {
     room.deadline = room.created + deadline;
     room.layer_end = static_cast<int32_t>(local_layout_.num_layers());
     active_.insert(id);
+    active_count_.store(active_.size(), std::memory_order_relaxed);
     return room;
   }
 
@@ -574,6 +585,7 @@ class TransferEngine::Impl : public control::ControlHandler {
     if (IsFinal(to)) {
       room.finished = Clock::now();
       active_.erase(room.id);
+      active_count_.store(active_.size(), std::memory_order_relaxed);
       // The backend copied the runs when they were posted: the storage can serve the next plan.
       if (room.plan) {
         RecycleRunsLocked(std::move(room.plan->runs));
@@ -1170,7 +1182,7 @@ class TransferEngine::Impl : public control::ControlHandler {
           // A few µs between checks: Check takes the backend's lock, which posting threads
           // need too.
           const auto next = Clock::now() + kDeviceSpinGap;
-          while (Clock::now() < next) SpinPause();
+          while (Clock::now() < next) control::internal::SpinPause();
         }
         kicked_.store(false);
         lock.lock();
@@ -1201,8 +1213,9 @@ class TransferEngine::Impl : public control::ControlHandler {
   mutable std::condition_variable final_cv_;  // a room became final (WaitRequest)
   bool stop_ = false;
   std::unordered_map<std::string, Room> rooms_;
-  std::vector<std::vector<CopyRun>> spare_runs_;             // RecycleRunsLocked
-  std::set<std::string> active_;                             // non-final rooms
+  std::vector<std::vector<CopyRun>> spare_runs_;  // RecycleRunsLocked
+  std::set<std::string> active_;                  // non-final rooms
+  std::atomic<size_t> active_count_{0};           // active_.size(), read by the control io threads
   std::unordered_map<ConnectionId, Session> sessions_;       // prefill: decode peers by connection
   std::map<PeerHandle, std::unique_ptr<DecodePeer>> peers_;  // decode: prefill peers
   PeerHandle next_peer_ = 1;

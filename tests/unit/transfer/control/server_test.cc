@@ -777,6 +777,76 @@ TEST(ControlServerOptionsTest, RefusesBadOptions) {
   EXPECT_FALSE(ControlServer::Create(options, &handler).ok());
 }
 
+// Busy polling (BusyPollOptions): frames flow both ways with polling io threads; while the hint
+// says frames are expected the idle io threads keep polling (the hint is asked over and over),
+// and once it says no they go back to sleep in the reactor within the window; Wake() and
+// shutdown work while they poll.
+TEST_F(ControlServerTest, BusyPollingEndpointsPollWhileExpectingAndSleepOtherwise) {
+  std::atomic<bool> server_expects{false}, client_expects{false};
+  std::atomic<uint64_t> server_asked{0}, client_asked{0};
+  ControlServerOptions options;
+  options.num_threads = 2;
+  options.busy_poll.window = 300us;
+  options.busy_poll.hint = [&] {
+    server_asked.fetch_add(1);
+    return server_expects.load();
+  };
+  StartServer(options);
+  ControlClientOptions copts = ClientOptions();
+  copts.busy_poll.window = 300us;
+  copts.busy_poll.hint = [&] {
+    client_asked.fetch_add(1);
+    return client_expects.load();
+  };
+  std::unique_ptr<ControlClient> client = Connect(copts);
+  ASSERT_NE(client, nullptr);
+  for (uint64_t id = 1; id <= 5; ++id) ExpectEcho(*client, id);
+
+  // Expecting: the io threads poll, asking the hint again and again with nothing arriving.
+  server_expects = true;
+  client_expects = true;
+  client->Wake();
+  ExpectEcho(*client, 6);  // gets the server's threads out of the reactor too
+  const uint64_t server_before = server_asked.load(), client_before = client_asked.load();
+  std::this_thread::sleep_for(50ms);
+  EXPECT_GT(server_asked.load() - server_before, 100u) << "server io threads did not poll";
+  EXPECT_GT(client_asked.load() - client_before, 100u) << "client io thread did not poll";
+  ExpectEcho(*client, 7);
+
+  // Not expecting: after the window the threads sleep; the hint is asked only when a handler
+  // runs (none do while the connection is quiet).
+  server_expects = false;
+  client_expects = false;
+  std::this_thread::sleep_for(20ms);
+  const uint64_t server_idle = server_asked.load(), client_idle = client_asked.load();
+  std::this_thread::sleep_for(50ms);
+  EXPECT_LT(server_asked.load() - server_idle, 100u) << "server io threads kept polling";
+  EXPECT_LT(client_asked.load() - client_idle, 100u) << "client io thread kept polling";
+  ExpectEcho(*client, 8);
+
+  // Shutting down while polling.
+  server_expects = true;
+  client_expects = true;
+  client->Wake();
+  ExpectEcho(*client, 9);
+  client.reset();
+  ASSERT_TRUE(handler_.WaitFor([&] { return handler_.disconnects_locked() == 1; }));
+  server_->Stop();
+}
+
+TEST(ControlServerOptionsTest, NegativeBusyPollWindowIsRefused) {
+  RecordingHandler handler;
+  ControlServerOptions options;
+  options.busy_poll.window = std::chrono::microseconds(-5);
+  EXPECT_THAT(ControlServer::Create(options, &handler).status().message(),
+              HasSubstr("busy_poll.window = -5 us"));
+  ControlClientOptions copts;
+  copts.port = 1;
+  copts.busy_poll.window = std::chrono::microseconds(-5);
+  EXPECT_THAT(ControlClient::Connect(copts).status().message(),
+              HasSubstr("busy_poll.window = -5 us"));
+}
+
 TEST(ControlServerOptionsTest, LocalhostAndIpv6LoopbackAreLoopback) {
   RecordingHandler handler;
   ControlServerOptions options;

@@ -36,6 +36,7 @@ struct ControlClientOptions {
   size_t max_inbox_frames = 1024;
   ConnectionLimits limits;
   ValidationLimits validation;
+  BusyPollOptions busy_poll;  // how the io thread(s) wait for frames (options.h)
 };
 
 class ControlClient {
@@ -73,6 +74,11 @@ class ControlClient {
 
   // False once the connection has closed (either side).
   bool connected() const;
+
+  // With busy polling (options.busy_poll): gets the io thread out of the reactor's sleep so that
+  // it polls, e.g. right after a request went out whose answer is expected (busy_poll.hint now
+  // true). Thread-safe, non-blocking; does nothing without busy polling.
+  void Wake();
 
   // The server's name from its AuthChallenge.
   const std::string& server_id() const;

@@ -75,6 +75,7 @@ struct ControlServerOptions {
   size_t num_threads = 1;        // io threads; 1..64
   ConnectionLimits limits;
   ValidationLimits validation;
+  BusyPollOptions busy_poll;  // how the io thread(s) wait for frames (options.h)
 };
 
 class ControlServer {

@@ -1,11 +1,13 @@
 // ConnectionLimits: the bounds every control connection (server or client side) runs under.
+// BusyPollOptions: how an endpoint's io threads wait for frames.
 //
-// Thread safety: a plain value.
+// Thread safety: plain values (BusyPollOptions::hint is called from io threads).
 #pragma once
 
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 
 namespace kvt::control {
 
@@ -32,6 +34,20 @@ struct ConnectionLimits {
   // After a fatal error, how long queued frames (the Error frame) may take to drain before the
   // socket is closed regardless.
   std::chrono::milliseconds close_linger{1000};
+};
+
+// How a control endpoint's io threads wait (ControlClientOptions / ControlServerOptions).
+// With `window` 0 (the default) they block in the reactor (epoll) between frames. Otherwise,
+// after any handler ran, and for as long as `hint` returns true, they poll their sockets without
+// sleeping, until `window` has passed with nothing to do and no hint: a CPU core per io thread
+// while polling, for frames handled within microseconds of their arrival. A thread woken from
+// epoll after milliseconds of idling costs 30-120 µs on a server (measured on the device
+// machine: docs/transfer-bench.md), mostly its core's sleep state.
+struct BusyPollOptions {
+  std::chrono::microseconds window{0};
+  // Called often from the io threads, without locks: must be cheap and thread-safe (e.g. an
+  // atomic load). True while the owner expects frames (requests in flight).
+  std::function<bool()> hint;
 };
 
 }  // namespace kvt::control

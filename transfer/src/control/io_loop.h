@@ -1,0 +1,25 @@
+// The io threads' loop of ControlServer and ControlClient (private to the control plane).
+#pragma once
+
+#include <boost/asio/io_context.hpp>
+#include <thread>
+
+#include "kvt/transfer/control/options.h"
+
+namespace kvt::control::internal {
+
+// One CPU pause in a spin loop (a yield where there is no pause instruction).
+inline void SpinPause() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#else
+  std::this_thread::yield();
+#endif
+}
+
+// Runs `io` until it is stopped, waiting as `busy` says (blocking in the reactor, or polling;
+// see BusyPollOptions). A handler that throws is logged and the loop goes on: one bad callback
+// must not take the control plane down. `who` names the endpoint in those logs.
+void RunIoLoop(boost::asio::io_context& io, const BusyPollOptions& busy, const char* who);
+
+}  // namespace kvt::control::internal
