@@ -96,6 +96,7 @@ struct TransferOptions {
   std::string backend = "ucx";
   std::string ucx_tls;  // empty: UCX's default (or UCX_TLS from the environment)
   int ucx_spin_us = 200;
+  int64_t control_busy_poll_us = 0;  // both engines' EngineOptions::control_busy_poll
   std::string page_tokens = "1,16,64";
   int64_t tokens = 0;  // 0: 1024 on host pools, >= 1 GiB per request on CUDA pools
   int iters = 10;
@@ -275,6 +276,7 @@ struct SideConfig {
   std::string backend;
   std::string ucx_tls;
   int ucx_spin_us = 200;
+  int64_t control_busy_poll_us = 0;
   int page_tokens = 0;
   int64_t pool_tokens = 0;
   int layers = 0, heads = 0, head_dim = 0;
@@ -296,6 +298,7 @@ struct SideConfig {
     return {{"backend", backend},
             {"ucx_tls", ucx_tls},
             {"ucx_spin_us", ucx_spin_us},
+            {"control_busy_poll_us", control_busy_poll_us},
             {"page_tokens", page_tokens},
             {"pool_tokens", pool_tokens},
             {"layers", layers},
@@ -320,6 +323,7 @@ struct SideConfig {
       c.backend = j.at("backend");
       c.ucx_tls = j.at("ucx_tls");
       c.ucx_spin_us = j.at("ucx_spin_us");
+      c.control_busy_poll_us = j.value("control_busy_poll_us", int64_t{0});
       c.page_tokens = j.at("page_tokens");
       c.pool_tokens = j.at("pool_tokens");
       c.layers = j.at("layers");
@@ -580,6 +584,7 @@ class PrefillPeer {
     e.default_deadline = std::chrono::seconds(config_.timeout_s);
     // Final rooms are kept for the timelines the stats reply carries (pipelined runs last seconds).
     e.retention = std::chrono::minutes(2);
+    e.control_busy_poll = std::chrono::microseconds(config_.control_busy_poll_us);
     if (config_.device_spin_us >= 0) {
       e.device_spin = std::chrono::microseconds(config_.device_spin_us);
     }
@@ -1193,6 +1198,7 @@ class DecodeSide {
     e.backend = c.backend;
     e.backend_options = c.BackendOptions();
     e.default_deadline = std::chrono::seconds(c.timeout_s);
+    e.control_busy_poll = std::chrono::microseconds(c.control_busy_poll_us);
     KVT_ASSIGN_OR_RETURN(d->engine_, transfer::TransferEngine::Create(e, d->pool_.get(), backend));
     KVT_ASSIGN_OR_RETURN(d->peer_, d->engine_->ConnectPeer("127.0.0.1", port));
     return d;
@@ -1344,6 +1350,7 @@ SideConfig BaseSideConfig(const TransferOptions& o, int pt, int64_t pool_tokens,
   c.backend = o.backend;
   c.ucx_tls = o.ucx_tls;
   c.ucx_spin_us = o.ucx_spin_us;
+  c.control_busy_poll_us = o.control_busy_poll_us;
   c.page_tokens = pt;
   c.pool_tokens = pool_tokens;
   c.layers = o.layers;
@@ -1783,7 +1790,17 @@ StatusOr<json> RunLayerwise(const TransferOptions& o, const SideConfig& c, PeerL
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }
+  // The prefill engine's timeline splits the tail: last layer written -> the prefill engine saw
+  // every write complete and sent TransferDone (the last layer's copy and its detection), then
+  // -> the decode engine processed it (the control message).
+  KVT_ASSIGN_OR_RETURN(json stats,
+                       link.Call({{"type", "stats"}, {"reset", false}}, std::chrono::seconds(30)));
+  const json& timelines = stats.at("timelines");
   std::vector<double> intervals_us, tail_us, forward_ms, lag_us, enqueue_ms;
+  std::vector<double> tail_prefill_us, tail_message_us;
+  auto pct = [](const std::vector<double>& v, double p) {
+    return v.empty() ? NAN : Percentile(v, p);
+  };
   int last_live = 0;  // requests whose last layer the poller saw complete live
   json per_request = json::array();
   for (const auto& [room, r] : records) {
@@ -1807,8 +1824,20 @@ StatusOr<json> RunLayerwise(const TransferOptions& o, const SideConfig& c, PeerL
     forward_ms.push_back(static_cast<double>(done.back() - start) / 1e6);
     lag_us.push_back(static_cast<double>(start - SteadyNs(s.posted)) / 1e3);
     enqueue_ms.push_back(static_cast<double>(enqueued - start) / 1e6);
+    json split = {{"tail_prefill_us", nullptr}, {"tail_done_message_us", nullptr}};
+    if (timelines.contains(room)) {
+      const std::vector<int64_t> t = timelines.at(room);
+      if (t.size() == 5 && t[4] != 0) {
+        tail_prefill_us.push_back(static_cast<double>(t[4] - done.back()) / 1e3);
+        tail_message_us.push_back(static_cast<double>(SteadyNs(s.finished) - t[4]) / 1e3);
+        split = {{"tail_prefill_us", tail_prefill_us.back()},
+                 {"tail_done_message_us", tail_message_us.back()}};
+      }
+    }
     per_request.push_back({{"room", room},
                            {"tail_us", tail},
+                           {"tail_prefill_us", split["tail_prefill_us"]},
+                           {"tail_done_message_us", split["tail_done_message_us"]},
                            {"last_layer_seen_live", live.back()},
                            {"layer_us_median", mine.empty() ? json(nullptr) : json(Median(mine))},
                            {"forward_ms", forward_ms.back()},
@@ -1834,17 +1863,24 @@ StatusOr<json> RunLayerwise(const TransferOptions& o, const SideConfig& c, PeerL
               {"tail_us_p50", tail_p50},
               {"tail_us_p99", Percentile(tail_us, 0.99)},
               {"tail_us_max", tail_max},
+              {"tail_prefill_us_p50", pct(tail_prefill_us, 0.5)},
+              {"tail_prefill_us_max", pct(tail_prefill_us, 1.0)},
+              {"tail_done_message_us_p50", pct(tail_message_us, 0.5)},
+              {"tail_done_message_us_max", pct(tail_message_us, 1.0)},
               {"tail_to_layer_time_p50", SafeRatio(tail_p50, layer_us)},
               {"tail_to_layer_time_max", SafeRatio(tail_max, layer_us)},
               {"forward_ms_p50", Percentile(forward_ms, 0.5)},
               {"enqueue_ms_p50", Percentile(enqueue_ms, 0.5)},
               {"receive_to_forward_start_us_p50", Percentile(lag_us, 0.5)},
               {"per_request", per_request}};
-  row = fmt::format("{:>6} {:>8.0f} {:>9}{} {:>9} {:>9} {:>8} {:>8} {:>8} {:>8} {:>9}", pt,
-                    layer_us_set, Cell(layer_us_measured, 1), measured ? " " : "*",
-                    Cell(tail_p50, 1), Cell(tail_max, 1), Cell(SafeRatio(tail_p50, layer_us)),
-                    Cell(SafeRatio(tail_max, layer_us)), Cell(Percentile(forward_ms, 0.5), 2),
-                    Cell(Percentile(enqueue_ms, 0.5), 2), Cell(Percentile(lag_us, 0.5), 0));
+  row = fmt::format(
+      "{:>6} {:>8.0f} {:>9}{} {:>9} {:>9} {:>8} {:>8} {:>8} {:>8} {:>9} {:>7}/{:<7} {:>7}/{:<7}",
+      pt, layer_us_set, Cell(layer_us_measured, 1), measured ? " " : "*", Cell(tail_p50, 1),
+      Cell(tail_max, 1), Cell(SafeRatio(tail_p50, layer_us)), Cell(SafeRatio(tail_max, layer_us)),
+      Cell(Percentile(forward_ms, 0.5), 2), Cell(Percentile(enqueue_ms, 0.5), 2),
+      Cell(Percentile(lag_us, 0.5), 0), Cell(pct(tail_prefill_us, 0.5), 0),
+      Cell(pct(tail_prefill_us, 1.0), 0), Cell(pct(tail_message_us, 0.5), 0),
+      Cell(pct(tail_message_us, 1.0), 0));
   return out;
 }
 
@@ -2077,6 +2113,7 @@ json CommonConfig(const TransferOptions& o, DType dtype, int64_t row_bytes, int6
               {"latency_requests", o.latency_requests},
               {"inflight", o.inflight},
               {"pipelined_requests", o.pipelined_requests},
+              {"control_busy_poll_us", o.control_busy_poll_us},
               {"seed", o.seed}};
 }
 
@@ -2211,13 +2248,15 @@ Status RunTransferGpu(const TransferOptions& o, int device) {
   if (o.layerwise_requests > 0) {
     fmt::print("\nlayerwise: simulated forward, {} requests per size, microseconds\n",
                o.layerwise_requests);
-    fmt::print("{:>6} {:>8} {:>9}  {:>9} {:>9} {:>8} {:>8} {:>8} {:>8} {:>9}\n", "tokens", "T set",
-               "T meas", "tail p50", "tail max", "p50/T", "max/T", "fwd ms", "enq ms", "rcv->fwd");
+    fmt::print("{:>6} {:>8} {:>9}  {:>9} {:>9} {:>8} {:>8} {:>8} {:>8} {:>9} {:>15} {:>15}\n",
+               "tokens", "T set", "T meas", "tail p50", "tail max", "p50/T", "max/T", "fwd ms",
+               "enq ms", "rcv->fwd", "prefill p50/max", "done-msg p50/max");
     for (const GpuRows& r : all_rows) fmt::print("{}\n", r.layerwise);
     fmt::print(
         "(T = T meas, the median interval between layers seen completing live; * = none seen live, "
         "so T = T set and enqueueing paced the forward: see enq ms and JSON "
-        "last_layer_seen_live)\n");
+        "last_layer_seen_live; the tail = prefill (last layer written -> the prefill engine saw "
+        "every write complete and sent TransferDone) + done-msg (-> the decode engine had it))\n");
   }
   fmt::print("\none-page requests ({} each), microseconds\n", o.latency_requests);
   fmt::print("{:>6} {:>9} {:>8} {:>8} {:>9} {:>9} {:>9}\n", "tokens", "bytes", "p50", "p99",
@@ -2408,6 +2447,11 @@ void AddTransferCommand(CLI::App& app, int& exit_code) {
                   "path), host for host pools");
   cmd->add_option("--ucx-tls", opts->ucx_tls,
                   "UCX transports, UCX_TLS syntax (e.g. shm,self or tcp); default: UCX's choice");
+  cmd->add_option("--control-busy-poll-us", opts->control_busy_poll_us,
+                  "both engines' EngineOptions::control_busy_poll: their control io threads poll "
+                  "instead of sleeping while requests are in flight and this long after (0: sleep)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
   cmd->add_option("--ucx-spin-us", opts->ucx_spin_us,
                   "UCX progress thread spin before it sleeps (BackendOptions::ucx_spin_us)")
       ->capture_default_str();
