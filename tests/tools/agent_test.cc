@@ -229,6 +229,12 @@ TEST(KvtAgentCliTest, MissingDeviceNamesWhatThereIs) {
   }
 }
 
+TEST(KvtAgentCliTest, NegativeControlBusyPollIsRefused) {
+  const ToolResult r = RunTool(KVT_AGENT_PATH, "--control-busy-poll-us -5");
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_THAT(r.err, HasSubstr("--control-busy-poll-us -5: must be >= 0"));
+}
+
 TEST(KvtAgentCliTest, BadUcxCudaModeIsRefused) {
   const ToolResult r = RunTool(KVT_AGENT_PATH, "--ucx-cuda-mode sometimes");
   EXPECT_NE(r.exit_code, 0);

@@ -41,7 +41,7 @@ int main(int argc, char** argv) {
   std::string dtype = "bf16";
   std::string ready_file;
   int64_t layers = 32, heads = 8, head_dim = 128, page_size = 16, tokens = 65536;
-  int64_t deadline_ms = 30000, layer_time_us = 0, control_busy_poll_us = 0;
+  int64_t deadline_ms = 30000, layer_time_us = 0, control_busy_poll_us = -1;
   uint32_t tp_rank = 0, tp_size = 1, seed = 1;
   bool exit_with_parent = false, no_shuffle = false, no_verify = false, skip_fill = false;
   app.add_option("--role", role, "prefill or decode")->check(CLI::IsMember({"prefill", "decode"}));
@@ -70,8 +70,8 @@ int main(int argc, char** argv) {
   app.add_option("--layer-time-us", layer_time_us, "prefill: simulated compute per layer");
   app.add_option("--control-busy-poll-us", control_busy_poll_us,
                  "engine control threads poll instead of sleeping while requests are in flight "
-                 "and this long after (EngineOptions::control_busy_poll; 0: sleep)")
-      ->check(CLI::NonNegativeNumber);
+                 "and this long after (EngineOptions::control_busy_poll; 0: sleep; default: 1000 "
+                 "on CUDA pools, whose nodes have cores to spare, 0 on host pools)");
   app.add_option("--seed", seed, "page shuffling seed");
   app.add_flag("--no-shuffle", no_shuffle, "hand pages out in ascending order");
   app.add_flag("--no-verify", no_verify, "decode: skip the byte check (benchmarks)");
@@ -129,6 +129,11 @@ int main(int argc, char** argv) {
   options.engine.server.cluster_token = token;
   options.engine.cluster_token = token;
   options.engine.default_deadline = std::chrono::milliseconds(deadline_ms);
+  if (control_busy_poll_us < -1) {
+    return Fail(InvalidArgument("--control-busy-poll-us " + std::to_string(control_busy_poll_us) +
+                                ": must be >= 0 (or leave it out for the default)"));
+  }
+  if (control_busy_poll_us < 0) control_busy_poll_us = device_spec->cuda() ? 1000 : 0;
   options.engine.control_busy_poll = std::chrono::microseconds(control_busy_poll_us);
   options.engine.tp_rank = tp_rank;
   options.engine.tp_size = tp_size;

@@ -61,12 +61,19 @@ if [ "${KVT_RUN_TESTS:-1}" = 1 ]; then
 fi
 
 if [ "${KVT_RUN_TRANSFER:-1}" = 1 ]; then
+  # The control threads busy-polling (as kvt-agent runs on CUDA pools), then sleeping between
+  # frames (the library's default).
   step "transfer cuda_ipc" 120 "$bin/kvt-bench" transfer --backend cuda_ipc --iters 20 --verify \
-    --json "$out/transfer-cuda-ipc.json" 2>&1 | tee "$out/transfer-cuda-ipc.log"
+    --control-busy-poll-us 1000 --layerwise-requests 30 --json "$out/transfer-cuda-ipc.json" 2>&1 |
+    tee "$out/transfer-cuda-ipc.log"
+  step "transfer cuda_ipc, control threads sleeping" 120 "$bin/kvt-bench" transfer \
+    --backend cuda_ipc --iters 20 --verify --layerwise-requests 30 \
+    --json "$out/transfer-cuda-ipc-sleeping.json" 2>&1 | tee "$out/transfer-cuda-ipc-sleeping.log"
 fi
 if [ "${KVT_RUN_STAGED:-1}" = 1 ]; then
   step "transfer ucx staged" 120 "$bin/kvt-bench" transfer --backend ucx --device cuda:0 \
     --ucx-cuda-mode staged --iters 5 --warmup 1 --latency-requests 200 --layerwise-requests 3 \
+    --control-busy-poll-us 1000 \
     --verify --json "$out/transfer-ucx-staged.json" 2>&1 | tee "$out/transfer-ucx-staged.log"
 fi
 
