@@ -2,45 +2,20 @@
 // messages and bad-value messages.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
-#include <cstdio>
-#include <fstream>
 #include <nlohmann/json.hpp>
-#include <sstream>
 #include <string>
+
+#include "run_tool.h"
 
 namespace {
 
 using nlohmann::json;
 using ::testing::HasSubstr;
-
-struct Result {
-  int exit_code = -1;
-  std::string out;
-  std::string err;
-};
+using Result = kvt::tools::testing::ToolResult;
 
 Result RunInfo(const std::string& args) {
-  char err_path[] = "/tmp/kvt_info_cli_XXXXXX";
-  const int fd = mkstemp(err_path);
-  if (fd >= 0) close(fd);
-  const std::string cmd = std::string(KVT_INFO_PATH) + " " + args + " 2>" + err_path;
-  Result r;
-  FILE* p = popen(cmd.c_str(), "r");
-  if (p == nullptr) return r;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) r.out.append(buf, n);
-  const int status = pclose(p);
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  std::ifstream err(err_path);
-  std::stringstream ss;
-  ss << err.rdbuf();
-  r.err = ss.str();
-  std::remove(err_path);
-  return r;
+  return kvt::tools::testing::RunTool(KVT_INFO_PATH, args);
 }
 
 const char* kBase =
