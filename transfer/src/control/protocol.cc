@@ -1,5 +1,7 @@
 #include "kvt/transfer/control/protocol.h"
 
+#include <bit>
+#include <cstring>
 #include <string>
 
 namespace kvt::control {
@@ -166,6 +168,37 @@ std::string_view BodyName(const v1::Envelope& envelope) {
   const auto* field = v1::Envelope::descriptor()->FindFieldByNumber(envelope.body_case());
   if (field == nullptr) return "<unknown>";
   return field->name();
+}
+
+void SetDstPages(v1::TransferRequest& request, std::span<const int32_t> pages) {
+  request.clear_dst_page_ids();
+  std::string* out = request.mutable_dst_page_ids_le32();
+  out->resize(4 * pages.size());
+  if constexpr (std::endian::native == std::endian::little) {
+    if (!pages.empty()) std::memcpy(out->data(), pages.data(), out->size());
+  } else {
+    for (size_t i = 0; i < pages.size(); ++i) {
+      const auto v = static_cast<uint32_t>(pages[i]);
+      for (int b = 0; b < 4; ++b) (*out)[4 * i + b] = static_cast<char>((v >> (8 * b)) & 0xFF);
+    }
+  }
+}
+
+size_t DstPageCount(const v1::TransferRequest& request) {
+  return request.dst_page_ids_le32().empty() ? static_cast<size_t>(request.dst_page_ids_size())
+                                             : request.dst_page_ids_le32().size() / 4;
+}
+
+std::vector<int32_t> DstPages(const v1::TransferRequest& request) {
+  const std::string& le32 = request.dst_page_ids_le32();
+  if (le32.empty()) return {request.dst_page_ids().begin(), request.dst_page_ids().end()};
+  std::vector<int32_t> pages(le32.size() / 4);
+  if constexpr (std::endian::native == std::endian::little) {
+    if (!pages.empty()) std::memcpy(pages.data(), le32.data(), 4 * pages.size());
+  } else {
+    for (size_t i = 0; i < pages.size(); ++i) pages[i] = Le32At(le32, i);
+  }
+  return pages;
 }
 
 }  // namespace kvt::control

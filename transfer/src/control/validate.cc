@@ -86,6 +86,13 @@ Status CheckEnum(std::string_view field, int value, IsValid is_valid, bool allow
   return OkStatus();
 }
 
+// A little-endian int32 list in a bytes field, indexed like a repeated field.
+struct Le32Pages {
+  std::string_view bytes;
+  int size() const { return static_cast<int>(bytes.size() / 4); }
+  int32_t operator[](int i) const { return Le32At(bytes, static_cast<size_t>(i)); }
+};
+
 Status CheckFixedBlob(std::string_view field, std::string_view value, size_t want,
                       bool allow_empty) {
   if (value.size() == want || (allow_empty && value.empty())) return OkStatus();
@@ -93,10 +100,12 @@ Status CheckFixedBlob(std::string_view field, std::string_view value, size_t wan
                                      allow_empty ? " or none" : ""));
 }
 
-// Page ids of a pool whose page count may be known (0 = unknown).
-Status CheckPageIds(std::string_view field, const google::protobuf::RepeatedField<int32_t>& pages,
-                    uint64_t num_pages, bool required, const ValidationLimits& limits) {
-  if (pages.empty() && required) {
+// Page ids of a pool whose page count may be known (0 = unknown). `pages` has size() and
+// operator[] (a repeated int32 field, or Le32Pages).
+template <typename Pages>
+Status CheckPageIds(std::string_view field, const Pages& pages, uint64_t num_pages, bool required,
+                    const ValidationLimits& limits) {
+  if (pages.size() == 0 && required) {
     return InvalidArgument(fmt::format("{} is empty; a transfer needs at least one page", field));
   }
   KVT_RETURN_IF_ERROR(CheckCount(field, pages.size(), limits.max_pages_per_request));
@@ -241,8 +250,25 @@ Status ValidateTransferRequest(const v1::TransferRequest& request, const PeerCon
   KVT_RETURN_IF_ERROR(
       CheckEnum("transfer_request.mode", request.mode(), v1::TransferMode_IsValid, false));
   // The destination pages are in the requester's pool, which it described in its Hello.
-  KVT_RETURN_IF_ERROR(CheckPageIds("transfer_request.dst_page_ids", request.dst_page_ids(),
-                                   peer.num_pages, true, limits));
+  if (request.dst_page_ids_le32().empty()) {
+    KVT_RETURN_IF_ERROR(CheckPageIds("transfer_request.dst_page_ids", request.dst_page_ids(),
+                                     peer.num_pages, true, limits));
+  } else {
+    if (request.dst_page_ids_size() != 0) {
+      return InvalidArgument(fmt::format(
+          "transfer_request has both dst_page_ids ({} entries) and dst_page_ids_le32 ({} bytes); "
+          "send the page list in one of them",
+          request.dst_page_ids_size(), request.dst_page_ids_le32().size()));
+    }
+    if (request.dst_page_ids_le32().size() % 4 != 0) {
+      return InvalidArgument(fmt::format(
+          "transfer_request.dst_page_ids_le32 is {} bytes, not a whole number of 4-byte page ids",
+          request.dst_page_ids_le32().size()));
+    }
+    KVT_RETURN_IF_ERROR(CheckPageIds("transfer_request.dst_page_ids_le32",
+                                     Le32Pages{request.dst_page_ids_le32()}, peer.num_pages, true,
+                                     limits));
+  }
   if (request.has_layers()) {
     const uint32_t begin = request.layers().begin();
     const uint32_t end = request.layers().end();

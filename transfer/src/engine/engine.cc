@@ -308,7 +308,7 @@ class TransferEngine::Impl : public control::ControlHandler {
       auto* req = envelope.mutable_transfer_request();
       req->set_room_id(room_id);
       req->set_mode(v1::TRANSFER_MODE_PUSH);
-      req->mutable_dst_page_ids()->Add(dst_pages.begin(), dst_pages.end());
+      control::SetDstPages(*req, dst_pages);
       req->mutable_layers()->set_begin(static_cast<uint32_t>(layer_begin));
       req->mutable_layers()->set_end(static_cast<uint32_t>(layer_end));
       req->set_deadline_ms(static_cast<uint32_t>(deadline.count()));
@@ -927,7 +927,7 @@ class TransferEngine::Impl : public control::ControlHandler {
       room->conn = conn;
       room->layer_begin = begin;
       room->layer_end = end;
-      room->dst_pages.assign(req.dst_page_ids().begin(), req.dst_page_ids().end());
+      room->dst_pages = control::DstPages(req);
       for (const v1::PageSlice& s : req.slices()) {
         room->units.push_back(PageUnit{s.src_offset(), s.dst_offset(), s.bytes()});
       }
@@ -935,7 +935,7 @@ class TransferEngine::Impl : public control::ControlHandler {
     }
     cv_.notify_all();
     if (new_room && options_.on_transfer_request) {
-      options_.on_transfer_request(req.room_id(), static_cast<size_t>(req.dst_page_ids_size()));
+      options_.on_transfer_request(req.room_id(), control::DstPageCount(req));
     }
   }
 

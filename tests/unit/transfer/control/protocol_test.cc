@@ -66,6 +66,33 @@ TEST(ProtocolTest, StatusFromErrorIsNeverOk) {
   EXPECT_THAT(status.message(), HasSubstr("STATUS_CODE_UNAUTHENTICATED: authentication failed"));
 }
 
+TEST(ProtocolTest, DstPagesRoundTripThroughTheLe32Field) {
+  const std::vector<int32_t> pages = {1, 2, 255, 256, 65536, 0x12345678, 7};
+  v1::TransferRequest request;
+  request.add_dst_page_ids(9);  // replaced
+  SetDstPages(request, pages);
+  EXPECT_EQ(request.dst_page_ids_size(), 0);
+  ASSERT_EQ(request.dst_page_ids_le32().size(), 4 * pages.size());
+  // Little-endian on the wire whatever the host.
+  EXPECT_EQ(request.dst_page_ids_le32().substr(20, 4), std::string("\x78\x56\x34\x12", 4));
+  EXPECT_EQ(DstPages(request), pages);
+  EXPECT_EQ(DstPageCount(request), pages.size());
+  for (size_t i = 0; i < pages.size(); ++i) {
+    EXPECT_EQ(Le32At(request.dst_page_ids_le32(), i), pages[i]);
+  }
+  // Through the wire and back.
+  v1::TransferRequest parsed;
+  ASSERT_TRUE(parsed.ParseFromString(request.SerializeAsString()));
+  EXPECT_EQ(DstPages(parsed), pages);
+  // A version-1 style request (the repeated field) reads the same way.
+  v1::TransferRequest old;
+  for (int32_t p : pages) old.add_dst_page_ids(p);
+  EXPECT_EQ(DstPages(old), pages);
+  EXPECT_EQ(DstPageCount(old), pages.size());
+  SetDstPages(request, {});
+  EXPECT_TRUE(DstPages(request).empty());
+}
+
 TEST(ProtocolTest, BodyNames) {
   EXPECT_EQ(BodyName(testing::MakeHello()), "hello");
   EXPECT_EQ(BodyName(testing::MakeTransferRequest()), "transfer_request");

@@ -442,7 +442,9 @@ TEST_F(ControlServerTest, ProtocolVersionMismatchAtHello) {
   ASSERT_TRUE(reply.ok()) << reply.status();
   ASSERT_TRUE(reply->has_error());
   EXPECT_EQ(reply->error().code(), v1::STATUS_CODE_PROTOCOL_VERSION_MISMATCH);
-  EXPECT_THAT(reply->error().message(), HasSubstr("peer speaks 99, this side speaks 1"));
+  EXPECT_THAT(reply->error().message(),
+              HasSubstr("peer speaks " + std::to_string(kProtocolVersion + 98) +
+                        ", this side speaks " + std::to_string(kProtocolVersion)));
   StatusOr<v1::Envelope> after = client->Receive(kWait);
   EXPECT_FALSE(after.ok());
   EXPECT_NE(after.status().code(), StatusCode::kDeadlineExceeded) << after.status();
@@ -462,7 +464,8 @@ TEST_F(ControlServerTest, ClientChecksTheServersHelloAckVersionToo) {
   StatusOr<v1::Envelope> reply = client->Receive(kWait);
   ASSERT_TRUE(reply.ok()) << reply.status();
   ASSERT_TRUE(reply->has_error());
-  EXPECT_THAT(reply->error().message(), HasSubstr("peer speaks 7, this side speaks 1"));
+  EXPECT_THAT(reply->error().message(),
+              HasSubstr("peer speaks 7, this side speaks " + std::to_string(kProtocolVersion)));
 }
 
 TEST_F(ControlServerTest, AuthWithTheRightTokenSucceeds) {

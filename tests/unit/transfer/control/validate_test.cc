@@ -310,6 +310,44 @@ INSTANTIATE_TEST_SUITE_P(
                pages->Resize((1 << 20) + 1, 1);
              },
              "transfer_request.dst_page_ids has 1048577 entries; the limit is 1048576"},
+        // The page list as little-endian int32s (protocol version 2 senders).
+        Case{"RequestLe32Ok", TR,
+             [](v1::Envelope& e) {
+               SetDstPages(*e.mutable_transfer_request(), std::vector<int32_t>{1, 2, 64});
+             },
+             ""},
+        Case{"RequestLe32AndRepeatedBoth", TR,
+             [](v1::Envelope& e) {
+               e.mutable_transfer_request()->set_dst_page_ids_le32(std::string("\x01\0\0\0", 4));
+             },
+             "transfer_request has both dst_page_ids (4 entries) and dst_page_ids_le32 (4 bytes)"},
+        Case{"RequestLe32PartialId", TR,
+             [](v1::Envelope& e) {
+               e.mutable_transfer_request()->clear_dst_page_ids();
+               e.mutable_transfer_request()->set_dst_page_ids_le32(std::string("\x01\0\0\0\x02", 5));
+             },
+             "transfer_request.dst_page_ids_le32 is 5 bytes, not a whole number of 4-byte page ids"},
+        Case{"RequestLe32DummyPage", TR,
+             [](v1::Envelope& e) {
+               SetDstPages(*e.mutable_transfer_request(), std::vector<int32_t>{3, 0});
+             },
+             "transfer_request.dst_page_ids_le32[1] = 0: page 0 is the dummy page"},
+        Case{"RequestLe32NegativePage", TR,
+             [](v1::Envelope& e) {
+               SetDstPages(*e.mutable_transfer_request(), std::vector<int32_t>{-2});
+             },
+             "transfer_request.dst_page_ids_le32[0] = -2: page ids are >= 1"},
+        Case{"RequestLe32PagePastPool", TR,
+             [](v1::Envelope& e) {
+               SetDstPages(*e.mutable_transfer_request(), std::vector<int32_t>{5, 6, 65});
+             },
+             "transfer_request.dst_page_ids_le32[2] = 65: the pool has pages 1..64"},
+        Case{"RequestLe32TooManyPages", TR,
+             [](v1::Envelope& e) {
+               SetDstPages(*e.mutable_transfer_request(),
+                           std::vector<int32_t>((1 << 20) + 1, 1));
+             },
+             "transfer_request.dst_page_ids_le32 has 1048577 entries; the limit is 1048576"},
         Case{"RequestEmptyLayerRange", TR,
              [](v1::Envelope& e) {
                e.mutable_transfer_request()->mutable_layers()->set_begin(2);
@@ -406,7 +444,9 @@ TEST(CheckProtocolVersionTest, NamesBothVersions) {
   EXPECT_TRUE(CheckProtocolVersion(kProtocolVersion).ok());
   Status status = CheckProtocolVersion(kProtocolVersion + 1);
   EXPECT_EQ(status.code(), StatusCode::kFailedPrecondition);
-  EXPECT_THAT(status.message(), HasSubstr("peer speaks 2, this side speaks 1"));
+  EXPECT_THAT(status.message(), HasSubstr("peer speaks 3, this side speaks 2"));
+  // A version-1 peer (page lists as repeated varints only) is refused at hello.
+  EXPECT_THAT(CheckProtocolVersion(1).message(), HasSubstr("peer speaks 1, this side speaks 2"));
 }
 
 TEST(PeerContextTest, ComesFromTheHello) {

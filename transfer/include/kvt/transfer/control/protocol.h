@@ -5,7 +5,9 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <string_view>
+#include <vector>
 
 #include "kvt/common/dtype.h"
 #include "kvt/common/status.h"
@@ -15,7 +17,8 @@ namespace kvt::control {
 
 // The version of the wire contract in proto/kvt/v1. Bump it only for a change an older peer
 // cannot ignore safely; peers with different versions refuse each other at Hello.
-inline constexpr uint32_t kProtocolVersion = 1;
+// 2: TransferRequest carries its page list in dst_page_ids_le32.
+inline constexpr uint32_t kProtocolVersion = 2;
 
 // kvt::StatusCode <-> kvt.v1.StatusCode. Wire-only codes (UNAUTHENTICATED, ...) map to the
 // closest kvt code; UNSPECIFIED and unknown values map to kInternal.
@@ -35,6 +38,21 @@ v1::Envelope MakeErrorEnvelope(const Status& status, std::string_view room_id = 
 
 // The Status a received Error stands for: "<peer said>: <message>" with the mapped code.
 Status StatusFromError(const v1::Error& error);
+
+// A TransferRequest's destination page list: SetDstPages writes it as dst_page_ids_le32 (and
+// clears dst_page_ids); DstPages reads whichever of the two is set, DstPageCount counts it
+// (validated requests have exactly one; an le32 field of a length that is not a multiple of 4
+// counts its whole entries).
+void SetDstPages(v1::TransferRequest& request, std::span<const int32_t> pages);
+std::vector<int32_t> DstPages(const v1::TransferRequest& request);
+size_t DstPageCount(const v1::TransferRequest& request);
+
+// Entry i of a little-endian int32 list in `bytes` (i < bytes.size() / 4).
+inline int32_t Le32At(std::string_view bytes, size_t i) {
+  const auto* p = reinterpret_cast<const unsigned char*>(bytes.data()) + 4 * i;
+  return static_cast<int32_t>(uint32_t{p[0]} | (uint32_t{p[1]} << 8) | (uint32_t{p[2]} << 16) |
+                              (uint32_t{p[3]} << 24));
+}
 
 // The oneof field name of the envelope's body ("transfer_request", ...), or "<empty>" when no
 // body is set (an unknown message from a newer peer looks like that too). For logs and errors.
