@@ -251,6 +251,12 @@ std::vector<SweepEntry> SweepTunings() {
       {8, 256, 32, 4096, true, false, R},   //
       {8, 512, 32, 4096, true, false, R},   //
       {8, 256, 32, 4096, false, false, R},  //
+      // Fewer warps per SM (one block of 256 or 512, or 128-thread blocks): fewer DRAM streams
+      // at once.
+      {8, 256, 32, 8192, true, false, R, false, false, 4, 1},  //
+      {8, 512, 32, 8192, true, false, R, false, false, 4, 1},  //
+      {8, 128, 32, 8192, true, false, R},                      //
+      {8, 256, 32, 65536, true, false, R},                     // few, long units
       {8, 256, 32, 2048, true, false, SweepLayout::kBothContiguous},
       {8, 256, 32, 4096, true, false, SweepLayout::kBothContiguous},
       {4, 512, 32, 0, true, false, SweepLayout::kBothContiguous},  // calibration
