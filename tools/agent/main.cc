@@ -41,7 +41,7 @@ int main(int argc, char** argv) {
   std::string dtype = "bf16";
   std::string ready_file;
   int64_t layers = 32, heads = 8, head_dim = 128, page_size = 16, tokens = 65536;
-  int64_t deadline_ms = 30000, layer_time_us = 0, control_busy_poll_us = -1;
+  int64_t deadline_ms = 30000, layer_time_us = 0, control_busy_poll_us = 0;
   uint32_t tp_rank = 0, tp_size = 1, seed = 1;
   bool exit_with_parent = false, no_shuffle = false, no_verify = false, skip_fill = false;
   app.add_option("--role", role, "prefill or decode")->check(CLI::IsMember({"prefill", "decode"}));
@@ -129,11 +129,13 @@ int main(int argc, char** argv) {
   options.engine.server.cluster_token = token;
   options.engine.cluster_token = token;
   options.engine.default_deadline = std::chrono::milliseconds(deadline_ms);
-  if (control_busy_poll_us < -1) {
+  if (control_busy_poll_us < 0) {
     return Fail(InvalidArgument("--control-busy-poll-us " + std::to_string(control_busy_poll_us) +
                                 ": must be >= 0 (or leave it out for the default)"));
   }
-  if (control_busy_poll_us < 0) control_busy_poll_us = device_spec->cuda() ? 1000 : 0;
+  if (app.count("--control-busy-poll-us") == 0) {
+    control_busy_poll_us = device_spec->cuda() ? 1000 : 0;
+  }
   options.engine.control_busy_poll = std::chrono::microseconds(control_busy_poll_us);
   options.engine.tp_rank = tp_rank;
   options.engine.tp_size = tp_size;

@@ -199,6 +199,13 @@ StatusOr<std::unique_ptr<ControlServer>> ControlServer::Create(const ControlServ
     return InvalidArgument(fmt::format("busy_poll.window = {} us: must be >= 0 (0: no polling)",
                                        options.busy_poll.window.count()));
   }
+  if (options.busy_poll.window.count() > 0 && options.num_threads > 1) {
+    return InvalidArgument(fmt::format(
+        "busy_poll with num_threads = {}: a polling io thread cannot see the sockets another io "
+        "thread is waiting on in epoll, so the frames would still wait for a wake-up; use "
+        "num_threads = 1 with busy polling (or busy_poll.window = 0)",
+        options.num_threads));
+  }
   if (options.num_threads < 1 || options.num_threads > kMaxThreads) {
     return InvalidArgument(
         fmt::format("num_threads = {}: must be in 1..{}", options.num_threads, kMaxThreads));
@@ -259,6 +266,10 @@ ControlServer::ControlServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)
 ControlServer::~ControlServer() { Stop(); }
 
 uint16_t ControlServer::port() const { return impl_->port; }
+
+void ControlServer::Wake() {
+  if (impl_->options.busy_poll.window.count() > 0) asio::post(impl_->io, [] {});
+}
 
 Status ControlServer::Send(ConnectionId id, const v1::Envelope& envelope) {
   std::shared_ptr<internal::Connection> connection = impl_->Find(id);

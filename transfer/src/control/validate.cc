@@ -251,6 +251,11 @@ Status ValidateTransferRequest(const v1::TransferRequest& request, const PeerCon
       CheckEnum("transfer_request.mode", request.mode(), v1::TransferMode_IsValid, false));
   // The destination pages are in the requester's pool, which it described in its Hello.
   if (request.dst_page_ids_le32().empty()) {
+    if (request.dst_page_ids_size() == 0) {
+      return InvalidArgument(
+          "transfer_request has no pages: dst_page_ids_le32 and dst_page_ids are both empty; a "
+          "transfer needs at least one page");
+    }
     KVT_RETURN_IF_ERROR(CheckPageIds("transfer_request.dst_page_ids", request.dst_page_ids(),
                                      peer.num_pages, true, limits));
   } else {

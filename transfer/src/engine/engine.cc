@@ -556,6 +556,9 @@ class TransferEngine::Impl : public control::ControlHandler {
     room.layer_end = static_cast<int32_t>(local_layout_.num_layers());
     active_.insert(id);
     active_count_.store(active_.size(), std::memory_order_relaxed);
+    // With busy polling, frames for this room are expected from now on (e.g. the request of a
+    // room a prefill Send opened): have a sleeping server thread start polling.
+    if (active_.size() == 1 && server_) server_->Wake();
     return room;
   }
 

@@ -782,13 +782,13 @@ TEST(ControlServerOptionsTest, RefusesBadOptions) {
 
 // Busy polling (BusyPollOptions): frames flow both ways with polling io threads; while the hint
 // says frames are expected the idle io threads keep polling (the hint is asked over and over),
-// and once it says no they go back to sleep in the reactor within the window; Wake() and
-// shutdown work while they poll.
+// and once it says no they go back to sleep in the reactor (the count stops moving); Wake() and
+// shutdown work while they poll. Bounded waits rather than fixed sleeps: a loaded machine may
+// deschedule a polling thread for a while.
 TEST_F(ControlServerTest, BusyPollingEndpointsPollWhileExpectingAndSleepOtherwise) {
   std::atomic<bool> server_expects{false}, client_expects{false};
   std::atomic<uint64_t> server_asked{0}, client_asked{0};
   ControlServerOptions options;
-  options.num_threads = 2;
   options.busy_poll.window = 300us;
   options.busy_poll.hint = [&] {
     server_asked.fetch_add(1);
@@ -805,36 +805,61 @@ TEST_F(ControlServerTest, BusyPollingEndpointsPollWhileExpectingAndSleepOtherwis
   ASSERT_NE(client, nullptr);
   for (uint64_t id = 1; id <= 5; ++id) ExpectEcho(*client, id);
 
+  // True once `count` grew by more than `by` (within 5 s).
+  auto grows = [](const std::atomic<uint64_t>& count, uint64_t by) {
+    const uint64_t from = count.load();
+    const auto give_up = std::chrono::steady_clock::now() + 5s;
+    while (count.load() - from <= by) {
+      if (std::chrono::steady_clock::now() > give_up) return false;
+      std::this_thread::sleep_for(1ms);
+    }
+    return true;
+  };
+  // True once `count` stood still for 30 ms (within 5 s).
+  auto settles = [](const std::atomic<uint64_t>& count) {
+    const auto give_up = std::chrono::steady_clock::now() + 5s;
+    while (std::chrono::steady_clock::now() < give_up) {
+      const uint64_t before = count.load();
+      std::this_thread::sleep_for(30ms);
+      if (count.load() == before) return true;
+    }
+    return false;
+  };
+
   // Expecting: the io threads poll, asking the hint again and again with nothing arriving.
   server_expects = true;
   client_expects = true;
   client->Wake();
-  ExpectEcho(*client, 6);  // gets the server's threads out of the reactor too
-  const uint64_t server_before = server_asked.load(), client_before = client_asked.load();
-  std::this_thread::sleep_for(50ms);
-  EXPECT_GT(server_asked.load() - server_before, 100u) << "server io threads did not poll";
-  EXPECT_GT(client_asked.load() - client_before, 100u) << "client io thread did not poll";
-  ExpectEcho(*client, 7);
+  server_->Wake();
+  EXPECT_TRUE(grows(server_asked, 1000)) << "the server's io thread did not poll";
+  EXPECT_TRUE(grows(client_asked, 1000)) << "the client's io thread did not poll";
+  ExpectEcho(*client, 6);
 
-  // Not expecting: after the window the threads sleep; the hint is asked only when a handler
-  // runs (none do while the connection is quiet).
+  // Not expecting: after the window the threads sleep in the reactor; the hint is asked only
+  // when a handler runs (none do while the connection is quiet).
   server_expects = false;
   client_expects = false;
-  std::this_thread::sleep_for(20ms);
-  const uint64_t server_idle = server_asked.load(), client_idle = client_asked.load();
-  std::this_thread::sleep_for(50ms);
-  EXPECT_LT(server_asked.load() - server_idle, 100u) << "server io threads kept polling";
-  EXPECT_LT(client_asked.load() - client_idle, 100u) << "client io thread kept polling";
-  ExpectEcho(*client, 8);
+  EXPECT_TRUE(settles(server_asked)) << "the server's io thread kept polling";
+  EXPECT_TRUE(settles(client_asked)) << "the client's io thread kept polling";
+  ExpectEcho(*client, 7);
 
   // Shutting down while polling.
   server_expects = true;
   client_expects = true;
   client->Wake();
-  ExpectEcho(*client, 9);
+  ExpectEcho(*client, 8);
   client.reset();
   ASSERT_TRUE(handler_.WaitFor([&] { return handler_.disconnects_locked() == 1; }));
   server_->Stop();
+}
+
+TEST(ControlServerOptionsTest, BusyPollingNeedsOneServerThread) {
+  RecordingHandler handler;
+  ControlServerOptions options;
+  options.busy_poll.window = 100us;
+  options.num_threads = 2;
+  EXPECT_THAT(ControlServer::Create(options, &handler).status().message(),
+              HasSubstr("busy_poll with num_threads = 2"));
 }
 
 TEST(ControlServerOptionsTest, NegativeBusyPollWindowIsRefused) {

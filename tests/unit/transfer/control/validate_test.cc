@@ -291,7 +291,7 @@ INSTANTIATE_TEST_SUITE_P(
              "transfer_request.mode = UNSPECIFIED"},
         Case{"RequestNoPages", TR,
              [](v1::Envelope& e) { e.mutable_transfer_request()->clear_dst_page_ids(); },
-             "transfer_request.dst_page_ids is empty"},
+             "dst_page_ids_le32 and dst_page_ids are both empty"},
         Case{"RequestDummyPage", TR,
              [](v1::Envelope& e) { e.mutable_transfer_request()->set_dst_page_ids(2, 0); },
              "transfer_request.dst_page_ids[2] = 0: page 0 is the dummy page"},

@@ -112,11 +112,12 @@ struct EngineOptions {
   // sleeping until the backend's notification (which costs tens of µs of wake-up): a CPU core
   // while the GPU copies, for completion seen within microseconds. 0: sleep.
   std::chrono::microseconds device_spin{200};
-  // The control plane's io threads (the prefill engine's server, the decode engine's
-  // connections): 0 = they sleep in epoll between frames; > 0 = while any request of this engine
-  // is not final, and for this long after the last frame or request, they poll their sockets
-  // without sleeping (control::BusyPollOptions): a CPU core per io thread for control messages
-  // handled within microseconds. On a server, waking a thread that slept through a layerwise
+  // The control plane's io threads (the prefill engine's server, one per decode connection):
+  // 0 = they sleep in epoll between frames; > 0 = while any request of this engine is not
+  // final, and for this long after the last frame or request, they poll their sockets without
+  // sleeping (control::BusyPollOptions): a CPU core per io thread — one per prefill peer on a
+  // decode engine — for control messages handled within microseconds. Needs
+  // server.num_threads = 1. On a server, waking a thread that slept through a layerwise
   // forward costs 80-120 µs per message (docs/transfer-bench.md, session 4).
   std::chrono::microseconds control_busy_poll{0};
   uint32_t tp_rank = 0;

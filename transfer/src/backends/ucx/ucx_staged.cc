@@ -43,10 +43,12 @@ namespace {
 // runs of 32-128 KiB at 0.6-0.9 GB/s over loopback on the development VM; 64 KiB send and
 // 256 KiB receive segments with 4 MiB socket buffers move them at 2.4-3.1 GB/s and cut a 2 MiB
 // one-page request from 3.3 ms to 1.1 ms (docs/transfer-bench.md, session 4). Applied unless the
-// environment sets the variable. UCX hands a name it does not know at the UCP level on to the
-// transports, whose tables hold it without their prefix (TCP_TX_SEG_SIZE is the tcp table's
-// TX_SEG_SIZE); in UCX 1.13.1 (`ucx_info -c -f`) only tcp and its connection manager (socket
-// buffers, where 4 MiB is as right) have these names. A UCX that refuses one leaves its default.
+// environment sets the variable (a ucx.conf setting is overridden). ucp_config_modify keeps a
+// name it does not know at the UCP level and applies it to every transport whose table has it
+// without its prefix (TCP_TX_SEG_SIZE is the tcp table's TX_SEG_SIZE); in UCX 1.13.1
+// (`ucx_info -c -f`) only tcp and its connection manager (socket buffers, where 4 MiB is as
+// right) have these names. Measured effect, not the return code, shows it took: current UCX
+// returns UCS_OK for any name.
 void ApplyTcpTuning(ucp_config_t* config) {
   struct Setting {
     const char* env;  // what a user would set

@@ -72,7 +72,7 @@ struct ControlServerOptions {
   // port can then drive transfers into the pool: for isolated test networks only.
   bool allow_remote_without_token = false;
   size_t max_connections = 256;  // connections beyond this get Error(RESOURCE_EXHAUSTED), close
-  size_t num_threads = 1;        // io threads; 1..64
+  size_t num_threads = 1;        // io threads; 1..64 (1 with busy polling)
   ConnectionLimits limits;
   ValidationLimits validation;
   BusyPollOptions busy_poll;  // how the io thread(s) wait for frames (options.h)
@@ -91,6 +91,11 @@ class ControlServer {
 
   // The port actually bound (useful with options.port = 0).
   uint16_t port() const;
+
+  // With busy polling (options.busy_poll): gets the io thread out of the reactor's sleep so that
+  // it polls, e.g. when the owner starts expecting frames (busy_poll.hint now true). Thread-safe,
+  // non-blocking; does nothing without busy polling.
+  void Wake();
 
   // Queues one frame for the connection. Thread-safe, non-blocking. NotFound when the
   // connection is gone; ResourceExhausted when its send queue is full; InvalidArgument when the

@@ -38,9 +38,11 @@ struct ConnectionLimits {
 
 // How a control endpoint's io threads wait (ControlClientOptions / ControlServerOptions).
 // With `window` 0 (the default) they block in the reactor (epoll) between frames. Otherwise,
-// after any handler ran, and for as long as `hint` returns true, they poll their sockets without
-// sleeping, until `window` has passed with nothing to do and no hint: a CPU core per io thread
-// while polling, for frames handled within microseconds of their arrival. A thread woken from
+// once a handler has run (a frame, a timer, or a Wake() of the endpoint), they poll their
+// sockets without sleeping for as long as `hint` returns true and then until `window` has
+// passed with nothing to do: a CPU core per io thread while polling, for frames handled within
+// microseconds of their arrival. An owner whose hint turns true while the thread sleeps calls
+// Wake(). A server polls only with one io thread (ControlServer refuses more). A thread woken from
 // epoll after milliseconds of idling costs 30-120 µs on a server (measured on the device
 // machine: docs/transfer-bench.md), mostly its core's sleep state.
 struct BusyPollOptions {
