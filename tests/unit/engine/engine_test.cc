@@ -118,6 +118,46 @@ TEST_P(EngineTest, BusyPollingControlThreadsMoveRequests) {
   EXPECT_EQ(decode_->stats().requests_succeeded, 12u);
 }
 
+// Busy polling per connection: a decode engine connected to two prefill engines (each
+// connection polls while its own peer has requests in flight) moves requests from both,
+// interleaved, byte-exact, while the other connection idles.
+TEST_P(EngineTest, BusyPollingPerConnectionMovesRequestsFromTwoPeers) {
+  busy_poll_ = 300us;
+  Start();
+  auto second_pool = MakePool(SmallPoolOptions());
+  ASSERT_TRUE(second_pool);
+  EngineOptions o;
+  o.name = "prefill-1";
+  o.prefill = true;
+  o.backend = GetParam() == "loopback_pages" ? "loopback" : GetParam();
+  o.backend_options.loopback_page_writes = GetParam() == "loopback_pages";
+  o.default_deadline = 5s;
+  o.control_busy_poll = busy_poll_;
+  auto second = TransferEngine::Create(o, second_pool.get());
+  ASSERT_TRUE(second.ok()) << second.status();
+  const PeerHandle a = Connect();
+  auto b = decode_->ConnectPeer("127.0.0.1", (*second)->port());
+  ASSERT_TRUE(b.ok()) << b.status();
+  ASSERT_NE(a, *b);
+  for (int r = 0; r < 8; ++r) {
+    const bool from_second = r % 3 == 0;
+    TransferEngine& prefill = from_second ? **second : *prefill_;
+    pool::KvPool& src_pool = from_second ? *second_pool : *src_pool_;
+    const std::string room = "two-" + std::to_string(r);
+    std::vector<int32_t> src = {2 + r, 30}, dst = {40 + r, 5};
+    Fill(src_pool, 200 + r, src);
+    ASSERT_TRUE(decode_->Receive(room, from_second ? *b : a, dst).ok());
+    ASSERT_TRUE(prefill.Send(room, src).ok());
+    ASSERT_TRUE(prefill.LayersReady(room, 4).ok());
+    auto info = decode_->WaitRequest(room, 5s);
+    ASSERT_TRUE(info.ok()) << info.status();
+    ASSERT_EQ(info->state, RequestState::kSuccess) << info->status;
+    EXPECT_EQ(Mismatches(*dst_pool_, 200 + r, dst), 0u) << room;
+  }
+  EXPECT_EQ(decode_->stats().requests_succeeded, 8u);
+  decode_.reset();  // before the second prefill engine and its pool
+}
+
 TEST_P(EngineTest, LayersGoOutAsTheyBecomeReady) {
   Start();
   const PeerHandle peer = Connect();

@@ -145,7 +145,7 @@ class TransferEngine::Impl : public control::ControlHandler {
     return OkStatus();
   }
 
-  // The control endpoints' busy polling: frames are expected while any request is not final.
+  // The prefill server's busy polling: frames are expected while any request is not final.
   control::BusyPollOptions BusyPoll() const {
     control::BusyPollOptions busy;
     busy.window = options_.control_busy_poll;
@@ -216,7 +216,10 @@ class TransferEngine::Impl : public control::ControlHandler {
     copts.cluster_token = options_.cluster_token;
     copts.limits.heartbeat_interval = options_.heartbeat_interval;
     copts.limits.idle_timeout = options_.peer_timeout;
-    copts.busy_poll = BusyPoll();
+    // A connection polls while its own peer has requests in flight (not the whole engine's: a
+    // decode engine with many prefill peers would spin a core per peer).
+    copts.busy_poll.window = options_.control_busy_poll;
+    copts.busy_poll.hint = [raw] { return raw->in_flight.load(std::memory_order_relaxed) > 0; };
     auto client = control::ControlClient::Connect(copts, raw->handler.get());
     if (!client.ok()) {
       DropPeer(id);
@@ -302,6 +305,8 @@ class TransferEngine::Impl : public control::ControlHandler {
       }
       Room& room = NewRoomLocked(room_id, deadline);
       room.peer = peer_id;
+      room.counted_in_peer = true;
+      peer->second->in_flight.fetch_add(1, std::memory_order_relaxed);
       room.layer_begin = layer_begin;
       room.layer_end = layer_end;
       room.dst_pages = dst_pages;
@@ -516,6 +521,7 @@ class TransferEngine::Impl : public control::ControlHandler {
     std::vector<WriteId> writes;
     // decode
     PeerHandle peer = 0;
+    bool counted_in_peer = false;  // in its DecodePeer's in_flight (busy polling's hint)
     bool pages_reusable = false;
   };
 
@@ -534,6 +540,9 @@ class TransferEngine::Impl : public control::ControlHandler {
   };
 
   struct DecodePeer {
+    // Non-final rooms of this peer: its connection's io thread busy-polls while > 0. Declared
+    // before the client, whose io thread reads it, so that it outlives that thread.
+    std::atomic<int64_t> in_flight{0};
     PeerHandle id = 0;
     std::string address;
     std::string host;
@@ -589,6 +598,11 @@ class TransferEngine::Impl : public control::ControlHandler {
       room.finished = Clock::now();
       active_.erase(room.id);
       active_count_.store(active_.size(), std::memory_order_relaxed);
+      if (room.counted_in_peer) {
+        room.counted_in_peer = false;
+        auto peer = peers_.find(room.peer);
+        if (peer != peers_.end()) peer->second->in_flight.fetch_sub(1, std::memory_order_relaxed);
+      }
       // The backend copied the runs when they were posted: the storage can serve the next plan.
       if (room.plan) {
         RecycleRunsLocked(std::move(room.plan->runs));

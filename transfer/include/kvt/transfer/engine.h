@@ -113,12 +113,12 @@ struct EngineOptions {
   // while the GPU copies, for completion seen within microseconds. 0: sleep.
   std::chrono::microseconds device_spin{200};
   // The control plane's io threads (the prefill engine's server, one per decode connection):
-  // 0 = they sleep in epoll between frames; > 0 = while any request of this engine is not
-  // final, and for this long after the last frame or request, they poll their sockets without
-  // sleeping (control::BusyPollOptions): a CPU core per io thread — one per prefill peer on a
-  // decode engine — for control messages handled within microseconds. Needs
-  // server.num_threads = 1. On a server, waking a thread that slept through a layerwise
-  // forward costs 80-120 µs per message (docs/transfer-bench.md, session 4).
+  // 0 = they sleep in epoll between frames; > 0 = while requests are in flight (on a prefill
+  // engine: any of its requests; on a decode engine: that connection's peer's requests), and for
+  // this long after the last frame or request, they poll their sockets without sleeping
+  // (control::BusyPollOptions): a CPU core per polling io thread, for control messages handled
+  // within microseconds. Needs server.num_threads = 1. On a server, waking a thread that slept
+  // through a layerwise forward costs 80-120 µs per message (docs/transfer-bench.md, session 4).
   std::chrono::microseconds control_busy_poll{0};
   uint32_t tp_rank = 0;
   uint32_t tp_size = 1;
