@@ -1824,20 +1824,20 @@ StatusOr<json> RunLayerwise(const TransferOptions& o, const SideConfig& c, PeerL
     forward_ms.push_back(static_cast<double>(done.back() - start) / 1e6);
     lag_us.push_back(static_cast<double>(start - SteadyNs(s.posted)) / 1e3);
     enqueue_ms.push_back(static_cast<double>(enqueued - start) / 1e6);
-    json split = {{"tail_prefill_us", nullptr}, {"tail_done_message_us", nullptr}};
+    json prefill_part = nullptr, message_part = nullptr;  // null: no prefill timeline
     if (timelines.contains(room)) {
       const std::vector<int64_t> t = timelines.at(room);
       if (t.size() == 5 && t[4] != 0) {
         tail_prefill_us.push_back(static_cast<double>(t[4] - done.back()) / 1e3);
         tail_message_us.push_back(static_cast<double>(SteadyNs(s.finished) - t[4]) / 1e3);
-        split = {{"tail_prefill_us", tail_prefill_us.back()},
-                 {"tail_done_message_us", tail_message_us.back()}};
+        prefill_part = tail_prefill_us.back();
+        message_part = tail_message_us.back();
       }
     }
     per_request.push_back({{"room", room},
                            {"tail_us", tail},
-                           {"tail_prefill_us", split["tail_prefill_us"]},
-                           {"tail_done_message_us", split["tail_done_message_us"]},
+                           {"tail_prefill_us", prefill_part},
+                           {"tail_done_message_us", message_part},
                            {"last_layer_seen_live", live.back()},
                            {"layer_us_median", mine.empty() ? json(nullptr) : json(Median(mine))},
                            {"forward_ms", forward_ms.back()},

@@ -90,10 +90,7 @@ StatusOr<std::unique_ptr<ControlClient>> ControlClient::Connect(const ControlCli
   }
   if (options.port == 0) return InvalidArgument("ControlClientOptions::port is 0");
   if (options.max_inbox_frames < 1) return InvalidArgument("max_inbox_frames must be >= 1");
-  if (options.busy_poll.window.count() < 0) {
-    return InvalidArgument(fmt::format("busy_poll.window = {} us: must be >= 0 (0: no polling)",
-                                       options.busy_poll.window.count()));
-  }
+  KVT_RETURN_IF_ERROR(internal::CheckBusyPoll(options.busy_poll));
 
   auto impl = std::make_unique<Impl>(options, handler);
   Impl* raw = impl.get();

@@ -195,10 +195,7 @@ std::shared_ptr<internal::Connection> ControlServer::Impl::Find(ConnectionId id)
 StatusOr<std::unique_ptr<ControlServer>> ControlServer::Create(const ControlServerOptions& options,
                                                                ControlHandler* handler) {
   if (handler == nullptr) return InvalidArgument("ControlServer::Create: handler is null");
-  if (options.busy_poll.window.count() < 0) {
-    return InvalidArgument(fmt::format("busy_poll.window = {} us: must be >= 0 (0: no polling)",
-                                       options.busy_poll.window.count()));
-  }
+  KVT_RETURN_IF_ERROR(internal::CheckBusyPoll(options.busy_poll));
   if (options.busy_poll.window.count() > 0 && options.num_threads > 1) {
     return InvalidArgument(fmt::format(
         "busy_poll with num_threads = {}: a polling io thread cannot see the sockets another io "

@@ -1,5 +1,7 @@
 #include "io_loop.h"
 
+#include <fmt/format.h>
+
 #include <chrono>
 #include <exception>
 #include <thread>
@@ -41,6 +43,12 @@ void Loop(boost::asio::io_context& io, const BusyPollOptions& busy) {
 }
 
 }  // namespace
+
+Status CheckBusyPoll(const BusyPollOptions& busy) {
+  if (busy.window.count() >= 0) return OkStatus();
+  return InvalidArgument(
+      fmt::format("busy_poll.window = {} us: must be >= 0 (0: no polling)", busy.window.count()));
+}
 
 void RunIoLoop(boost::asio::io_context& io, const BusyPollOptions& busy, const char* who) {
   while (true) {

@@ -4,6 +4,7 @@
 #include <boost/asio/io_context.hpp>
 #include <thread>
 
+#include "kvt/common/status.h"
 #include "kvt/transfer/control/options.h"
 
 namespace kvt::control::internal {
@@ -16,6 +17,10 @@ inline void SpinPause() {
   std::this_thread::yield();
 #endif
 }
+
+// InvalidArgument for a negative window (checked by ControlServer::Create and
+// ControlClient::Connect).
+Status CheckBusyPoll(const BusyPollOptions& busy);
 
 // Runs `io` until it is stopped, waiting as `busy` says (blocking in the reactor, or polling;
 // see BusyPollOptions). A handler that throws is logged and the loop goes on: one bad callback

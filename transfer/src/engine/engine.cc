@@ -134,7 +134,9 @@ class TransferEngine::Impl : public control::ControlHandler {
       server.server_id = options_.name;
       server.limits.heartbeat_interval = options_.heartbeat_interval;
       server.limits.idle_timeout = options_.peer_timeout;
-      server.busy_poll = BusyPoll();
+      // The server polls while any request of the engine is not final.
+      server.busy_poll.window = options_.control_busy_poll;
+      server.busy_poll.hint = [this] { return active_count_.load(std::memory_order_relaxed) > 0; };
       KVT_ASSIGN_OR_RETURN(server_, control::ControlServer::Create(server, this));
     }
     poller_ = std::thread([this] { PollLoop(); });
@@ -143,14 +145,6 @@ class TransferEngine::Impl : public control::ControlHandler {
                  regions.size(), item_len_,
                  server_ ? ", control port " + std::to_string(server_->port()) : "");
     return OkStatus();
-  }
-
-  // The prefill server's busy polling: frames are expected while any request is not final.
-  control::BusyPollOptions BusyPoll() const {
-    control::BusyPollOptions busy;
-    busy.window = options_.control_busy_poll;
-    busy.hint = [this] { return active_count_.load(std::memory_order_relaxed) > 0; };
-    return busy;
   }
 
   void Shutdown() {
@@ -305,8 +299,7 @@ class TransferEngine::Impl : public control::ControlHandler {
       }
       Room& room = NewRoomLocked(room_id, deadline);
       room.peer = peer_id;
-      room.counted_in_peer = true;
-      peer->second->in_flight.fetch_add(1, std::memory_order_relaxed);
+      peer->second->in_flight.fetch_add(1, std::memory_order_relaxed);  // until it is final
       room.layer_begin = layer_begin;
       room.layer_end = layer_end;
       room.dst_pages = dst_pages;
@@ -521,7 +514,6 @@ class TransferEngine::Impl : public control::ControlHandler {
     std::vector<WriteId> writes;
     // decode
     PeerHandle peer = 0;
-    bool counted_in_peer = false;  // in its DecodePeer's in_flight (busy polling's hint)
     bool pages_reusable = false;
   };
 
@@ -598,8 +590,7 @@ class TransferEngine::Impl : public control::ControlHandler {
       room.finished = Clock::now();
       active_.erase(room.id);
       active_count_.store(active_.size(), std::memory_order_relaxed);
-      if (room.counted_in_peer) {
-        room.counted_in_peer = false;
+      if (!options_.prefill) {  // every decode room was counted in its peer's in_flight
         auto peer = peers_.find(room.peer);
         if (peer != peers_.end()) peer->second->in_flight.fetch_sub(1, std::memory_order_relaxed);
       }
