@@ -2452,7 +2452,7 @@ void AddTransferCommand(CLI::App& app, int& exit_code) {
                   "instead of sleeping while requests are in flight and this long after (0: sleep, "
                   "the library's default; kvt-agent uses 1000 on CUDA pools)")
       ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
+      ->check(CLI::Range(int64_t{0}, int64_t{60'000'000}));
   cmd->add_option("--ucx-spin-us", opts->ucx_spin_us,
                   "UCX progress thread spin before it sleeps (BackendOptions::ucx_spin_us)")
       ->capture_default_str();
