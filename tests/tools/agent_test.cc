@@ -235,6 +235,12 @@ TEST(KvtAgentCliTest, NegativeControlBusyPollIsRefused) {
   EXPECT_THAT(r.err, HasSubstr("--control-busy-poll-us -5: must be >= 0"));
 }
 
+TEST(KvtAgentCliTest, UcxCopyThreadsOutOfRangeAreRefused) {
+  const ToolResult r = RunTool(KVT_AGENT_PATH, "--ucx-copy-threads 0");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_THAT(r.out + r.err, HasSubstr("--ucx-copy-threads"));
+}
+
 TEST(KvtAgentCliTest, BadUcxCudaModeIsRefused) {
   const ToolResult r = RunTool(KVT_AGENT_PATH, "--ucx-cuda-mode sometimes");
   EXPECT_NE(r.exit_code, 0);

@@ -11,6 +11,7 @@
 #include "agent_rpc.h"
 #include "device_spec.h"
 #include "kvt/common/log.h"
+#include "kvt/transfer/backends.h"
 #include "kvt/transfer/control/auth.h"
 #include "kvt/transfer/control/protocol.h"
 #include "kvt/transfer/registry.h"
@@ -43,6 +44,7 @@ int main(int argc, char** argv) {
   int64_t layers = 32, heads = 8, head_dim = 128, page_size = 16, tokens = 65536;
   int64_t deadline_ms = 30000, layer_time_us = 0, control_busy_poll_us = 0;
   uint32_t tp_rank = 0, tp_size = 1, seed = 1;
+  int ucx_copy_threads = transfer::BackendOptions{}.ucx_copy_threads;
   bool exit_with_parent = false, no_shuffle = false, no_verify = false, skip_fill = false;
   app.add_option("--role", role, "prefill or decode")->check(CLI::IsMember({"prefill", "decode"}));
   app.add_option("--name", name, "agent (instance) name; default kvt-<role>");
@@ -56,6 +58,10 @@ int main(int argc, char** argv) {
   app.add_option("--ucx-cuda-mode", ucx_cuda_mode,
                  "ucx with CUDA pools: auto, staged (pinned bounce buffers) or direct")
       ->check(CLI::IsMember({"auto", "staged", "direct"}));
+  app.add_option("--ucx-copy-threads", ucx_copy_threads,
+                 "ucx on one host: threads copying a large write into the peer's shared memory")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 64));
   app.add_option("--device", device, "pool memory: host or cuda:N (CUDA device N)");
   app.add_option("--layers", layers, "layers")->check(CLI::PositiveNumber);
   app.add_option("--heads", heads, "KV heads of this rank")->check(CLI::PositiveNumber);
@@ -124,6 +130,7 @@ int main(int argc, char** argv) {
   options.engine.backend = backend;
   options.engine.backend_options.ucx_transports = ucx_tls;
   options.engine.backend_options.ucx_cuda_mode = ucx_cuda_mode;
+  options.engine.backend_options.ucx_copy_threads = ucx_copy_threads;
   options.engine.server.bind_address = listen_at->host;
   options.engine.server.port = listen_at->port;
   options.engine.server.cluster_token = token;

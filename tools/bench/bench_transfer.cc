@@ -96,6 +96,7 @@ struct TransferOptions {
   std::string backend = "ucx";
   std::string ucx_tls;  // empty: UCX's default (or UCX_TLS from the environment)
   int ucx_spin_us = 200;
+  int ucx_copy_threads = 2;          // BackendOptions::ucx_copy_threads (both sides)
   int64_t control_busy_poll_us = 0;  // both engines' EngineOptions::control_busy_poll
   std::string page_tokens = "1,16,64";
   int64_t tokens = 0;  // 0: 1024 on host pools, >= 1 GiB per request on CUDA pools
@@ -276,6 +277,7 @@ struct SideConfig {
   std::string backend;
   std::string ucx_tls;
   int ucx_spin_us = 200;
+  int ucx_copy_threads = 2;
   int64_t control_busy_poll_us = 0;
   int page_tokens = 0;
   int64_t pool_tokens = 0;
@@ -298,6 +300,7 @@ struct SideConfig {
     return {{"backend", backend},
             {"ucx_tls", ucx_tls},
             {"ucx_spin_us", ucx_spin_us},
+            {"ucx_copy_threads", ucx_copy_threads},
             {"control_busy_poll_us", control_busy_poll_us},
             {"page_tokens", page_tokens},
             {"pool_tokens", pool_tokens},
@@ -323,6 +326,7 @@ struct SideConfig {
       c.backend = j.at("backend");
       c.ucx_tls = j.at("ucx_tls");
       c.ucx_spin_us = j.at("ucx_spin_us");
+      c.ucx_copy_threads = j.value("ucx_copy_threads", 2);
       c.control_busy_poll_us = j.value("control_busy_poll_us", int64_t{0});
       c.page_tokens = j.at("page_tokens");
       c.pool_tokens = j.at("pool_tokens");
@@ -350,6 +354,7 @@ struct SideConfig {
     transfer::BackendOptions b;
     b.ucx_transports = ucx_tls;
     b.ucx_spin_us = ucx_spin_us;
+    b.ucx_copy_threads = ucx_copy_threads;
     if (cuda) {
       b.ucx_cuda_mode = ucx_cuda_mode;
       b.ucx_staging_slots = ucx_staging_slots;
@@ -1350,6 +1355,7 @@ SideConfig BaseSideConfig(const TransferOptions& o, int pt, int64_t pool_tokens,
   c.backend = o.backend;
   c.ucx_tls = o.ucx_tls;
   c.ucx_spin_us = o.ucx_spin_us;
+  c.ucx_copy_threads = o.ucx_copy_threads;
   c.control_busy_poll_us = o.control_busy_poll_us;
   c.page_tokens = pt;
   c.pool_tokens = pool_tokens;
@@ -2360,7 +2366,9 @@ Status RunTransfer(const TransferOptions& options) {
   doc["machine"] = DescribeMachine(false);
   doc["loadavg_start"] = LoadAverage();
   doc["config"] = CommonConfig(o, dtype, row_bytes, per_token_bytes, o.tokens);
-  doc["config"].update(json{{"ucx_spin_us", o.ucx_spin_us}, {"pool_per_side", o.pool_bytes}});
+  doc["config"].update(json{{"ucx_spin_us", o.ucx_spin_us},
+                            {"ucx_copy_threads", o.ucx_copy_threads},
+                            {"pool_per_side", o.pool_bytes}});
   doc["notes"] =
       "Latency: decode side, Receive called -> engine saw TransferDone (RequestInfo::finished); "
       "caller_* adds the WaitRequest wake-up. kvt GB/s = request bytes / p50 latency; aggregate "
@@ -2456,6 +2464,11 @@ void AddTransferCommand(CLI::App& app, int& exit_code) {
   cmd->add_option("--ucx-spin-us", opts->ucx_spin_us,
                   "UCX progress thread spin before it sleeps (BackendOptions::ucx_spin_us)")
       ->capture_default_str();
+  cmd->add_option("--ucx-copy-threads", opts->ucx_copy_threads,
+                  "threads copying a large write into a peer's mapped shared memory "
+                  "(BackendOptions::ucx_copy_threads)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 64));
   cmd->add_option("--page-tokens", opts->page_tokens, "tokens per page, comma-separated")
       ->capture_default_str();
   cmd->add_option("--tokens", opts->tokens,

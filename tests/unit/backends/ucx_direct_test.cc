@@ -1,7 +1,8 @@
 // The ucx backend's direct path: when UCX maps the peer's buffers into this process (shared
 // memory from the peer's AllocateHost, ucp_rkey_ptr), writes are plain copies; those above
-// ucx_direct_inline_bytes run on the backend's copy thread. Byte exactness, completion
-// notification, and that Release / Disconnect / destruction leave no copy landing afterwards.
+// ucx_direct_inline_bytes run on the backend's copy threads (each a slice of the write). Byte
+// exactness with 1, 2 and 4 copy threads, completion notification, and that Release /
+// Disconnect / destruction leave no copy landing afterwards.
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -23,17 +24,18 @@ namespace {
 using testing::WaitFor;
 
 constexpr int kBuffers = 4;
-constexpr uint64_t kItem = 4096;
+constexpr uint64_t kItem = 16384;  // 4 MiB in all: a slice for each of 4 copy threads
 constexpr uint64_t kPages = 64;
 constexpr uint64_t kBufferBytes = kItem * kPages;
 constexpr uint8_t kPoison = 0xEE;
 
-class UcxDirectTest : public ::testing::Test {
+class UcxDirectTest : public ::testing::TestWithParam<int> {
  protected:
   // inline_bytes: ucx_direct_inline_bytes; delay_us: the copy thread's start delay (test hook).
   void Start(size_t inline_bytes, int delay_us) {
     BackendOptions options;
     options.ucx_direct_inline_bytes = inline_bytes;
+    options.ucx_copy_threads = GetParam();
     UcxTestHooks hooks;
     hooks.direct_copy_delay_us = delay_us;
     auto a = CreateUcxBackendForTest(options, hooks);
@@ -78,7 +80,7 @@ class UcxDirectTest : public ::testing::Test {
     receiver_.reset();
   }
 
-  // Every page of every buffer, shuffled destinations: 1 MiB in 256 runs.
+  // Every page of every buffer, shuffled destinations: 4 MiB in 256 runs.
   std::vector<CopyRun> AllPages() const {
     std::vector<uint64_t> dst_pages(kPages);
     for (uint64_t i = 0; i < kPages; ++i) dst_pages[i] = i;
@@ -106,7 +108,7 @@ class UcxDirectTest : public ::testing::Test {
   std::shared_ptr<std::atomic<int>> notified_;
 };
 
-TEST_F(UcxDirectTest, LargeWritesAreCopiedOnTheCopyThreadByteExactAndNotified) {
+TEST_P(UcxDirectTest, LargeWritesAreCopiedOnTheCopyThreadByteExactAndNotified) {
   Start(/*inline_bytes=*/0, /*delay_us=*/0);
   const std::vector<CopyRun> runs = AllPages();
   auto write = sender_->PostWrite(peer_, runs);
@@ -126,7 +128,34 @@ TEST_F(UcxDirectTest, LargeWritesAreCopiedOnTheCopyThreadByteExactAndNotified) {
   EXPECT_GE(notified_->load(), 1);
 }
 
-TEST_F(UcxDirectTest, WritesUpToTheInlineLimitCompleteWhenPosted) {
+// Long runs (the copy threads cut runs inside): one run into buffer 2, and buffers 0, 1 and 3
+// whole as one run each, posted back to back (their slices may run at the same time): both
+// land byte exact.
+TEST_P(UcxDirectTest, LongRunsAreCutBetweenCopyThreadsByteExact) {
+  Start(/*inline_bytes=*/0, /*delay_us=*/0);
+  const CopyRun one{2, kItem, 3 * kItem, kBufferBytes - 7 * kItem + 100};
+  std::vector<CopyRun> whole;
+  for (uint32_t b : {0u, 1u, 3u}) whole.push_back({b, 0, 0, kBufferBytes});
+  auto first = sender_->PostWrite(peer_, {&one, 1});
+  auto second = sender_->PostWrite(peer_, whole);
+  ASSERT_TRUE(first.ok() && second.ok());
+  ASSERT_TRUE(WaitFor(*sender_, *first).ok());
+  ASSERT_TRUE(WaitFor(*sender_, *second).ok());
+  sender_->Release(*first);
+  sender_->Release(*second);
+  for (uint32_t b : {0u, 1u, 3u}) {
+    EXPECT_EQ(std::memcmp(dst_ + b * kBufferBytes, src_[b].data(), kBufferBytes), 0)
+        << "buffer " << b;
+  }
+  uint8_t* two = dst_ + 2 * kBufferBytes;
+  EXPECT_EQ(std::memcmp(two + one.dst_offset, src_[2].data() + one.src_offset, one.bytes), 0);
+  for (uint64_t i = 0; i < kBufferBytes; ++i) {
+    if (i >= one.dst_offset && i < one.dst_offset + one.bytes) continue;
+    ASSERT_EQ(two[i], kPoison) << "buffer 2 byte " << i << " outside the run";
+  }
+}
+
+TEST_P(UcxDirectTest, WritesUpToTheInlineLimitCompleteWhenPosted) {
   Start(/*inline_bytes=*/kItem, /*delay_us=*/1000000);
   CopyRun run{1, 3 * kItem, 5 * kItem, kItem};
   auto write = sender_->PostWrite(peer_, {&run, 1});
@@ -136,7 +165,7 @@ TEST_F(UcxDirectTest, WritesUpToTheInlineLimitCompleteWhenPosted) {
   sender_->Release(*write);
 }
 
-TEST_F(UcxDirectTest, ReleaseCancelsACopyInFlightAndNothingLandsLater) {
+TEST_P(UcxDirectTest, ReleaseCancelsACopyInFlightAndNothingLandsLater) {
   Start(/*inline_bytes=*/0, /*delay_us=*/2000000);
   auto write = sender_->PostWrite(peer_, AllPages());
   ASSERT_TRUE(write.ok()) << write.status();
@@ -155,7 +184,7 @@ TEST_F(UcxDirectTest, ReleaseCancelsACopyInFlightAndNothingLandsLater) {
   EXPECT_TRUE(WaitFor(*sender_, *next).ok());
 }
 
-TEST_F(UcxDirectTest, DisconnectAbortsCopiesInFlight) {
+TEST_P(UcxDirectTest, DisconnectAbortsCopiesInFlight) {
   Start(/*inline_bytes=*/0, /*delay_us=*/2000000);
   auto first = sender_->PostWrite(peer_, AllPages());
   auto second = sender_->PostWrite(peer_, AllPages());  // queued behind the first
@@ -171,7 +200,7 @@ TEST_F(UcxDirectTest, DisconnectAbortsCopiesInFlight) {
   EXPECT_TRUE(AllPoison());
 }
 
-TEST_F(UcxDirectTest, DestroyingTheBackendStopsCopiesInFlight) {
+TEST_P(UcxDirectTest, DestroyingTheBackendStopsCopiesInFlight) {
   Start(/*inline_bytes=*/0, /*delay_us=*/2000000);
   auto write = sender_->PostWrite(peer_, AllPages());
   ASSERT_TRUE(write.ok());
@@ -180,6 +209,24 @@ TEST_F(UcxDirectTest, DestroyingTheBackendStopsCopiesInFlight) {
   EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(1));
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
   EXPECT_TRUE(AllPoison());
+}
+
+INSTANTIATE_TEST_SUITE_P(CopyThreads, UcxDirectTest, ::testing::Values(1, 2, 4),
+                         [](const ::testing::TestParamInfo<int>& info) {
+                           return std::to_string(info.param) + "Threads";
+                         });
+
+TEST(UcxDirectOptionsTest, CopyThreadsOutOfRangeAreRefused) {
+  for (int threads : {0, -1, 65}) {
+    BackendOptions options;
+    options.ucx_copy_threads = threads;
+    auto backend = CreateUcxBackendForTest(options, UcxTestHooks{});
+    ASSERT_FALSE(backend.ok()) << threads;
+    EXPECT_EQ(backend.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(backend.status().message().find("ucx_copy_threads is " + std::to_string(threads)),
+              std::string::npos)
+        << backend.status();
+  }
 }
 
 }  // namespace

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "backends/run_check.h"
+#include "backends/stream_copy.h"
 #include "backends/ucx/ucx_staged.h"
 #include "backends/ucx/ucx_staging.h"
 #include "kvt/common/log.h"
@@ -30,6 +31,11 @@ namespace kvt::transfer {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// Direct copies: at most this many copy threads, and no thread gets a slice of a write smaller
+// than kMinCopySliceBytes (below that one thread copies faster than two start).
+constexpr int kMaxCopyThreads = 64;
+constexpr uint64_t kMinCopySliceBytes = uint64_t{1} << 20;
 
 // "host, cuda" for a ucp_context_query memory-type mask.
 std::string MemoryTypeNames(uint64_t mask) {
@@ -73,6 +79,7 @@ class UcxBackend final : public Backend {
       : spin_(std::chrono::microseconds(options.ucx_spin_us)),
         direct_shm_(options.ucx_direct_shm),
         direct_inline_bytes_(options.ucx_direct_inline_bytes),
+        copy_threads_(options.ucx_copy_threads),
         transports_(options.ucx_transports),
         cuda_mode_(options.ucx_cuda_mode),
         staging_slots_(options.ucx_staging_slots),
@@ -95,7 +102,7 @@ class UcxBackend final : public Backend {
       copy_stop_ = true;
     }
     copy_cv_.notify_all();
-    if (copier_.joinable()) copier_.join();  // finishes or cancels the queued copies first
+    for (std::thread& t : copiers_) t.join();  // they finish or cancel the queued copies first
     ApiLock lock(*this);
     for (auto& [id, write] : writes_) WaitLocked(write);
     writes_.clear();
@@ -115,6 +122,11 @@ class UcxBackend final : public Backend {
   }
 
   Status Init(const BackendOptions& options) {
+    if (copy_threads_ < 1 || copy_threads_ > kMaxCopyThreads) {
+      return InvalidArgument("ucx_copy_threads is " + std::to_string(copy_threads_) + "; use 1.." +
+                             std::to_string(kMaxCopyThreads) +
+                             " (threads copying a large write into a peer's mapped buffers)");
+    }
     if (cuda_mode_ != "auto" && cuda_mode_ != "staged" && cuda_mode_ != "direct") {
       return InvalidArgument("ucx_cuda_mode is '" + cuda_mode_ +
                              "'; use 'auto', 'staged' or 'direct'");
@@ -161,7 +173,7 @@ class UcxBackend final : public Backend {
         UcsStatus(ucp_worker_get_address(worker_, &worker_address_, &worker_address_len_),
                   "ucp_worker_get_address"));
     progress_ = std::thread([this] { ProgressLoop(); });
-    copier_ = std::thread([this] { CopyLoop(); });
+    for (int i = 0; i < copy_threads_; ++i) copiers_.emplace_back([this] { CopyLoop(); });
     return OkStatus();
   }
 
@@ -384,6 +396,8 @@ class UcxBackend final : public Backend {
       } else {
         auto job = std::make_shared<DirectJob>();
         job->runs.assign(runs.begin(), runs.end());
+        job->bounds = SplitRuns(job->runs, copy_threads_, kMinCopySliceBytes);
+        job->slices_left = static_cast<int>(job->bounds.size()) - 1;
         job->dst = peer.direct;
         job->src.reserve(local_.size());
         for (const LocalRegion& r : local_)
@@ -392,7 +406,7 @@ class UcxBackend final : public Backend {
           std::lock_guard<std::mutex> copy_lock(copy_mu_);
           copy_queue_.push_back(job);
         }
-        copy_cv_.notify_one();
+        copy_cv_.notify_all();  // a slice for each copy thread
         write.job = std::move(job);
         write.status = InProgress();
       }
@@ -563,14 +577,21 @@ class UcxBackend final : public Backend {
     KVT_LOG_DEBUG("ucx", "peer buffers mapped directly ({} buffers): writes are plain copies",
                   peer.direct.size());
   }
-  // A large write into a directly mapped peer, copied on the copy thread.
+  // A large write into a directly mapped peer, copied by the copy threads: one slice each
+  // (SplitRuns), claimed from the front of the queue, so writes start in the order posted (the
+  // slices of consecutive writes may overlap in time: writes of one request, or of different
+  // requests, never target the same bytes).
   struct DirectJob {
     enum class State { kQueued, kRunning, kDone, kCancelled };
     std::vector<CopyRun> runs;
+    std::vector<size_t> bounds;       // slice i: runs[bounds[i], bounds[i + 1])
     std::vector<uint8_t*> dst;        // the peer's buffers as mapped here
     std::vector<const uint8_t*> src;  // ours
-    State state = State::kQueued;     // guarded by copy_mu_
-    std::atomic<bool> cancel{false};  // read by the copy thread between runs
+    State state = State::kQueued;     // guarded by copy_mu_, as are the three below
+    size_t slices_claimed = 0;
+    int slices_left = 0;              // not yet finished
+    bool incomplete = false;          // a slice stopped early (cancel)
+    std::atomic<bool> cancel{false};  // read by the copy threads between runs
   };
   struct Write {
     PeerId peer = 0;
@@ -584,39 +605,42 @@ class UcxBackend final : public Backend {
     if (notify_) notify_();
   }
 
-  // Copies the queued direct writes, one at a time, in order.
+  // A copy thread: takes the next slice of the write at the front of the queue, copies it,
+  // and the thread finishing a write's last slice marks it done (or cancelled) and notifies.
   void CopyLoop() {
     std::unique_lock<std::mutex> lock(copy_mu_);
     while (true) {
       copy_cv_.wait(lock, [this] { return copy_stop_ || !copy_queue_.empty(); });
       if (copy_queue_.empty()) return;  // stopping, nothing left
-      std::shared_ptr<DirectJob> job = std::move(copy_queue_.front());
-      copy_queue_.pop_front();
-      if (job->state != DirectJob::State::kQueued) continue;  // cancelled while queued
-      if (copy_stop_) {
-        job->state = DirectJob::State::kCancelled;
+      std::shared_ptr<DirectJob> job = copy_queue_.front();
+      if (job->state == DirectJob::State::kCancelled) {  // cancelled while queued
+        copy_queue_.pop_front();
         continue;
       }
+      if (copy_stop_ && job->slices_claimed == 0) {
+        job->state = DirectJob::State::kCancelled;
+        copy_queue_.pop_front();
+        continue;
+      }
+      const size_t slice = job->slices_claimed++;
+      if (job->slices_claimed + 1 == job->bounds.size()) copy_queue_.pop_front();
       job->state = DirectJob::State::kRunning;
       lock.unlock();
-      bool cancelled = false;
       if (hooks_.direct_copy_delay_us > 0) {
         const auto until = Clock::now() + std::chrono::microseconds(hooks_.direct_copy_delay_us);
         while (Clock::now() < until && !job->cancel.load(std::memory_order_relaxed)) {
           std::this_thread::sleep_for(std::chrono::microseconds(200));
         }
       }
-      for (const CopyRun& run : job->runs) {
-        if (job->cancel.load(std::memory_order_relaxed)) {
-          cancelled = true;
-          break;
-        }
-        std::memcpy(job->dst[run.buffer] + run.dst_offset, job->src[run.buffer] + run.src_offset,
-                    run.bytes);
-      }
-      std::atomic_thread_fence(std::memory_order_release);  // the bytes before "done"
+      // Non-temporal stores with the source prefetched ahead (stream_copy.h); fenced inside,
+      // and published to the thread that marks the write done through copy_mu_.
+      const std::span<const CopyRun> runs = std::span<const CopyRun>(job->runs).subspan(
+          job->bounds[slice], job->bounds[slice + 1] - job->bounds[slice]);
+      const bool complete = StreamCopyRuns(runs, job->src, job->dst, &job->cancel) == runs.size();
       lock.lock();
-      job->state = cancelled ? DirectJob::State::kCancelled : DirectJob::State::kDone;
+      if (!complete) job->incomplete = true;
+      if (--job->slices_left > 0) continue;
+      job->state = job->incomplete ? DirectJob::State::kCancelled : DirectJob::State::kDone;
       copy_done_cv_.notify_all();
       lock.unlock();
       Notify();
@@ -816,6 +840,7 @@ class UcxBackend final : public Backend {
   const std::chrono::microseconds spin_;
   const bool direct_shm_;
   const size_t direct_inline_bytes_;
+  const int copy_threads_;
   const std::string transports_;
   const std::string cuda_mode_;
   const int staging_slots_;
@@ -827,13 +852,13 @@ class UcxBackend final : public Backend {
   std::atomic<int> api_waiters_{0};  // API calls waiting for mutex_
   std::thread progress_;
 
-  // The copy thread and its queue (direct writes above direct_inline_bytes_).
+  // The copy threads and their queue (direct writes above direct_inline_bytes_).
   std::mutex copy_mu_;
   std::condition_variable copy_cv_;       // work queued, or stop
   std::condition_variable copy_done_cv_;  // a job left kRunning
   std::deque<std::shared_ptr<DirectJob>> copy_queue_;
   bool copy_stop_ = false;
-  std::thread copier_;
+  std::vector<std::thread> copiers_;
 
   std::mutex notify_mu_;  // guards notify_; held while it runs
   std::function<void()> notify_;
