@@ -6,9 +6,10 @@
 // the request evicts the caches it passes through) and the hardware prefetcher starts over at
 // every run. StreamCopyRuns stores whole destination lines non-temporally and prefetches the
 // source a fixed distance ahead of the copy, across run boundaries, so the next run's first
-// lines are on their way while this run finishes. On the 2-core development VM (AMD EPYC,
-// 1 GiB pools, fresh random pages every pass) 32 KiB runs copy ~1.2–1.3x and 2 KiB runs ~2.5x
-// as fast as memcpy per run (docs/transfer-bench.md, session 5).
+// lines are on their way while this run finishes. Measured in kvt-bench on the 2-core
+// development VM (two copy threads, runs alternating with a memcpy build): 1-token requests
+// (65536 runs of 2 KiB) 1.5–1.8x as fast in two of three pairs, 16- and 64-token requests level
+// to +10 % (docs/transfer-bench.md, session 5). Requests also leave the caches alone.
 #pragma once
 
 #include <atomic>

@@ -28,7 +28,7 @@ struct BackendOptions {
   size_t ucx_direct_inline_bytes = size_t{256} << 10;
   // ucx, direct copies: threads that copy a large write, each a slice of its runs (1..64; a
   // write gets at most one slice per MiB). On the 2-core development VM two threads move a
-  // 1024-page request of 32 KiB pages about 1.6–1.9x as fast as one (docs/transfer-bench.md).
+  // 1024-page request of 32 KiB pages about 1.4–1.9x as fast as one (docs/transfer-bench.md).
   int ucx_copy_threads = 2;
   // loopback: a posted write completes (its bytes are copied) only once this much time has
   // passed, so tests can abort or time out writes in flight. 0 copies at post time.
