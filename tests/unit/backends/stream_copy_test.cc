@@ -181,7 +181,9 @@ TEST(SplitRunsTest, ManyRunsGetBalancedSlicesCoveringEveryByte) {
       uint64_t bytes = 0;
       for (size_t i = bounds[s]; i < bounds[s + 1]; ++i) bytes += runs[i].bytes;
       EXPECT_LE(bytes, target + 4096) << "slice " << s << " of " << parts;
-      if (s + 2 < bounds.size()) EXPECT_GE(bytes, target) << "slice " << s << " of " << parts;
+      if (s + 2 < bounds.size()) {
+        EXPECT_GE(bytes, target) << "slice " << s << " of " << parts;
+      }
     }
     EXPECT_EQ(BytesMoved(runs), moved) << parts;
   }
