@@ -414,16 +414,7 @@ __device__ __forceinline__ Unit UnitOf(const CopyDesc& d, uint64_t unit, bool na
   }
   uint64_t item;
   uint32_t chunk;
-  if (d.chunk_major) {
-    if (narrow) {
-      const uint32_t n = static_cast<uint32_t>(d.num_items);
-      chunk = static_cast<uint32_t>(unit) / n;
-      item = static_cast<uint32_t>(unit) - chunk * n;
-    } else {
-      chunk = static_cast<uint32_t>(unit / d.num_items);
-      item = unit - static_cast<uint64_t>(chunk) * d.num_items;
-    }
-  } else if (narrow) {
+  if (narrow) {
     const uint32_t q = static_cast<uint32_t>(unit) / d.chunks_per_item;
     chunk = static_cast<uint32_t>(unit) - q * d.chunks_per_item;
     item = q;
@@ -732,8 +723,6 @@ Status CopyDevice(const CopyDesc& desc, const PageCopyTuning& t, cudaStream_t st
       d.chunk_bytes = t.chunk_bytes;
     }
   }
-  d.chunk_major = t.chunk_major && d.chunks_per_item > 1;
-  d.num_items = num_items;
   const uint64_t num_units = num_items * d.chunks_per_item;
   KVT_ASSIGN_OR_RETURN(int sms, CurrentDeviceSmCount());
   const int group = ThreadsPerItem(t, d.chunk_bytes);  // 32 for pipeline / async_smem

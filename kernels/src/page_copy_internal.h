@@ -39,8 +39,6 @@ struct CopyDesc {
   // chunk_bytes (the last one shorter); chunks_per_item == 1 means whole items.
   int64_t chunk_bytes = 0;
   uint32_t chunks_per_item = 1;
-  bool chunk_major = false;  // unit = chunk * num_items + item (PageCopyTuning::chunk_major)
-  uint64_t num_items = 0;    // num_buffers * num_pages, set with chunk_major
   bool prefetch_l2 = false;
 };
 

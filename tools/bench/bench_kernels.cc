@@ -209,7 +209,6 @@ std::vector<SweepEntry> SweepTunings() {
     bool async_smem = false;
     int async_stages = 4;
     int blocks_per_sm = 0;
-    bool chunk_major = false;  // session 5
   };
   constexpr SweepLayout R = SweepLayout::kRandom;
   const V variants[] = {
@@ -267,13 +266,7 @@ std::vector<SweepEntry> SweepTunings() {
       {4, 256, 32, 16384, true, false, SweepLayout::kBothContiguous, false, true, 4, 3},
       {4, 512, 32, 0, true, false, SweepLayout::kSrcContiguous},
       {4, 512, 32, 0, true, false, SweepLayout::kDstContiguous},
-      // Session 5: chunk-major units (the warps running at once on different items, as at
-      // 1 token per page), against the default's row-major chunks in the same sweep.
-      {8, 256, 32, 8192, true, false, R, false, false, 4, 0, true},
-      {8, 256, 32, 4096, true, false, R, false, false, 4, 0, true},
-      {8, 256, 32, 2048, true, false, R, false, false, 4, 0, true},
-      {8, 256, 32, 8192, true, false, R},  // the default again, next to them
-      {4, 512, 32, 0, true, false, R},     // the first row again: run-to-run spread
+      {4, 512, 32, 0, true, false, R},  // the first row again: run-to-run spread
   };
   std::vector<SweepEntry> out;
   for (const V& v : variants) {
@@ -288,7 +281,6 @@ std::vector<SweepEntry> SweepTunings() {
     e.tuning.async_smem = v.async_smem;
     e.tuning.async_stages = v.async_stages;
     e.tuning.blocks_per_sm = v.blocks_per_sm;
-    e.tuning.chunk_major = v.chunk_major;
     e.layout = v.layout;
     out.push_back(e);
   }
@@ -302,7 +294,6 @@ json TuningJson(const kernels::PageCopyTuning& t) {
               {"threads_per_item", t.threads_per_item},
               {"blocks_per_sm", t.blocks_per_sm},
               {"page_major", t.page_major},
-              {"chunk_major", t.chunk_major},
               {"chunk_bytes", t.chunk_bytes},
               {"prefetch_l2", t.prefetch_l2},
               {"pipeline", t.pipeline},
@@ -313,7 +304,6 @@ json TuningJson(const kernels::PageCopyTuning& t) {
 // The sweep's short name for a row's variant: "plain", "pipe" or "async<stages>".
 std::string VariantCell(const json& row) {
   if (row.value("async_smem", false)) return fmt::format("async{}", row["async_stages"].get<int>());
-  if (row.value("chunk_major", false)) return "chunk-major";
   return row.value("pipeline", false) ? "pipe" : "plain";
 }
 

@@ -161,22 +161,18 @@ TEST_P(PageCopyGpuTest, ChunkedTuningsMatchCpuReference) {
     for (int chunk : {16, 48, 512, 4096, 8192}) {
       for (bool prefetch : {false, true}) {
         for (int threads : {256, 512}) {
-          for (bool chunk_major : {false, true}) {
-            PageCopyTuning t = DefaultPageCopyTuning();
-            t.unroll = unroll;
-            t.chunk_bytes = chunk;
-            t.prefetch_l2 = prefetch;
-            t.threads_per_block = threads;
-            t.chunk_major = chunk_major;
-            t.blocks_per_sm = chunk == 48 ? 1 : 0;  // also a grid smaller than the work
-            SCOPED_TRACE(::testing::Message()
-                         << "unroll " << unroll << " chunk " << chunk << " prefetch " << prefetch
-                         << " threads " << threads << " chunk_major " << chunk_major);
-            CheckCopy(GetParam(), 17, [&](const PageCopyArgs& a, cudaStream_t s) {
-              return PageCopyCudaTuned(a, t, s);
-            });
-            if (HasFatalFailure()) return;
-          }
+          PageCopyTuning t = DefaultPageCopyTuning();
+          t.unroll = unroll;
+          t.chunk_bytes = chunk;
+          t.prefetch_l2 = prefetch;
+          t.threads_per_block = threads;
+          t.blocks_per_sm = chunk == 48 ? 1 : 0;  // also a grid smaller than the work
+          SCOPED_TRACE(::testing::Message() << "unroll " << unroll << " chunk " << chunk
+                                            << " prefetch " << prefetch << " threads " << threads);
+          CheckCopy(GetParam(), 17, [&](const PageCopyArgs& a, cudaStream_t s) {
+            return PageCopyCudaTuned(a, t, s);
+          });
+          if (HasFatalFailure()) return;
         }
       }
     }

@@ -30,10 +30,6 @@ struct PageCopyTuning {
   bool streaming = true;
   // Enumerate items page-major (i * num_buffers + b) instead of buffer-major (b * num_pages + i).
   bool page_major = false;
-  // With chunked units: enumerate units chunk-major (chunk 0 of every item, then chunk 1, ...)
-  // instead of item by item, so the warps running at once each work on a different item, as at
-  // 1 token per page where the default does best (session 5 experiment).
-  bool chunk_major = false;
   // Unit of work handed to a group: items larger than this are split into chunks of this many
   // bytes (the last one shorter), so that every group gets many units and the grid's last round
   // is balanced. 0 = whole items. Must be a multiple of 16 (chunk starts keep the item's
