@@ -10,10 +10,11 @@ namespace kvt::transfer {
 
 // UCX backend: one UCP context and worker, a progress thread, pool buffers registered once with
 // ucp_mem_map, rkeys in the descriptor, ucp_put_nbx per run and an endpoint flush before a
-// write counts as complete. When UCX maps a peer's buffers into this process (shared memory,
-// ucp_rkey_ptr), writes are plain copies instead: small ones on the posting thread, larger ones
-// (BackendOptions::ucx_direct_inline_bytes) on the backend's copy thread. Flush and copy
-// completions call the completion notifier.
+// write counts as complete; writes above BackendOptions::ucx_direct_inline_bytes are posted by
+// the backend's poster thread in batches (the caller never sends a large write itself). When UCX
+// maps a peer's buffers into this process (shared memory, ucp_rkey_ptr), writes are plain copies
+// instead: small ones on the posting thread, larger ones on the backend's copy threads
+// (BackendOptions::ucx_copy_threads). Flush and copy completions call the completion notifier.
 //
 // CUDA pools: registered directly when this UCX handles CUDA memory (ucp_context_query memory
 // types; ucx_cuda_mode "auto" or "direct"); otherwise ("auto" or "staged") staged through pinned
@@ -30,6 +31,12 @@ struct UcxTestHooks {
   // Direct copies (peers mapped into this process) start only this long after the copy thread
   // took them, so that tests can release or disconnect with a copy in flight.
   int direct_copy_delay_us = 0;
+  // Network writes above ucx_direct_inline_bytes start being posted only this long after the
+  // poster thread took them, so that tests can release or disconnect before any of it is sent.
+  int post_delay_us = 0;
+  // The poster pauses this long after each batch of a write (1 MiB of puts) but its last, so
+  // that tests can cancel a write part-way.
+  int post_batch_pause_us = 0;
 };
 StatusOr<std::unique_ptr<Backend>> CreateUcxBackendForTest(const BackendOptions& options,
                                                            const UcxTestHooks& hooks);
