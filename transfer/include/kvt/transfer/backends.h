@@ -22,9 +22,10 @@ struct BackendOptions {
   // ucx: when UCX maps a peer's buffers into this process (shared memory on the same host,
   // ucp_rkey_ptr), write them with plain copies instead of one UCX put per run.
   bool ucx_direct_shm = true;
-  // ucx, direct copies: writes of at most this many bytes are copied on the posting thread;
-  // larger ones on the backend's copy thread, so that posting (often the control plane's
-  // thread, under the engine's lock) never waits for a bulk copy.
+  // ucx: writes of at most this many bytes are copied (peer mapped here) or posted as UCX puts
+  // (network) on the posting thread; larger ones on the backend's copy threads or its poster
+  // thread, so that posting (often the control plane's thread, or the model's in LayersReady,
+  // under the engine's lock) never waits for a bulk copy or send.
   size_t ucx_direct_inline_bytes = size_t{256} << 10;
   // ucx, direct copies: threads that copy a large write, each a slice of its runs (1..64; a
   // write gets at most one slice per MiB). On the 2-core development VM two threads move a
