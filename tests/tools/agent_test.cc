@@ -236,7 +236,7 @@ TEST(KvtAgentCliTest, NegativeControlBusyPollIsRefused) {
 }
 
 TEST(KvtAgentCliTest, UcxCopyThreadsOutOfRangeAreRefused) {
-  const ToolResult r = RunTool(KVT_AGENT_PATH, "--ucx-copy-threads 0");
+  const ToolResult r = RunTool(KVT_AGENT_PATH, "--ucx-copy-threads 65");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_THAT(r.out + r.err, HasSubstr("--ucx-copy-threads"));
 }

@@ -59,9 +59,10 @@ int main(int argc, char** argv) {
                  "ucx with CUDA pools: auto, staged (pinned bounce buffers) or direct")
       ->check(CLI::IsMember({"auto", "staged", "direct"}));
   app.add_option("--ucx-copy-threads", ucx_copy_threads,
-                 "ucx on one host: threads copying a large write into the peer's shared memory")
+                 "ucx on one host: threads copying a large write into the peer's shared memory "
+                 "(0: half the cores, 2..8)")
       ->capture_default_str()
-      ->check(CLI::Range(1, 64));
+      ->check(CLI::Range(0, 64));
   app.add_option("--device", device, "pool memory: host or cuda:N (CUDA device N)");
   app.add_option("--layers", layers, "layers")->check(CLI::PositiveNumber);
   app.add_option("--heads", heads, "KV heads of this rank")->check(CLI::PositiveNumber);

@@ -96,7 +96,7 @@ struct TransferOptions {
   std::string backend = "ucx";
   std::string ucx_tls;  // empty: UCX's default (or UCX_TLS from the environment)
   int ucx_spin_us = 200;
-  int ucx_copy_threads = 2;          // BackendOptions::ucx_copy_threads (both sides)
+  int ucx_copy_threads = 0;          // BackendOptions::ucx_copy_threads (both sides; 0 = auto)
   int64_t control_busy_poll_us = 0;  // both engines' EngineOptions::control_busy_poll
   std::string page_tokens = "1,16,64";
   int64_t tokens = 0;  // 0: 1024 on host pools, >= 1 GiB per request on CUDA pools
@@ -277,7 +277,7 @@ struct SideConfig {
   std::string backend;
   std::string ucx_tls;
   int ucx_spin_us = 200;
-  int ucx_copy_threads = 2;
+  int ucx_copy_threads = 0;
   int64_t control_busy_poll_us = 0;
   int page_tokens = 0;
   int64_t pool_tokens = 0;
@@ -326,7 +326,7 @@ struct SideConfig {
       c.backend = j.at("backend");
       c.ucx_tls = j.at("ucx_tls");
       c.ucx_spin_us = j.at("ucx_spin_us");
-      c.ucx_copy_threads = j.value("ucx_copy_threads", 2);
+      c.ucx_copy_threads = j.value("ucx_copy_threads", 0);
       c.control_busy_poll_us = j.value("control_busy_poll_us", int64_t{0});
       c.page_tokens = j.at("page_tokens");
       c.pool_tokens = j.at("pool_tokens");
@@ -2466,9 +2466,9 @@ void AddTransferCommand(CLI::App& app, int& exit_code) {
       ->capture_default_str();
   cmd->add_option("--ucx-copy-threads", opts->ucx_copy_threads,
                   "threads copying a large write into a peer's mapped shared memory "
-                  "(BackendOptions::ucx_copy_threads)")
+                  "(BackendOptions::ucx_copy_threads; 0: half the cores, 2..8)")
       ->capture_default_str()
-      ->check(CLI::Range(1, 64));
+      ->check(CLI::Range(0, 64));
   cmd->add_option("--page-tokens", opts->page_tokens, "tokens per page, comma-separated")
       ->capture_default_str();
   cmd->add_option("--tokens", opts->tokens,

@@ -217,7 +217,7 @@ INSTANTIATE_TEST_SUITE_P(CopyThreads, UcxDirectTest, ::testing::Values(1, 2, 4),
                          });
 
 TEST(UcxDirectOptionsTest, CopyThreadsOutOfRangeAreRefused) {
-  for (int threads : {0, -1, 65}) {
+  for (int threads : {-1, 65}) {
     BackendOptions options;
     options.ucx_copy_threads = threads;
     auto backend = CreateUcxBackendForTest(options, UcxTestHooks{});
@@ -227,6 +227,13 @@ TEST(UcxDirectOptionsTest, CopyThreadsOutOfRangeAreRefused) {
               std::string::npos)
         << backend.status();
   }
+}
+
+TEST(UcxDirectOptionsTest, ZeroCopyThreadsPicksThemFromTheCores) {
+  BackendOptions options;
+  options.ucx_copy_threads = 0;
+  auto backend = CreateUcxBackendForTest(options, UcxTestHooks{});
+  EXPECT_TRUE(backend.ok()) << backend.status();
 }
 
 }  // namespace
