@@ -71,6 +71,19 @@ void ApplyTcpTuning(ucp_config_t* config) {
   }
 }
 
+// Whether a UCX_TLS-style list lets UCX pick tcp: empty (UCX's choice or the UCX_TLS
+// environment variable), "all", an exclusion list ("^..."), or a list naming tcp.
+bool TransportsMayIncludeTcp(const std::string& transports) {
+  std::string list = transports;
+  if (list.empty()) {
+    const char* env = std::getenv("UCX_TLS");
+    if (env == nullptr) return true;
+    list = env;
+  }
+  return list.empty() || list[0] == '^' || list.find("all") != std::string::npos ||
+         list.find("tcp") != std::string::npos;
+}
+
 }  // namespace
 
 StatusOr<ucp_config_t*> ReadUcpConfig(const std::string& transports) {
@@ -85,7 +98,9 @@ StatusOr<ucp_config_t*> ReadUcpConfig(const std::string& transports) {
                              "; use UCX_TLS syntax such as 'shm,self' or 'tcp'");
     }
   }
-  ApplyTcpTuning(config);
+  // Only where tcp may be chosen: UCX 1.16 warns about "invalid configurations" when the
+  // tuned transport is not among those allowed (e.g. "shm,self").
+  if (TransportsMayIncludeTcp(transports)) ApplyTcpTuning(config);
   return config;
 }
 
