@@ -34,13 +34,14 @@ class UcxPostTest : public ::testing::Test {
  protected:
   // delay_us: the poster's start delay per write; pause_us: its pause after each batch (test
   // hooks).
-  void Start(int delay_us, int pause_us = 0) {
+  void Start(int delay_us, int pause_us = 0, int batch_bytes = 0) {
     BackendOptions options;
     options.ucx_transports = "tcp";
     options.ucx_direct_inline_bytes = 64 << 10;
     UcxTestHooks hooks;
     hooks.post_delay_us = delay_us;
     hooks.post_batch_pause_us = pause_us;
+    hooks.post_batch_bytes = batch_bytes;
     auto a = CreateUcxBackendForTest(options, hooks);
     ASSERT_TRUE(a.ok()) << a.status();
     auto b = CreateUcxBackendForTest(options, hooks);
@@ -204,6 +205,41 @@ TEST_F(UcxPostTest, ReleasePartWayLandsExactlyThePostedBatches) {
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
   EXPECT_TRUE(
       std::all_of(dst_.begin() + kBufferBytes, dst_.end(), [](uint8_t b) { return b == kPoison; }));
+}
+
+// A run longer than a batch goes in pieces: cancelled after the first piece, exactly that
+// piece lands.
+TEST_F(UcxPostTest, LongRunsArePostedInPiecesAndCancelBetweenThem) {
+  constexpr uint64_t kPiece = 256 << 10;
+  Start(/*delay_us=*/0, /*pause_us=*/10000000, /*batch_bytes=*/kPiece);
+  const CopyRun run{1, 0, 0, kBufferBytes};  // buffer 1 whole: four pieces
+  auto write = sender_->PostWrite(peer_, {&run, 1});
+  ASSERT_TRUE(write.ok()) << write.status();
+  uint8_t* one = dst_.data() + kBufferBytes;
+  auto landed = [&] { return std::memcmp(one, src_[1].data(), kPiece) == 0; };
+  for (int i = 0; i < 10000 && !landed(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ASSERT_TRUE(landed()) << "the first piece did not land in 10 s";
+  const Status st = sender_->Check(*write);
+  EXPECT_EQ(st.code(), StatusCode::kInProgress) << st;
+  sender_->Release(*write);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_TRUE(
+      std::all_of(one + kPiece, one + kBufferBytes, [](uint8_t b) { return b == kPoison; }));
+  EXPECT_TRUE(std::all_of(dst_.begin(), dst_.begin() + kBufferBytes,
+                          [](uint8_t b) { return b == kPoison; }));
+}
+
+// Without pauses a long run still arrives whole, in pieces.
+TEST_F(UcxPostTest, LongRunsInPiecesArriveWhole) {
+  Start(/*delay_us=*/0, /*pause_us=*/0, /*batch_bytes=*/100000);  // pieces not page-aligned
+  const std::vector<CopyRun> runs{{0, 0, 0, kBufferBytes}, {3, 4096, 8192, kBufferBytes - 8192}};
+  auto write = sender_->PostWrite(peer_, runs);
+  ASSERT_TRUE(write.ok()) << write.status();
+  ASSERT_TRUE(WaitFor(*sender_, *write).ok());
+  sender_->Release(*write);
+  ExpectLanded(runs);
 }
 
 TEST_F(UcxPostTest, DisconnectAbortsWritesNotYetPosted) {

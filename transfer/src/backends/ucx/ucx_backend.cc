@@ -648,7 +648,8 @@ class UcxBackend final : public Backend {
     enum class State { kQueued, kRunning, kDone };
     PeerId peer = 0;
     std::vector<CopyRun> runs;
-    size_t next = 0;  // first run not yet posted
+    size_t next = 0;      // first run not yet posted completely
+    uint64_t offset = 0;  // bytes of runs[next] already posted (long runs go in pieces)
     State state = State::kQueued;
     bool cancel = false;    // stop posting (Release, Disconnect, shutdown)
     bool delayed = false;   // the test hook's delay was spent
@@ -787,20 +788,30 @@ class UcxBackend final : public Backend {
       return true;
     }
     ucp_request_param_t param = {};
+    const uint64_t batch_bytes = hooks_.post_batch_bytes > 0
+                                     ? static_cast<uint64_t>(hooks_.post_batch_bytes)
+                                     : kPostBatchBytes;
     uint64_t batch = 0;
-    while (job.next < job.runs.size() && batch < kPostBatchBytes) {
+    while (job.next < job.runs.size() && batch < batch_bytes) {
+      // A piece of the run: at most what is left of the batch (a long coalesced run must not
+      // hold the mutex, nor delay a cancel, for its whole send).
       const CopyRun& run = job.runs[job.next];
-      const void* src = reinterpret_cast<const uint8_t*>(local_[run.buffer].base) + run.src_offset;
-      const uint64_t dst = peer.regions[run.buffer].base + run.dst_offset;
-      ucs_status_ptr_t req =
-          ucp_put_nbx(peer.ep, src, run.bytes, dst, peer.rkeys[run.buffer], &param);
+      const uint64_t piece = std::min(run.bytes - job.offset, batch_bytes - batch);
+      const void* src =
+          reinterpret_cast<const uint8_t*>(local_[run.buffer].base) + run.src_offset + job.offset;
+      const uint64_t dst = peer.regions[run.buffer].base + run.dst_offset + job.offset;
+      ucs_status_ptr_t req = ucp_put_nbx(peer.ep, src, piece, dst, peer.rkeys[run.buffer], &param);
       if (UCS_PTR_IS_ERR(req)) {
         job.status = UcsStatus(UCS_PTR_STATUS(req), "ucp_put_nbx");
         return true;
       }
       if (req != nullptr) ucp_request_free(req);  // the job's flush covers it
-      batch += run.bytes;
-      ++job.next;
+      batch += piece;
+      job.offset += piece;
+      if (job.offset == run.bytes) {
+        ++job.next;
+        job.offset = 0;
+      }
     }
     return job.next == job.runs.size();
   }
@@ -809,10 +820,12 @@ class UcxBackend final : public Backend {
   // flight any more), the final status, state kDone. mutex_ held.
   void FinishPostLocked(PostJob& job) {
     if (job.cancel && job.status.ok()) {
-      job.status = Aborted("the write was cancelled after " + std::to_string(job.next) +
-                           " of its " + std::to_string(job.runs.size()) + " runs were posted");
+      job.status =
+          Aborted("the write was cancelled after " + std::to_string(job.next) + " of its " +
+                  std::to_string(job.runs.size()) + " runs were posted (and " +
+                  std::to_string(job.offset) + " bytes of the next)");
     }
-    if (job.next > 0) {
+    if (job.next > 0 || job.offset > 0) {
       auto it = peers_.find(job.peer);
       if (it != peers_.end()) {
         StatusOr<void*> flush = PostFlushLocked(it->second);

@@ -37,6 +37,9 @@ struct UcxTestHooks {
   // The poster pauses this long after each batch of a write (1 MiB of puts) but its last, so
   // that tests can cancel a write part-way.
   int post_batch_pause_us = 0;
+  // Bytes of puts the poster posts per batch (0: the backend's 1 MiB), so that tests can cut
+  // runs into pieces on small buffers.
+  int post_batch_bytes = 0;
 };
 StatusOr<std::unique_ptr<Backend>> CreateUcxBackendForTest(const BackendOptions& options,
                                                            const UcxTestHooks& hooks);
