@@ -266,8 +266,12 @@ TEST_P(EngineTest, RandomRequestsAllVerify) {
     std::vector<Req> reqs;
     for (int i = 0; i < 10; ++i) {
       const int64_t n = 1 + rng() % 24;
-      Req r{"r" + std::to_string(round) + "-" + std::to_string(i), *(*src_alloc)->Allocate(n),
-            *(*dst_alloc)->Allocate(n)};
+      // Appended, not "r" + to_string(...): GCC 12 warns falsely (-Wrestrict) on that form.
+      std::string room = "r";
+      room += std::to_string(round);
+      room += '-';
+      room += std::to_string(i);
+      Req r{room, *(*src_alloc)->Allocate(n), *(*dst_alloc)->Allocate(n)};
       std::shuffle(r.src.begin(), r.src.end(), rng);
       Fill(*src_pool_, 1000 + round * 10 + i, r.src);
       ASSERT_TRUE(decode_->Receive(r.room, peer, r.dst).ok());
