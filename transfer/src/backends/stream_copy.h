@@ -9,7 +9,8 @@
 // lines are on their way while this run finishes. Measured in kvt-bench on the 2-core
 // development VM (two copy threads, runs alternating with a memcpy build): 1-token requests
 // (65536 runs of 2 KiB) 1.5–1.8x as fast in two of three pairs, 16- and 64-token requests level
-// to +10 % (docs/transfer-bench.md, session 5). Requests also leave the caches alone.
+// to +10 % (docs/transfer-bench.md, session 5). By design (not measured) a request also no
+// longer evicts the caches it passes through.
 #pragma once
 
 #include <atomic>
