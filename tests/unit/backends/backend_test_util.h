@@ -1,6 +1,7 @@
 // Helpers for the backend tests (unit and GPU): random pool contents, random page lists, what a
 // page write must leave in the destination (computed independently of any backend), byte
-// comparison of pool images, and waiting for a write. Header-only, test-only, no CUDA.
+// comparison of pool images, registering and connecting two host backends, and waiting for a
+// write. Header-only, test-only, no CUDA.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -103,6 +104,24 @@ inline Status WaitFor(Backend& backend, WriteId id,
     std::this_thread::sleep_for(poll);
   }
   return DeadlineExceeded("write did not finish in " + std::to_string(bound.count()) + " s");
+}
+
+// Registers host buffers of `buffer_bytes` each (items of `item` bytes) on both sides — the
+// sender's at src[b], the receiver's back to back from `dst` — and connects the sender to the
+// receiver. Returns the sender's peer id.
+inline StatusOr<PeerId> RegisterAndConnect(Backend& sender, Backend& receiver,
+                                           const std::vector<const uint8_t*>& src, uint8_t* dst,
+                                           uint64_t buffer_bytes, uint64_t item) {
+  std::vector<LocalRegion> src_regions, dst_regions;
+  for (size_t b = 0; b < src.size(); ++b) {
+    src_regions.push_back(
+        LocalRegion{reinterpret_cast<uint64_t>(src[b]), buffer_bytes, item, MemoryKind::kHost, -1});
+    dst_regions.push_back(LocalRegion{reinterpret_cast<uint64_t>(dst + b * buffer_bytes),
+                                      buffer_bytes, item, MemoryKind::kHost, -1});
+  }
+  KVT_RETURN_IF_ERROR(sender.Register(src_regions).status());
+  KVT_ASSIGN_OR_RETURN(PeerDescriptor descriptor, receiver.Register(dst_regions));
+  return sender.Connect(descriptor);
 }
 
 // Test names for a suite parameterized by UCX transports ("" = UCX's choice): "default",

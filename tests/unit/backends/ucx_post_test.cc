@@ -54,17 +54,10 @@ class UcxPostTest : public ::testing::Test {
     src_.clear();
     for (int b = 0; b < kBuffers; ++b) src_.push_back(testing::RandomBytes(kBufferBytes, 20 + b));
     dst_.assign(kBuffers * kBufferBytes, kPoison);
-    std::vector<LocalRegion> src_regions, dst_regions;
-    for (int b = 0; b < kBuffers; ++b) {
-      src_regions.push_back(LocalRegion{reinterpret_cast<uint64_t>(src_[b].data()), kBufferBytes,
-                                        kItem, MemoryKind::kHost, -1});
-      dst_regions.push_back(LocalRegion{reinterpret_cast<uint64_t>(dst_.data() + b * kBufferBytes),
-                                        kBufferBytes, kItem, MemoryKind::kHost, -1});
-    }
-    ASSERT_TRUE(sender_->Register(src_regions).ok());
-    auto rd = receiver_->Register(dst_regions);
-    ASSERT_TRUE(rd.ok()) << rd.status();
-    auto peer = sender_->Connect(*rd);
+    std::vector<const uint8_t*> src;
+    for (const auto& buffer : src_) src.push_back(buffer.data());
+    auto peer =
+        testing::RegisterAndConnect(*sender_, *receiver_, src, dst_.data(), kBufferBytes, kItem);
     ASSERT_TRUE(peer.ok()) << peer.status();
     peer_ = *peer;
   }
