@@ -414,27 +414,11 @@ class UcxBackend final : public Backend {
     KVT_RETURN_IF_ERROR(CheckRuns(runs, local_, peer.regions));
     uint64_t bytes = 0;
     for (const CopyRun& run : runs) bytes += run.bytes;
-    if (peer.direct.empty() && bytes > direct_inline_bytes_) {
-      // A large network write: posted by the poster thread in batches, so that the caller (often
-      // the model's thread in LayersReady, or the control plane's) does not send it.
-      auto job = std::make_shared<PostJob>();
-      job->peer = id;
-      job->runs.assign(runs.begin(), runs.end());
-      post_queue_.push_back(job);
-      post_cv_.notify_all();
-      Write write;
-      write.peer = id;
-      write.post = std::move(job);
-      write.status = InProgress();
-      const WriteId wid = next_write_++;
-      writes_.emplace(wid, std::move(write));
-      return wid;
-    }
+    Write write;
+    write.peer = id;
     if (!peer.direct.empty()) {
       // Shared memory mapped here: plain copies. Small writes at once; large ones on the copy
-      // thread (the stores are published before the job reads as done).
-      Write write;
-      write.peer = id;
+      // threads (the stores are published before the job reads as done).
       if (bytes <= direct_inline_bytes_) {
         for (const CopyRun& run : runs) {
           std::memcpy(peer.direct[run.buffer] + run.dst_offset,
@@ -460,35 +444,29 @@ class UcxBackend final : public Backend {
         write.job = std::move(job);
         write.status = InProgress();
       }
-      const WriteId wid = next_write_++;
-      writes_.emplace(wid, std::move(write));
-      return wid;
+      return AddWriteLocked(std::move(write));
     }
-    ucp_request_param_t param = {};
-    for (const CopyRun& run : runs) {
-      const void* src = reinterpret_cast<const uint8_t*>(local_[run.buffer].base) + run.src_offset;
-      const uint64_t dst = peer.regions[run.buffer].base + run.dst_offset;
-      ucs_status_ptr_t req =
-          ucp_put_nbx(peer.ep, src, run.bytes, dst, peer.rkeys[run.buffer], &param);
-      if (UCS_PTR_IS_ERR(req)) {
-        return UcsStatus(UCS_PTR_STATUS(req), "ucp_put_nbx");
-      }
-      // The flush below covers this put; its own handle is not needed.
-      if (req != nullptr) ucp_request_free(req);
-    }
-    Write write;
-    write.peer = id;
-    StatusOr<void*> flush = PostFlushLocked(peer);
-    if (!flush.ok()) {
-      write.status = flush.status();
-    } else if (*flush == nullptr) {
-      write.status = OkStatus();
-    } else {
-      write.flush = *flush;
+    // Over the network: UCX puts, then one flush over them (PostBatchLocked, FinishPostLocked).
+    auto job = std::make_shared<PostJob>();
+    job->peer = id;
+    job->runs.assign(runs.begin(), runs.end());
+    write.post = job;
+    if (bytes > direct_inline_bytes_) {
+      // A large write goes to the poster thread, so that the caller (often the model's thread in
+      // LayersReady, or the control plane's) does not send it.
+      post_queue_.push_back(std::move(job));
+      post_cv_.notify_all();
       write.status = InProgress();
+      return AddWriteLocked(std::move(write));
     }
-    const WriteId wid = next_write_++;
-    writes_.emplace(wid, std::move(write));
+    // A small one is posted here, at once.
+    job->state = PostJob::State::kRunning;
+    while (!PostBatchLocked(*job)) {
+    }
+    if (!job->status.ok()) return job->status;  // a refused put is this call's error
+    FinishPostLocked(*job);
+    PollPostLocked(write);
+    const WriteId wid = AddWriteLocked(std::move(write));
     lock.unlock();
     ucp_worker_signal(worker_);  // the progress thread may be asleep on the event fd
     return wid;
@@ -664,6 +642,12 @@ class UcxBackend final : public Backend {
     Status post_error;               // the status once the flush completes, if it succeeds
     Status status;
   };
+
+  WriteId AddWriteLocked(Write write) {
+    const WriteId wid = next_write_++;
+    writes_.emplace(wid, std::move(write));
+    return wid;
+  }
 
   void Notify() {
     std::lock_guard<std::mutex> lock(notify_mu_);
