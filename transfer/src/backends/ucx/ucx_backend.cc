@@ -371,7 +371,8 @@ class UcxBackend final : public Backend {
     CancelPostsLocked(lock, PostJobsLocked(id));
     it = peers_.find(id);
     if (it == peers_.end())
-      return NotFound("UCX peer " + std::to_string(id) + " disconnected meanwhile");
+      return NotFound("UCX peer " + std::to_string(id) +
+                      " was disconnected by another call while this one stopped its writes");
     // Staged: the sender side waits for (or abandons) its chunks and says bye while the endpoint
     // is still open; the receiver side stops taking chunks from that backend.
     if (staging_) {
@@ -406,7 +407,8 @@ class UcxBackend final : public Backend {
           "); staged CUDA pools take page writes (PostPages), not copy runs");
     }
     if (peer.closing) {
-      return FailedPrecondition("UCX peer " + std::to_string(id) + " is being disconnected");
+      return FailedPrecondition("UCX peer " + std::to_string(id) +
+                                " is being disconnected; connect it again before writing to it");
     }
     if (int err = peer.error->load(); err != UCS_OK) {
       return UcsStatus(static_cast<ucs_status_t>(err), "UCX endpoint to the peer failed");
