@@ -3,6 +3,7 @@
 //   (b) as one contiguous copy of the same byte count (the ceiling, measured in the same run),
 //   (c) the peers' way: one cudaMemcpyAsync (memcpy on the CPU) per (buffer, page) item,
 //   (d) cudaMemcpyBatchAsync over the same items (GPU only),
+//   (e) cub::DeviceMemcpy::Batched over all the items (GPU only): NVIDIA's SM batched memcpy,
 // and prints GB/s (bytes copied per second) with ratios; --json writes every figure.
 // (c) and (d) are timed on an evenly spread subset of the items and scaled by bytes; the
 // output says how many items.
@@ -21,6 +22,7 @@
 #include <vector>
 
 #include "bench_common.h"
+#include "bench_cub.h"
 #include "bench_gpu.h"
 #include "commands.h"
 #include "kvt/common/dtype.h"
@@ -209,6 +211,8 @@ std::vector<SweepEntry> SweepTunings() {
     bool async_smem = false;
     int async_stages = 4;
     int blocks_per_sm = 0;
+    // Sessions 1-5 measured persistent grids only; session 6's rows are one-pass grids.
+    bool persistent = true;
   };
   constexpr SweepLayout R = SweepLayout::kRandom;
   const V variants[] = {
@@ -222,7 +226,7 @@ std::vector<SweepEntry> SweepTunings() {
       {4, 512, 32, 8192, false, false, R},  // ld.nc + plain stores
       {8, 512, 32, 0, true, false, R},      // unroll 8, uncapped registers
       {8, 256, 32, 0, true, false, R},      //
-      {8, 256, 32, 8192, true, false, R},   // the default
+      {8, 256, 32, 8192, true, false, R},   // the default of sessions 1-5
       {4, 512, 32, 0, true, true, R},       // L2 bulk prefetch of each unit's source
       {4, 512, 32, 8192, true, true, R},    //
       {4, 512, 32, 16384, true, true, R},   //
@@ -267,6 +271,28 @@ std::vector<SweepEntry> SweepTunings() {
       {4, 512, 32, 0, true, false, SweepLayout::kSrcContiguous},
       {4, 512, 32, 0, true, false, SweepLayout::kDstContiguous},
       {4, 512, 32, 0, true, false, R},  // the first row again: run-to-run spread
+      // Session 6: one-pass grids (one warp per unit, the hardware hands out the blocks).
+      // Unroll 0 = auto (8 for units of 4 KiB or more, else 4).
+      {0, 512, 32, 16384, false, false, R, false, false, 4, 0, false},  // the default
+      {0, 512, 32, 16384, true, false, R, false, false, 4, 0, false},   // .cs hints
+      {0, 256, 32, 16384, true, false, R, false, false, 4, 0, false},
+      {0, 512, 32, 8192, true, false, R, false, false, 4, 0, false},
+      {0, 512, 32, 32768, true, false, R, false, false, 4, 0, false},
+      {0, 512, 32, 0, true, false, R, false, false, 4, 0, false},  // whole items
+      {4, 512, 32, 8192, true, false, R, false, false, 4, 0, false},
+      {4, 256, 32, 16384, true, false, R, false, false, 4, 0, false},
+      {8, 256, 32, 16384, true, false, R, false, false, 4, 0, false},
+      {0, 256, 32, 16384, false, false, R, false, false, 4, 0, false},  // ld.nc + plain stores
+      {0, 512, 32, 8192, false, false, R, false, false, 4, 0, false},
+      {0, 512, 32, 32768, false, false, R, false, false, 4, 0, false},
+      {4, 512, 32, 16384, false, false, R, false, false, 4, 0, false},
+      {8, 512, 32, 16384, false, false, R, false, false, 4, 0, false},
+      {4, 512, 32, 16384, true, false, R, true, false, 4, 0, false},  // pipeline, one-pass
+      {4, 256, 32, 16384, true, false, R, false, true, 3, 0, false},  // async rings, one-pass
+      {4, 256, 32, 16384, false, false, R, false, true, 3, 0, false},
+      {0, 512, 32, 16384, false, false, SweepLayout::kBothContiguous, false, false, 4, 0, false},
+      {8, 256, 32, 8192, true, false, R},                               // sessions 1-5 again
+      {0, 512, 32, 16384, false, false, R, false, false, 4, 0, false},  // the default again
   };
   std::vector<SweepEntry> out;
   for (const V& v : variants) {
@@ -281,6 +307,7 @@ std::vector<SweepEntry> SweepTunings() {
     e.tuning.async_smem = v.async_smem;
     e.tuning.async_stages = v.async_stages;
     e.tuning.blocks_per_sm = v.blocks_per_sm;
+    e.tuning.persistent = v.persistent;
     e.layout = v.layout;
     out.push_back(e);
   }
@@ -293,6 +320,7 @@ json TuningJson(const kernels::PageCopyTuning& t) {
               {"threads_per_block", t.threads_per_block},
               {"threads_per_item", t.threads_per_item},
               {"blocks_per_sm", t.blocks_per_sm},
+              {"persistent", t.persistent},
               {"page_major", t.page_major},
               {"chunk_bytes", t.chunk_bytes},
               {"prefetch_l2", t.prefetch_l2},
@@ -301,10 +329,14 @@ json TuningJson(const kernels::PageCopyTuning& t) {
               {"async_stages", t.async_stages}};
 }
 
-// The sweep's short name for a row's variant: "plain", "pipe" or "async<stages>".
+// The sweep's short name for a row's variant: "plain", "pipe" or "async<stages>", with "/1p"
+// for a one-pass grid.
 std::string VariantCell(const json& row) {
-  if (row.value("async_smem", false)) return fmt::format("async{}", row["async_stages"].get<int>());
-  return row.value("pipeline", false) ? "pipe" : "plain";
+  std::string name = row.value("pipeline", false) ? "pipe" : "plain";
+  if (row.value("async_smem", false)) {
+    name = fmt::format("async{}", row["async_stages"].get<int>());
+  }
+  return row.value("persistent", true) ? name : name + "/1p";
 }
 
 Status RunGpuSize(const KernelsOptions& o, const Layout& l, int iters, json& out) {
@@ -366,6 +398,36 @@ Status RunGpuSize(const KernelsOptions& o, const Layout& l, int iters, json& out
     batch.gbps = GBps(subset_bytes, batch.ms);
   } else {
     batch.error = batch_ms.status().ToString();
+  }
+
+  // cub's batched memcpy over every item (one launch, like ours): poisoned destination first,
+  // every byte verified after the timed runs.
+  Figure cub;
+  uint64_t cub_mismatches = 0;
+  {
+    CopyList all;
+    for (int32_t b = 0; b < l.num_buffers; ++b) {
+      for (int64_t i = 0; i < l.num_pages; ++i) {
+        all.Add(reinterpret_cast<void*>(p.dst_base_host[b] + l.dst_pages[i] * l.item_bytes),
+                reinterpret_cast<const void*>(p.src_base_host[b] + l.src_pages[i] * l.item_bytes),
+                static_cast<size_t>(l.item_bytes));
+      }
+    }
+    BENCH_CUDA(cudaMemsetAsync(p.dst.data(), 0xA5, l.slab_bytes(), stream));
+    auto cub_ms = [&]() -> StatusOr<double> {
+      KVT_ASSIGN_OR_RETURN(CubBatchedCopy copy, CubBatchedCopy::Create(all));
+      return TimeGpu(stream, 2, iters, [&] { return copy.Run(stream); });
+    }();
+    if (cub_ms.ok()) {
+      cub.ms = *cub_ms;
+      cub.gbps = GBps(static_cast<double>(l.moved_bytes), cub.ms);
+      KVT_ASSIGN_OR_RETURN(
+          kernels::PatternCheck cub_check,
+          kernels::VerifyPatternCuda(PatternOf(l, d_dst_bases, d_dst_pages, o.layers), stream));
+      cub_mismatches = cub_check.mismatches;
+    } else {
+      cub.error = cub_ms.status().ToString();
+    }
   }
 
   json sweep = json::array();
@@ -436,19 +498,25 @@ Status RunGpuSize(const KernelsOptions& o, const Layout& l, int iters, json& out
              {"contiguous_memcpy_d2d", contig.ToJson()},
              {"memcpy_async_per_item", per_item.ToJson()},
              {"memcpy_batch_async", batch.ToJson()},
+             {"cub_device_memcpy_batched", cub.ToJson()},
+             {"cub_verified_mismatches", cub_mismatches},
              {"ratio_ours_to_contiguous", Ratio(ours, contig)},
              {"ratio_ours_to_per_item", Ratio(ours, per_item)},
              {"ratio_ours_to_batch", Ratio(ours, batch)},
+             {"ratio_ours_to_cub", Ratio(ours, cub)},
+             {"ratio_cub_to_contiguous", Ratio(cub, contig)},
              {"tuning", TuningJson(kernels::DefaultPageCopyTuning())},
              {"sweep", sweep}};
-  fmt::print("{:>6} {:>9} {:>8} {:>9} {:>11} {:>8} {:>9} {:>9} {:>9} {:>9} {:>8}\n", l.page_tokens,
-             l.item_bytes, l.items(), ours.Cell(), contig.Cell(), RatioCell(Ratio(ours, contig)),
-             per_item.Cell(), batch.Cell(), RatioCellX(Ratio(ours, per_item)),
-             RatioCellX(Ratio(ours, batch)), check.mismatches == 0 ? "ok" : "MISMATCH");
+  const bool all_ok = check.mismatches == 0 && cub_mismatches == 0;
+  fmt::print("{:>6} {:>9} {:>8} {:>9} {:>11} {:>8} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8}\n",
+             l.page_tokens, l.item_bytes, l.items(), ours.Cell(), contig.Cell(),
+             RatioCell(Ratio(ours, contig)), per_item.Cell(), batch.Cell(), cub.Cell(),
+             RatioCellX(Ratio(ours, per_item)), RatioCellX(Ratio(ours, batch)),
+             RatioCell(Ratio(ours, cub)), all_ok ? "ok" : "MISMATCH");
   if (o.sweep) {
     for (const auto& row : sweep) {
       const std::string head = fmt::format(
-          "         sweep {:<6} u{} s{} t{:<4} g{:<3} c{:<5} b{} pf{} {:<10}", VariantCell(row),
+          "         sweep {:<9} u{} s{} t{:<4} g{:<3} c{:<5} b{} pf{} {:<10}", VariantCell(row),
           row["unroll"].get<int>(), row["streaming"].get<bool>() ? 1 : 0,
           row["threads_per_block"].get<int>(), row["threads_per_item"].get<int>(),
           row["chunk_bytes"].get<int>(), row["blocks_per_sm"].get<int>(),
@@ -467,6 +535,11 @@ Status RunGpuSize(const KernelsOptions& o, const Layout& l, int iters, json& out
     }
   }
   if (!batch.error.empty()) fmt::print("         cudaMemcpyBatchAsync: {}\n", batch.error);
+  if (!cub.error.empty()) fmt::print("         cub::DeviceMemcpy::Batched: {}\n", cub.error);
+  if (cub_mismatches != 0) {
+    return DataLoss(fmt::format("cub::DeviceMemcpy::Batched of {}-token pages left {} wrong bytes",
+                                l.page_tokens, cub_mismatches));
+  }
   if (check.mismatches != 0) {
     return DataLoss(fmt::format(
         "page copy of {}-token pages left {} wrong bytes (first at "
@@ -616,9 +689,9 @@ Status RunKernels(const KernelsOptions& o) {
       card, doc["date_utc"].get<std::string>(), 2 * o.layers, std::string(DTypeName(dtype)),
       "elements", o.heads, o.head_dim, static_cast<double>(target) / (1 << 20), iters);
   if (use_gpu) {
-    fmt::print("{:>6} {:>9} {:>8} {:>9} {:>11} {:>8} {:>9} {:>9} {:>9} {:>9} {:>8}\n", "tokens",
-               "item B", "items", "ours", "contiguous", "ours/ctg", "per-item", "batch", "ours/pi",
-               "ours/bat", "check");
+    fmt::print("{:>6} {:>9} {:>8} {:>9} {:>11} {:>8} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8}\n",
+               "tokens", "item B", "items", "ours", "contiguous", "ours/ctg", "per-item", "batch",
+               "cub", "ours/pi", "ours/bat", "ours/cub", "check");
   } else {
     fmt::print("{:>6} {:>9} {:>8} {:>9} {:>11} {:>8} {:>9} {:>9} {:>8}\n", "tokens", "item B",
                "items", "ours", "contiguous", "ours/ctg", "per-item", "ours/pi", "check");

@@ -125,7 +125,7 @@ TEST_P(PageCopyGpuTest, MatchesCpuReference) {
 
 TEST_P(PageCopyGpuTest, EveryTuningMatchesCpuReference) {
   KVT_SKIP_WITHOUT_GPU();
-  for (int unroll : {4, 8}) {
+  for (int unroll : {0, 4, 8}) {
     for (bool streaming : {false, true}) {
       for (int threads : {32, 256, 512}) {
         for (int per_item : {0, 32, 128, threads}) {
@@ -138,7 +138,9 @@ TEST_P(PageCopyGpuTest, EveryTuningMatchesCpuReference) {
             t.threads_per_item = per_item;
             t.page_major = page_major;
             t.chunk_bytes = 0;  // whole items here; chunks in ChunkedTuningsMatchCpuReference
-            t.blocks_per_sm = unroll == 8 ? 1 : 0;  // also a grid smaller than the work
+            // Grids: one-pass (unroll 0), persistent (4), and smaller than the work (8).
+            t.persistent = unroll == 4;
+            t.blocks_per_sm = unroll == 8 ? 1 : 0;
             SCOPED_TRACE(::testing::Message()
                          << "unroll " << unroll << " streaming " << streaming << " threads "
                          << threads << " per_item " << per_item << " page_major " << page_major);
@@ -157,8 +159,8 @@ TEST_P(PageCopyGpuTest, EveryTuningMatchesCpuReference) {
 // without the L2 bulk prefetch, on every layout.
 TEST_P(PageCopyGpuTest, ChunkedTuningsMatchCpuReference) {
   KVT_SKIP_WITHOUT_GPU();
-  for (int unroll : {4, 8}) {
-    for (int chunk : {16, 48, 512, 4096, 8192}) {
+  for (int unroll : {0, 4, 8}) {
+    for (int chunk : {16, 48, 512, 4096, 8192, 16384}) {
       for (bool prefetch : {false, true}) {
         for (int threads : {256, 512}) {
           PageCopyTuning t = DefaultPageCopyTuning();
@@ -166,9 +168,11 @@ TEST_P(PageCopyGpuTest, ChunkedTuningsMatchCpuReference) {
           t.chunk_bytes = chunk;
           t.prefetch_l2 = prefetch;
           t.threads_per_block = threads;
+          t.persistent = prefetch;                // both grid policies
           t.blocks_per_sm = chunk == 48 ? 1 : 0;  // also a grid smaller than the work
-          SCOPED_TRACE(::testing::Message() << "unroll " << unroll << " chunk " << chunk
-                                            << " prefetch " << prefetch << " threads " << threads);
+          SCOPED_TRACE(::testing::Message()
+                       << "unroll " << unroll << " chunk " << chunk << " prefetch " << prefetch
+                       << " threads " << threads << " persistent " << t.persistent);
           CheckCopy(GetParam(), 17, [&](const PageCopyArgs& a, cudaStream_t s) {
             return PageCopyCudaTuned(a, t, s);
           });
@@ -214,6 +218,7 @@ std::string TuningName(const PageCopyTuning& t) {
        std::to_string(t.chunk_bytes) + " b" + std::to_string(t.blocks_per_sm) + " s" +
        std::to_string(t.streaming ? 1 : 0);
   if (t.async_smem) n += " stages" + std::to_string(t.async_stages);
+  if (t.persistent) n += " persistent";
   if (t.prefetch_l2) n += " pf";
   return n;
 }
@@ -222,7 +227,12 @@ std::string TuningName(const PageCopyTuning& t) {
 // chunks, ring depths 2..8, grids smaller than the work (blocks_per_sm 1), tiny 48-byte chunks.
 std::vector<PageCopyTuning> Session3Tunings() {
   std::vector<PageCopyTuning> out;
-  const PageCopyTuning base = DefaultPageCopyTuning();
+  // The block size, unit and hints these variants were designed with (the default until
+  // session 5); the rings of unroll 8 x 5 stages, for one, do not fit 512-thread blocks.
+  PageCopyTuning base = DefaultPageCopyTuning();
+  base.threads_per_block = 256;
+  base.chunk_bytes = 8192;
+  base.streaming = true;
   for (int unroll : {4, 8}) {
     for (int threads : {256, 512}) {
       for (int chunk : {0, 8192}) {
@@ -232,6 +242,7 @@ std::vector<PageCopyTuning> Session3Tunings() {
         t.threads_per_block = threads;
         t.chunk_bytes = chunk;
         t.blocks_per_sm = chunk == 0 ? 1 : 0;
+        t.persistent = threads == 256;  // both grid policies
         out.push_back(t);
       }
     }
@@ -265,6 +276,7 @@ std::vector<PageCopyTuning> Session3Tunings() {
         t.threads_per_block = threads;
         t.chunk_bytes = chunk;
         t.blocks_per_sm = chunk == 0 ? 1 : 0;
+        t.persistent = threads == 64;  // both grid policies
         out.push_back(t);
       }
     }

@@ -45,6 +45,7 @@ TEST(CudaEntryValidationTest, InvalidArgumentsNeverReachTheDevice) {
   tuning.unroll = 3;
   s = PageCopyCudaTuned(PageCopyArgs{}, tuning, nullptr);
   EXPECT_NE(s.message().find("unroll is 3"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("it must be 0 (auto), 4 or 8"), std::string::npos) << s;
   tuning.unroll = 4;
   tuning.threads_per_item = 48;
   s = PageCopyCudaTuned(PageCopyArgs{}, tuning, nullptr);
@@ -56,6 +57,26 @@ TEST(CudaEntryValidationTest, InvalidArgumentsNeverReachTheDevice) {
   tuning.chunk_bytes = -16;
   s = PageCopyCudaTuned(PageCopyArgs{}, tuning, nullptr);
   EXPECT_NE(s.message().find("chunk_bytes is -16"), std::string::npos) << s;
+}
+
+// The default tuning is the one docs/kernels.md measured best (session 6): a one-pass grid of
+// 512-thread blocks, 16 KiB units, unroll chosen per unit, no streaming hints; it validates
+// without a device.
+TEST(CudaEntryValidationTest, DefaultTuningIsTheOnePassGrid) {
+  const PageCopyTuning t = DefaultPageCopyTuning();
+  EXPECT_FALSE(t.persistent);
+  EXPECT_EQ(t.unroll, 0);
+  EXPECT_EQ(t.threads_per_block, 512);
+  EXPECT_EQ(t.chunk_bytes, 16384);
+  EXPECT_EQ(t.blocks_per_sm, 0);
+  EXPECT_FALSE(t.streaming);
+  EXPECT_TRUE(PageCopyCudaTuned(PageCopyArgs{}, t, nullptr).ok());
+  PageCopyTuning p = t;
+  p.persistent = true;
+  EXPECT_TRUE(PageCopyCudaTuned(PageCopyArgs{}, p, nullptr).ok());
+  p.blocks_per_sm = -1;
+  const Status s = PageCopyCudaTuned(PageCopyArgs{}, p, nullptr);
+  EXPECT_NE(s.message().find("blocks_per_sm is -1; it must be >= 0"), std::string::npos) << s;
 }
 
 // The session 3 knobs (pipeline, async_smem, async_stages) are checked before the device is
@@ -125,6 +146,17 @@ TEST(CudaEntryValidationTest, Session3TuningKnobsAreValidated) {
   EXPECT_NE(s.message().find("PackCuda: num_pages is -1"), std::string::npos) << s;
   s = UnpackCudaTuned(k, t, nullptr);
   EXPECT_NE(s.message().find("UnpackCuda: num_pages is -1"), std::string::npos) << s;
+
+  // The variants copy with the unroll they are given: 0 (auto) is refused for them.
+  PageCopyTuning autounroll;
+  autounroll.pipeline = true;
+  EXPECT_NE(message(autounroll).find("pipeline needs an explicit unroll (4 or 8), not 0 (auto)"),
+            std::string::npos)
+      << message(autounroll);
+  autounroll.pipeline = false;
+  autounroll.async_smem = true;
+  EXPECT_NE(message(autounroll).find("async_smem needs an explicit unroll"), std::string::npos)
+      << message(autounroll);
 
   // The pipeline variant with both unrolls and block sizes validates.
   for (int unroll : {4, 8}) {
