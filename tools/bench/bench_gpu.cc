@@ -31,6 +31,30 @@ StatusOr<double> TimeGpu(cudaStream_t stream, int warmup, int iters,
   return Median(ms);
 }
 
+StatusOr<std::vector<double>> TimeGpuInterleaved(cudaStream_t stream, int warmup, int iters,
+                                                 const std::vector<std::function<Status()>>& ops) {
+  KVT_ASSIGN_OR_RETURN(cuda::Event start, cuda::Event::Create());
+  KVT_ASSIGN_OR_RETURN(cuda::Event stop, cuda::Event::Create());
+  for (int i = 0; i < warmup; ++i) {
+    for (const auto& op : ops) KVT_RETURN_IF_ERROR(op());
+  }
+  BENCH_CUDA(cudaStreamSynchronize(stream));
+  std::vector<std::vector<double>> ms(ops.size());
+  for (int i = 0; i < iters; ++i) {
+    for (size_t k = 0; k < ops.size(); ++k) {
+      KVT_RETURN_IF_ERROR(start.Record(stream));
+      KVT_RETURN_IF_ERROR(ops[k]());
+      KVT_RETURN_IF_ERROR(stop.Record(stream));
+      KVT_RETURN_IF_ERROR(stop.Synchronize());
+      KVT_ASSIGN_OR_RETURN(float t, stop.ElapsedMsSince(start));
+      ms[k].push_back(t);
+    }
+  }
+  std::vector<double> medians;
+  for (const auto& m : ms) medians.push_back(Median(m));
+  return medians;
+}
+
 std::vector<int64_t> EvenSubset(int64_t total, int64_t limit) {
   const int64_t n = (limit <= 0 || limit >= total) ? total : limit;
   std::vector<int64_t> out;

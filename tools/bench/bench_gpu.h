@@ -27,6 +27,12 @@ namespace kvt::bench {
 StatusOr<double> TimeGpu(cudaStream_t stream, int warmup, int iters,
                          const std::function<Status()>& op, std::vector<double>* samples = nullptr);
 
+// Times several ops on `stream` interleaved: `warmup` untimed rounds, then `iters` rounds that
+// each run every op once between two events, so that slow drifts of the card (clocks,
+// temperature) fall on all of them alike. Returns each op's median in ms, in the ops' order.
+StatusOr<std::vector<double>> TimeGpuInterleaved(cudaStream_t stream, int warmup, int iters,
+                                                 const std::vector<std::function<Status()>>& ops);
+
 // `limit` evenly spread indices of [0, total) (all of them when limit <= 0 or >= total).
 std::vector<int64_t> EvenSubset(int64_t total, int64_t limit);
 
