@@ -35,7 +35,7 @@ struct PageCopyTuning {
   // unit measured best on an H200 (docs/kernels.md): larger groups were slower.
   int32_t threads_per_item = 32;
   // Streaming cache hints (ld.global.cs / st.global.cs) instead of ld.global.nc / plain stores.
-  // In a one-pass grid the plain form moved about 2 % more on an H200 (docs/kernels.md).
+  // In a one-pass grid the plain form moved about 3 % more on an H200 (docs/kernels.md).
   bool streaming = false;
   // Enumerate items page-major (i * num_buffers + b) instead of buffer-major (b * num_pages + i).
   bool page_major = false;
