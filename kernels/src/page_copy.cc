@@ -1,14 +1,50 @@
 // Validation and CPU reference of page copy / pack / unpack (host compiler), shared with the
 // CUDA entry points in page_copy.cu.
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <utility>
 
 #include "kvt/kernels/kernels.h"
+#include "kvt/kernels/tuning.h"
 #include "page_copy_internal.h"
 #include "validate.h"
 
 namespace kvt::kernels {
+namespace internal {
+
+UnitSplit SplitItems(const PageCopyTuning& t, int64_t item_bytes) {
+  UnitSplit u{item_bytes, 1};
+  if (t.chunk_bytes > 0 && item_bytes > t.chunk_bytes) {
+    const int64_t chunks = (item_bytes + t.chunk_bytes - 1) / t.chunk_bytes;
+    // Absurdly many chunks (items of gigabytes in small chunks): keep whole items.
+    if (chunks <= 0x7FFFFFFF) u = UnitSplit{t.chunk_bytes, static_cast<uint32_t>(chunks)};
+  }
+  return u;
+}
+
+uint64_t GridBlocks(const PageCopyTuning& t, uint64_t num_units, uint64_t groups_per_block, int sms,
+                    int fit_per_sm) {
+  constexpr uint64_t kMaxGridBlocks = 0x7FFFFFFFull;  // gridDim.x
+  const uint64_t per_block = std::max<uint64_t>(groups_per_block, 1);
+  const uint64_t wanted = num_units / per_block + (num_units % per_block != 0 ? 1 : 0);
+  uint64_t cap = kMaxGridBlocks;
+  if (t.blocks_per_sm > 0) {
+    cap = static_cast<uint64_t>(std::max(sms, 1)) * static_cast<uint64_t>(t.blocks_per_sm);
+  } else if (t.persistent) {
+    cap = static_cast<uint64_t>(std::max(sms, 1)) * static_cast<uint64_t>(std::max(fit_per_sm, 1));
+  }
+  return std::max<uint64_t>(std::min({wanted, cap, kMaxGridBlocks}), 1);
+}
+
+}  // namespace internal
+
+int32_t EffectiveUnroll(const PageCopyTuning& t, int64_t item_bytes) {
+  if (t.unroll != 0) return t.unroll;
+  const int64_t group = t.threads_per_item > 0 ? t.threads_per_item : 32;
+  return internal::SplitItems(t, item_bytes).chunk_bytes >= group * 8 * 16 ? 8 : 4;
+}
+
 namespace internal {
 CopyDesc DescFromPageCopy(const PageCopyArgs& a) {
   CopyDesc d;

@@ -48,13 +48,6 @@ namespace {
 // needs about 100 without spilling), so 1024-thread blocks are refused by ValidateTuning.
 constexpr int kMaxPageCopyThreads = 512;
 
-// Unroll 0 (auto) picks 8 for units of at least one round of 32 lanes x 8 x 16 bytes; smaller
-// units would leave lanes idle (2 KiB items at unroll 8: 0.80 of contiguous, 0.96 at 4).
-constexpr int64_t kAutoUnroll8Bytes = 32 * 8 * 16;
-
-// gridDim.x limit; a larger grid-stride loop covers more units.
-constexpr uint64_t kMaxGridBlocks = 0x7FFFFFFFull;
-
 // async_smem: ring depth per warp, and the dynamic shared memory a block may ask for (Hopper's
 // opt-in maximum per block; checked again against the device at launch).
 constexpr int kMinAsyncStages = 2;
@@ -732,32 +725,21 @@ Status CopyDevice(const CopyDesc& desc, const PageCopyTuning& tuning, cudaStream
   d.prefetch_l2 = t.prefetch_l2;
   const uint64_t num_items =
       static_cast<uint64_t>(d.num_buffers) * static_cast<uint64_t>(d.num_pages);
-  d.chunks_per_item = 1;
-  d.chunk_bytes = d.bytes;
-  if (t.chunk_bytes > 0 && d.bytes > t.chunk_bytes) {
-    const int64_t chunks = (d.bytes + t.chunk_bytes - 1) / t.chunk_bytes;
-    // Absurdly many chunks (items of gigabytes in small chunks): keep whole items.
-    if (chunks <= 0x7FFFFFFF) {
-      d.chunks_per_item = static_cast<uint32_t>(chunks);
-      d.chunk_bytes = t.chunk_bytes;
-    }
-  }
+  const UnitSplit split = SplitItems(t, d.bytes);
+  d.chunk_bytes = split.chunk_bytes;
+  d.chunks_per_item = split.chunks_per_item;
   const uint64_t num_units = num_items * d.chunks_per_item;
-  if (t.unroll == 0) t.unroll = d.chunk_bytes >= kAutoUnroll8Bytes ? 8 : 4;
+  t.unroll = EffectiveUnroll(t, d.bytes);
   KVT_ASSIGN_OR_RETURN(int sms, CurrentDeviceSmCount());
   const int group = ThreadsPerItem(t, d.chunk_bytes);  // 32 for pipeline / async_smem
   const int64_t smem = t.async_smem ? AsyncSmemBytes(t) : 0;
   if (t.async_smem) KVT_RETURN_IF_ERROR(PrepareAsyncKernel(t, smem));
-  const uint64_t groups_per_block = static_cast<uint64_t>(t.threads_per_block / group);
-  const uint64_t wanted = (num_units + groups_per_block - 1) / groups_per_block;
-  uint64_t cap = kMaxGridBlocks;
-  if (t.blocks_per_sm > 0) {
-    cap = static_cast<uint64_t>(sms) * static_cast<uint64_t>(t.blocks_per_sm);
-  } else if (t.persistent) {
-    KVT_ASSIGN_OR_RETURN(int fit, BlocksPerSm(t, group));
-    cap = static_cast<uint64_t>(sms) * static_cast<uint64_t>(fit);
+  int fit = 0;  // only a persistent grid without a blocks_per_sm cap asks the occupancy
+  if (t.persistent && t.blocks_per_sm == 0) {
+    KVT_ASSIGN_OR_RETURN(fit, BlocksPerSm(t, group));
   }
-  const unsigned grid = static_cast<unsigned>(std::min({wanted, cap, kMaxGridBlocks}));
+  const unsigned grid = static_cast<unsigned>(
+      GridBlocks(t, num_units, static_cast<uint64_t>(t.threads_per_block / group), sms, fit));
   if (t.async_smem) {
     const AsyncKernelFn fn = PickAsyncKernel(t.unroll, t.streaming);
     fn<<<grid, t.threads_per_block, static_cast<size_t>(smem), stream>>>(d, num_units,

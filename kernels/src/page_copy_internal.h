@@ -52,6 +52,22 @@ CopyDesc DescFromUnpack(const PackArgs& args);  // staging -> pool
 // The CPU copy of every item.
 void CopyHost(const CopyDesc& desc);
 
+// How a launch splits items of `item_bytes` into units: chunks of tuning.chunk_bytes (the last
+// one shorter) when the item is longer, else whole items (also when it would take more than
+// 2^31 - 1 chunks). `chunk_bytes` is the unit's length, the last chunk's possibly less.
+struct UnitSplit {
+  int64_t chunk_bytes = 0;
+  uint32_t chunks_per_item = 1;
+};
+UnitSplit SplitItems(const PageCopyTuning& tuning, int64_t item_bytes);
+
+// Blocks of a launch with `groups_per_block` groups per block: one group per unit, capped at
+// sms x blocks_per_sm when the tuning sets blocks_per_sm, else at sms x `fit_per_sm` (the
+// blocks that fit at once) for a persistent grid, and always at gridDim.x's limit (2^31 - 1).
+// Groups loop over units, so a capped grid still covers them all.
+uint64_t GridBlocks(const PageCopyTuning& tuning, uint64_t num_units, uint64_t groups_per_block,
+                    int sms, int fit_per_sm);
+
 // Launches the CUDA copy (no validation: callers validated). Empty descriptions are no-ops.
 Status CopyDevice(const CopyDesc& desc, const PageCopyTuning& tuning, cudaStream_t stream);
 

@@ -41,7 +41,8 @@ StatusOr<std::vector<double>> TimeGpuInterleaved(cudaStream_t stream, int warmup
   BENCH_CUDA(cudaStreamSynchronize(stream));
   std::vector<std::vector<double>> ms(ops.size());
   for (int i = 0; i < iters; ++i) {
-    for (size_t k = 0; k < ops.size(); ++k) {
+    for (size_t j = 0; j < ops.size(); ++j) {
+      const size_t k = i % 2 == 0 ? j : ops.size() - 1 - j;  // odd rounds in reverse order
       KVT_RETURN_IF_ERROR(start.Record(stream));
       KVT_RETURN_IF_ERROR(ops[k]());
       KVT_RETURN_IF_ERROR(stop.Record(stream));

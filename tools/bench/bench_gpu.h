@@ -28,8 +28,9 @@ StatusOr<double> TimeGpu(cudaStream_t stream, int warmup, int iters,
                          const std::function<Status()>& op, std::vector<double>* samples = nullptr);
 
 // Times several ops on `stream` interleaved: `warmup` untimed rounds, then `iters` rounds that
-// each run every op once between two events, so that slow drifts of the card (clocks,
-// temperature) fall on all of them alike. Returns each op's median in ms, in the ops' order.
+// each run every op once between two events (odd rounds in reverse order), so that slow drifts
+// of the card (clocks, temperature) and what one op leaves behind for the next fall on all of
+// them alike. Returns each op's median in ms, in the ops' order.
 StatusOr<std::vector<double>> TimeGpuInterleaved(cudaStream_t stream, int warmup, int iters,
                                                  const std::vector<std::function<Status()>>& ops);
 

@@ -206,7 +206,7 @@ std::vector<SweepEntry> SweepTunings() {
     bool streaming, prefetch;
     SweepLayout layout;
     // Session 3 variants (PageCopyTuning::pipeline / async_smem); blocks_per_sm 0 = as many as
-    // fit.
+    // fit in a persistent grid, no cap in a one-pass grid.
     bool pipeline = false;
     bool async_smem = false;
     int async_stages = 4;
@@ -361,22 +361,48 @@ Status RunGpuSize(const KernelsOptions& o, const Layout& l, int iters, json& out
       kernels::PatternCheck check,
       kernels::VerifyPatternCuda(PatternOf(l, d_dst_bases, d_dst_pages, o.layers), stream));
 
-  // Ours and the ceiling timed interleaved (one of each per round), so that the card's drift
-  // over a run (it runs warmer and slower as the run goes on) does not favour either.
+  // cub's batched memcpy over every item (one launch, like ours).
+  Figure ours, contig, per_item, batch, cub;
+  CopyList all;
+  for (int32_t b = 0; b < l.num_buffers; ++b) {
+    for (int64_t i = 0; i < l.num_pages; ++i) {
+      all.Add(reinterpret_cast<void*>(p.dst_base_host[b] + l.dst_pages[i] * l.item_bytes),
+              reinterpret_cast<const void*>(p.src_base_host[b] + l.src_pages[i] * l.item_bytes),
+              static_cast<size_t>(l.item_bytes));
+    }
+  }
+  StatusOr<CubBatchedCopy> cub_copy = CubBatchedCopy::Create(all);
+  if (!cub_copy.ok()) cub.error = cub_copy.status().ToString();
+
+  // Ours, the ceiling and cub timed interleaved (one of each per round), so that the card's
+  // drift over a run (it runs warmer and slower as the run goes on) favours none of them.
   const auto contiguous_copy = [&] {
     return cuda::ToStatus(cudaMemcpyAsync(p.dst.data(), p.src.data(), l.moved_bytes,
                                           cudaMemcpyDeviceToDevice, stream),
                           "cudaMemcpyAsync");
   };
-  Figure ours, contig, per_item, batch;
-  KVT_ASSIGN_OR_RETURN(
-      std::vector<double> pair_ms,
-      TimeGpuInterleaved(stream, 3, iters,
-                         {[&] { return kernels::PageCopyCuda(args, stream); }, contiguous_copy}));
-  ours.ms = pair_ms[0];
-  contig.ms = pair_ms[1];
+  std::vector<std::function<Status()>> timed = {
+      [&] { return kernels::PageCopyCuda(args, stream); }, contiguous_copy};
+  if (cub_copy.ok()) timed.push_back([&] { return cub_copy->Run(stream); });
+  KVT_ASSIGN_OR_RETURN(std::vector<double> timed_ms,
+                       TimeGpuInterleaved(stream, 3, iters, timed));
+  ours.ms = timed_ms[0];
+  contig.ms = timed_ms[1];
   ours.gbps = GBps(static_cast<double>(l.moved_bytes), ours.ms);
   contig.gbps = GBps(static_cast<double>(l.moved_bytes), contig.ms);
+  // cub's bytes: a poisoned destination, one more copy, every byte checked (null when cub did
+  // not run).
+  json cub_mismatches = nullptr;
+  if (cub_copy.ok()) {
+    cub.ms = timed_ms[2];
+    cub.gbps = GBps(static_cast<double>(l.moved_bytes), cub.ms);
+    BENCH_CUDA(cudaMemsetAsync(p.dst.data(), 0xA5, l.slab_bytes(), stream));
+    KVT_RETURN_IF_ERROR(cub_copy->Run(stream));
+    KVT_ASSIGN_OR_RETURN(
+        kernels::PatternCheck cub_check,
+        kernels::VerifyPatternCuda(PatternOf(l, d_dst_bases, d_dst_pages, o.layers), stream));
+    cub_mismatches = cub_check.mismatches;
+  }
 
   // The peers' ways on an evenly spread subset of the items.
   const std::vector<int64_t> subset = PeerSubset(l, o.peer_items);
@@ -403,36 +429,6 @@ Status RunGpuSize(const KernelsOptions& o, const Layout& l, int iters, json& out
     batch.gbps = GBps(subset_bytes, batch.ms);
   } else {
     batch.error = batch_ms.status().ToString();
-  }
-
-  // cub's batched memcpy over every item (one launch, like ours): poisoned destination first,
-  // every byte verified after the timed runs.
-  Figure cub;
-  uint64_t cub_mismatches = 0;
-  {
-    CopyList all;
-    for (int32_t b = 0; b < l.num_buffers; ++b) {
-      for (int64_t i = 0; i < l.num_pages; ++i) {
-        all.Add(reinterpret_cast<void*>(p.dst_base_host[b] + l.dst_pages[i] * l.item_bytes),
-                reinterpret_cast<const void*>(p.src_base_host[b] + l.src_pages[i] * l.item_bytes),
-                static_cast<size_t>(l.item_bytes));
-      }
-    }
-    BENCH_CUDA(cudaMemsetAsync(p.dst.data(), 0xA5, l.slab_bytes(), stream));
-    auto cub_ms = [&]() -> StatusOr<double> {
-      KVT_ASSIGN_OR_RETURN(CubBatchedCopy copy, CubBatchedCopy::Create(all));
-      return TimeGpu(stream, 2, iters, [&] { return copy.Run(stream); });
-    }();
-    if (cub_ms.ok()) {
-      cub.ms = *cub_ms;
-      cub.gbps = GBps(static_cast<double>(l.moved_bytes), cub.ms);
-      KVT_ASSIGN_OR_RETURN(
-          kernels::PatternCheck cub_check,
-          kernels::VerifyPatternCuda(PatternOf(l, d_dst_bases, d_dst_pages, o.layers), stream));
-      cub_mismatches = cub_check.mismatches;
-    } else {
-      cub.error = cub_ms.status().ToString();
-    }
   }
 
   json sweep = json::array();
@@ -477,6 +473,7 @@ Status RunGpuSize(const KernelsOptions& o, const Layout& l, int iters, json& out
       }
       json row = TuningJson(t);
       row["layout"] = SweepLayoutName(e.layout);
+      row["effective_unroll"] = kernels::EffectiveUnroll(t, l.item_bytes);
       if (ms.ok()) {
         const double row_contig_gbps = GBps(static_cast<double>(l.moved_bytes), (*ms)[1]);
         row["median_ms"] = (*ms)[0];
@@ -520,8 +517,11 @@ Status RunGpuSize(const KernelsOptions& o, const Layout& l, int iters, json& out
              {"ratio_ours_to_cub", Ratio(ours, cub)},
              {"ratio_cub_to_contiguous", Ratio(cub, contig)},
              {"tuning", TuningJson(kernels::DefaultPageCopyTuning())},
+             {"effective_unroll",
+              kernels::EffectiveUnroll(kernels::DefaultPageCopyTuning(), l.item_bytes)},
              {"sweep", sweep}};
-  const bool all_ok = check.mismatches == 0 && cub_mismatches == 0;
+  const bool cub_bad = cub_mismatches.is_number() && cub_mismatches.get<uint64_t>() != 0;
+  const bool all_ok = check.mismatches == 0 && !cub_bad;
   fmt::print("{:>6} {:>9} {:>8} {:>9} {:>11} {:>8} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8}\n",
              l.page_tokens, l.item_bytes, l.items(), ours.Cell(), contig.Cell(),
              RatioCell(Ratio(ours, contig)), per_item.Cell(), batch.Cell(), cub.Cell(),
@@ -550,9 +550,9 @@ Status RunGpuSize(const KernelsOptions& o, const Layout& l, int iters, json& out
   }
   if (!batch.error.empty()) fmt::print("         cudaMemcpyBatchAsync: {}\n", batch.error);
   if (!cub.error.empty()) fmt::print("         cub::DeviceMemcpy::Batched: {}\n", cub.error);
-  if (cub_mismatches != 0) {
+  if (cub_bad) {
     return DataLoss(fmt::format("cub::DeviceMemcpy::Batched of {}-token pages left {} wrong bytes",
-                                l.page_tokens, cub_mismatches));
+                                l.page_tokens, cub_mismatches.get<uint64_t>()));
   }
   if (check.mismatches != 0) {
     return DataLoss(fmt::format(
