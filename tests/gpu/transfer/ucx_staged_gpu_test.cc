@@ -1,6 +1,8 @@
 // The ucx backend's staged path on CUDA pools: two ucx backends in one process, each with a
 // device "pool" (one cudaMalloc sliced into 2L regions, as the pool registers it), moving page
 // writes through pinned bounce buffers with the gather/scatter kernels. Skips without a device.
+#include <sys/resource.h>
+
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -264,6 +266,42 @@ TEST_P(UcxStagedGpu, ReadyEventGatesTheCopy) {
   ASSERT_TRUE(st.ok()) << st;
   EXPECT_GE(Clock::now() - start, std::chrono::milliseconds(250));
   dst_.Apply(src_, fresh_image, src, dst, 0, kLayers, {});
+  ExpectDestination(dst_.image);
+  ASSERT_TRUE(producer->Synchronize().ok());
+}
+
+// While a write's gathers wait for `ready` (a producer busy for 400 ms), no thread of this
+// process spins: the copier's completion callback wakes the progress thread, which sleeps
+// meanwhile. Before the completion eventfd, the progress thread polled the gathers' events and
+// burned a core for the whole wait.
+TEST_P(UcxStagedGpu, GatedCopyWaitsWithoutSpinning) {
+  Start();
+  auto producer = cuda::Stream::Create(0);
+  auto ready = cuda::Event::Create(false);
+  ASSERT_TRUE(producer.ok() && ready.ok());
+  ASSERT_TRUE(EnqueueSleep(producer->get(), 400).ok());
+  ASSERT_TRUE(ready->Record(producer->get()).ok());
+  std::mt19937 rng(17);
+  const std::vector<int32_t> src = DistinctPages(40, kPages, rng);
+  const std::vector<int32_t> dst = DistinctPages(40, kPages, rng);
+  auto cpu_seconds = [] {
+    rusage u{};
+    getrusage(RUSAGE_SELF, &u);
+    return static_cast<double>(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
+           static_cast<double>(u.ru_utime.tv_usec + u.ru_stime.tv_usec) * 1e-6;
+  };
+  const auto start = Clock::now();
+  const double cpu_start = cpu_seconds();
+  auto w = Post(src, dst, 0, kLayers, {}, ready->get());
+  ASSERT_TRUE(w.ok()) << w.status();
+  Status st = WaitFor(*sender_, *w, std::chrono::seconds(30), std::chrono::milliseconds(5));
+  ASSERT_TRUE(st.ok()) << st;
+  const double wall = std::chrono::duration<double>(Clock::now() - start).count();
+  const double cpu = cpu_seconds() - cpu_start;
+  EXPECT_GE(wall, 0.35);
+  // A spinning progress thread alone would use about `wall`; a sleeping one a few percent.
+  EXPECT_LT(cpu, 0.4 * wall) << "CPU " << cpu << " s over " << wall << " s of waiting";
+  dst_.Apply(src_, src_.image, src, dst, 0, kLayers, {});
   ExpectDestination(dst_.image);
   ASSERT_TRUE(producer->Synchronize().ok());
 }

@@ -1047,6 +1047,7 @@ class UcxBackend final : public Backend {
       unsigned progressed;
       bool polling = false;
       int staging_fd = -1;
+      int completion_fd = -1;
       {
         std::lock_guard<std::mutex> lock(mutex_);
         progressed = ucp_worker_progress(worker_);
@@ -1055,6 +1056,7 @@ class UcxBackend final : public Backend {
           staging_->Pump();
           polling = staging_->NeedsPolling();
           staging_fd = staging_->event_fd();
+          completion_fd = staging_->completion_fd();
         }
       }
       const auto now = Clock::now();
@@ -1070,8 +1072,20 @@ class UcxBackend final : public Backend {
         if (armed && staging_) armed = staging_->Arm();
       }
       if (!armed) continue;
-      pollfd pfds[2] = {{event_fd_, POLLIN, 0}, {staging_fd, POLLIN, 0}};
-      poll(pfds, staging_fd >= 0 ? 2 : 1, 10);  // bounded so stop_ is seen even without a signal
+      // The staging worker's fd, and the copier's completions (gathers waiting for a forward
+      // pass finish on the GPU: the copier's callback wakes us, no polling meanwhile).
+      pollfd pfds[3] = {{event_fd_, POLLIN, 0}, {-1, POLLIN, 0}, {-1, POLLIN, 0}};
+      nfds_t count = 1;
+      if (staging_fd >= 0) pfds[count++].fd = staging_fd;
+      const nfds_t completion_index = count;
+      if (completion_fd >= 0) pfds[count++].fd = completion_fd;
+      poll(pfds, count, 10);  // bounded so stop_ is seen even without a signal
+      if (completion_fd >= 0 && (pfds[completion_index].revents & POLLIN) != 0) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        // Drained before the next Pump looks at the slots: a completion after this read makes
+        // the fd readable again for the next poll.
+        if (staging_) staging_->DrainCompletions();
+      }
       last_work = Clock::now();
     }
   }

@@ -90,6 +90,11 @@ class StagedTransport {
   bool Arm() { return ucp_worker_arm(worker_) != UCS_ERR_BUSY; }
   int event_fd() const { return event_fd_; }
   void Signal() { ucp_worker_signal(worker_); }
+  // Readable after a copier operation completed (CUDA copier: written by a callback the copier
+  // enqueues after each gather and scatter); -1 when there is none. DrainCompletions clears it:
+  // call it when it was readable, before Pump looks at the slots.
+  int completion_fd() const { return notified_ ? completion_fd_ : -1; }
+  void DrainCompletions();
 
   // ---- the local pool -------------------------------------------------------------------------
   // Allocates the slots and the copier for these 2L buffers (replacing an idle earlier pool).
@@ -130,7 +135,8 @@ class StagedTransport {
   // ---- progress -----------------------------------------------------------------------------
   // Moves every slot and control message forward; call after each ucp_worker_progress.
   void Pump();
-  // True while a copier operation must be polled (the worker's event fd will not announce it).
+  // True while a copier operation must be polled (neither the worker's event fd nor
+  // completion_fd will announce it: the host copier's).
   bool NeedsPolling() const;
   // Waits (bounded) for slot work to finish; then closes receiver endpoints and frees the pool.
   // The caller closes its peers' endpoints between Quiesce and Shutdown.
@@ -256,6 +262,11 @@ class StagedTransport {
   std::vector<LocalRegion> local_;
   ChunkLimits limits_;
   std::unique_ptr<StagingCopier> copier_;
+  // An eventfd the copier's completion callbacks write (OnCopierDone); notified_ when the
+  // current copier calls it.
+  int completion_fd_ = -1;
+  bool notified_ = false;
+  static void OnCopierDone(void* self);
   uint64_t slot_bytes_ = 0;
   uint8_t* send_base_ = nullptr;
   uint8_t* recv_base_ = nullptr;

@@ -196,6 +196,12 @@ class CudaCopier final : public StagingCopier {
     return Query(res_->recv[slot].done.get(), "scatter (copy and unpack into the pool)");
   }
 
+  bool NotifyCompletions(void (*notify)(void*), void* arg) override {
+    notify_ = notify;
+    notify_arg_ = arg;
+    return true;
+  }
+
  private:
   struct SendSlot {
     cuda::Stream stream;
@@ -248,7 +254,15 @@ class CudaCopier final : public StagingCopier {
           args.staging = payload + segment;
           return kernels::PackCuda(args, s.stream.get());
         }));
-    return s.done.Record(s.stream.get());
+    KVT_RETURN_IF_ERROR(s.done.Record(s.stream.get()));
+    return Notify(s.stream.get());
+  }
+
+  // After the work enqueued on `stream`: the owner's notify (NotifyCompletions), if any.
+  Status Notify(cudaStream_t stream) {
+    if (notify_ == nullptr) return OkStatus();
+    return cuda::ToStatus(cudaLaunchHostFunc(stream, notify_, notify_arg_),
+                          "cudaLaunchHostFunc (completion notice)");
   }
 
   Status EnqueueScatter(RecvSlot& r, uint32_t slot, const CopierChunk& chunk) {
@@ -268,7 +282,8 @@ class CudaCopier final : public StagingCopier {
           args.staging = staging + segment;
           return kernels::UnpackCuda(args, r.stream.get());
         }));
-    return r.done.Record(r.stream.get());
+    KVT_RETURN_IF_ERROR(r.done.Record(r.stream.get()));
+    return Notify(r.stream.get());
   }
 
   const int device_;
@@ -276,7 +291,9 @@ class CudaCopier final : public StagingCopier {
   const uint64_t item_len_;
   bool registered_send_ = false;
   bool registered_recv_ = false;
-  uint8_t* send_dev_ = nullptr;  // device view of the send slots (mapped pinned memory)
+  uint8_t* send_dev_ = nullptr;      // device view of the send slots (mapped pinned memory)
+  void (*notify_)(void*) = nullptr;  // NotifyCompletions
+  void* notify_arg_ = nullptr;
   std::unique_ptr<Resources> res_;
 };
 

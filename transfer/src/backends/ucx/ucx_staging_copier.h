@@ -70,6 +70,14 @@ class StagingCopier {
   virtual Status StartScatter(uint32_t slot, const CopierChunk& chunk) = 0;
   virtual StatusOr<bool> ScatterDone(uint32_t slot) = 0;
 
+  // Asks the copier to call notify(arg) once after each gather or scatter started from now on
+  // has completed (GatherDone / ScatterDone would say true), on a thread of its own choosing (a
+  // CUDA callback thread for the CUDA copier): the owner can then sleep instead of polling.
+  // notify must be cheap, must not call CUDA, and must stay callable until the copier is
+  // destroyed (destruction waits for pending calls). Returns false when the copier cannot do
+  // this; its completions are then seen only by polling.
+  virtual bool NotifyCompletions(void (*notify)(void*), void* arg) { return false; }
+
  protected:
   StagingCopier() = default;
 };
