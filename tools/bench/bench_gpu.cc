@@ -12,27 +12,12 @@
 
 namespace kvt::bench {
 
-StatusOr<double> TimeGpu(cudaStream_t stream, int warmup, int iters,
-                         const std::function<Status()>& op, std::vector<double>* samples) {
-  KVT_ASSIGN_OR_RETURN(cuda::Event start, cuda::Event::Create());
-  KVT_ASSIGN_OR_RETURN(cuda::Event stop, cuda::Event::Create());
-  for (int i = 0; i < warmup; ++i) KVT_RETURN_IF_ERROR(op());
-  BENCH_CUDA(cudaStreamSynchronize(stream));
-  std::vector<double> ms;
-  for (int i = 0; i < iters; ++i) {
-    KVT_RETURN_IF_ERROR(start.Record(stream));
-    KVT_RETURN_IF_ERROR(op());
-    KVT_RETURN_IF_ERROR(stop.Record(stream));
-    KVT_RETURN_IF_ERROR(stop.Synchronize());
-    KVT_ASSIGN_OR_RETURN(float t, stop.ElapsedMsSince(start));
-    ms.push_back(t);
-  }
-  if (samples != nullptr) *samples = ms;
-  return Median(ms);
-}
+namespace {
 
-StatusOr<std::vector<double>> TimeGpuInterleaved(cudaStream_t stream, int warmup, int iters,
-                                                 const std::vector<std::function<Status()>>& ops) {
+// Every op's samples over `iters` rounds of one run each (odd rounds in reverse order), after
+// `warmup` untimed rounds: the loop behind TimeGpu and TimeGpuInterleaved.
+StatusOr<std::vector<std::vector<double>>> TimeRounds(
+    cudaStream_t stream, int warmup, int iters, const std::vector<std::function<Status()>>& ops) {
   KVT_ASSIGN_OR_RETURN(cuda::Event start, cuda::Event::Create());
   KVT_ASSIGN_OR_RETURN(cuda::Event stop, cuda::Event::Create());
   for (int i = 0; i < warmup; ++i) {
@@ -42,7 +27,7 @@ StatusOr<std::vector<double>> TimeGpuInterleaved(cudaStream_t stream, int warmup
   std::vector<std::vector<double>> ms(ops.size());
   for (int i = 0; i < iters; ++i) {
     for (size_t j = 0; j < ops.size(); ++j) {
-      const size_t k = i % 2 == 0 ? j : ops.size() - 1 - j;  // odd rounds in reverse order
+      const size_t k = i % 2 == 0 ? j : ops.size() - 1 - j;
       KVT_RETURN_IF_ERROR(start.Record(stream));
       KVT_RETURN_IF_ERROR(ops[k]());
       KVT_RETURN_IF_ERROR(stop.Record(stream));
@@ -51,6 +36,22 @@ StatusOr<std::vector<double>> TimeGpuInterleaved(cudaStream_t stream, int warmup
       ms[k].push_back(t);
     }
   }
+  return ms;
+}
+
+}  // namespace
+
+StatusOr<double> TimeGpu(cudaStream_t stream, int warmup, int iters,
+                         const std::function<Status()>& op, std::vector<double>* samples) {
+  KVT_ASSIGN_OR_RETURN(std::vector<std::vector<double>> ms,
+                       TimeRounds(stream, warmup, iters, {op}));
+  if (samples != nullptr) *samples = ms[0];
+  return Median(ms[0]);
+}
+
+StatusOr<std::vector<double>> TimeGpuInterleaved(cudaStream_t stream, int warmup, int iters,
+                                                 const std::vector<std::function<Status()>>& ops) {
+  KVT_ASSIGN_OR_RETURN(std::vector<std::vector<double>> ms, TimeRounds(stream, warmup, iters, ops));
   std::vector<double> medians;
   for (const auto& m : ms) medians.push_back(Median(m));
   return medians;

@@ -361,7 +361,8 @@ Status RunGpuSize(const KernelsOptions& o, const Layout& l, int iters, json& out
       kernels::PatternCheck check,
       kernels::VerifyPatternCuda(PatternOf(l, d_dst_bases, d_dst_pages, o.layers), stream));
 
-  // cub's batched memcpy over every item (one launch, like ours).
+  // Every item's copy, buffer-major (item b * num_pages + i): cub's batched memcpy copies them
+  // in one launch, like ours; the per-item peers take a subset.
   Figure ours, contig, per_item, batch, cub;
   CopyList all;
   for (int32_t b = 0; b < l.num_buffers; ++b) {
@@ -381,11 +382,10 @@ Status RunGpuSize(const KernelsOptions& o, const Layout& l, int iters, json& out
                                           cudaMemcpyDeviceToDevice, stream),
                           "cudaMemcpyAsync");
   };
-  std::vector<std::function<Status()>> timed = {
-      [&] { return kernels::PageCopyCuda(args, stream); }, contiguous_copy};
+  std::vector<std::function<Status()>> timed = {[&] { return kernels::PageCopyCuda(args, stream); },
+                                                contiguous_copy};
   if (cub_copy.ok()) timed.push_back([&] { return cub_copy->Run(stream); });
-  KVT_ASSIGN_OR_RETURN(std::vector<double> timed_ms,
-                       TimeGpuInterleaved(stream, 3, iters, timed));
+  KVT_ASSIGN_OR_RETURN(std::vector<double> timed_ms, TimeGpuInterleaved(stream, 3, iters, timed));
   ours.ms = timed_ms[0];
   contig.ms = timed_ms[1];
   ours.gbps = GBps(static_cast<double>(l.moved_bytes), ours.ms);
@@ -404,15 +404,11 @@ Status RunGpuSize(const KernelsOptions& o, const Layout& l, int iters, json& out
     cub_mismatches = cub_check.mismatches;
   }
 
-  // The peers' ways on an evenly spread subset of the items.
+  // The peers' ways on an evenly spread subset of the items (`all` holds item b * num_pages + i
+  // at that index).
   const std::vector<int64_t> subset = PeerSubset(l, o.peer_items);
   CopyList list;
-  for (int64_t item : subset) {
-    const int64_t b = item / l.num_pages, i = item % l.num_pages;
-    list.Add(reinterpret_cast<void*>(p.dst_base_host[b] + l.dst_pages[i] * l.item_bytes),
-             reinterpret_cast<const void*>(p.src_base_host[b] + l.src_pages[i] * l.item_bytes),
-             static_cast<size_t>(l.item_bytes));
-  }
+  for (int64_t item : subset) list.Add(all.dsts[item], all.srcs[item], all.sizes[item]);
   const double subset_bytes = list.bytes();
   const int peer_iters = std::max(1, std::min(iters, 5));
   per_item.items = batch.items = static_cast<int64_t>(subset.size());

@@ -1,9 +1,8 @@
 // The ucx backend's staged path on CUDA pools: two ucx backends in one process, each with a
 // device "pool" (one cudaMalloc sliced into 2L regions, as the pool registers it), moving page
 // writes through pinned bounce buffers with the gather/scatter kernels. Skips without a device.
-#include <sys/resource.h>
-
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 
 #include <chrono>
 #include <cstring>
@@ -107,6 +106,21 @@ Status EnqueueSleep(cudaStream_t stream, int ms) {
   return cuda::ToStatus(
       cudaLaunchHostFunc(stream, &HostSleep, reinterpret_cast<void*>(static_cast<intptr_t>(ms))),
       "cudaLaunchHostFunc");
+}
+
+// A producer whose stream is busy for `ms` (a host sleep) and the event recorded after it: the
+// `ready` a forward pass would hand the backend.
+struct BusyProducer {
+  cuda::Stream stream;
+  cuda::Event ready;
+};
+StatusOr<BusyProducer> StartBusyProducer(int ms) {
+  BusyProducer p;
+  KVT_ASSIGN_OR_RETURN(p.stream, cuda::Stream::Create(0));
+  KVT_ASSIGN_OR_RETURN(p.ready, cuda::Event::Create(false));
+  KVT_RETURN_IF_ERROR(EnqueueSleep(p.stream.get(), ms));
+  KVT_RETURN_IF_ERROR(p.ready.Record(p.stream.get()));
+  return p;
 }
 
 constexpr int32_t kLayers = 4;
@@ -276,11 +290,8 @@ TEST_P(UcxStagedGpu, ReadyEventGatesTheCopy) {
 // burned a core for the whole wait.
 TEST_P(UcxStagedGpu, GatedCopyWaitsWithoutSpinning) {
   Start();
-  auto producer = cuda::Stream::Create(0);
-  auto ready = cuda::Event::Create(false);
-  ASSERT_TRUE(producer.ok() && ready.ok());
-  ASSERT_TRUE(EnqueueSleep(producer->get(), 400).ok());
-  ASSERT_TRUE(ready->Record(producer->get()).ok());
+  auto producer = StartBusyProducer(400);
+  ASSERT_TRUE(producer.ok()) << producer.status();
   std::mt19937 rng(17);
   const std::vector<int32_t> src = DistinctPages(40, kPages, rng);
   const std::vector<int32_t> dst = DistinctPages(40, kPages, rng);
@@ -292,7 +303,7 @@ TEST_P(UcxStagedGpu, GatedCopyWaitsWithoutSpinning) {
   };
   const auto start = Clock::now();
   const double cpu_start = cpu_seconds();
-  auto w = Post(src, dst, 0, kLayers, {}, ready->get());
+  auto w = Post(src, dst, 0, kLayers, {}, producer->ready.get());
   ASSERT_TRUE(w.ok()) << w.status();
   Status st = WaitFor(*sender_, *w, std::chrono::seconds(30), std::chrono::milliseconds(5));
   ASSERT_TRUE(st.ok()) << st;
@@ -303,22 +314,19 @@ TEST_P(UcxStagedGpu, GatedCopyWaitsWithoutSpinning) {
   EXPECT_LT(cpu, 0.4 * wall) << "CPU " << cpu << " s over " << wall << " s of waiting";
   dst_.Apply(src_, src_.image, src, dst, 0, kLayers, {});
   ExpectDestination(dst_.image);
-  ASSERT_TRUE(producer->Synchronize().ok());
+  ASSERT_TRUE(producer->stream.Synchronize().ok());
 }
 
 // Release of a write whose chunks are still gated: it returns once they are accounted for, and no
 // byte of it lands, then or later.
 TEST_P(UcxStagedGpu, ReleaseInFlightLandsNothing) {
   Start();
-  auto producer = cuda::Stream::Create(0);
-  auto ready = cuda::Event::Create(false);
-  ASSERT_TRUE(producer.ok() && ready.ok());
-  ASSERT_TRUE(EnqueueSleep(producer->get(), 400).ok());
-  ASSERT_TRUE(ready->Record(producer->get()).ok());
+  auto producer = StartBusyProducer(400);
+  ASSERT_TRUE(producer.ok()) << producer.status();
   std::mt19937 rng(13);
   const std::vector<int32_t> src = DistinctPages(kPages - 1, kPages, rng);
   const std::vector<int32_t> dst = DistinctPages(kPages - 1, kPages, rng);
-  auto w = Post(src, dst, 0, kLayers, {}, ready->get());
+  auto w = Post(src, dst, 0, kLayers, {}, producer->ready.get());
   ASSERT_TRUE(w.ok()) << w.status();
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
   EXPECT_EQ(sender_->Check(*w).code(), StatusCode::kInProgress);
@@ -326,7 +334,7 @@ TEST_P(UcxStagedGpu, ReleaseInFlightLandsNothing) {
   sender_->Release(*w);
   EXPECT_LT(Clock::now() - start, std::chrono::seconds(11));
   EXPECT_EQ(sender_->Check(*w).code(), StatusCode::kNotFound);
-  ASSERT_TRUE(producer->Synchronize().ok());
+  ASSERT_TRUE(producer->stream.Synchronize().ok());
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   ExpectDestination(dst_.image);  // still all poison
 
@@ -343,17 +351,14 @@ TEST_P(UcxStagedGpu, ReleaseInFlightLandsNothing) {
 // teardown that follows.
 TEST_P(UcxStagedGpu, PeerDeadDisconnectFailsWritesInFlight) {
   Start();
-  auto producer = cuda::Stream::Create(0);
-  auto ready = cuda::Event::Create(false);
-  ASSERT_TRUE(producer.ok() && ready.ok());
-  ASSERT_TRUE(EnqueueSleep(producer->get(), 300).ok());
-  ASSERT_TRUE(ready->Record(producer->get()).ok());
+  auto producer = StartBusyProducer(300);
+  ASSERT_TRUE(producer.ok()) << producer.status();
   std::mt19937 rng(17);
   std::vector<WriteId> writes;
   for (int i = 0; i < 3; ++i) {
     const std::vector<int32_t> src = DistinctPages(60, kPages, rng);
     const std::vector<int32_t> dst = DistinctPages(60, kPages, rng);
-    auto w = Post(src, dst, 0, kLayers, {}, i == 0 ? ready->get() : nullptr);
+    auto w = Post(src, dst, 0, kLayers, {}, i == 0 ? producer->ready.get() : nullptr);
     ASSERT_TRUE(w.ok()) << w.status();
     writes.push_back(*w);
   }
@@ -365,7 +370,7 @@ TEST_P(UcxStagedGpu, PeerDeadDisconnectFailsWritesInFlight) {
     EXPECT_EQ(st.code(), StatusCode::kAborted) << st;
     sender_->Release(w);
   }
-  ASSERT_TRUE(producer->Synchronize().ok());
+  ASSERT_TRUE(producer->stream.Synchronize().ok());
 }
 
 // Not a timed assertion: prints what one large write achieves, for the record.

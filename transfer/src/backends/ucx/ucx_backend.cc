@@ -1074,13 +1074,11 @@ class UcxBackend final : public Backend {
       if (!armed) continue;
       // The staging worker's fd, and the copier's completions (gathers waiting for a forward
       // pass finish on the GPU: the copier's callback wakes us, no polling meanwhile).
-      pollfd pfds[3] = {{event_fd_, POLLIN, 0}, {-1, POLLIN, 0}, {-1, POLLIN, 0}};
-      nfds_t count = 1;
-      if (staging_fd >= 0) pfds[count++].fd = staging_fd;
-      const nfds_t completion_index = count;
-      if (completion_fd >= 0) pfds[count++].fd = completion_fd;
-      poll(pfds, count, 10);  // bounded so stop_ is seen even without a signal
-      if (completion_fd >= 0 && (pfds[completion_index].revents & POLLIN) != 0) {
+      // poll skips entries whose fd is -1 (no staging, or no completion fd).
+      pollfd pfds[3] = {
+          {event_fd_, POLLIN, 0}, {staging_fd, POLLIN, 0}, {completion_fd, POLLIN, 0}};
+      poll(pfds, 3, 10);  // bounded so stop_ is seen even without a signal
+      if ((pfds[2].revents & POLLIN) != 0) {
         std::lock_guard<std::mutex> lock(mutex_);
         // Drained before the next Pump looks at the slots: a completion after this read makes
         // the fd readable again for the next poll.
