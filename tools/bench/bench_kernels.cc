@@ -200,112 +200,46 @@ struct SweepEntry {
   SweepLayout layout = SweepLayout::kRandom;
 };
 
+// The sweep: the default, one knob changed at a time, the persistent grid, and calibration rows
+// on contiguous layouts. Unroll 0 = auto (8 for units of 4 KiB or more, else 4). The default
+// runs first and last: the difference is the run's drift.
 std::vector<SweepEntry> SweepTunings() {
   struct V {
-    int unroll, threads, per_item, chunk;
-    bool streaming, prefetch;
+    int unroll, threads, chunk;
+    bool streaming, prefetch, persistent;
+    int blocks_per_sm;  // 0: no cap (one-pass), or as many as fit (persistent)
     SweepLayout layout;
-    // Session 3 variants (PageCopyTuning::pipeline / async_smem); blocks_per_sm 0 = as many as
-    // fit in a persistent grid, no cap in a one-pass grid.
-    bool pipeline = false;
-    bool async_smem = false;
-    int async_stages = 4;
-    int blocks_per_sm = 0;
-    // Sessions 1-5 measured persistent grids only; session 6's rows are one-pass grids.
-    bool persistent = true;
   };
   constexpr SweepLayout R = SweepLayout::kRandom;
+  constexpr SweepLayout C = SweepLayout::kBothContiguous;
   const V variants[] = {
-      {4, 512, 32, 0, true, false, R},      // the previous default
-      {4, 512, 32, 2048, true, false, R},   // chunked units (2 KiB: one round per unit)
-      {4, 512, 32, 4096, true, false, R},   //
-      {4, 512, 32, 8192, true, false, R},   //
-      {4, 512, 32, 16384, true, false, R},  //
-      {4, 512, 32, 32768, true, false, R},  //
-      {4, 256, 32, 8192, true, false, R},   //
-      {4, 512, 32, 8192, false, false, R},  // ld.nc + plain stores
-      {8, 512, 32, 0, true, false, R},      // unroll 8, uncapped registers
-      {8, 256, 32, 0, true, false, R},      //
-      {8, 256, 32, 8192, true, false, R},   // the default of sessions 1-5
-      {4, 512, 32, 0, true, true, R},       // L2 bulk prefetch of each unit's source
-      {4, 512, 32, 8192, true, true, R},    //
-      {4, 512, 32, 16384, true, true, R},   //
-      {8, 256, 32, 8192, true, true, R},    //
-      // Session 3: register double buffering (loads of batch k+1 before the stores of batch k).
-      {4, 256, 32, 8192, true, false, R, true},  // 64 registers: 4 blocks of 256 per SM
-      {4, 512, 32, 8192, true, false, R, true},  //
-      {8, 256, 32, 8192, true, false, R, true},  // ~103 registers: 2 blocks of 256 per SM
-      {8, 512, 32, 8192, true, false, R, true},  //
-      // Session 3: cp.async rings in shared memory (stage = 32 x unroll x 16 B per warp;
-      // 256 threads: unroll 4 = 16 KiB per block per stage, unroll 8 = 32 KiB).
-      {4, 256, 32, 8192, true, false, R, false, true, 2, 4},   // 32 KiB per block
-      {4, 256, 32, 8192, true, false, R, false, true, 4, 2},   // 64 KiB per block
-      {4, 256, 32, 8192, true, false, R, false, true, 4, 3},   //
-      {4, 256, 32, 8192, true, false, R, false, true, 6, 2},   // 96 KiB per block
-      {4, 256, 32, 16384, true, false, R, false, true, 4, 3},  // longer units: fewer ring fills
-      {4, 256, 32, 0, true, false, R, false, true, 4, 3},      //
-      {4, 256, 32, 16384, true, false, R, false, true, 2, 4},  //
-      {4, 256, 32, 16384, true, false, R, false, true, 3, 4},  // 48 KiB per block
-      // ~86 registers: at most 2 blocks of 256 per SM.
-      {8, 256, 32, 8192, true, false, R, false, true, 2, 2},   // 64 KiB per block
-      {8, 256, 32, 16384, true, false, R, false, true, 2, 2},  //
-      // Session 4: the default's unroll 8 with smaller units (at 1 token the units are whole
-      // 2 KiB items, and the default reaches 0.94 there against 0.92-0.93 at 16 and 64 tokens).
-      {8, 256, 32, 2048, true, false, R},   //
-      {8, 256, 32, 4096, true, false, R},   //
-      {8, 512, 32, 4096, true, false, R},   //
-      {8, 256, 32, 4096, false, false, R},  //
-      // Fewer warps per SM (one block of 256 or 512, or 128-thread blocks): fewer DRAM streams
-      // at once.
-      {8, 256, 32, 8192, true, false, R, false, false, 4, 1},  //
-      {8, 512, 32, 8192, true, false, R, false, false, 4, 1},  //
-      {8, 128, 32, 8192, true, false, R},                      //
-      {8, 256, 32, 65536, true, false, R},                     // few, long units
-      {8, 256, 32, 2048, true, false, SweepLayout::kBothContiguous},
-      {8, 256, 32, 4096, true, false, SweepLayout::kBothContiguous},
-      {4, 512, 32, 0, true, false, SweepLayout::kBothContiguous},  // calibration
-      {4, 512, 32, 8192, true, false, SweepLayout::kBothContiguous},
-      {8, 256, 32, 8192, true, true, SweepLayout::kBothContiguous},
-      {8, 256, 32, 8192, true, false, SweepLayout::kBothContiguous},
-      {4, 256, 32, 16384, true, false, SweepLayout::kBothContiguous, false, true, 4, 3},
-      {4, 512, 32, 0, true, false, SweepLayout::kSrcContiguous},
-      {4, 512, 32, 0, true, false, SweepLayout::kDstContiguous},
-      {4, 512, 32, 0, true, false, R},  // the first row again: run-to-run spread
-      // Session 6: one-pass grids (one warp per unit, the hardware hands out the blocks).
-      // Unroll 0 = auto (8 for units of 4 KiB or more, else 4).
-      {0, 512, 32, 16384, false, false, R, false, false, 4, 0, false},  // the default
-      {0, 512, 32, 16384, true, false, R, false, false, 4, 0, false},   // .cs hints
-      {0, 256, 32, 16384, true, false, R, false, false, 4, 0, false},
-      {0, 512, 32, 8192, true, false, R, false, false, 4, 0, false},
-      {0, 512, 32, 32768, true, false, R, false, false, 4, 0, false},
-      {0, 512, 32, 0, true, false, R, false, false, 4, 0, false},  // whole items
-      {4, 512, 32, 8192, true, false, R, false, false, 4, 0, false},
-      {4, 256, 32, 16384, true, false, R, false, false, 4, 0, false},
-      {8, 256, 32, 16384, true, false, R, false, false, 4, 0, false},
-      {0, 256, 32, 16384, false, false, R, false, false, 4, 0, false},  // ld.nc + plain stores
-      {0, 512, 32, 8192, false, false, R, false, false, 4, 0, false},
-      {0, 512, 32, 32768, false, false, R, false, false, 4, 0, false},
-      {4, 512, 32, 16384, false, false, R, false, false, 4, 0, false},
-      {8, 512, 32, 16384, false, false, R, false, false, 4, 0, false},
-      {4, 512, 32, 16384, true, false, R, true, false, 4, 0, false},  // pipeline, one-pass
-      {4, 256, 32, 16384, true, false, R, false, true, 3, 0, false},  // async rings, one-pass
-      {4, 256, 32, 16384, false, false, R, false, true, 3, 0, false},
-      {0, 512, 32, 16384, false, false, SweepLayout::kBothContiguous, false, false, 4, 0, false},
-      {8, 256, 32, 8192, true, false, R},                               // sessions 1-5 again
-      {0, 512, 32, 16384, false, false, R, false, false, 4, 0, false},  // the default again
+      {0, 512, 16384, false, false, false, 0, R},  // the default
+      {0, 256, 16384, false, false, false, 0, R},  // 256 threads per block
+      {0, 512, 8192, false, false, false, 0, R},   // 8 KiB units
+      {0, 512, 32768, false, false, false, 0, R},  // 32 KiB units
+      {0, 512, 0, false, false, false, 0, R},      // whole items
+      {4, 512, 16384, false, false, false, 0, R},  // unroll 4 forced
+      {8, 512, 16384, false, false, false, 0, R},  // unroll 8 forced
+      {0, 512, 16384, true, false, false, 0, R},   // streaming (.cs) hints
+      {0, 512, 16384, false, true, false, 0, R},   // L2 bulk prefetch of each unit's source
+      {0, 512, 16384, false, false, false, 2, R},  // grid capped at 2 blocks per SM
+      {0, 512, 16384, false, false, true, 0, R},   // persistent grid
+      {8, 256, 8192, true, false, true, 0, R},     // persistent, unroll 8, 8 KiB units, .cs
+      {0, 512, 16384, false, false, false, 0, C},  // calibration: both sides contiguous
+      {0, 512, 16384, false, false, false, 0, SweepLayout::kSrcContiguous},
+      {0, 512, 16384, false, false, false, 0, SweepLayout::kDstContiguous},
+      {0, 512, 16384, false, false, false, 0, R},  // the default again
   };
   std::vector<SweepEntry> out;
   for (const V& v : variants) {
     SweepEntry e;
+    e.tuning = kernels::DefaultPageCopyTuning();
     e.tuning.unroll = v.unroll;
     e.tuning.threads_per_block = v.threads;
-    e.tuning.threads_per_item = v.per_item;
+    e.tuning.threads_per_item = 32;
     e.tuning.chunk_bytes = v.chunk;
     e.tuning.streaming = v.streaming;
     e.tuning.prefetch_l2 = v.prefetch;
-    e.tuning.pipeline = v.pipeline;
-    e.tuning.async_smem = v.async_smem;
-    e.tuning.async_stages = v.async_stages;
     e.tuning.blocks_per_sm = v.blocks_per_sm;
     e.tuning.persistent = v.persistent;
     e.layout = v.layout;
@@ -323,20 +257,12 @@ json TuningJson(const kernels::PageCopyTuning& t) {
               {"persistent", t.persistent},
               {"page_major", t.page_major},
               {"chunk_bytes", t.chunk_bytes},
-              {"prefetch_l2", t.prefetch_l2},
-              {"pipeline", t.pipeline},
-              {"async_smem", t.async_smem},
-              {"async_stages", t.async_stages}};
+              {"prefetch_l2", t.prefetch_l2}};
 }
 
-// The sweep's short name for a row's variant: "plain", "pipe" or "async<stages>", with "/1p"
-// for a one-pass grid.
+// The sweep's short name for a row's grid policy: "1p" (one-pass) or "persist".
 std::string VariantCell(const json& row) {
-  std::string name = row.value("pipeline", false) ? "pipe" : "plain";
-  if (row.value("async_smem", false)) {
-    name = fmt::format("async{}", row["async_stages"].get<int>());
-  }
-  return row.value("persistent", true) ? name : name + "/1p";
+  return row.value("persistent", false) ? "persist" : "1p";
 }
 
 Status RunGpuSize(const KernelsOptions& o, const Layout& l, int iters, json& out) {

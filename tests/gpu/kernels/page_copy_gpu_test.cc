@@ -6,6 +6,7 @@
 #include <memory>
 #include <numeric>
 #include <random>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -186,134 +187,74 @@ TEST_P(PageCopyGpuTest, ChunkedTuningsMatchCpuReference) {
 INSTANTIATE_TEST_SUITE_P(Layouts, PageCopyGpuTest, ::testing::ValuesIn(kCases),
                          [](const auto& info) { return std::string(info.param.name); });
 
-// ---- Session 3 variants (PageCopyTuning::pipeline, PageCopyTuning::async_smem) ------------
+// ---- Edge layouts under several tunings --------------------------------------------------
 //
-// With unroll 4 a ring stage is 128 16-byte vectors (2 KiB), with unroll 8 256 (4 KiB). These
-// layouts add, to kCases, units shorter than one lane round, exact multiples of a stage, many
-// stages (wrapping every ring depth) plus a partial stage plus a tail under 16 bytes, aligned
-// and narrow units mixed in one launch, and a partial last chunk at 8 KiB chunks.
-const CopyCase kStageCases[] = {
+// One lane round of unroll 4 is 128 16-byte vectors (2 KiB), of unroll 8 256 (4 KiB). These
+// layouts add, to kCases, units shorter than one lane round, exact multiples of a round, many
+// rounds plus a partial round plus a tail under 16 bytes, aligned and narrow units mixed in one
+// launch, and a partial last chunk at 8 KiB chunks.
+const CopyCase kEdgeCases[] = {
     {"one_vector", 4, 50, 16, 0, 0, 0, 0, 0, 0, true, true},
     {"part_lane_round_tail", 3, 40, 16 * 20 + 3, 0, 0, 13, 13, 0, 0, true, true},
-    {"exact_stages", 2, 20, 4096 * 5, 0, 0, 0, 0, 0, 0, true, true},
-    // 21 stages of 2 KiB + 45 vectors + 7 bytes; stride a multiple of 16: all items aligned.
-    {"many_stages_tail", 2, 12, 2048 * 21 + 16 * 45 + 7, 0, 0, 9, 9, 0, 0, true, true},
+    {"exact_rounds", 2, 20, 4096 * 5, 0, 0, 0, 0, 0, 0, true, true},
+    // 21 rounds of 2 KiB + 45 vectors + 7 bytes; stride a multiple of 16: all items aligned.
+    {"many_rounds_tail", 2, 12, 2048 * 21 + 16 * 45 + 7, 0, 0, 9, 9, 0, 0, true, true},
     // The same length with strides that are not: odd pages' items take the narrow path.
-    {"many_stages_mixed_alignment", 2, 12, 2048 * 21 + 16 * 45 + 7, 0, 0, 0, 0, 0, 0, true, true},
+    {"many_rounds_mixed_alignment", 2, 12, 2048 * 21 + 16 * 45 + 7, 0, 0, 0, 0, 0, 0, true, true},
     {"partial_last_chunk", 3, 10, 8192 * 3 + 16 * 70 + 8, 0, 0, 8, 8, 0, 0, true, true},
     {"eight_aligned_large", 2, 20, 32768, 4, 4, 0, 0, 4, 4, true, true},
     {"dst_odd_large", 2, 10, 32768 + 5, 0, 1, 11, 0, 0, 0, true, true},
     {"offset_48_large", 3, 16, 16384 + 16 * 9, 48, 16, 0, 0, 0, 0, true, true},
 };
 
-std::vector<CopyCase> Session3Cases() {
+std::vector<CopyCase> EdgeCases() {
   std::vector<CopyCase> out(std::begin(kCases), std::end(kCases));
-  out.insert(out.end(), std::begin(kStageCases), std::end(kStageCases));
+  out.insert(out.end(), std::begin(kEdgeCases), std::end(kEdgeCases));
   return out;
 }
 
 std::string TuningName(const PageCopyTuning& t) {
-  std::string n = t.async_smem ? "async" : (t.pipeline ? "pipeline" : "plain");
-  n += " u" + std::to_string(t.unroll) + " t" + std::to_string(t.threads_per_block) + " c" +
-       std::to_string(t.chunk_bytes) + " b" + std::to_string(t.blocks_per_sm) + " s" +
-       std::to_string(t.streaming ? 1 : 0);
-  if (t.async_smem) n += " stages" + std::to_string(t.async_stages);
-  if (t.persistent) n += " persistent";
-  if (t.prefetch_l2) n += " pf";
-  return n;
+  std::ostringstream n;
+  n << "u" << t.unroll << " t" << t.threads_per_block << " c" << t.chunk_bytes << " b"
+    << t.blocks_per_sm << " s" << (t.streaming ? 1 : 0);
+  if (t.persistent) n << " persistent";
+  if (t.prefetch_l2) n << " pf";
+  return n.str();
 }
 
-// The variants the GPU tests run: both unrolls, 2..16 warps per block, whole items and 8 KiB
-// chunks, ring depths 2..8, grids smaller than the work (blocks_per_sm 1), tiny 48-byte chunks.
-std::vector<PageCopyTuning> Session3Tunings() {
+// Tunings the edge layouts run under: every unroll, 64..512 threads per block, whole items,
+// 8 KiB and tiny 48-byte chunks, both grid policies, grids smaller than the work
+// (blocks_per_sm 1), both cache hints.
+std::vector<PageCopyTuning> EdgeTunings() {
   std::vector<PageCopyTuning> out;
-  // The block size, unit and hints these variants were designed with (the default until
-  // session 5); the rings of unroll 8 x 5 stages, for one, do not fit 512-thread blocks.
-  PageCopyTuning base = DefaultPageCopyTuning();
-  base.threads_per_block = 256;
-  base.chunk_bytes = 8192;
-  base.streaming = true;
-  for (int unroll : {4, 8}) {
-    for (int threads : {256, 512}) {
+  for (int unroll : {0, 4, 8}) {
+    for (int threads : {64, 256, 512}) {
       for (int chunk : {0, 8192}) {
-        PageCopyTuning t = base;
-        t.pipeline = true;
+        PageCopyTuning t = DefaultPageCopyTuning();
         t.unroll = unroll;
         t.threads_per_block = threads;
         t.chunk_bytes = chunk;
         t.blocks_per_sm = chunk == 0 ? 1 : 0;
         t.persistent = threads == 256;  // both grid policies
+        t.streaming = threads == 64;    // both cache hints
         out.push_back(t);
       }
     }
-  }
-  {
-    PageCopyTuning t = base;
-    t.pipeline = true;
-    t.unroll = 4;
-    t.streaming = false;
-    out.push_back(t);
-    t.unroll = 8;
-    t.chunk_bytes = 0;
-    out.push_back(t);
-    t = base;
-    t.pipeline = true;
-    t.unroll = 4;
+    PageCopyTuning t = DefaultPageCopyTuning();
+    t.unroll = unroll;
     t.chunk_bytes = 48;
     t.blocks_per_sm = 1;
-    out.push_back(t);
-  }
-  struct A {
-    int unroll, stages;
-  };
-  for (const A& a : {A{4, 2}, A{4, 3}, A{4, 8}, A{8, 2}, A{8, 5}}) {
-    for (int threads : {64, 256}) {
-      for (int chunk : {0, 8192}) {
-        PageCopyTuning t = base;
-        t.async_smem = true;
-        t.unroll = a.unroll;
-        t.async_stages = a.stages;
-        t.threads_per_block = threads;
-        t.chunk_bytes = chunk;
-        t.blocks_per_sm = chunk == 0 ? 1 : 0;
-        t.persistent = threads == 64;  // both grid policies
-        out.push_back(t);
-      }
-    }
-    PageCopyTuning t = base;
-    t.async_smem = true;
-    t.unroll = a.unroll;
-    t.async_stages = a.stages;
-    t.chunk_bytes = 48;
-    out.push_back(t);
-  }
-  {
-    PageCopyTuning t = base;
-    t.async_smem = true;
-    t.unroll = 4;
-    t.async_stages = 4;
-    t.streaming = false;
-    out.push_back(t);
-    t.streaming = true;
-    t.prefetch_l2 = true;
-    out.push_back(t);
-    t.prefetch_l2 = false;
-    t.blocks_per_sm = 3;  // 3 x 64 KiB rings per SM
-    out.push_back(t);
-    t.threads_per_block = 512;
-    t.async_stages = 7;  // 224 KiB: the largest ring that validates
-    t.blocks_per_sm = 0;
     out.push_back(t);
   }
   return out;
 }
 
-class Session3VariantGpuTest : public ::testing::TestWithParam<CopyCase> {};
+class PageCopyEdgeGpuTest : public ::testing::TestWithParam<CopyCase> {};
 
-TEST_P(Session3VariantGpuTest, MatchesCpuReference) {
+TEST_P(PageCopyEdgeGpuTest, MatchesCpuReference) {
   KVT_SKIP_WITHOUT_GPU();
   uint32_t seed = 300;
-  for (const PageCopyTuning& t : Session3Tunings()) {
+  for (const PageCopyTuning& t : EdgeTunings()) {
     SCOPED_TRACE(TuningName(t));
     CheckCopy(GetParam(), seed++,
               [&](const PageCopyArgs& a, cudaStream_t s) { return PageCopyCudaTuned(a, t, s); });
@@ -321,13 +262,13 @@ TEST_P(Session3VariantGpuTest, MatchesCpuReference) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Layouts, Session3VariantGpuTest, ::testing::ValuesIn(Session3Cases()),
+INSTANTIATE_TEST_SUITE_P(Layouts, PageCopyEdgeGpuTest, ::testing::ValuesIn(EdgeCases()),
                          [](const auto& info) { return std::string(info.param.name); });
 
-// Random layouts (lengths, offsets, strides, misalignments), each with a random variant.
-TEST(Session3VariantGpuRandomTest, RandomLayoutsAndVariants) {
+// Random layouts (lengths, offsets, strides, misalignments), each with a random tuning.
+TEST(PageCopyEdgeGpuRandomTest, RandomLayoutsAndTunings) {
   KVT_SKIP_WITHOUT_GPU();
-  const std::vector<PageCopyTuning> tunings = Session3Tunings();
+  const std::vector<PageCopyTuning> tunings = EdgeTunings();
   std::mt19937 rng(3003);
   auto pick = [&](int64_t lo, int64_t hi) {
     return std::uniform_int_distribution<int64_t>(lo, hi)(rng);
@@ -468,16 +409,16 @@ TEST(PackGpuTest, PackAndUnpackMatchCpuReference) {
 }
 
 // Pack and unpack descriptions (staging side: one base plus a buffer stride, no tables) through
-// the session 3 variants.
-TEST(PackGpuTest, Session3VariantsPackAndUnpack) {
+// the tuned entry points.
+TEST(PackGpuTest, TunedPackAndUnpack) {
   KVT_SKIP_WITHOUT_GPU();
   std::vector<PackCase> cases(std::begin(kPackCases), std::end(kPackCases));
-  cases.push_back({4, 9, 2048 * 5 + 16 * 33 + 4, 0, 12, 0});  // stages + partial + tail
+  cases.push_back({4, 9, 2048 * 5 + 16 * 33 + 4, 0, 12, 0});  // rounds + partial + tail
   cases.push_back({2, 7, 8192 * 2 + 96, 16, 0, 0});           // partial last chunk
   cases.push_back({3, 5, 4096 * 4, 0, 0, 8});                 // 8-aligned: narrow path
   uint32_t seed = 50;
-  for (const PageCopyTuning& t : Session3Tunings()) {
-    if (t.chunk_bytes == 48 || t.prefetch_l2 || !t.streaming) continue;  // fewer, all layouts
+  for (const PageCopyTuning& t : EdgeTunings()) {
+    if (t.chunk_bytes == 48) continue;  // fewer, all layouts
     SCOPED_TRACE(TuningName(t));
     CheckPackUnpack(
         cases, seed++, [&](const PackArgs& a, cudaStream_t s) { return PackCudaTuned(a, t, s); },
