@@ -29,9 +29,8 @@ StatusOr<std::unique_ptr<PoolMemory>> PoolMemory::Allocate(
     KVT_RETURN_IF_ERROR(scoped.status());
     // Whole 2 MiB granules: another process that maps a cudaMalloc allocation of any other size
     // through CUDA IPC (the cuda_ipc backend) writes small scattered items into it many times
-    // slower. Measured on an H200 (tools/bench/experiments/ipc_mapping.cu): 2 KiB items
-    // scattered into 64 imported buffers of 80 MiB + 2 KiB took 4.3 ms per GiB, 0.57 ms once each
-    // buffer was rounded up to 2 MiB (as fast as in one process). The slack is never addressed.
+    // slower (tools/bench/experiments/ipc_mapping.cu shows it; docs/performance.md). The slack
+    // is never addressed.
     const size_t padded = (static_cast<size_t>(bytes) + kCudaAllocationGranule - 1) /
                           kCudaAllocationGranule * kCudaAllocationGranule;
     KVT_ASSIGN_OR_RETURN(mem->device_buffer_, kvt::cuda::DeviceBuffer::Allocate(padded, device));

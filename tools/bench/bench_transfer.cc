@@ -387,7 +387,7 @@ StatusOr<std::unique_ptr<pool::KvPool>> MakePool(
   }
   p.pin_host_memory = false;  // host path only; pinning would need a CUDA device
   // A serving pool has been written long before a transfer; without this the first requests
-  // would time first-touch page faults (measured: 10x slower loopback copies) instead of copies.
+  // would time first-touch page faults instead of copies.
   p.prefault_host_memory = true;
   p.host_allocator = std::move(allocator);
   return pool::KvPool::Create(p);

@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
-# One device-machine run: library check, the CPU kernel tests, every GPU test binary present,
+# A GPU machine's full check: library check, the CPU kernel tests, every GPU test binary present,
 # the transfer benchmark on CUDA pools (cuda_ipc, then UCX's staged path), the kernels benchmark
 # (with the tuning sweep) and, if time is left, a memcheck pass over the kernel GPU tests.
 # Every step has a time cap and the whole run a budget (KVT_BUDGET_S, default 360 s), so the
-# JSON of the steps that ran is in $OUT even when a later step hangs.
-# Usage (from the repo root, binaries copied into .device/ beforehand):
-#   tools/bench/gpu_run.sh .device "$OUT"
+# JSON of the steps that ran is in OUT_DIR even when a later step hangs.
+# Usage (from the repo root): tools/bench/gpu_run.sh BIN_DIR OUT_DIR
+#   BIN_DIR: a folder holding kvt-bench and the test binaries (copied out of a build tree);
+#   OUT_DIR: where the JSON, logs and card.txt go (created if missing).
 # Skip steps with KVT_RUN_TESTS=0, KVT_RUN_TRANSFER=0, KVT_RUN_STAGED=0, KVT_RUN_KERNELS=0,
 # KVT_MEMCHECK=0.
 set -uo pipefail
-bin=${1:-.device}
-out=${2:-/tmp/kvt-out}
+if (($# != 2)); then
+  echo "usage: $0 BIN_DIR OUT_DIR" >&2
+  exit 2
+fi
+bin=$1
+out=$2
 mkdir -p "$out"
 deadline=$((SECONDS + ${KVT_BUDGET_S:-360}))
 

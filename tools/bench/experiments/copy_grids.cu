@@ -1,9 +1,10 @@
-// Experiment (not part of the build): what the 0.95 kernel target of docs/kernels.md is measured
-// against, and why the persistent grid stopped short of it (session 6).
-//  1. Is the same-run ceiling, a device-to-device cudaMemcpyAsync, done by the copy engines or by
-//     a kernel? It is timed on a second stream while a kernel holds every multiprocessor (two
-//     1024-thread blocks with 110 KiB of shared memory each per SM, sleeping for 20 ms). Copy
-//     engines would finish 1 GiB in about 0.5 ms beside it; a kernel has to wait for the SMs.
+// Experiment (not part of the build): what the page copy kernel's ceiling is, and why the page
+// copy uses a one-pass grid.
+//  1. Is the ceiling kvt-bench compares against, a device-to-device cudaMemcpyAsync, done by the
+//     copy engines or by a kernel? It is timed on a second stream while a kernel holds every
+//     multiprocessor (two 1024-thread blocks with 110 KiB of shared memory each per SM, sleeping
+//     for 20 ms). Copy engines would finish 1 GiB in about 0.5 ms beside it; a kernel has to wait
+//     for the SMs (docs/performance.md: on an H200 it waits, so the ceiling is a kernel).
 //  2. The same contiguous 1 GiB copied by SM kernels of one shape (16-byte loads, 4 per thread
 //     before their stores, streaming hints) under two grid policies: a persistent grid of the
 //     blocks that fit at once, threads striding over the buffer, against a one-pass grid of one
@@ -11,9 +12,6 @@
 // Build and run (on a machine with a GPU):
 //   nvcc -O3 -std=c++17 -arch=sm_90 tools/bench/experiments/copy_grids.cu -o copy_grids
 //   ./copy_grids
-// Session 6 on an H200 (tools/bench/results/2026-12-03-h200-s6-run7-copy-grids.log): the memcpy
-// took 20.5 ms beside the hog (52 GB/s), three times out of three, so it is a kernel; persistent
-// grids reached 0.82-0.95 of it, the one-pass grid 0.971 (tiles) and 0.988 (strided).
 #include <cuda_runtime.h>
 
 #include <algorithm>

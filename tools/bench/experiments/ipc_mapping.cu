@@ -1,7 +1,6 @@
 // Experiment (not part of the build): does the way another process's GPU memory is mapped decide
-// how fast small scattered writes into it are? docs/transfer-bench.md found the page copy of
-// 2 KiB items into a peer's pool through cudaIpcOpenMemHandle mappings half as fast as in one
-// process, and slower the larger the pool. This program times the same scatter (random 2 KiB
+// how fast small scattered writes into it are? (Why CUDA pools allocate whole 2 MiB granules:
+// pool/src/pool_memory.cc, docs/performance.md.) This program times a scatter (random 2 KiB
 // source items of a local 1 GiB buffer into random 2 KiB slots of a destination of S bytes) into
 //   local  - the child's own cudaMalloc(S),
 //   ipc    - the parent's cudaMalloc(S) opened with cudaIpcOpenMemHandle,
