@@ -35,9 +35,9 @@
 #include "kvt/transfer/backend.h"
 #include "kvt/transfer/backends.h"
 // Private headers of kvt::transfer (this target has no transfer/src include path).
-#include "../../../transfer/src/backends/cuda_ipc/cuda_ipc_backend.h"
-#include "../../../transfer/src/backends/cuda_ipc/cuda_ipc_codec.h"
 #include "../../unit/backends/backend_test_util.h"
+#include "backends/cuda_ipc/cuda_ipc_backend.h"
+#include "backends/cuda_ipc/cuda_ipc_codec.h"
 #include "child_process.h"
 
 namespace kvt::transfer {

@@ -35,9 +35,9 @@
 #include "kvt/transfer/backend.h"
 #include "kvt/transfer/backends.h"
 // Private headers of kvt::transfer (this target has no transfer/src include path).
-#include "../../../transfer/src/backends/nccl/nccl_backend.h"
-#include "../../../transfer/src/backends/nccl/nccl_protocol.h"
 #include "../../unit/backends/backend_test_util.h"
+#include "backends/nccl/nccl_backend.h"
+#include "backends/nccl/nccl_protocol.h"
 #include "child_process.h"
 
 namespace kvt::transfer {
@@ -88,7 +88,7 @@ nccl::NcclTuning TestTuning() {
 
 // A backend or the reason there is none (no NCCL on a GPU machine skips rather than fails).
 StatusOr<std::unique_ptr<Backend>> NewBackend(const nccl::NcclTuning& tuning = TestTuning()) {
-  return CreateNcclBackendWithTuning(BackendOptions{}, tuning);
+  return CreateNcclBackendWithTuning(tuning);
 }
 
 // ---- Pools and expectations -----------------------------------------------------------------

@@ -143,15 +143,15 @@ class UcxStagedGpu : public ::testing::TestWithParam<std::string> {
   // Small slots (64 KiB: 8 pages of one layer's K and V, or 2 pages of all 4 layers) so writes
   // are many chunks; the receiver has fewer slots than the sender.
   void Start(int sender_slots = 4, int receiver_slots = 3, size_t slot_bytes = 64 << 10) {
-    BackendOptions options;
-    options.ucx_transports = GetParam();
-    options.ucx_cuda_mode = "staged";
-    options.ucx_staging_slot_bytes = slot_bytes;
-    options.ucx_staging_slots = sender_slots;
-    auto a = CreateBackend("ucx", options);
+    UcxOptions options;
+    options.transports = GetParam();
+    options.cuda_mode = UcxCudaMode::kStaged;
+    options.staging_slot_bytes = slot_bytes;
+    options.staging_slots = sender_slots;
+    auto a = CreateBackend(options);
     ASSERT_TRUE(a.ok()) << a.status();
-    options.ucx_staging_slots = receiver_slots;
-    auto b = CreateBackend("ucx", options);
+    options.staging_slots = receiver_slots;
+    auto b = CreateBackend(options);
     ASSERT_TRUE(b.ok()) << b.status();
     sender_ = std::move(a).value();
     receiver_ = std::move(b).value();
@@ -386,11 +386,9 @@ TEST_P(UcxStagedGpu, ReportsThroughputOfALargeWrite) {
   ASSERT_TRUE(src.Upload().ok());
   dst.Poison();
   ASSERT_TRUE(dst.Upload().ok());
-  BackendOptions options;
-  options.ucx_transports = GetParam();
-  options.ucx_cuda_mode = "staged";
-  auto a = CreateBackend("ucx", options);
-  auto b = CreateBackend("ucx", options);
+  const UcxOptions options{.transports = GetParam(), .cuda_mode = UcxCudaMode::kStaged};
+  auto a = CreateBackend(options);
+  auto b = CreateBackend(options);
   ASSERT_TRUE(a.ok() && b.ok());
   auto sr = src.Regions();
   auto dr = dst.Regions();

@@ -45,18 +45,20 @@ class BackendConformance : public ::testing::TestWithParam<std::string> {
  protected:
   // "name" or "name:transports" (UCX_TLS syntax for ucx).
   std::string BackendName() const { return GetParam().substr(0, GetParam().find(':')); }
-  BackendOptions Options() const {
-    BackendOptions options;
+  BackendConfig Config() const {
+    StatusOr<BackendConfig> config = DefaultBackendConfig(BackendName());
+    EXPECT_TRUE(config.ok()) << config.status();
+    if (!config.ok()) return BackendConfig{};
     if (auto colon = GetParam().find(':'); colon != std::string::npos) {
-      options.ucx_transports = GetParam().substr(colon + 1);
+      std::get<UcxOptions>(*config).transports = GetParam().substr(colon + 1);
     }
-    return options;
+    return *config;
   }
 
   void SetUp() override {
-    auto a = CreateBackend(BackendName(), Options());
+    auto a = CreateBackend(Config());
     ASSERT_TRUE(a.ok()) << a.status();
-    auto b = CreateBackend(BackendName(), Options());
+    auto b = CreateBackend(Config());
     ASSERT_TRUE(b.ok()) << b.status();
     sender_ = std::move(a).value();
     receiver_ = std::move(b).value();
@@ -199,9 +201,7 @@ INSTANTIATE_TEST_SUITE_P(AllHostBackends, BackendConformance,
                          });
 
 TEST(UcxBackend, BadTransportListIsRefusedWithAHint) {
-  BackendOptions options;
-  options.ucx_transports = "no-such-transport";
-  auto b = CreateBackend("ucx", options);
+  auto b = CreateBackend(UcxOptions{.transports = "no-such-transport"});
   ASSERT_FALSE(b.ok());
   EXPECT_NE(b.status().message().find("no-such-transport"), std::string::npos) << b.status();
 }
@@ -209,14 +209,57 @@ TEST(UcxBackend, BadTransportListIsRefusedWithAHint) {
 TEST(BackendFactory, UnknownNameListsKnownOnes) {
   auto b = CreateBackend("smoke-signals");
   ASSERT_FALSE(b.ok());
-  EXPECT_NE(b.status().message().find("ucx"), std::string::npos);
+  EXPECT_EQ(b.status().code(), StatusCode::kInvalidArgument);
+  for (const std::string& name : BackendNames()) {
+    EXPECT_NE(b.status().message().find(name), std::string::npos) << b.status();
+  }
+  EXPECT_EQ(DefaultBackendConfig("smoke-signals").status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(BackendFactory, TheTableNamesEveryConfigAlternative) {
+  const std::vector<std::string> names = BackendNames();
+  ASSERT_EQ(names, (std::vector<std::string>{"ucx", "cuda_ipc", "nccl", "loopback"}));
+  ASSERT_EQ(RegisteredBackends().size(), names.size());
+  for (size_t i = 0; i < names.size(); ++i) {
+    EXPECT_EQ(RegisteredBackends()[i].name, names[i]);
+    EXPECT_FALSE(RegisteredBackends()[i].description.empty()) << names[i];
+    auto config = DefaultBackendConfig(names[i]);
+    ASSERT_TRUE(config.ok()) << config.status();
+    EXPECT_EQ(BackendName(*config), names[i]);
+  }
+  EXPECT_EQ(BackendName(LoopbackOptions{}), "loopback");
+  EXPECT_TRUE(RegisteredBackends()[0].capabilities.inter_node);      // ucx
+  EXPECT_FALSE(RegisteredBackends()[1].capabilities.host_memory);    // cuda_ipc
+  EXPECT_TRUE(RegisteredBackends()[2].capabilities.two_sided);       // nccl
+  EXPECT_FALSE(RegisteredBackends()[3].capabilities.inter_process);  // loopback
+}
+
+TEST(BackendFactory, OptionsOutOfRangeNameTheOptionTheValueAndTheRange) {
+  struct Case {
+    BackendConfig config;
+    std::vector<std::string> expected;
+  };
+  const Case cases[] = {
+      {UcxOptions{.copy_threads = 65}, {"copy_threads is 65", "1..64"}},
+      {UcxOptions{.spin = std::chrono::seconds(2)}, {"spin is 2000000 us", "0..1000000"}},
+      {UcxOptions{.staging_slots = 0}, {"staging_slots is 0", "1 to 4096"}},
+      {UcxOptions{.staging_slot_bytes = 100}, {"staging_slot_bytes is 100", "4096 bytes to 4 GiB"}},
+      {LoopbackOptions{.delay = std::chrono::microseconds(-1)}, {"delay is -1 us", "0"}},
+  };
+  for (const Case& c : cases) {
+    auto b = CreateBackend(c.config);
+    ASSERT_FALSE(b.ok()) << c.expected[0];
+    EXPECT_EQ(b.status().code(), StatusCode::kInvalidArgument) << b.status();
+    for (const std::string& text : c.expected) {
+      EXPECT_NE(b.status().message().find(text), std::string::npos) << b.status();
+    }
+  }
 }
 
 TEST(LoopbackBackend, DelayedWriteCanBeReleasedBeforeItLands) {
-  BackendOptions options;
-  options.loopback_delay_us = 200000;
-  auto a = CreateBackend("loopback", options);
-  auto b = CreateBackend("loopback", options);
+  const LoopbackOptions options{.delay = std::chrono::milliseconds(200)};
+  auto a = CreateBackend(options);
+  auto b = CreateBackend(options);
   ASSERT_TRUE(a.ok() && b.ok());
   Buffers src(1), dst(2);
   auto sr = src.Regions();

@@ -33,7 +33,7 @@ using ::testing::HasSubstr;
 // ---- Creation and loading -------------------------------------------------------------------
 
 TEST(NcclBackendTest, CreateWithoutDeviceIsUnavailableWithTheReason) {
-  auto backend = CreateNcclBackend(BackendOptions{});
+  auto backend = CreateNcclBackend(NcclOptions{});
   if (cuda::HasDevice()) {
     if (!backend.ok()) {
       // A GPU machine without NCCL: the reason must say how to proceed.
@@ -59,7 +59,7 @@ TEST(NcclBackendTest, CreateWithoutDeviceIsUnavailableWithTheReason) {
 TEST(NcclBackendTest, SlotSizeOutsideTheLimitsIsRefusedBeforeAnythingElse) {
   NcclTuning tuning;
   tuning.slot_bytes = 1024;
-  auto backend = CreateNcclBackendWithTuning(BackendOptions{}, tuning);
+  auto backend = CreateNcclBackendWithTuning(tuning);
   ASSERT_FALSE(backend.ok());
   // Without a device the device is the first complaint; with one, the slot size.
   if (cuda::HasDevice()) {

@@ -2,7 +2,7 @@
 // alignment that matters to the non-temporal path (head to the next destination line, whole
 // lines, tail), runs across several buffers, the stop flag, and no access past a run's end
 // (sources and destinations that end at a guard page); SplitRuns (slices for the copy threads).
-#include "backends/stream_copy.h"
+#include "backends/common/stream_copy.h"
 
 #include <gtest/gtest.h>
 #include <sys/mman.h>

@@ -31,11 +31,12 @@ constexpr uint8_t kPoison = 0xEE;
 
 class UcxDirectTest : public ::testing::TestWithParam<int> {
  protected:
-  // inline_bytes: ucx_direct_inline_bytes; delay_us: the copy thread's start delay (test hook).
+  // inline_bytes: UcxOptions::direct_inline_bytes; delay_us: the copy thread's start delay (test
+  // hook).
   void Start(size_t inline_bytes, int delay_us) {
-    BackendOptions options;
-    options.ucx_direct_inline_bytes = inline_bytes;
-    options.ucx_copy_threads = GetParam();
+    UcxOptions options;
+    options.direct_inline_bytes = inline_bytes;
+    options.copy_threads = GetParam();
     UcxTestHooks hooks;
     hooks.direct_copy_delay_us = delay_us;
     auto a = CreateUcxBackendForTest(options, hooks);
@@ -210,20 +211,20 @@ INSTANTIATE_TEST_SUITE_P(CopyThreads, UcxDirectTest, ::testing::Values(1, 2, 4),
 
 TEST(UcxDirectOptionsTest, CopyThreadsOutOfRangeAreRefused) {
   for (int threads : {-1, 65}) {
-    BackendOptions options;
-    options.ucx_copy_threads = threads;
+    UcxOptions options;
+    options.copy_threads = threads;
     auto backend = CreateUcxBackendForTest(options, UcxTestHooks{});
     ASSERT_FALSE(backend.ok()) << threads;
     EXPECT_EQ(backend.status().code(), StatusCode::kInvalidArgument);
-    EXPECT_NE(backend.status().message().find("ucx_copy_threads is " + std::to_string(threads)),
+    EXPECT_NE(backend.status().message().find("ucx copy_threads is " + std::to_string(threads)),
               std::string::npos)
         << backend.status();
   }
 }
 
 TEST(UcxDirectOptionsTest, ZeroCopyThreadsPicksThemFromTheCores) {
-  BackendOptions options;
-  options.ucx_copy_threads = 0;
+  UcxOptions options;
+  options.copy_threads = 0;
   auto backend = CreateUcxBackendForTest(options, UcxTestHooks{});
   EXPECT_TRUE(backend.ok()) << backend.status();
 }

@@ -35,9 +35,9 @@ class UcxPostTest : public ::testing::Test {
   // delay_us: the poster's start delay per write; pause_us: its pause after each batch (test
   // hooks).
   void Start(int delay_us, int pause_us = 0, int batch_bytes = 0) {
-    BackendOptions options;
-    options.ucx_transports = "tcp";
-    options.ucx_direct_inline_bytes = 64 << 10;
+    UcxOptions options;
+    options.transports = "tcp";
+    options.direct_inline_bytes = 64 << 10;
     UcxTestHooks hooks;
     hooks.post_delay_us = delay_us;
     hooks.post_batch_pause_us = pause_us;

@@ -1,70 +1,90 @@
-// Creating backends by name. Names: "ucx", "cuda_ipc", "nccl", "loopback". Thread-safe.
+// The backend registry: the backends this build has, and creating one by name or from its typed
+// options.
+//
+//   auto backend = CreateBackend(UcxOptions{.transports = "tcp"});
+//   EngineOptions options;  options.backend = LoopbackOptions{.page_writes = true};
+//   KVT_ASSIGN_OR_RETURN(BackendConfig config, DefaultBackendConfig(flag_value));
+//
+// Each backend owns its options struct (kvt/transfer/backends/<name>_options.h); a BackendConfig
+// holds exactly one of them, so the alternative picks the backend. Callers that want full
+// control create the backend themselves and hand it to TransferEngine::Create.
+//
+// Thread safety: every function may be called from any thread.
 #pragma once
 
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
+#include <variant>
 #include <vector>
 
 #include "kvt/common/status.h"
 #include "kvt/pool/host_allocator.h"
 #include "kvt/transfer/backend.h"
+#include "kvt/transfer/backends/cuda_ipc_options.h"
+#include "kvt/transfer/backends/loopback_options.h"
+#include "kvt/transfer/backends/nccl_options.h"
+#include "kvt/transfer/backends/ucx_options.h"
 
 namespace kvt::transfer {
 
-struct BackendOptions {
-  // ucx: UCX transports to allow (UCX_TLS syntax, e.g. "shm,self" or "tcp"); empty = UCX's
-  // default choice (or the UCX_TLS environment variable when set).
-  std::string ucx_transports;
-  // ucx: the progress thread spins this long without work before it sleeps on the worker's
-  // event fd; longer spins trade a CPU core for lower latency.
-  int ucx_spin_us = 200;
-  // ucx: when UCX maps a peer's buffers into this process (shared memory on the same host,
-  // ucp_rkey_ptr), write them with plain copies instead of one UCX put per run.
-  bool ucx_direct_shm = true;
-  // ucx: writes of at most this many bytes are copied (peer mapped here) or posted as UCX puts
-  // (network) on the posting thread; larger ones on the backend's copy threads or its poster
-  // thread, so that posting (often the control plane's thread, or the model's in LayersReady,
-  // under the engine's lock) never waits for a bulk copy or send.
-  size_t ucx_direct_inline_bytes = size_t{256} << 10;
-  // ucx, direct copies: threads that copy a large write, each a slice of its runs (1..64, or 0
-  // for half the machine's cores, at least 2 and at most 8; a write gets at most one slice per
-  // MiB). A 1024-page request of 32 KiB pages: two threads 1.4–1.9x as fast as one on the 2-core
-  // development VM; 1 / 2 / 4 / 8 threads 4.9 / 11.0 / 16.1 / 31.1 GB/s on a 16-core host
-  // (docs/transfer-bench.md).
-  int ucx_copy_threads = 0;
-  // loopback: a posted write completes (its bytes are copied) only once this much time has
-  // passed, so tests can abort or time out writes in flight. 0 copies at post time.
-  int loopback_delay_us = 0;
-  // loopback: report page_writes and take PostPages (CPU gather/scatter), so the engine's page
-  // path runs without a GPU.
-  bool loopback_page_writes = false;
-  // ucx on CUDA pools: "auto" registers device memory directly when the UCX build handles CUDA
-  // memory and stages through pinned host bounce buffers otherwise; "staged" always stages;
-  // "direct" refuses CUDA pools unless UCX handles CUDA memory.
-  std::string ucx_cuda_mode = "auto";
-  // ucx staging: bounce slots per side and bytes per slot (bounded memory; the sender holds a
-  // credit per receiver slot).
-  int ucx_staging_slots = 8;
-  size_t ucx_staging_slot_bytes = size_t{4} << 20;
-  // nccl: bytes of one device staging slot per step (a page of one layer, K and V, must fit),
-  // how long a pair's communicator may take to come up, and how long a posted step may stall
-  // before the pair is declared dead (its communicator aborted).
-  uint64_t nccl_slot_bytes = uint64_t{8} << 20;
-  int nccl_connect_timeout_ms = 60000;
-  int nccl_stall_timeout_ms = 30000;
+// Which backend to create, with its options.
+using BackendConfig = std::variant<UcxOptions, CudaIpcOptions, NcclOptions, LoopbackOptions>;
+
+// One registered backend.
+struct BackendInfo {
+  std::string_view name;  // "ucx", "cuda_ipc", "nccl", "loopback"
+  std::string_view description;
+  // What the backend can do where the machine has what it needs (a CUDA device, a UCX built
+  // with CUDA support, ...); an instance's Backend::Capabilities() says what it does there.
+  BackendCapabilities capabilities;
 };
 
-// The backend names this build knows, in priority order.
+// The registered backends, in priority order.
+std::span<const BackendInfo> RegisteredBackends();
+
+// Their names, in priority order.
 std::vector<std::string> BackendNames();
 
-// A new backend instance. Unknown names → InvalidArgument listing the known ones.
-StatusOr<std::unique_ptr<Backend>> CreateBackend(std::string_view name,
-                                                 const BackendOptions& options = {});
+// The name of the backend a config creates.
+std::string_view BackendName(const BackendConfig& config);
+
+// The named backend with default options. Unknown names -> InvalidArgument listing the known
+// ones.
+StatusOr<BackendConfig> DefaultBackendConfig(std::string_view name);
+
+// A new backend instance. Options out of range -> InvalidArgument naming the option, its value
+// and the allowed range; Unavailable when the machine lacks what the backend needs (a CUDA
+// device, NCCL, a UCX transport).
+StatusOr<std::unique_ptr<Backend>> CreateBackend(const BackendConfig& config);
+
+// The named backend with default options (DefaultBackendConfig, then CreateBackend).
+StatusOr<std::unique_ptr<Backend>> CreateBackend(std::string_view name);
 
 // An allocator for host pools (PoolOptions::host_allocator) that takes memory from `backend`,
 // keeping the backend alive until the last block is freed; null when the backend has no host
 // allocator of its own (then pools use ordinary memory).
 std::shared_ptr<pool::HostAllocator> BackendHostAllocator(std::shared_ptr<Backend> backend);
+
+// Transitional, until EngineOptions carries a BackendConfig: the former shared options struct
+// and creation by name from it. Use BackendConfig instead.
+struct BackendOptions {
+  std::string ucx_transports;
+  int ucx_spin_us = 200;
+  bool ucx_direct_shm = true;
+  size_t ucx_direct_inline_bytes = size_t{256} << 10;
+  int ucx_copy_threads = 0;
+  int loopback_delay_us = 0;
+  bool loopback_page_writes = false;
+  std::string ucx_cuda_mode = "auto";
+  int ucx_staging_slots = 8;
+  size_t ucx_staging_slot_bytes = size_t{4} << 20;
+  uint64_t nccl_slot_bytes = uint64_t{8} << 20;
+  int nccl_connect_timeout_ms = 60000;
+  int nccl_stall_timeout_ms = 30000;
+};
+StatusOr<std::unique_ptr<Backend>> CreateBackend(std::string_view name,
+                                                 const BackendOptions& options);
 
 }  // namespace kvt::transfer

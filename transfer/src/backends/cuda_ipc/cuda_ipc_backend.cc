@@ -34,9 +34,9 @@
 #include <utility>
 #include <vector>
 
+#include "backends/common/run_check.h"
 #include "backends/cuda_ipc/cuda_ipc_codec.h"
 #include "backends/cuda_ipc/cuda_ipc_program.h"
-#include "backends/run_check.h"
 #include "kvt/common/log.h"
 #include "kvt/kernels/cuda_util.h"
 #include "kvt/kernels/kernels.h"
@@ -838,7 +838,7 @@ class CudaIpcBackend final : public Backend {
 
 }  // namespace
 
-StatusOr<std::unique_ptr<Backend>> CreateCudaIpcBackend(const BackendOptions& options) {
+StatusOr<std::unique_ptr<Backend>> CreateCudaIpcBackend(const CudaIpcOptions& options) {
   const cuda::DeviceCountResult devices = cuda::DeviceCount();
   if (devices.count <= 0) return Unavailable("cuda_ipc needs a CUDA device: " + devices.reason);
   // The driver's allocation lookup must exist (address 0 is in no allocation: InvalidArgument).

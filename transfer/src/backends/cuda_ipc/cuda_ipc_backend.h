@@ -12,13 +12,13 @@
 
 #include "kvt/common/status.h"
 #include "kvt/transfer/backend.h"
-#include "kvt/transfer/backends.h"
+#include "kvt/transfer/backends/cuda_ipc_options.h"
 
 namespace kvt::transfer {
 
 // Unavailable (naming the reason) when this process has no usable CUDA device or the driver
 // lacks what the backend needs.
-StatusOr<std::unique_ptr<Backend>> CreateCudaIpcBackend(const BackendOptions& options);
+StatusOr<std::unique_ptr<Backend>> CreateCudaIpcBackend(const CudaIpcOptions& options);
 
 // Peer allocations this process holds open through cudaIpcOpenMemHandle, over all cuda_ipc
 // backends: each is opened once, shared by every peer connection naming it, and closed when the

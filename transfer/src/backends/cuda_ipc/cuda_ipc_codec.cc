@@ -5,7 +5,7 @@
 #include <cstring>
 #include <random>
 
-#include "backends/host_identity.h"
+#include "backends/common/host_identity.h"
 
 namespace kvt::transfer::cuda_ipc {
 namespace {

@@ -7,7 +7,7 @@
 #include <string>
 #include <utility>
 
-#include "backends/run_check.h"
+#include "backends/common/run_check.h"
 
 namespace kvt::transfer::cuda_ipc {
 namespace {

@@ -12,7 +12,7 @@
 #include <string>
 #include <unordered_map>
 
-#include "backends/run_check.h"
+#include "backends/common/run_check.h"
 #include "kvt/kernels/cuda_util.h"
 #include "kvt/kernels/kernels.h"
 
@@ -59,9 +59,9 @@ class Directory {
 
 class LoopbackBackend final : public Backend {
  public:
-  explicit LoopbackBackend(const BackendOptions& options)
-      : delay_(std::chrono::microseconds(options.loopback_delay_us)),
-        page_writes_(options.loopback_page_writes),
+  explicit LoopbackBackend(const LoopbackOptions& options)
+      : delay_(options.delay),
+        page_writes_(options.page_writes),
         self_(std::make_shared<Target>()) {
     address_ = Directory::Get().Add(self_);
   }
@@ -315,8 +315,12 @@ class LoopbackBackend final : public Backend {
 
 }  // namespace
 
-std::unique_ptr<Backend> CreateLoopbackBackend(const BackendOptions& options) {
-  return std::make_unique<LoopbackBackend>(options);
+StatusOr<std::unique_ptr<Backend>> CreateLoopbackBackend(const LoopbackOptions& options) {
+  if (options.delay.count() < 0) {
+    return InvalidArgument("loopback delay is " + std::to_string(options.delay.count()) +
+                           " us; give 0 (copy at post time) or more");
+  }
+  return std::unique_ptr<Backend>(std::make_unique<LoopbackBackend>(options));
 }
 
 }  // namespace kvt::transfer

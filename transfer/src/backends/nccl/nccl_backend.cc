@@ -10,11 +10,12 @@
 #include <random>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
+#include "backends/common/run_check.h"
 #include "backends/nccl/nccl_api.h"
 #include "backends/nccl/nccl_pair.h"
-#include "backends/run_check.h"
 #include "kvt/common/log.h"
 #include "kvt/kernels/cuda_util.h"
 
@@ -411,28 +412,34 @@ class NcclBackend final : public Backend {
 
 }  // namespace
 
-StatusOr<std::unique_ptr<Backend>> CreateNcclBackendWithTuning(const BackendOptions& options,
-                                                               const nccl::NcclTuning& tuning) {
+StatusOr<std::unique_ptr<Backend>> CreateNcclBackendWithTuning(const nccl::NcclTuning& tuning) {
   const kvt::cuda::DeviceCountResult devices = kvt::cuda::DeviceCount();
   if (devices.count == 0) {
     return Unavailable("nccl backend needs a CUDA device: " + devices.reason +
                        "; pick ucx or loopback for host pools");
   }
   if (tuning.slot_bytes < nccl::kMinSlotBytes || tuning.slot_bytes > nccl::kMaxSlotBytes) {
-    return InvalidArgument("nccl staging slots of " + std::to_string(tuning.slot_bytes) +
-                           " bytes; they must be in [" + std::to_string(nccl::kMinSlotBytes) +
-                           ", " + std::to_string(nccl::kMaxSlotBytes) + "]");
+    return InvalidArgument("nccl slot_bytes is " + std::to_string(tuning.slot_bytes) +
+                           "; staging slots must be in [" + std::to_string(nccl::kMinSlotBytes) +
+                           ", " + std::to_string(nccl::kMaxSlotBytes) + "] bytes");
+  }
+  for (const auto& [name, value] : {std::pair{"connect_timeout", tuning.connect_timeout},
+                                    std::pair{"stall_timeout", tuning.stall_timeout}}) {
+    if (value.count() < 1) {
+      return InvalidArgument(std::string("nccl ") + name + " is " + std::to_string(value.count()) +
+                             " ms; give at least 1 ms");
+    }
   }
   KVT_ASSIGN_OR_RETURN(const NcclApi* api, nccl::LoadNccl());
   return std::unique_ptr<Backend>(std::make_unique<NcclBackend>(*api, tuning));
 }
 
-StatusOr<std::unique_ptr<Backend>> CreateNcclBackend(const BackendOptions& options) {
+StatusOr<std::unique_ptr<Backend>> CreateNcclBackend(const NcclOptions& options) {
   nccl::NcclTuning tuning;
-  tuning.slot_bytes = options.nccl_slot_bytes;
-  tuning.connect_timeout = std::chrono::milliseconds(options.nccl_connect_timeout_ms);
-  tuning.stall_timeout = std::chrono::milliseconds(options.nccl_stall_timeout_ms);
-  return CreateNcclBackendWithTuning(options, tuning);
+  tuning.slot_bytes = options.slot_bytes;
+  tuning.connect_timeout = options.connect_timeout;
+  tuning.stall_timeout = options.stall_timeout;
+  return CreateNcclBackendWithTuning(tuning);
 }
 
 }  // namespace kvt::transfer

@@ -21,16 +21,16 @@
 #include "backends/nccl/nccl_protocol.h"
 #include "kvt/common/status.h"
 #include "kvt/transfer/backend.h"
-#include "kvt/transfer/backends.h"
+#include "kvt/transfer/backends/nccl_options.h"
 
 namespace kvt::transfer {
 
 // Unavailable (naming the reason) when this process has no usable CUDA device or NCCL cannot
-// be loaded.
-StatusOr<std::unique_ptr<Backend>> CreateNcclBackend(const BackendOptions& options);
+// be loaded; InvalidArgument naming the option, its value and the allowed range for options out
+// of range.
+StatusOr<std::unique_ptr<Backend>> CreateNcclBackend(const NcclOptions& options);
 
-// The same with explicit tunables (tests; later BackendOptions fields map onto them).
-StatusOr<std::unique_ptr<Backend>> CreateNcclBackendWithTuning(const BackendOptions& options,
-                                                               const nccl::NcclTuning& tuning);
+// The same with every tunable (tests; NcclOptions sets the public ones).
+StatusOr<std::unique_ptr<Backend>> CreateNcclBackendWithTuning(const nccl::NcclTuning& tuning);
 
 }  // namespace kvt::transfer

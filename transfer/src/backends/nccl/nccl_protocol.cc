@@ -5,7 +5,7 @@
 #include <cstring>
 #include <limits>
 
-#include "backends/host_identity.h"
+#include "backends/common/host_identity.h"
 
 namespace kvt::transfer::nccl {
 namespace {

@@ -22,10 +22,11 @@
 #include <unordered_map>
 #include <vector>
 
-#include "backends/run_check.h"
-#include "backends/stream_copy.h"
-#include "backends/ucx/ucx_staged.h"
-#include "backends/ucx/ucx_staging.h"
+#include "backends/common/run_check.h"
+#include "backends/common/stream_copy.h"
+#include "backends/ucx/ucx_staged_protocol.h"
+#include "backends/ucx/ucx_staged_transport.h"
+#include "backends/ucx/ucx_util.h"
 #include "kvt/common/log.h"
 #include "kvt/kernels/cuda_util.h"
 
@@ -54,8 +55,9 @@ std::string MemoryTypeNames(uint64_t mask) {
   return names.empty() ? "none" : names;
 }
 
-// ucx_copy_threads 0: half this machine's cores, at least 2, at most 8 (docs/transfer-bench.md:
-// 1 / 2 / 4 / 8 threads moved 4.9 / 11.0 / 16.1 / 31.1 GB/s of 32 KiB pages on a 16-core host).
+// UcxOptions::copy_threads 0: half this machine's cores, at least 2, at most 8
+// (docs/transfer-bench.md: 1 / 2 / 4 / 8 threads moved 4.9 / 11.0 / 16.1 / 31.1 GB/s of 32 KiB
+// pages on a 16-core host).
 int AutoCopyThreads() {
   const unsigned cores = std::thread::hardware_concurrency();
   return static_cast<int>(std::clamp<unsigned>(cores / 2, 2, 8));
@@ -96,15 +98,15 @@ class UcxBackend final : public Backend {
   };
 
  public:
-  UcxBackend(const BackendOptions& options, const UcxTestHooks& hooks)
-      : spin_(std::chrono::microseconds(options.ucx_spin_us)),
-        direct_shm_(options.ucx_direct_shm),
-        direct_inline_bytes_(options.ucx_direct_inline_bytes),
-        copy_threads_(options.ucx_copy_threads == 0 ? AutoCopyThreads() : options.ucx_copy_threads),
-        transports_(options.ucx_transports),
-        cuda_mode_(options.ucx_cuda_mode),
-        staging_slots_(options.ucx_staging_slots),
-        staging_slot_bytes_(options.ucx_staging_slot_bytes),
+  UcxBackend(const UcxOptions& options, const UcxTestHooks& hooks)
+      : spin_(options.spin),
+        direct_shm_(options.direct_shm),
+        direct_inline_bytes_(options.direct_inline_bytes),
+        copy_threads_(options.copy_threads == 0 ? AutoCopyThreads() : options.copy_threads),
+        transports_(options.transports),
+        cuda_mode_(options.cuda_mode),
+        staging_slots_(options.staging_slots),
+        staging_slot_bytes_(options.staging_slot_bytes),
         hooks_(hooks),
         instance_(NewInstanceId()) {}
 
@@ -145,18 +147,8 @@ class UcxBackend final : public Backend {
     if (context_ != nullptr) ucp_cleanup(context_);
   }
 
-  Status Init(const BackendOptions& options) {
-    if (copy_threads_ < 1 || copy_threads_ > kMaxCopyThreads) {
-      return InvalidArgument("ucx_copy_threads is " + std::to_string(copy_threads_) + "; use 1.." +
-                             std::to_string(kMaxCopyThreads) +
-                             " (threads copying a large write into a peer's mapped buffers), or "
-                             "0 for half the cores (2..8)");
-    }
-    if (cuda_mode_ != "auto" && cuda_mode_ != "staged" && cuda_mode_ != "direct") {
-      return InvalidArgument("ucx_cuda_mode is '" + cuda_mode_ +
-                             "'; use 'auto', 'staged' or 'direct'");
-    }
-    KVT_ASSIGN_OR_RETURN(ucp_config_t * config, ReadUcpConfig(options.ucx_transports));
+  Status Init() {
+    KVT_ASSIGN_OR_RETURN(ucp_config_t * config, ReadUcpConfig(transports_));
     ucp_params_t params = {};
     params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
     // RMA only: the staged path's active messages run on a context of their own
@@ -166,8 +158,8 @@ class UcxBackend final : public Backend {
     params.mt_workers_shared = 0;
     ucs_status_t st = ucp_init(&params, config, &context_);
     ucp_config_release(config);
-    if (st != UCS_OK && !options.ucx_transports.empty()) {
-      return UcsStatus(st, "ucp_init with transports '" + options.ucx_transports + "'")
+    if (st != UCS_OK && !transports_.empty()) {
+      return UcsStatus(st, "ucp_init with transports '" + transports_ + "'")
           .WithContext("check the transport list against `ucx_info -d`");
     }
     KVT_RETURN_IF_ERROR(UcsStatus(st, "ucp_init"));
@@ -181,7 +173,7 @@ class UcxBackend final : public Backend {
     if (!logged.exchange(true)) {
       KVT_LOG_INFO("ucx", "UCX {} handles memory types: {}; CUDA pools {}", UcxVersion(),
                    MemoryTypeNames(memory_types_),
-                   UcxHandlesCuda() ? "are registered directly (ucx_cuda_mode auto)"
+                   UcxHandlesCuda() ? "are registered directly (ucx cuda_mode auto)"
                                     : "are staged through pinned host bounce buffers");
     } else {
       KVT_LOG_DEBUG("ucx", "UCX {} handles memory types: {}", UcxVersion(),
@@ -315,7 +307,7 @@ class UcxBackend final : public Backend {
                                   : "the peer registered its buffers for direct UCX writes") +
           " but this side " +
           (local_staged ? "stages its CUDA pool" : "registered its buffers for direct writes") +
-          "; both sides must do the same: register CUDA pools with ucx_cuda_mode 'staged' on "
+          "; both sides must do the same: register CUDA pools with ucx cuda_mode 'staged' on "
           "both (or 'auto' where UCX " +
           UcxVersion() + " has no CUDA support)");
     }
@@ -479,7 +471,7 @@ class UcxBackend final : public Backend {
     if (!staged_.load(std::memory_order_acquire)) {
       return Unimplemented(
           "ucx takes page writes only for CUDA pools it stages through bounce buffers "
-          "(ucx_cuda_mode 'staged', or 'auto' on a UCX without CUDA support); this registration "
+          "(ucx cuda_mode 'staged', or 'auto' on a UCX without CUDA support); this registration "
           "takes copy runs (PostWrite)");
     }
     auto it = peers_.find(id);
@@ -932,18 +924,18 @@ class UcxBackend final : public Backend {
       }
     }
     if (!any_cuda) return hooks_.stage_host_memory && !regions.empty();
-    if (cuda_mode_ == "direct") {
+    if (cuda_mode_ == UcxCudaMode::kDirect) {
       if (!UcxHandlesCuda()) {
         return FailedPrecondition(
-            "ucx_cuda_mode 'direct' registers CUDA memory with UCX, but UCX " +
+            "ucx cuda_mode 'direct' registers CUDA memory with UCX, but UCX " +
             std::string(UcxVersion()) +
             " handles only these memory types: " + MemoryTypeNames(memory_types_) +
-            "; use ucx_cuda_mode 'auto' or 'staged' (pinned host bounce buffers), or a UCX "
+            "; use ucx cuda_mode 'auto' or 'staged' (pinned host bounce buffers), or a UCX "
             "built with CUDA support");
       }
       return false;
     }
-    if (cuda_mode_ == "auto" && UcxHandlesCuda()) return false;
+    if (cuda_mode_ == UcxCudaMode::kAuto && UcxHandlesCuda()) return false;
     if (host_buffer != regions.size()) {
       return InvalidArgument("staging needs every buffer in CUDA memory, but buffer " +
                              std::to_string(host_buffer) + " is host memory");
@@ -1093,7 +1085,7 @@ class UcxBackend final : public Backend {
   const size_t direct_inline_bytes_;
   const int copy_threads_;
   const std::string transports_;
-  const std::string cuda_mode_;
+  const UcxCudaMode cuda_mode_;
   const int staging_slots_;
   const size_t staging_slot_bytes_;
   const UcxTestHooks hooks_;
@@ -1146,14 +1138,70 @@ class UcxBackend final : public Backend {
 
 const char* UcxVersion() { return ucp_get_version_string(); }
 
-StatusOr<std::unique_ptr<Backend>> CreateUcxBackend(const BackendOptions& options) {
+std::string_view UcxCudaModeName(UcxCudaMode mode) {
+  switch (mode) {
+    case UcxCudaMode::kAuto:
+      return "auto";
+    case UcxCudaMode::kStaged:
+      return "staged";
+    case UcxCudaMode::kDirect:
+      return "direct";
+  }
+  return "unknown";
+}
+
+StatusOr<UcxCudaMode> ParseUcxCudaMode(std::string_view name) {
+  for (UcxCudaMode mode : {UcxCudaMode::kAuto, UcxCudaMode::kStaged, UcxCudaMode::kDirect}) {
+    if (name == UcxCudaModeName(mode)) return mode;
+  }
+  return InvalidArgument("ucx cuda_mode is '" + std::string(name) +
+                         "'; use 'auto', 'staged' or 'direct'");
+}
+
+namespace {
+
+Status ValidateUcxOptions(const UcxOptions& options) {
+  if (options.spin < std::chrono::microseconds(0) || options.spin > std::chrono::seconds(1)) {
+    return InvalidArgument("ucx spin is " + std::to_string(options.spin.count()) +
+                           " us; use 0..1000000 us (how long the progress thread spins before "
+                           "it sleeps)");
+  }
+  if (options.copy_threads < 0 || options.copy_threads > kMaxCopyThreads) {
+    return InvalidArgument("ucx copy_threads is " + std::to_string(options.copy_threads) +
+                           "; use 1.." + std::to_string(kMaxCopyThreads) +
+                           " (threads copying a large write into a peer's mapped buffers), or "
+                           "0 for half the cores (2..8)");
+  }
+  const std::string_view mode = UcxCudaModeName(options.cuda_mode);
+  if (mode == "unknown") {
+    return InvalidArgument("ucx cuda_mode is " +
+                           std::to_string(static_cast<int>(options.cuda_mode)) +
+                           "; use UcxCudaMode::kAuto, kStaged or kDirect");
+  }
+  if (options.staging_slots < 1 || options.staging_slots > 4096) {
+    return InvalidArgument("ucx staging_slots is " + std::to_string(options.staging_slots) +
+                           "; give 1 to 4096 bounce slots");
+  }
+  if (options.staging_slot_bytes < ucx_staging::kMinSlotBytes ||
+      options.staging_slot_bytes > (uint64_t{1} << 32)) {
+    return InvalidArgument("ucx staging_slot_bytes is " +
+                           std::to_string(options.staging_slot_bytes) + "; give " +
+                           std::to_string(ucx_staging::kMinSlotBytes) + " bytes to 4 GiB");
+  }
+  return OkStatus();
+}
+
+}  // namespace
+
+StatusOr<std::unique_ptr<Backend>> CreateUcxBackend(const UcxOptions& options) {
   return CreateUcxBackendForTest(options, UcxTestHooks{});
 }
 
-StatusOr<std::unique_ptr<Backend>> CreateUcxBackendForTest(const BackendOptions& options,
+StatusOr<std::unique_ptr<Backend>> CreateUcxBackendForTest(const UcxOptions& options,
                                                            const UcxTestHooks& hooks) {
+  KVT_RETURN_IF_ERROR(ValidateUcxOptions(options));
   auto backend = std::make_unique<UcxBackend>(options, hooks);
-  KVT_RETURN_IF_ERROR(backend->Init(options).WithContext("starting the UCX backend"));
+  KVT_RETURN_IF_ERROR(backend->Init().WithContext("starting the UCX backend"));
   return std::unique_ptr<Backend>(std::move(backend));
 }
 

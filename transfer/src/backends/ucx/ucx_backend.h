@@ -4,22 +4,24 @@
 
 #include "kvt/common/status.h"
 #include "kvt/transfer/backend.h"
-#include "kvt/transfer/backends.h"
+#include "kvt/transfer/backends/ucx_options.h"
 
 namespace kvt::transfer {
 
 // UCX backend: one UCP context and worker, a progress thread, pool buffers registered once with
 // ucp_mem_map, rkeys in the descriptor, ucp_put_nbx per run and an endpoint flush before a
-// write counts as complete; writes above BackendOptions::ucx_direct_inline_bytes are posted by
+// write counts as complete; writes above UcxOptions::direct_inline_bytes are posted by
 // the backend's poster thread in batches (the caller never sends a large write itself). When UCX
 // maps a peer's buffers into this process (shared memory, ucp_rkey_ptr), writes are plain copies
 // instead: small ones on the posting thread, larger ones on the backend's copy threads
-// (BackendOptions::ucx_copy_threads). Flush and copy completions call the completion notifier.
+// (UcxOptions::copy_threads). Flush and copy completions call the completion notifier.
 //
 // CUDA pools: registered directly when this UCX handles CUDA memory (ucp_context_query memory
-// types; ucx_cuda_mode "auto" or "direct"); otherwise ("auto" or "staged") staged through pinned
-// host bounce buffers by the gather/scatter kernels (ucx_staged.h), taking page writes.
-StatusOr<std::unique_ptr<Backend>> CreateUcxBackend(const BackendOptions& options);
+// types; UcxOptions::cuda_mode auto or direct); otherwise ("auto" or "staged") staged through
+// pinned host bounce buffers by the gather/scatter kernels (ucx_staged_transport.h), taking page
+// writes. InvalidArgument naming the option, its value and the allowed range for options out of
+// range.
+StatusOr<std::unique_ptr<Backend>> CreateUcxBackend(const UcxOptions& options);
 
 // Internal knobs for tests of the staged protocol on machines without a GPU.
 struct UcxTestHooks {
@@ -31,8 +33,8 @@ struct UcxTestHooks {
   // Direct copies (peers mapped into this process) start only this long after the copy thread
   // took them, so that tests can release or disconnect with a copy in flight.
   int direct_copy_delay_us = 0;
-  // Network writes above ucx_direct_inline_bytes start being posted only this long after the
-  // poster thread took them, so that tests can release or disconnect before any of it is sent.
+  // Network writes above UcxOptions::direct_inline_bytes start being posted only this long after
+  // the poster thread took them, so that tests can release or disconnect before any of it is sent.
   int post_delay_us = 0;
   // The poster pauses this long after each batch of a write (1 MiB of puts) but its last, so
   // that tests can cancel a write part-way.
@@ -41,7 +43,7 @@ struct UcxTestHooks {
   // runs into pieces on small buffers.
   int post_batch_bytes = 0;
 };
-StatusOr<std::unique_ptr<Backend>> CreateUcxBackendForTest(const BackendOptions& options,
+StatusOr<std::unique_ptr<Backend>> CreateUcxBackendForTest(const UcxOptions& options,
                                                            const UcxTestHooks& hooks);
 
 // The UCX library version string, e.g. "1.13.1".

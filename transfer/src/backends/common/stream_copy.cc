@@ -1,4 +1,4 @@
-#include "backends/stream_copy.h"
+#include "backends/common/stream_copy.h"
 
 #include <algorithm>
 #include <cstring>

@@ -17,7 +17,7 @@
 #include <span>
 #include <string_view>
 
-#include "backends/ucx/ucx_staging.h"
+#include "backends/ucx/ucx_staged_protocol.h"
 #include "kvt/common/status.h"
 #include "kvt/kernels/cuda_util.h"
 #include "kvt/transfer/backend.h"

@@ -4,7 +4,8 @@
 //  - Each side that registered a staged pool owns `slots` send slots and `slots` receive slots of
 //    `slot_bytes` host memory (ucp_mem_map ALLOCATE, so UCX's shared-memory transports reach it,
 //    page-locked with cudaHostRegister for fast DMA).
-//  - A sender cuts a page write into chunks (ucx_staging.h), packs each into a free send slot
+//  - A sender cuts a page write into chunks (ucx_staged_protocol.h), packs each into a free send
+//  slot
 //    with the gather kernel (straight into the mapped slot, after the write's `ready` event),
 //    and when the pack is done sends it as one rendezvous active message whose header names the
 //    chunk. It never has more chunks outstanding at a receiver than the receiver has slots
@@ -45,23 +46,13 @@
 #include <unordered_set>
 #include <vector>
 
-#include "backends/ucx/ucx_staging.h"
-#include "backends/ucx/ucx_staging_copier.h"
+#include "backends/ucx/ucx_staged_copier.h"
+#include "backends/ucx/ucx_staged_protocol.h"
 #include "kvt/common/status.h"
 #include "kvt/kernels/cuda_util.h"
 #include "kvt/transfer/backend.h"
 
 namespace kvt::transfer {
-
-// Status for a UCX status code, "<what>: <ucs_status_string>", with kvt's retry meaning.
-Status UcsStatus(ucs_status_t status, const std::string& what);
-
-// UCX's configuration from the environment, with `transports` (UCX_TLS syntax; empty: UCX's
-// choice) and kvt's tcp tuning (64 KiB send / 256 KiB receive segments, 4 MiB socket buffers,
-// where the environment does not set them). The caller releases it (ucp_config_release).
-// InvalidArgument for a transport list UCX refuses.
-StatusOr<ucp_config_t*> ReadUcpConfig(const std::string& transports);
-
 namespace ucx_staging {
 
 struct StagingOptions {

@@ -1,4 +1,4 @@
-#include "backends/ucx/ucx_staging.h"
+#include "backends/ucx/ucx_staged_protocol.h"
 
 #include <algorithm>
 #include <bit>
@@ -123,7 +123,7 @@ StatusOr<ChunkPlan> PlanChunks(int32_t layer_begin, int32_t layer_end, int64_t n
     return InvalidArgument("a staging slot of " + std::to_string(slot_bytes) +
                            " bytes cannot hold one page of one " + "layer's K and V (" +
                            std::to_string(PayloadBytes(1, 1, units)) +
-                           " bytes with the chunk header); raise ucx_staging_slot_bytes");
+                           " bytes with the chunk header); raise ucx staging_slot_bytes");
   }
   ChunkPlan plan;
   plan.layer_begin = layer_begin;

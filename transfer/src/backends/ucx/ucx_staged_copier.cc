@@ -1,4 +1,4 @@
-#include "backends/ucx/ucx_staging_copier.h"
+#include "backends/ucx/ucx_staged_copier.h"
 
 #include <cstring>
 #include <string>

@@ -1,4 +1,4 @@
-#include "backends/host_identity.h"
+#include "backends/common/host_identity.h"
 
 #include <unistd.h>
 

@@ -1,4 +1,4 @@
-#include "backends/run_check.h"
+#include "backends/common/run_check.h"
 
 #include <string>
 

@@ -2,8 +2,6 @@
 // plan, wire format, credits, descriptor trailer), the mode choice on this UCX, and the whole
 // staged protocol over real UCX transports with host pools copied by the CPU reference kernels
 // (UcxTestHooks), which exercises everything but the CUDA copier.
-#include "backends/ucx/ucx_staging.h"
-
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -18,6 +16,7 @@
 
 #include "backend_test_util.h"
 #include "backends/ucx/ucx_backend.h"
+#include "backends/ucx/ucx_staged_protocol.h"
 #include "kvt/kernels/cuda_util.h"
 #include "kvt/transfer/backend.h"
 #include "kvt/transfer/backends.h"
@@ -105,7 +104,7 @@ TEST(StagingPlan, RefusesASlotTooSmallForOnePageAndMalformedWrites) {
   auto small = PlanChunks(0, 2, 4, whole, 1 << 20);
   ASSERT_FALSE(small.ok());
   EXPECT_EQ(small.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(small.status().message().find("ucx_staging_slot_bytes"), std::string::npos);
+  EXPECT_NE(small.status().message().find("ucx staging_slot_bytes"), std::string::npos);
 
   EXPECT_EQ(PlanChunks(2, 2, 4, whole, 8 << 20).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(PlanChunks(0, 1, 4, {}, 8 << 20).status().code(), StatusCode::kInvalidArgument);
@@ -343,9 +342,7 @@ std::vector<LocalRegion> FakeCudaRegions(int layers) {
 }
 
 TEST(UcxCudaMode, DirectModeWithoutCudaSupportIsAFailedPreconditionNamingTheBuild) {
-  BackendOptions options;
-  options.ucx_cuda_mode = "direct";
-  auto backend = CreateBackend("ucx", options);
+  auto backend = CreateBackend(UcxOptions{.cuda_mode = UcxCudaMode::kDirect});
   ASSERT_TRUE(backend.ok()) << backend.status();
   if ((*backend)->Capabilities().cuda_memory) GTEST_SKIP() << "this UCX handles CUDA memory";
   auto regions = FakeCudaRegions(2);
@@ -361,15 +358,13 @@ TEST(UcxCudaMode, DirectModeWithoutCudaSupportIsAFailedPreconditionNamingTheBuil
 
 TEST(UcxCudaMode, StagedRegisterWithoutADeviceIsUnavailable) {
   if (cuda::HasDevice()) GTEST_SKIP() << "a CUDA device is present; the GPU test covers staging";
-  for (const char* mode : {"staged", "auto"}) {
-    BackendOptions options;
-    options.ucx_cuda_mode = mode;
-    auto backend = CreateBackend("ucx", options);
+  for (UcxCudaMode mode : {UcxCudaMode::kStaged, UcxCudaMode::kAuto}) {
+    auto backend = CreateBackend(UcxOptions{.cuda_mode = mode});
     ASSERT_TRUE(backend.ok()) << backend.status();
-    if (std::string(mode) == "auto" && (*backend)->Capabilities().cuda_memory) continue;
+    if (mode == UcxCudaMode::kAuto && (*backend)->Capabilities().cuda_memory) continue;
     auto regions = FakeCudaRegions(2);
     auto registered = (*backend)->Register(regions);
-    ASSERT_FALSE(registered.ok()) << mode;
+    ASSERT_FALSE(registered.ok()) << UcxCudaModeName(mode);
     EXPECT_EQ(registered.status().code(), StatusCode::kUnavailable) << registered.status();
     EXPECT_NE(registered.status().message().find("CUDA device"), std::string::npos)
         << registered.status();
@@ -379,15 +374,16 @@ TEST(UcxCudaMode, StagedRegisterWithoutADeviceIsUnavailable) {
 }
 
 TEST(UcxCudaMode, UnknownModeAndMixedMemoryAreRefused) {
-  BackendOptions options;
-  options.ucx_cuda_mode = "sometimes";
-  auto bad = CreateBackend("ucx", options);
+  auto bad = ParseUcxCudaMode("sometimes");
   ASSERT_FALSE(bad.ok());
   EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("'sometimes'"), std::string::npos);
   EXPECT_NE(bad.status().message().find("'auto', 'staged' or 'direct'"), std::string::npos);
+  for (UcxCudaMode mode : {UcxCudaMode::kAuto, UcxCudaMode::kStaged, UcxCudaMode::kDirect}) {
+    EXPECT_EQ(*ParseUcxCudaMode(UcxCudaModeName(mode)), mode);
+  }
 
-  options.ucx_cuda_mode = "staged";
-  auto backend = CreateBackend("ucx", options);
+  auto backend = CreateBackend(UcxOptions{.cuda_mode = UcxCudaMode::kStaged});
   ASSERT_TRUE(backend.ok()) << backend.status();
   auto regions = FakeCudaRegions(1);
   std::vector<uint8_t> host(1 << 20);
@@ -452,12 +448,12 @@ constexpr uint64_t kItem = 1024;
 // Parameter: UCX transports ("" = UCX's choice).
 class StagedHostProtocol : public ::testing::TestWithParam<std::string> {
  protected:
-  BackendOptions Options(int slots, size_t slot_bytes) const {
-    BackendOptions options;
-    options.ucx_transports = GetParam();
-    options.ucx_cuda_mode = "staged";
-    options.ucx_staging_slots = slots;
-    options.ucx_staging_slot_bytes = slot_bytes;
+  UcxOptions Options(int slots, size_t slot_bytes) const {
+    UcxOptions options;
+    options.transports = GetParam();
+    options.cuda_mode = UcxCudaMode::kStaged;
+    options.staging_slots = slots;
+    options.staging_slot_bytes = slot_bytes;
     return options;
   }
 
@@ -615,7 +611,7 @@ TEST_P(StagedHostProtocol, RefusesCopyRunsBadPagesAndMismatchedPeers) {
 
   // A host-registered backend (puts) and a staged one do not connect, in either direction.
   HostPool plain(kLayers, kPages, kItem, 0);
-  auto host = CreateBackend("ucx", Options(2, 8192));
+  auto host = CreateBackend(Options(2, 8192));
   ASSERT_TRUE(host.ok()) << host.status();
   auto regions = plain.Regions();
   auto host_descriptor = (*host)->Register(regions);

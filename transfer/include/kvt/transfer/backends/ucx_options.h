@@ -1,0 +1,58 @@
+// Options of the ucx backend (UCX RMA puts within and across hosts; CUDA pools registered
+// directly when the UCX build handles CUDA memory, else staged through pinned bounce buffers).
+//
+// Plain values; CreateBackend (backends.h) validates them and names the option, the value and
+// the allowed range of any it refuses.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <string>
+#include <string_view>
+
+#include "kvt/common/status.h"
+
+namespace kvt::transfer {
+
+// How the ucx backend moves CUDA pools.
+enum class UcxCudaMode {
+  // Registers device memory directly when the UCX build handles CUDA memory, stages otherwise.
+  kAuto,
+  // Always stages through pinned host bounce buffers (the gather/scatter kernels).
+  kStaged,
+  // Refuses CUDA pools unless UCX handles CUDA memory.
+  kDirect,
+};
+
+// "auto", "staged", "direct".
+std::string_view UcxCudaModeName(UcxCudaMode mode);
+// The mode a name spells; InvalidArgument naming the allowed names otherwise.
+StatusOr<UcxCudaMode> ParseUcxCudaMode(std::string_view name);
+
+struct UcxOptions {
+  // UCX transports to allow (UCX_TLS syntax, e.g. "shm,self" or "tcp"); empty = UCX's default
+  // choice (or the UCX_TLS environment variable when set).
+  std::string transports;
+  // The progress thread spins this long without work before it sleeps on the worker's event fd;
+  // longer spins trade a CPU core for lower latency. 0..1 s.
+  std::chrono::microseconds spin{200};
+  // When UCX maps a peer's buffers into this process (shared memory on the same host,
+  // ucp_rkey_ptr), write them with plain copies instead of one UCX put per run.
+  bool direct_shm = true;
+  // Writes of at most this many bytes are copied (peer mapped here) or posted as UCX puts
+  // (network) on the posting thread; larger ones on the backend's copy threads or its poster
+  // thread, so that posting (often the control plane's thread, or the model's in LayersReady)
+  // never waits for a bulk copy or send.
+  size_t direct_inline_bytes = size_t{256} << 10;
+  // Direct copies: threads that copy a large write, each a slice of its runs (1..64, or 0 for
+  // half the machine's cores, at least 2 and at most 8; a write gets at most one slice per MiB).
+  int copy_threads = 0;
+  // CUDA pools: see UcxCudaMode.
+  UcxCudaMode cuda_mode = UcxCudaMode::kAuto;
+  // Staging: bounce slots per side (1..4096) and bytes per slot (4 KiB..4 GiB); memory is
+  // bounded by both, and a sender holds a credit per receiver slot.
+  int staging_slots = 8;
+  size_t staging_slot_bytes = size_t{4} << 20;
+};
+
+}  // namespace kvt::transfer
