@@ -94,6 +94,7 @@ StatusOr<PeerDescriptor> DescriptorFromPeerInfo(const v1::PeerInfo& info,
 Status CheckCompatible(const v1::Layout& ours, const v1::Layout& theirs, std::string_view our_role,
                        std::string_view their_role) {
   std::string diffs;
+  std::string rank_mismatch;
   auto compare = [&](const char* field, uint64_t a, uint64_t b) {
     if (a == b) return;
     diffs += std::string(diffs.empty() ? "" : "; ") + field + " " + std::string(our_role) + "=" +
@@ -109,15 +110,29 @@ Status CheckCompatible(const v1::Layout& ours, const v1::Layout& theirs, std::st
   compare("head_dim", ours.head_dim(), theirs.head_dim());
   if (ours.tp_size() == theirs.tp_size()) {
     compare("head_num", ours.head_num(), theirs.head_num());
+    if (ours.tp_rank() != theirs.tp_rank()) {
+      // Same TP size: each rank holds its own shard of the heads, so only equal ranks move
+      // pages into each other; any other pairing would deliver another rank's shard.
+      const bool we_decode = our_role == "decode";
+      const v1::Layout& decode = we_decode ? ours : theirs;
+      const v1::Layout& prefill = we_decode ? theirs : ours;
+      rank_mismatch = "tp rank mismatch: decode tp_rank=" + std::to_string(decode.tp_rank()) +
+                      " of tp_size=" + std::to_string(decode.tp_size()) +
+                      ", prefill tp_rank=" + std::to_string(prefill.tp_rank()) +
+                      " of tp_size=" + std::to_string(prefill.tp_size()) +
+                      "; decode rank r pairs with prefill rank r when the TP sizes match";
+    }
   } else {
     diffs += std::string(diffs.empty() ? "" : "; ") + "tp_size " + std::string(our_role) + "=" +
              std::to_string(ours.tp_size()) + " " + std::string(their_role) + "=" +
              std::to_string(theirs.tp_size()) +
              " (transfers between different TP sizes are not implemented yet)";
   }
-  if (diffs.empty()) return OkStatus();
+  if (diffs.empty() && rank_mismatch.empty()) return OkStatus();
+  if (diffs.empty()) return FailedPrecondition(rank_mismatch);
   return FailedPrecondition("layout mismatch: " + diffs +
-                            "; both agents must serve the same model shard layout");
+                            "; both agents must serve the same model shard layout" +
+                            (rank_mismatch.empty() ? "" : "; " + rank_mismatch));
 }
 
 }  // namespace kvt::transfer

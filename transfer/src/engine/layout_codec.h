@@ -24,6 +24,8 @@ StatusOr<PeerDescriptor> DescriptorFromPeerInfo(const v1::PeerInfo& info, std::s
 
 // OK when pages can move between the two layouts; FailedPrecondition naming every field that
 // differs with both values otherwise, e.g. "layout mismatch: page_size prefill=16 decode=32".
+// With equal TP sizes the ranks must be equal too (decode rank r holds the shard of prefill
+// rank r); a pair of other ranks is refused naming both ranks and sizes.
 Status CheckCompatible(const v1::Layout& ours, const v1::Layout& theirs, std::string_view our_role,
                        std::string_view their_role);
 

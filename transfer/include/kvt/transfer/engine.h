@@ -19,9 +19,16 @@
 // reports pages_reusable = false while a write into its pages may still land (the prefill side
 // has not confirmed it quiesced its writes and is not known dead).
 //
-// Thread safety: every public method may be called from any thread. Internally one mutex guards
-// the request table; a poller thread drives completions and deadlines; control-plane threads
-// deliver messages.
+// A prefill engine that shuts down first fails its rooms and quiesces their writes, then tells
+// the decode side (which may then reuse the pages), and only then closes its connections. A
+// decode side that loses a prefill peer without being told keeps the failed rooms' pages
+// quarantined until the peer's process is known to be gone.
+//
+// Thread safety: every public method may be called from any thread and never blocks on another
+// peer's trouble. Internally one mutex guards the request table and is never held across
+// blocking work (backend teardown, waiting for writes, CUDA synchronisation); a poller thread
+// drives completions and deadlines; control-plane threads deliver messages; one liveness worker
+// looks after lost peers.
 #pragma once
 
 #include <chrono>
@@ -100,6 +107,8 @@ struct EngineOptions {
   // Used when a request gives none; also bounds how long a prefill-side Send waits for the
   // decode side's request.
   std::chrono::milliseconds default_deadline{30000};
+  // How long ConnectPeer waits for the prefill engine's answer to its hello.
+  std::chrono::milliseconds hello_timeout{10000};
   // Final requests are forgotten this long after they ended (Forget removes them at once).
   std::chrono::milliseconds retention{120000};
   // Control connections send a heartbeat this often and are declared lost after peer_timeout
@@ -158,8 +167,12 @@ class TransferEngine {
 
   // ---- prefill side ---------------------------------------------------------------------------
   // Declares the room's source pages (token order). The transfer starts when the decode
-  // side's request for the room is known too.
-  Status Send(const std::string& room, std::vector<int32_t> src_pages);
+  // side's request for the room is known too. The room fails with DeadlineExceeded (and the
+  // caller may free its pages) when it is not done within `deadline` (0: the default deadline),
+  // or within the decode side's deadline when that one ends earlier; a room whose decode request
+  // never comes thus ends too.
+  Status Send(const std::string& room, std::vector<int32_t> src_pages,
+              std::chrono::milliseconds deadline = std::chrono::milliseconds(0));
   // Layers [0, layers_done) of the room are written in the pool; their pages may go out.
   // Monotone; values beyond the layer count are clamped.
   // CUDA pools: `ready` is an event the producer recorded on its compute stream after writing

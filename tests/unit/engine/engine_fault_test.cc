@@ -1,0 +1,335 @@
+// The engine under faults and concurrency, inside one process over the loopback backend: a
+// prefill engine shutting down mid-transfer, a slow peer teardown, concurrent connects, failed
+// sends, orphaned rooms and lost peers. Each case guards a defect that lost or corrupted data,
+// or stalled unrelated requests.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <future>
+#include <thread>
+#include <vector>
+
+#include "engine_test_util.h"
+#include "kvt/transfer/backends.h"
+#include "kvt/transfer/engine.h"
+
+namespace kvt::transfer {
+namespace {
+
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+using testing::Fill;
+using testing::MakePool;
+using testing::Mismatches;
+using testing::SmallPoolOptions;
+
+std::shared_ptr<Backend> Loopback(LoopbackOptions options) {
+  auto backend = CreateBackend(BackendConfig(std::move(options)));
+  EXPECT_TRUE(backend.ok()) << backend.status();
+  return backend.ok() ? std::shared_ptr<Backend>(std::move(backend).value()) : nullptr;
+}
+
+EngineOptions Options(const std::string& name, bool prefill) {
+  EngineOptions o;
+  o.name = name;
+  o.prefill = prefill;
+  o.default_deadline = 10s;
+  return o;
+}
+
+// Bytes of every K and V page of `pages` in the pool, in order.
+std::vector<uint8_t> Snapshot(const pool::KvPool& pool, const std::vector<int32_t>& pages) {
+  auto infos = pool.GetContiguousBufInfos();
+  std::vector<uint8_t> out;
+  for (size_t b = 0; b < infos->data_ptrs.size(); ++b) {
+    const auto item = static_cast<size_t>(infos->item_lens[b]);
+    for (int32_t p : pages) {
+      const auto* src = reinterpret_cast<const uint8_t*>(infos->data_ptrs[b]) + p * item;
+      out.insert(out.end(), src, src + item);
+    }
+  }
+  return out;
+}
+
+size_t ThreadCount() {
+  size_t n = 0;
+  for ([[maybe_unused]] const auto& entry :
+       std::filesystem::directory_iterator("/proc/self/task")) {
+    ++n;
+  }
+  return n;
+}
+
+// A prefill engine destroyed while its writes are in flight: the decode side may reuse the pages
+// only once no byte of them can land any more. The loopback backend here models a network card
+// that already took the data: a released write still lands (after its delay). The decode side
+// must not hear "reusable" (nor see the port close) before that.
+TEST(EngineFaultTest, PrefillShutdownQuiescesWritesBeforePagesAreReusable) {
+  auto src_pool = MakePool(SmallPoolOptions());
+  auto dst_pool = MakePool(SmallPoolOptions());
+  LoopbackOptions slow;
+  slow.delay = 400ms;
+  slow.release_completes_in_flight = true;
+  auto prefill = TransferEngine::Create(Options("prefill-0", true), src_pool.get(), Loopback(slow));
+  ASSERT_TRUE(prefill.ok()) << prefill.status();
+  auto decode = TransferEngine::Create(Options("decode-0", false), dst_pool.get(), Loopback({}));
+  ASSERT_TRUE(decode.ok()) << decode.status();
+  auto peer = (*decode)->ConnectPeer("127.0.0.1", (*prefill)->port());
+  ASSERT_TRUE(peer.ok()) << peer.status();
+
+  const std::vector<int32_t> src = {3, 4, 5, 9}, dst = {10, 11, 12, 40};
+  Fill(*src_pool, 77, src);
+  ASSERT_TRUE((*decode)->Receive("room-1", *peer, dst).ok());
+  ASSERT_TRUE((*prefill)->Send("room-1", src).ok());
+  ASSERT_TRUE((*prefill)->LayersReady("room-1", 4).ok());
+  // The write is posted (and will take 400 ms to land).
+  for (auto until = Clock::now() + 2s; Clock::now() < until;) {
+    auto info = (*prefill)->GetRequest("room-1");
+    if (info.ok() && info->state == RequestState::kTransferring) break;
+    std::this_thread::sleep_for(1ms);
+  }
+  ASSERT_EQ((*prefill)->GetRequest("room-1")->state, RequestState::kTransferring);
+
+  std::thread shutdown([&] { prefill->reset(); });
+  // Watch the decode room: once it says the pages are reusable, they must not change any more.
+  std::vector<uint8_t> at_reusable;
+  bool reusable = false;
+  for (auto until = Clock::now() + 5s; Clock::now() < until && !reusable;) {
+    auto info = (*decode)->GetRequest("room-1");
+    ASSERT_TRUE(info.ok()) << info.status();
+    if (info->pages_reusable) {
+      at_reusable = Snapshot(*dst_pool, dst);
+      reusable = true;
+      EXPECT_TRUE(IsFinal(info->state));
+    }
+  }
+  shutdown.join();
+  ASSERT_TRUE(reusable) << "the decode room never became reusable after the prefill shut down";
+  std::this_thread::sleep_for(600ms);  // past the write's delay
+  EXPECT_EQ(Snapshot(*dst_pool, dst), at_reusable)
+      << "bytes landed in the decode pages after they were reported reusable";
+  auto info = (*decode)->GetRequest("room-1");
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->state, RequestState::kFailed);
+  EXPECT_EQ(info->status.code(), StatusCode::kUnavailable) << info->status;
+}
+
+// One decode peer's backend teardown blocks for 2 s: another peer's requests still complete and
+// the engine answers queries at once meanwhile.
+TEST(EngineFaultTest, SlowPeerTeardownDoesNotStallOtherPeers) {
+  auto src_pool = MakePool(SmallPoolOptions());
+  auto dst_a = MakePool(SmallPoolOptions());
+  auto dst_b = MakePool(SmallPoolOptions());
+  std::atomic<bool> in_teardown{false};
+  LoopbackOptions hooked;
+  hooked.before_disconnect = [&](uint64_t) {
+    in_teardown = true;
+    std::this_thread::sleep_for(2s);
+  };
+  auto prefill =
+      TransferEngine::Create(Options("prefill-0", true), src_pool.get(), Loopback(hooked));
+  ASSERT_TRUE(prefill.ok()) << prefill.status();
+  auto decode_a = TransferEngine::Create(Options("decode-a", false), dst_a.get(), Loopback({}));
+  auto decode_b = TransferEngine::Create(Options("decode-b", false), dst_b.get(), Loopback({}));
+  ASSERT_TRUE(decode_a.ok() && decode_b.ok());
+  ASSERT_TRUE((*decode_a)->ConnectPeer("127.0.0.1", (*prefill)->port()).ok());
+  auto peer_b = (*decode_b)->ConnectPeer("127.0.0.1", (*prefill)->port());
+  ASSERT_TRUE(peer_b.ok()) << peer_b.status();
+
+  decode_a->reset();  // the prefill side tears its peer down (2 s)
+  for (auto until = Clock::now() + 3s; Clock::now() < until && !in_teardown;) {
+    std::this_thread::sleep_for(1ms);
+  }
+  ASSERT_TRUE(in_teardown) << "the prefill engine never tore down the lost peer";
+
+  const auto start = Clock::now();
+  const std::vector<int32_t> src = {1, 2}, dst = {5, 6};
+  Fill(*src_pool, 5, src);
+  ASSERT_TRUE((*decode_b)->Receive("room-b", *peer_b, dst).ok());
+  ASSERT_TRUE((*prefill)->Send("room-b", src).ok());
+  ASSERT_TRUE((*prefill)->LayersReady("room-b", 4).ok());
+  auto query_start = Clock::now();
+  ASSERT_TRUE((*prefill)->GetRequest("room-b").ok());
+  EXPECT_LT(Clock::now() - query_start, 100ms) << "GetRequest waited for the other peer";
+  auto info = (*decode_b)->WaitRequest("room-b", 5s);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->state, RequestState::kSuccess) << info->status;
+  EXPECT_LT(Clock::now() - start, 1500ms) << "the request waited for the other peer's teardown";
+  EXPECT_EQ(Mismatches(*dst_b, 5, dst), 0u);
+}
+
+// A write in flight whose release blocks (the loopback card waits out its delay) does not hold
+// up the engine: an abort of one room does not stall queries of another.
+TEST(EngineFaultTest, ReleasingWritesOfAnAbortedRoomDoesNotStallQueries) {
+  auto src_pool = MakePool(SmallPoolOptions());
+  auto dst_pool = MakePool(SmallPoolOptions());
+  LoopbackOptions slow;
+  slow.delay = 1500ms;
+  slow.release_completes_in_flight = true;
+  auto prefill = TransferEngine::Create(Options("prefill-0", true), src_pool.get(), Loopback(slow));
+  auto decode = TransferEngine::Create(Options("decode-0", false), dst_pool.get(), Loopback({}));
+  ASSERT_TRUE(prefill.ok() && decode.ok());
+  auto peer = (*decode)->ConnectPeer("127.0.0.1", (*prefill)->port());
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  ASSERT_TRUE((*decode)->Receive("slow", *peer, {7}).ok());
+  ASSERT_TRUE((*prefill)->Send("slow", {3}).ok());
+  ASSERT_TRUE((*prefill)->LayersReady("slow", 4).ok());
+  ASSERT_TRUE((*prefill)->Send("other", {4}).ok());
+  for (auto until = Clock::now() + 2s; Clock::now() < until;) {
+    if ((*prefill)->GetRequest("slow")->state == RequestState::kTransferring) break;
+    std::this_thread::sleep_for(1ms);
+  }
+  std::thread abort([&] { ASSERT_TRUE((*prefill)->Abort("slow", "test").ok()); });
+  std::this_thread::sleep_for(50ms);  // the abort is releasing the write (1.5 s)
+  const auto start = Clock::now();
+  auto other = (*prefill)->GetRequest("other");
+  EXPECT_LT(Clock::now() - start, 100ms) << "GetRequest waited for another room's release";
+  ASSERT_TRUE(other.ok());
+  abort.join();
+  // The decode side hears of the abort only after the write was released.
+  auto info = (*decode)->WaitRequest("slow", 5s);
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->state, RequestState::kFailed);
+  for (auto until = Clock::now() + 2s; Clock::now() < until;) {
+    if ((*decode)->GetRequest("slow")->pages_reusable) break;
+    std::this_thread::sleep_for(1ms);
+  }
+  EXPECT_TRUE((*decode)->GetRequest("slow")->pages_reusable);
+}
+
+// Two threads connecting to one prefill engine at once share one connection.
+TEST(EngineFaultTest, ConcurrentConnectsShareOneConnection) {
+  auto src_pool = MakePool(SmallPoolOptions());
+  auto dst_pool = MakePool(SmallPoolOptions());
+  auto prefill = TransferEngine::Create(Options("prefill-0", true), src_pool.get(), Loopback({}));
+  auto decode = TransferEngine::Create(Options("decode-0", false), dst_pool.get(), Loopback({}));
+  ASSERT_TRUE(prefill.ok() && decode.ok());
+  for (int round = 0; round < 5; ++round) {
+    // A new prefill engine each round, so no connection exists yet.
+    auto target = TransferEngine::Create(Options("prefill-" + std::to_string(round + 1), true),
+                                         src_pool.get(), Loopback({}));
+    ASSERT_TRUE(target.ok()) << target.status();
+    std::promise<void> go;
+    std::shared_future<void> start = go.get_future().share();
+    std::vector<std::future<StatusOr<PeerHandle>>> connects;
+    for (int i = 0; i < 4; ++i) {
+      connects.push_back(std::async(std::launch::async, [&] {
+        start.wait();
+        return (*decode)->ConnectPeer("127.0.0.1", (*target)->port());
+      }));
+    }
+    go.set_value();
+    std::vector<PeerHandle> handles;
+    for (auto& c : connects) {
+      auto handle = c.get();
+      ASSERT_TRUE(handle.ok()) << handle.status();
+      handles.push_back(*handle);
+    }
+    for (PeerHandle h : handles) EXPECT_EQ(h, handles.front()) << "round " << round;
+  }
+}
+
+TEST(EngineFaultTest, HelloTimeoutIsAnOption) {
+  auto dst_pool = MakePool(SmallPoolOptions());
+  EngineOptions o = Options("decode-0", false);
+  o.hello_timeout = 0ms;
+  auto refused = TransferEngine::Create(o, dst_pool.get(), Loopback({}));
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("hello_timeout = 0 ms"), std::string::npos)
+      << refused.status();
+
+  // A short timeout is enough for an engine that answers.
+  auto src_pool = MakePool(SmallPoolOptions());
+  auto prefill = TransferEngine::Create(Options("prefill-0", true), src_pool.get(), Loopback({}));
+  ASSERT_TRUE(prefill.ok());
+  o.hello_timeout = 2s;
+  auto decode = TransferEngine::Create(o, dst_pool.get(), Loopback({}));
+  ASSERT_TRUE(decode.ok()) << decode.status();
+  auto connected = (*decode)->ConnectPeer("127.0.0.1", (*prefill)->port());
+  EXPECT_TRUE(connected.ok()) << connected.status();
+}
+
+// A Receive whose request could not be sent leaves nothing behind: the same room id can be
+// retried at once.
+TEST(EngineFaultTest, FailedReceiveLeavesNoRoomBehind) {
+  auto src_pool = MakePool(SmallPoolOptions());
+  auto dst_pool = MakePool(SmallPoolOptions());
+  auto prefill = TransferEngine::Create(Options("prefill-0", true), src_pool.get(), Loopback({}));
+  auto decode = TransferEngine::Create(Options("decode-0", false), dst_pool.get(), Loopback({}));
+  ASSERT_TRUE(prefill.ok() && decode.ok());
+  auto peer = (*decode)->ConnectPeer("127.0.0.1", (*prefill)->port());
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  // 5 M page ids (20 MB) do not fit in one control frame: the request cannot be sent.
+  std::vector<int32_t> huge(5'000'000, 1);
+  Status sent = (*decode)->Receive("retry-me", *peer, huge);
+  ASSERT_FALSE(sent.ok());
+  EXPECT_EQ((*decode)->GetRequest("retry-me").status().code(), StatusCode::kNotFound)
+      << "a request that was never sent left a room behind";
+  EXPECT_EQ((*decode)->stats().requests_failed, 0u);
+  const std::vector<int32_t> src = {2, 3}, dst = {8, 9};
+  Fill(*src_pool, 9, src);
+  ASSERT_TRUE((*decode)->Receive("retry-me", *peer, dst).ok());
+  ASSERT_TRUE((*prefill)->Send("retry-me", src).ok());
+  ASSERT_TRUE((*prefill)->LayersReady("retry-me", 4).ok());
+  auto info = (*decode)->WaitRequest("retry-me", 5s);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->state, RequestState::kSuccess) << info->status;
+  EXPECT_EQ(Mismatches(*dst_pool, 9, dst), 0u);
+}
+
+// A prefill room whose decode request never comes ends at the deadline Send gave it.
+TEST(EngineFaultTest, OrphanedPrefillRoomEndsAtItsSendDeadline) {
+  auto src_pool = MakePool(SmallPoolOptions());
+  EngineOptions o = Options("prefill-0", true);
+  o.default_deadline = 60s;
+  auto prefill = TransferEngine::Create(o, src_pool.get(), Loopback({}));
+  ASSERT_TRUE(prefill.ok());
+  const auto start = Clock::now();
+  ASSERT_TRUE((*prefill)->Send("orphan", {1, 2, 3}, 300ms).ok());
+  auto info = (*prefill)->WaitRequest("orphan", 5s);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->state, RequestState::kFailed);
+  EXPECT_EQ(info->status.code(), StatusCode::kDeadlineExceeded) << info->status;
+  EXPECT_NE(info->status.message().find("never asked"), std::string::npos) << info->status;
+  EXPECT_LT(Clock::now() - start, 2s);
+  EXPECT_EQ((*prefill)->Send("negative", {1}, -5ms).code(), StatusCode::kInvalidArgument);
+}
+
+// Lost prefill peers leave no thread (nor connection) behind on the decode engine.
+TEST(EngineFaultTest, LostPeersLeaveNoThreadsBehind) {
+  auto dst_pool = MakePool(SmallPoolOptions());
+  auto src_pool = MakePool(SmallPoolOptions());
+  auto decode = TransferEngine::Create(Options("decode-0", false), dst_pool.get(), Loopback({}));
+  ASSERT_TRUE(decode.ok());
+  size_t baseline = 0;
+  for (int i = 0; i < 12; ++i) {
+    auto prefill = TransferEngine::Create(Options("prefill-" + std::to_string(i), true),
+                                          src_pool.get(), Loopback({}));
+    ASSERT_TRUE(prefill.ok());
+    auto peer = (*decode)->ConnectPeer("127.0.0.1", (*prefill)->port());
+    ASSERT_TRUE(peer.ok()) << peer.status();
+    // A request in flight when the peer goes: its pages wait for the proof that it is gone.
+    ASSERT_TRUE((*decode)->Receive("lost-" + std::to_string(i), *peer, {5}).ok());
+    prefill->reset();
+    auto info = (*decode)->WaitRequest("lost-" + std::to_string(i), 5s);
+    ASSERT_TRUE(info.ok()) << info.status();
+    EXPECT_EQ(info->state, RequestState::kFailed);
+    if (i == 1) {
+      std::this_thread::sleep_for(300ms);
+      baseline = ThreadCount();
+    }
+  }
+  size_t now = ThreadCount();
+  for (auto until = Clock::now() + 3s; Clock::now() < until && now > baseline;) {
+    std::this_thread::sleep_for(20ms);
+    now = ThreadCount();
+  }
+  EXPECT_LE(now, baseline) << "threads grew with the number of lost peers";
+}
+
+}  // namespace
+}  // namespace kvt::transfer

@@ -1,0 +1,136 @@
+// The decode side of a transfer engine: it connects to prefill engines (hello, compatibility
+// check; one connection per address however many callers connect at once), sends each room's
+// TransferRequest, follows the prefill side's messages to the room's end, and decides when a
+// failed room's pages may be reused: when the prefill side said its writes are quiesced, or the
+// prefill process is known dead.
+//
+// Lost peers are handled by one liveness worker thread (never a thread per peer): it proves the
+// peer's process gone (same host: no process with the peer's pid and start time; another host:
+// its control port refuses, which a prefill engine only lets happen after it quiesced its
+// writes), releases the quarantined pages then, and frees the peer's connection.
+//
+// Thread contract: public methods may be called from any thread; peer messages arrive on each
+// connection's io thread; PollPass runs on the poller. Shared state is guarded by the context's
+// mutex; connecting, closing connections and backend teardown run outside it.
+#pragma once
+
+#include <future>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "engine/request_table.h"
+#include "kvt/transfer/control/control_client.h"
+
+namespace kvt::transfer::engine {
+
+struct DecodeRoom : RoomCore {
+  PeerHandle peer = 0;
+  std::vector<int32_t> dst_pages;
+};
+
+class DecodeSide final : public EngineSide {
+ public:
+  explicit DecodeSide(EngineContext& ctx) : ctx_(ctx), table_(ctx) {}
+  ~DecodeSide() override;
+
+  // Starts the liveness worker.
+  Status Start();
+
+  StatusOr<PeerHandle> ConnectPeer(const std::string& host, uint16_t port) KVT_EXCLUDES(ctx_.mu);
+  Status Receive(const std::string& room, PeerHandle peer, std::vector<int32_t> dst_pages,
+                 std::chrono::milliseconds deadline, int32_t layer_begin, int32_t layer_end)
+      KVT_EXCLUDES(ctx_.mu);
+
+  StatusOr<RequestInfo> GetRequest(const std::string& room) const override KVT_EXCLUDES(ctx_.mu);
+  StatusOr<RequestInfo> WaitRequest(const std::string& room,
+                                    std::chrono::milliseconds timeout) const override
+      KVT_EXCLUDES(ctx_.mu);
+  Status Abort(const std::string& room, const std::string& reason) override KVT_EXCLUDES(ctx_.mu);
+  Status Forget(const std::string& room) override KVT_EXCLUDES(ctx_.mu);
+  PollResult PollPass(Clock::time_point now) override KVT_EXCLUDES(ctx_.mu);
+  void Shutdown() override KVT_EXCLUDES(ctx_.mu);
+
+  // Peers whose connection is gone but whose clean-up (the liveness worker's) is not finished.
+  size_t lost_peers() const KVT_EXCLUDES(ctx_.mu);
+
+ private:
+  class PeerClientHandler : public control::ControlClient::Handler {
+   public:
+    PeerClientHandler(DecodeSide* side, PeerHandle id) : side_(side), id_(id) {}
+    void OnMessage(const v1::Envelope& envelope) override { side_->OnPeerMessage(id_, envelope); }
+    void OnDisconnect(const Status& why) override { side_->OnPeerDisconnect(id_, why); }
+
+   private:
+    DecodeSide* side_;
+    PeerHandle id_;
+  };
+
+  struct DecodePeer {
+    // Non-final rooms of this peer: its connection's io thread busy-polls while > 0. Declared
+    // before the client, whose io thread reads it, so that it outlives that thread.
+    std::atomic<int64_t> in_flight{0};
+    PeerHandle id = 0;
+    std::string address;
+    std::string host;
+    uint16_t port = 0;
+    std::unique_ptr<PeerClientHandler> handler;  // outlives client (declared first)
+    std::unique_ptr<control::ControlClient> client;
+    std::promise<StatusOr<v1::HelloAck>> hello_reply;
+    bool hello_answered = false;
+    v1::PeerInfo info;
+    std::optional<PeerId> backend_peer;  // two-sided backends: this side's end of the pair
+    bool alive = false;
+    bool said_goodbye = false;  // the peer ended the session with its writes quiesced
+  };
+
+  // A lost peer the liveness worker looks after.
+  struct LostPeer {
+    PeerHandle id = 0;
+    std::string host;
+    uint16_t port = 0;
+    std::string host_id;
+    uint32_t pid = 0;
+    uint64_t process_start = 0;
+    std::vector<std::string> quarantined;  // failed rooms whose pages wait for a proof
+    Clock::time_point give_up;
+    std::optional<PeerId> backend_peer;  // two-sided backends: released at the first look
+  };
+
+  void OnPeerMessage(PeerHandle peer, const v1::Envelope& envelope) KVT_EXCLUDES(ctx_.mu);
+  void OnPeerDisconnect(PeerHandle peer, const Status& why) KVT_EXCLUDES(ctx_.mu);
+  StatusOr<PeerHandle> Connect(const std::string& host, uint16_t port, const std::string& address)
+      KVT_EXCLUDES(ctx_.mu);
+  void DropPeer(PeerHandle id) KVT_EXCLUDES(ctx_.mu);
+  void LivenessLoop() KVT_EXCLUDES(ctx_.mu);
+  // Whether the lost peer's process is certainly gone (it can post no write any more).
+  bool PeerGone(const LostPeer& lost) const;
+
+  DecodeRoom* RoomOfLocked(PeerHandle peer, const std::string& room) KVT_REQUIRES(ctx_.mu);
+  bool FailLocked(DecodeRoom& room, Status why) KVT_REQUIRES(ctx_.mu);
+  void SucceedLocked(DecodeRoom& room) KVT_REQUIRES(ctx_.mu);
+  void OnFinalLocked(DecodeRoom& room) KVT_REQUIRES(ctx_.mu);
+  void MarkReusableLocked(DecodeRoom& room) KVT_REQUIRES(ctx_.mu);
+  // Fails the room and asks the prefill side to stop (it acknowledges once its writes are
+  // quiesced; the pages stay quarantined until then).
+  void AbortLocked(DecodeRoom& room, v1::StatusCode code, Status why) KVT_REQUIRES(ctx_.mu);
+  Status SendToPeerLocked(PeerHandle peer, const v1::Envelope& envelope) KVT_REQUIRES(ctx_.mu);
+
+  EngineContext& ctx_;
+  RequestTable<DecodeRoom> table_;
+  std::map<PeerHandle, std::unique_ptr<DecodePeer>> peers_ KVT_GUARDED_BY(ctx_.mu);
+  // Connections being made, by address: a second ConnectPeer to the same address waits for the
+  // first one's result instead of opening another connection.
+  std::map<std::string, std::shared_future<StatusOr<PeerHandle>>> connecting_
+      KVT_GUARDED_BY(ctx_.mu);
+  PeerHandle next_peer_ KVT_GUARDED_BY(ctx_.mu) = 1;
+  std::vector<LostPeer> lost_ KVT_GUARDED_BY(ctx_.mu);
+  mutable CondVar lost_cv_;  // wakes the liveness worker
+  std::thread liveness_;
+  Clock::time_point last_sweep_ KVT_GUARDED_BY(ctx_.mu) = Clock::now();
+};
+
+}  // namespace kvt::transfer::engine

@@ -1,0 +1,643 @@
+#include "engine/prefill_side.h"
+
+#include <algorithm>
+
+#include "engine/layout_codec.h"
+#include "kvt/common/log.h"
+#include "kvt/kernels/cuda_util.h"
+#include "kvt/transfer/control/protocol.h"
+
+namespace kvt::transfer::engine {
+namespace {
+
+using control::ConnectionId;
+
+// How often the poller looks at writes in flight when the backend does not say when they
+// complete (it then polls), or does (the poll is only a safety net).
+constexpr auto kBusyPoll = std::chrono::microseconds(20);
+constexpr auto kNotifiedPoll = std::chrono::milliseconds(5);
+// Backends that do not notify, while every write in flight waits for its producer's event.
+constexpr auto kSourceWaitPoll = std::chrono::microseconds(200);
+// How often a room whose producer event must complete before a CPU-copying backend may read its
+// layers is looked at.
+constexpr auto kEventPoll = std::chrono::microseconds(200);
+constexpr auto kIdlePoll = std::chrono::milliseconds(10);
+
+constexpr size_t kSpareRunVectors = 4;
+constexpr size_t kMaxSpareRunBytes = size_t{32} << 20;
+
+// True when `event` (null: none) has completed; NotReady while it runs; an error otherwise.
+StatusOr<bool> EventDone(cudaEvent_t event) {
+  if (event == nullptr) return true;
+  const cudaError_t rc = cudaEventQuery(event);
+  if (rc == cudaSuccess) return true;
+  if (rc == cudaErrorNotReady) return false;
+  (void)cudaGetLastError();
+  return kvt::cuda::ToStatus(rc, "cudaEventQuery on the room's ready event");
+}
+
+}  // namespace
+
+PrefillSide::~PrefillSide() = default;
+
+Status PrefillSide::Start() {
+  control::ControlServerOptions server = ctx_.options.server;
+  server.server_id = ctx_.options.name;
+  server.limits.heartbeat_interval = ctx_.options.heartbeat_interval;
+  server.limits.idle_timeout = ctx_.options.peer_timeout;
+  // The server polls while any request of the engine is not final.
+  server.busy_poll.window = ctx_.options.control_busy_poll;
+  server.busy_poll.hint = [this] { return table_.active_count() > 0; };
+  KVT_ASSIGN_OR_RETURN(server_, control::ControlServer::Create(server, this));
+  return OkStatus();
+}
+
+// ------------------------------------------------------------------------------- user calls --
+Status PrefillSide::Send(const std::string& room_id, std::vector<int32_t> src_pages,
+                         std::chrono::milliseconds deadline) {
+  AfterUnlock after;
+  {
+    MutexLock lock(ctx_.mu);
+    PrefillRoom* room = table_.Find(room_id);
+    if (room == nullptr) {
+      room = &table_.Open(room_id, deadline.count() > 0 ? deadline : ctx_.options.default_deadline);
+      if (table_.active_size() == 1 && server_) server_->Wake();
+    } else {
+      if (room->have_src || IsFinal(room->state)) {
+        return AlreadyExists("room '" + room_id + "' already has source pages (state " +
+                             RequestStateName(room->state) + ")");
+      }
+      // The decode side's request came first; the earlier of the two deadlines holds.
+      if (deadline.count() > 0) room->deadline = std::min(room->deadline, Clock::now() + deadline);
+    }
+    room->have_src = true;
+    room->src_pages = std::move(src_pages);
+    AdvanceLocked(*room, after);
+  }
+  Run(after);
+  ctx_.wakeup.Kick();
+  return OkStatus();
+}
+
+Status PrefillSide::LayersReady(const std::string& room_id, int32_t layers_done,
+                                cudaEvent_t ready) {
+  AfterUnlock after;
+  {
+    MutexLock lock(ctx_.mu);
+    PrefillRoom* room = table_.Find(room_id);
+    if (room == nullptr) return NotFound("no room '" + room_id + "'; call Send first");
+    const int32_t clamped = std::clamp(layers_done, 0, ctx_.num_layers());
+    if (clamped > room->layers_ready && ready != nullptr) room->ready = ready;
+    room->layers_ready = std::max(room->layers_ready, clamped);
+    AdvanceLocked(*room, after);
+  }
+  Run(after);
+  ctx_.wakeup.Kick();
+  return OkStatus();
+}
+
+StatusOr<RequestInfo> PrefillSide::GetRequest(const std::string& room) const {
+  MutexLock lock(ctx_.mu);
+  return table_.Get(room);
+}
+
+StatusOr<RequestInfo> PrefillSide::WaitRequest(const std::string& room,
+                                               std::chrono::milliseconds timeout) const {
+  MutexLock lock(ctx_.mu);
+  return table_.Wait(room, timeout);
+}
+
+Status PrefillSide::Abort(const std::string& room_id, const std::string& reason) {
+  AfterUnlock after;
+  {
+    MutexLock lock(ctx_.mu);
+    PrefillRoom* room = table_.Find(room_id);
+    if (room == nullptr) return NotFound("no room '" + room_id + "' on this engine");
+    if (IsFinal(room->state)) return OkStatus();
+    // Quiesce before telling the decode side: the abort then proves no byte lands any more.
+    TakeWritesLocked(*room, after);
+    table_.Fail(*room, Aborted(reason));
+    FinishLocked(*room);
+    if (room->have_request) {
+      v1::Envelope abort;
+      abort.mutable_abort()->set_room_id(room_id);
+      abort.mutable_abort()->set_code(v1::STATUS_CODE_ABORTED);
+      abort.mutable_abort()->set_reason(reason);
+      const ConnectionId conn = room->conn;
+      after.messages.push_back([this, conn, abort] { SendTo(conn, abort); });
+    }
+  }
+  Run(after);
+  return OkStatus();
+}
+
+Status PrefillSide::Forget(const std::string& room) {
+  MutexLock lock(ctx_.mu);
+  return table_.Forget(room);
+}
+
+// ------------------------------------------------------------------------------------ poller --
+EngineSide::PollResult PrefillSide::PollPass(Clock::time_point now) {
+  PollResult result;
+  result.next = now + kIdlePoll;
+  AfterUnlock after;
+  {
+    MutexLock lock(ctx_.mu);
+    bool writes_in_flight = false;
+    bool running_write = false;  // a write in flight whose copy can run now
+    for (const std::string& id : table_.ActiveIds()) {
+      PrefillRoom* room = table_.Find(id);
+      if (room == nullptr) continue;
+      if (now >= room->deadline) {
+        FailAndReportLocked(
+            *room,
+            DeadlineExceeded("room '" + room->id + "' missed its deadline in state " +
+                             RequestStateName(room->state) +
+                             (room->have_request ? ""
+                                                 : " (the decode side never asked "
+                                                   "for it)")),
+            after);
+        continue;
+      }
+      result.next = std::min(result.next, room->deadline);
+      // Layers waiting for their producer's event before a CPU-copying backend may read them.
+      if (!ctx_.waits_on_events && room->ready != nullptr && room->planned &&
+          std::min(room->layers_ready, room->layer_end) > room->posted_end) {
+        AdvanceLocked(*room, after);
+        if (!IsFinal(room->state)) result.next = std::min(result.next, now + kEventPoll);
+      }
+      if (!room->writes.empty()) {
+        CheckWritesLocked(*room, after);
+        if (room->writes.empty()) continue;
+        // A write can complete only once its copy runs, i.e. once its producer's event has
+        // completed: while the producer still computes (a whole forward pass), the poller
+        // neither spins nor polls fast.
+        const PostedWrite& oldest = room->writes.front();
+        StatusOr<bool> source_done = EventDone(oldest.ready);
+        if (!source_done.ok() || *source_done) {
+          running_write = true;
+          if (result.spin_write == 0 && ctx_.page_writes) result.spin_write = oldest.id;
+        }
+        writes_in_flight = true;
+      }
+    }
+    if (writes_in_flight) {
+      const Clock::duration poll =
+          ctx_.notified
+              ? Clock::duration(kNotifiedPoll)
+              : (running_write ? Clock::duration(kBusyPoll) : Clock::duration(kSourceWaitPoll));
+      result.next = std::min(result.next, now + poll);
+    }
+    if (now - last_sweep_ > std::chrono::seconds(1)) {
+      last_sweep_ = now;
+      table_.Sweep(now, ctx_.options.retention, [](const PrefillRoom&) { return true; });
+    }
+  }
+  Run(after);
+  return result;
+}
+
+void PrefillSide::Shutdown() {
+  // Quiesce first, tell the peers, and only then close the sessions: a decode side that sees
+  // the connection close has been told about every room, and no write of ours lands later.
+  AfterUnlock after;
+  {
+    MutexLock lock(ctx_.mu);
+    for (auto& [conn, session] : sessions_) session.closing = true;
+    for (const std::string& id : table_.ActiveIds()) {
+      PrefillRoom* room = table_.Find(id);
+      if (room == nullptr) continue;
+      FailAndReportLocked(
+          *room, Unavailable("the prefill engine '" + ctx_.options.name + "' is shutting down"),
+          after);
+    }
+  }
+  // Here, not on the worker: the TransferDones must be queued before the connections close.
+  after.Run(*ctx_.backend);
+  if (ctx_.worker) ctx_.worker->Drain();
+  // Every write is quiesced and no request is acted on any more: say so to every peer, which
+  // may then reuse the pages of every room of the session (even one whose request is still on
+  // the way).
+  std::vector<ConnectionId> conns;
+  {
+    MutexLock lock(ctx_.mu);
+    for (const auto& [conn, session] : sessions_) conns.push_back(conn);
+  }
+  v1::Envelope goodbye;
+  goodbye.mutable_goodbye()->set_reason("the prefill engine '" + ctx_.options.name +
+                                        "' is shutting down");
+  goodbye.mutable_goodbye()->set_writes_quiesced(true);
+  for (ConnectionId conn : conns) SendTo(conn, goodbye);
+  // Connections flush what was queued (the TransferDones above) before they close; each close
+  // comes back through OnDisconnect, which disconnects the session's backend peer.
+  if (server_) server_->Stop();
+  MutexLock lock(ctx_.mu);
+  for (auto& [conn, session] : sessions_) {
+    after.disconnects.push_back(session.backend_peer);
+  }
+  sessions_.clear();
+  lock.Unlock();
+  after.Run(*ctx_.backend);
+  if (ctx_.worker) ctx_.worker->Drain();
+}
+
+// --------------------------------------------------------------------------- control server --
+void PrefillSide::OnConnect(ConnectionId id, const control::ConnectionInfo& info) {
+  KVT_LOG_DEBUG("xfer", "control connection {} from {}", id, info.remote_address);
+}
+
+void PrefillSide::OnMessage(ConnectionId conn, const v1::Envelope& envelope) {
+  switch (envelope.body_case()) {
+    case v1::Envelope::kHello:
+      return OnHello(conn, envelope.hello());
+    case v1::Envelope::kTransferRequest:
+      return OnTransferRequest(conn, envelope);
+    case v1::Envelope::kAbort:
+      return OnAbort(conn, envelope.abort());
+    case v1::Envelope::kAbortAck:
+      // The decode side acknowledged an abort this engine sent; the room is already final here
+      // and its writes were released before the abort went out.
+      KVT_LOG_DEBUG("xfer", "abort of room '{}' acknowledged", envelope.abort_ack().room_id());
+      return;
+    case v1::Envelope::kError:
+      KVT_LOG_WARN("xfer", "connection {} reported: {}", conn,
+                   control::StatusFromError(envelope.error()).ToString());
+      return;
+    default:
+      SendTo(conn, control::MakeErrorEnvelope(v1::STATUS_CODE_INVALID_ARGUMENT,
+                                              "a prefill engine does not accept " +
+                                                  std::string(control::BodyName(envelope)) +
+                                                  " messages"));
+  }
+}
+
+void PrefillSide::OnDisconnect(ConnectionId conn, const Status& why) {
+  AfterUnlock after;
+  {
+    MutexLock lock(ctx_.mu);
+    auto session = sessions_.find(conn);
+    if (session == sessions_.end()) return;
+    int failed = 0;
+    for (const std::string& id : table_.ActiveIds()) {
+      PrefillRoom* room = table_.Find(id);
+      if (room == nullptr || !room->have_request || room->conn != conn) continue;
+      TakeWritesLocked(*room, after);
+      table_.Fail(*room, Unavailable("the decode peer's control connection was lost (" +
+                                     why.ToString() + ")"));
+      FinishLocked(*room);
+      ++failed;
+    }
+    // The backend peer goes after the writes (tearing it down may take a while: never under
+    // the lock).
+    after.disconnects.push_back(session->second.backend_peer);
+    if (failed > 0) {
+      KVT_LOG_WARN("xfer", "decode peer '{}' disconnected ({}); {} requests failed",
+                   session->second.info.name(), why.ToString(), failed);
+    } else {
+      KVT_LOG_INFO("xfer", "decode peer '{}' disconnected ({})", session->second.info.name(),
+                   why.ToString());
+    }
+    sessions_.erase(session);
+  }
+  Run(after);
+}
+
+void PrefillSide::OnHello(ConnectionId conn, const v1::Hello& hello) {
+  Status compatible =
+      CheckCompatible(ctx_.local_layout, hello.peer().layout(), "prefill", "decode");
+  if (compatible.ok() && hello.peer().buffers_size() != ctx_.local_info.buffers_size()) {
+    compatible =
+        FailedPrecondition("buffer count mismatch: prefill registers " +
+                           std::to_string(ctx_.local_info.buffers_size()) + " buffers, decode " +
+                           std::to_string(hello.peer().buffers_size()));
+  }
+  StatusOr<PeerDescriptor> descriptor =
+      compatible.ok() ? DescriptorFromPeerInfo(hello.peer(), ctx_.backend->Name())
+                      : StatusOr<PeerDescriptor>(compatible);
+  StatusOr<PeerId> backend_peer =
+      descriptor.ok() ? ctx_.backend->Connect(*descriptor) : StatusOr<PeerId>(descriptor.status());
+  auto refuse = [&](const Status& why) {
+    KVT_LOG_WARN("xfer", "refusing decode peer '{}': {}", hello.peer().name(), why.ToString());
+    SendTo(conn, control::MakeErrorEnvelope(why));
+    (void)server_->Disconnect(conn, why);
+  };
+  if (!backend_peer.ok()) return refuse(backend_peer.status());
+  v1::Envelope ack;
+  ack.mutable_hello_ack()->set_protocol_version(control::kProtocolVersion);
+  *ack.mutable_hello_ack()->mutable_peer() = ctx_.local_info;
+  if (ctx_.backend->Capabilities().two_sided) {
+    StatusOr<std::string> token = ctx_.backend->ConnectToken(*backend_peer);
+    if (!token.ok()) {
+      (void)ctx_.backend->Disconnect(*backend_peer, Backend::DisconnectMode::kPeerDead);
+      return refuse(token.status());
+    }
+    ack.mutable_hello_ack()->set_backend_token(*token);
+  }
+  {
+    MutexLock lock(ctx_.mu);
+    Session& session = sessions_[conn];
+    session.backend_peer = *backend_peer;
+    session.info = hello.peer();
+  }
+  SendTo(conn, ack);
+  KVT_LOG_INFO("xfer", "decode peer '{}' connected", hello.peer().name());
+}
+
+void PrefillSide::OnTransferRequest(ConnectionId conn, const v1::Envelope& envelope) {
+  const v1::TransferRequest& req = envelope.transfer_request();
+  bool new_room = false;
+  AfterUnlock after;
+  {
+    MutexLock lock(ctx_.mu);
+    auto reject = [&](const Status& why) {
+      SendTo(conn, control::MakeErrorEnvelope(why, req.room_id()));
+    };
+    auto session = sessions_.find(conn);
+    if (session == sessions_.end()) {
+      return reject(FailedPrecondition("send Hello before TransferRequest"));
+    }
+    if (session->second.closing) {
+      return reject(Unavailable("the prefill engine '" + ctx_.options.name +
+                                "' is shutting down; send the room to another prefill engine"));
+    }
+    if (req.mode() != v1::TRANSFER_MODE_PUSH) {
+      return reject(Unimplemented("room '" + req.room_id() +
+                                  "': only push mode is implemented on this engine"));
+    }
+    if (!req.backend().empty() && req.backend() != ctx_.backend->Name()) {
+      return reject(InvalidArgument("room '" + req.room_id() + "' asks for backend '" +
+                                    req.backend() + "' but this engine runs '" +
+                                    std::string(ctx_.backend->Name()) + "'"));
+    }
+    int32_t begin = 0, end = ctx_.num_layers();
+    if (req.has_layers()) {
+      begin = static_cast<int32_t>(req.layers().begin());
+      end = static_cast<int32_t>(req.layers().end());
+    }
+    const auto deadline = req.deadline_ms() > 0 ? std::chrono::milliseconds(req.deadline_ms())
+                                                : ctx_.options.default_deadline;
+    PrefillRoom* room = table_.Find(req.room_id());
+    if (room == nullptr) {
+      room = &table_.Open(req.room_id(), deadline);
+      new_room = true;
+    } else {
+      if (room->have_request || IsFinal(room->state)) {
+        return reject(AlreadyExists("room '" + req.room_id() + "' was already requested (" +
+                                    RequestStateName(room->state) + ")"));
+      }
+      // Send came first; the earlier of the two deadlines holds.
+      if (req.deadline_ms() > 0) room->deadline = std::min(room->deadline, Clock::now() + deadline);
+    }
+    room->have_request = true;
+    room->request_seen = Clock::now();
+    room->conn = conn;
+    room->layer_begin = begin;
+    room->layer_end = end;
+    room->dst_pages = control::DstPages(req);
+    for (const v1::PageSlice& s : req.slices()) {
+      room->units.push_back(PageUnit{s.src_offset(), s.dst_offset(), s.bytes()});
+    }
+    AdvanceLocked(*room, after);
+  }
+  Run(after);
+  ctx_.wakeup.Kick();
+  if (new_room && ctx_.options.on_transfer_request) {
+    ctx_.options.on_transfer_request(req.room_id(), control::DstPageCount(req));
+  }
+}
+
+void PrefillSide::OnAbort(ConnectionId conn, const v1::Abort& abort) {
+  AfterUnlock after;
+  {
+    MutexLock lock(ctx_.mu);
+    PrefillRoom* room = table_.Find(abort.room_id());
+    if (room != nullptr && room->have_request && room->conn == conn) {
+      TakeWritesLocked(*room, after);
+      table_.Fail(*room, Aborted("aborted by the decode side: " + abort.reason()));
+      FinishLocked(*room);
+    }
+    // Acknowledged once the writes are released (or none were posted).
+    v1::Envelope ack;
+    ack.mutable_abort_ack()->set_room_id(abort.room_id());
+    ack.mutable_abort_ack()->set_writes_quiesced(true);
+    after.messages.push_back([this, conn, ack] { SendTo(conn, ack); });
+  }
+  Run(after);
+}
+
+// ----------------------------------------------------------------------- room state machine --
+void PrefillSide::AdvanceLocked(PrefillRoom& room, AfterUnlock& after) {
+  if (IsFinal(room.state) || !room.have_src || !room.have_request) return;
+  auto session = sessions_.find(room.conn);
+  if (session == sessions_.end()) {
+    TakeWritesLocked(room, after);
+    table_.Fail(room, Unavailable("the decode peer's session is gone"));
+    FinishLocked(room);
+    return;
+  }
+  if (session->second.closing) return;  // Shutdown fails the room
+  if (!room.planned) {
+    if (room.src_pages.size() != room.dst_pages.size()) {
+      return FailAndReportLocked(
+          room,
+          InvalidArgument("room '" + room.id + "': the decode side asked for " +
+                          std::to_string(room.dst_pages.size()) +
+                          " pages but the prefill side has " +
+                          std::to_string(room.src_pages.size())),
+          after);
+    }
+    const v1::MemoryDescriptor& remote0 = session->second.info.buffers(0);
+    PlanSpec spec;
+    spec.src_pages = room.src_pages;
+    spec.dst_pages = room.dst_pages;
+    spec.num_layers = ctx_.num_layers();
+    spec.layer_begin = room.layer_begin;
+    spec.layer_end = room.layer_end;
+    spec.src_item_len = ctx_.item_len;
+    spec.dst_item_len = remote0.item_len();
+    spec.src_buffer_len = ctx_.buffer_len;
+    spec.dst_buffer_len = remote0.length();
+    spec.units = room.units;
+    if (ctx_.page_writes) {
+      // The backend takes the page lists themselves; validate them as a plan would.
+      Status valid = ValidatePlanSpec(spec);
+      if (!valid.ok())
+        return FailAndReportLocked(room, valid.WithContext("room '" + room.id + "'"), after);
+    } else {
+      StatusOr<Plan> plan = BuildPlan(spec, TakeSpareRunsLocked());
+      if (!plan.ok()) {
+        return FailAndReportLocked(room, plan.status().WithContext("room '" + room.id + "'"),
+                                   after);
+      }
+      room.plan = std::move(plan).value();
+    }
+    room.planned = true;
+    room.posted_end = room.layer_begin;
+    table_.Advance(room, RequestState::kWaitingForInput);
+  }
+  const int32_t ready_end = std::min(room.layers_ready, room.layer_end);
+  if (ready_end == room.layer_end && room.source_ready == Clock::time_point()) {
+    room.source_ready = Clock::now();
+  }
+  if (ready_end > room.posted_end) {
+    if (!ctx_.waits_on_events) {
+      // A CPU copy cannot wait on the GPU: the producer's event must have completed before the
+      // layers are read. Never waited for here (the lock is held): the poller looks again.
+      StatusOr<bool> done = EventDone(room.ready);
+      if (!done.ok()) {
+        return FailAndReportLocked(room, done.status().WithContext("room '" + room.id + "'"),
+                                   after);
+      }
+      if (!*done) return;
+    }
+    uint64_t bytes = 0;
+    size_t num_runs = 0;
+    StatusOr<WriteId> write = PostLayersLocked(room, session->second, ready_end, &bytes, &num_runs);
+    if (!write.ok()) {
+      return FailAndReportLocked(
+          room, write.status().WithContext("posting layers of room '" + room.id + "'"), after);
+    }
+    room.writes.push_back(PostedWrite{*write, ctx_.waits_on_events ? room.ready : nullptr});
+    room.last_post = Clock::now();
+    if (room.first_post == Clock::time_point()) room.first_post = room.last_post;
+    room.bytes += bytes;
+    room.posted_end = ready_end;
+    room.layers_posted = room.posted_end - room.layer_begin;
+    ++ctx_.stats.writes_posted;
+    ctx_.stats.runs_posted += num_runs;
+    table_.Advance(room, RequestState::kTransferring);
+    if (room.posted_end < room.layer_end) {
+      v1::Envelope progress;
+      progress.mutable_layer_progress()->set_room_id(room.id);
+      progress.mutable_layer_progress()->set_layers_done(
+          static_cast<uint32_t>(room.posted_end - room.layer_begin));
+      progress.mutable_layer_progress()->set_bytes_done(room.bytes);
+      SendTo(room.conn, progress);
+    }
+  }
+  CheckWritesLocked(room, after);
+}
+
+StatusOr<WriteId> PrefillSide::PostLayersLocked(PrefillRoom& room, const Session& session,
+                                                int32_t ready_end, uint64_t* bytes,
+                                                size_t* num_runs) {
+  if (ctx_.page_writes) {
+    PageWrite write;
+    write.src_pages = room.src_pages;
+    write.dst_pages = room.dst_pages;
+    write.num_layers = ctx_.num_layers();
+    write.layer_begin = room.posted_end;
+    write.layer_end = ready_end;
+    write.units = room.units;
+    PlanSpec spec;
+    spec.src_pages = room.src_pages;
+    spec.layer_begin = room.posted_end;
+    spec.layer_end = ready_end;
+    spec.src_item_len = ctx_.item_len;
+    spec.units = room.units;
+    write.bytes = PlanBytes(spec);
+    // Backends that wait on the GPU take the event; for the others it has completed already.
+    write.ready = ctx_.waits_on_events ? room.ready : nullptr;
+    *bytes = write.bytes;
+    *num_runs = 0;
+    return ctx_.backend->PostPages(session.backend_peer, write);
+  }
+  std::span<const CopyRun> runs = room.plan->Layers(room.posted_end, ready_end);
+  *bytes = 0;
+  for (const CopyRun& r : runs) *bytes += r.bytes;
+  *num_runs = runs.size();
+  return ctx_.backend->PostWrite(session.backend_peer, runs);
+}
+
+void PrefillSide::CheckWritesLocked(PrefillRoom& room, AfterUnlock& after) {
+  if (IsFinal(room.state) || !room.planned) return;
+  while (!room.writes.empty()) {
+    const WriteId write = room.writes.front().id;
+    Status st = ctx_.backend->Check(write);
+    if (st.code() == StatusCode::kInProgress) return;  // later writes cannot be done sooner
+    if (!st.ok()) {
+      return FailAndReportLocked(room, st.WithContext("writing room '" + room.id + "'"), after);
+    }
+    after.frees.push_back(write);  // complete: releasing it only frees its handle
+    room.writes.erase(room.writes.begin());
+  }
+  if (room.posted_end == room.layer_end) {
+    room.status = OkStatus();
+    table_.Advance(room, RequestState::kSuccess);
+    FinishLocked(room);
+    QueueDoneLocked(room, after);
+    KVT_LOG_DEBUG(
+        "xfer", "room '{}' done: {} bytes, {} us after it was created", room.id, room.bytes,
+        std::chrono::duration_cast<std::chrono::microseconds>(room.finished - room.created)
+            .count());
+  }
+}
+
+void PrefillSide::FailAndReportLocked(PrefillRoom& room, Status why, AfterUnlock& after) {
+  TakeWritesLocked(room, after);
+  const bool failed_now = table_.Fail(room, std::move(why));
+  FinishLocked(room);
+  if (!failed_now) return;
+  KVT_LOG_WARN("xfer", "room '{}' failed: {}", room.id, room.status.ToString());
+  QueueDoneLocked(room, after);
+}
+
+void PrefillSide::TakeWritesLocked(PrefillRoom& room, AfterUnlock& after) {
+  for (const PostedWrite& w : room.writes) after.releases.push_back(w.id);
+  room.writes.clear();
+}
+
+void PrefillSide::QueueDoneLocked(const PrefillRoom& room, AfterUnlock& after) {
+  if (!room.have_request) return;
+  v1::Envelope done;
+  auto* d = done.mutable_transfer_done();
+  d->set_room_id(room.id);
+  d->set_status(control::ToProtoCode(room.status.code()));
+  if (!room.status.ok()) d->set_message(room.status.message().substr(0, 4000));
+  d->set_bytes(room.bytes);
+  const ConnectionId conn = room.conn;
+  after.messages.push_back([this, conn, done] { SendTo(conn, done); });
+}
+
+void PrefillSide::FinishLocked(PrefillRoom& room) {
+  if (!IsFinal(room.state)) return;
+  // The backend copied the runs when they were posted: the storage can serve the next plan.
+  if (room.plan) {
+    RecycleRunsLocked(std::move(room.plan->runs));
+    room.plan.reset();
+  }
+}
+
+void PrefillSide::SendTo(ConnectionId conn, const v1::Envelope& envelope) {
+  if (!server_) return;
+  Status sent = server_->Send(conn, envelope);
+  if (!sent.ok()) {
+    KVT_LOG_DEBUG("xfer", "could not send {} on connection {}: {}", control::BodyName(envelope),
+                  conn, sent.ToString());
+  }
+}
+
+void PrefillSide::RecycleRunsLocked(std::vector<CopyRun> runs) {
+  if (runs.capacity() == 0 || runs.capacity() * sizeof(CopyRun) > kMaxSpareRunBytes) return;
+  if (spare_runs_.size() < kSpareRunVectors) {
+    spare_runs_.push_back(std::move(runs));
+    return;
+  }
+  // Full: keep the larger vectors (they serve every smaller plan without regrowing).
+  auto smallest =
+      std::min_element(spare_runs_.begin(), spare_runs_.end(),
+                       [](const auto& a, const auto& b) { return a.capacity() < b.capacity(); });
+  if (smallest->capacity() < runs.capacity()) *smallest = std::move(runs);
+}
+
+std::vector<CopyRun> PrefillSide::TakeSpareRunsLocked() {
+  if (spare_runs_.empty()) return {};
+  auto largest =
+      std::max_element(spare_runs_.begin(), spare_runs_.end(),
+                       [](const auto& a, const auto& b) { return a.capacity() < b.capacity(); });
+  std::vector<CopyRun> runs = std::move(*largest);
+  spare_runs_.erase(largest);
+  return runs;
+}
+
+}  // namespace kvt::transfer::engine

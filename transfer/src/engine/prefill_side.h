@@ -1,0 +1,114 @@
+// The prefill side of a transfer engine: it listens on the control port, accepts decode peers
+// (hello, compatibility check, backend connect), pairs each room's Send with the decode side's
+// TransferRequest, posts layer batches as they become ready, and sends TransferDone once the
+// backend reports every write visible at the peer.
+//
+// Thread contract: public methods may be called from any thread; control-plane callbacks come
+// on the server's io threads, PollPass on the poller. Everything shared is guarded by the
+// context's mutex; backend calls that can block run outside it (AfterUnlock).
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "engine/request_table.h"
+#include "kvt/transfer/control/control_server.h"
+#include "kvt/transfer/plan.h"
+
+namespace kvt::transfer::engine {
+
+// A write posted for a room, with the producer event its copy waits for (null: none).
+struct PostedWrite {
+  WriteId id = 0;
+  cudaEvent_t ready = nullptr;
+};
+
+struct PrefillRoom : RoomCore {
+  bool have_src = false;
+  std::vector<int32_t> src_pages;
+  int32_t layers_ready = 0;
+  bool have_request = false;
+  control::ConnectionId conn = 0;
+  std::vector<int32_t> dst_pages;
+  std::vector<PageUnit> units;
+  cudaEvent_t ready = nullptr;  // the producer's event covering layers [0, layers_ready)
+  bool planned = false;         // the spec was validated (and, for run backends, planned)
+  std::optional<Plan> plan;
+  int32_t posted_end = 0;  // layers [layer_begin, posted_end) posted
+  std::vector<PostedWrite> writes;
+};
+
+class PrefillSide final : public EngineSide, public control::ControlHandler {
+ public:
+  explicit PrefillSide(EngineContext& ctx) : ctx_(ctx), table_(ctx) {}
+  ~PrefillSide() override;
+
+  // Starts the control server.
+  Status Start();
+  uint16_t port() const { return server_ ? server_->port() : 0; }
+
+  Status Send(const std::string& room, std::vector<int32_t> src_pages,
+              std::chrono::milliseconds deadline) KVT_EXCLUDES(ctx_.mu);
+  Status LayersReady(const std::string& room, int32_t layers_done, cudaEvent_t ready)
+      KVT_EXCLUDES(ctx_.mu);
+
+  StatusOr<RequestInfo> GetRequest(const std::string& room) const override KVT_EXCLUDES(ctx_.mu);
+  StatusOr<RequestInfo> WaitRequest(const std::string& room,
+                                    std::chrono::milliseconds timeout) const override
+      KVT_EXCLUDES(ctx_.mu);
+  Status Abort(const std::string& room, const std::string& reason) override KVT_EXCLUDES(ctx_.mu);
+  Status Forget(const std::string& room) override KVT_EXCLUDES(ctx_.mu);
+  PollResult PollPass(Clock::time_point now) override KVT_EXCLUDES(ctx_.mu);
+  void Shutdown() override KVT_EXCLUDES(ctx_.mu);
+
+  // control::ControlHandler (the server's io threads).
+  void OnConnect(control::ConnectionId id, const control::ConnectionInfo& info) override;
+  void OnMessage(control::ConnectionId id, const v1::Envelope& envelope) override
+      KVT_EXCLUDES(ctx_.mu);
+  void OnDisconnect(control::ConnectionId id, const Status& why) override KVT_EXCLUDES(ctx_.mu);
+
+ private:
+  struct Session {
+    PeerId backend_peer = 0;
+    v1::PeerInfo info;
+    bool closing = false;  // the engine is shutting down: post nothing more
+  };
+
+  void OnHello(control::ConnectionId conn, const v1::Hello& hello) KVT_EXCLUDES(ctx_.mu);
+  void OnTransferRequest(control::ConnectionId conn, const v1::Envelope& envelope)
+      KVT_EXCLUDES(ctx_.mu);
+  void OnAbort(control::ConnectionId conn, const v1::Abort& abort) KVT_EXCLUDES(ctx_.mu);
+
+  // Posts what can be posted and finishes the room when every write is visible.
+  void AdvanceLocked(PrefillRoom& room, AfterUnlock& after) KVT_REQUIRES(ctx_.mu);
+  StatusOr<WriteId> PostLayersLocked(PrefillRoom& room, const Session& session, int32_t ready_end,
+                                     uint64_t* bytes, size_t* num_runs) KVT_REQUIRES(ctx_.mu);
+  void CheckWritesLocked(PrefillRoom& room, AfterUnlock& after) KVT_REQUIRES(ctx_.mu);
+  // Fails the room: its writes are released after the lock (cancelled and waited for), and only
+  // then is the decode side told (TransferDone with the reason), so that the message proves
+  // that no byte of the room lands any more.
+  void FailAndReportLocked(PrefillRoom& room, Status why, AfterUnlock& after) KVT_REQUIRES(ctx_.mu);
+  void TakeWritesLocked(PrefillRoom& room, AfterUnlock& after) KVT_REQUIRES(ctx_.mu);
+  void QueueDoneLocked(const PrefillRoom& room, AfterUnlock& after) KVT_REQUIRES(ctx_.mu);
+  void FinishLocked(PrefillRoom& room) KVT_REQUIRES(ctx_.mu);
+  // Does `after` now, or on the engine's worker when it may block.
+  void Run(AfterUnlock& after) KVT_EXCLUDES(ctx_.mu) { Dispatch(ctx_, after); }
+  void SendTo(control::ConnectionId conn, const v1::Envelope& envelope);
+
+  std::vector<CopyRun> TakeSpareRunsLocked() KVT_REQUIRES(ctx_.mu);
+  void RecycleRunsLocked(std::vector<CopyRun> runs) KVT_REQUIRES(ctx_.mu);
+
+  EngineContext& ctx_;
+  RequestTable<PrefillRoom> table_;
+  std::unique_ptr<control::ControlServer> server_;
+  std::unordered_map<control::ConnectionId, Session> sessions_ KVT_GUARDED_BY(ctx_.mu);
+  // Run storage of finished plans, reused by the next ones (planning then allocates nothing in
+  // steady state).
+  std::vector<std::vector<CopyRun>> spare_runs_ KVT_GUARDED_BY(ctx_.mu);
+  Clock::time_point last_sweep_ KVT_GUARDED_BY(ctx_.mu) = Clock::now();
+};
+
+}  // namespace kvt::transfer::engine

@@ -1,0 +1,381 @@
+// The engine's request table: rooms by id, their forward-only state machine, deadlines and
+// retention, shared by the prefill and the decode side (each keeps its own role-specific room
+// type deriving from RoomCore), and the context both sides and the poller share.
+//
+// Locking: one mutex per engine (EngineContext::mu) guards the table and each side's state.
+// Nothing that can block (a backend's Disconnect or Release, a CUDA synchronisation, a socket
+// connect) runs while it is held: such work is collected under the lock (AfterUnlock) and done
+// after it is released. Clang's -Wthread-safety checks the annotations.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <set>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "kvt/common/mutex.h"
+#include "kvt/common/status.h"
+#include "kvt/transfer/engine.h"
+#include "kvt/v1/peer.pb.h"
+
+namespace kvt::transfer::engine {
+
+using Clock = std::chrono::steady_clock;
+
+// Wakes the poller. Kick() never blocks for long (it takes a mutex of its own that nobody holds
+// while blocking), so backends may call it from CUDA host functions and progress threads; a kick
+// that comes before the poller waits is not lost.
+class Wakeup {
+ public:
+  void Kick() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      pending_ = true;
+    }
+    cv_.notify_all();
+  }
+  // Returns at `deadline` or once kicked (consuming the kick).
+  void WaitUntil(Clock::time_point deadline) {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait_until(lock, deadline, [this] { return pending_; });
+    pending_ = false;
+  }
+  bool Consume() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return std::exchange(pending_, false);
+  }
+  // Read without consuming (a spinning poller stops when a kick comes).
+  bool pending() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return pending_;
+  }
+
+ private:
+  std::mutex mu_;  // guards pending_ only; never held while blocking
+  std::condition_variable cv_;
+  bool pending_ = false;
+};
+
+class Worker;
+
+// What the engine's parts share. Immutable after Init except where annotated.
+struct EngineContext {
+  explicit EngineContext(const EngineOptions& o) : options(o) {}
+
+  const EngineOptions options;
+  std::shared_ptr<Backend> backend;
+  v1::Layout local_layout;
+  v1::PeerInfo local_info;
+  uint64_t item_len = 0;
+  uint64_t buffer_len = 0;
+  bool page_writes = false;      // the backend takes page lists (PostPages)
+  bool notified = false;         // the backend calls the completion notifier
+  bool waits_on_events = false;  // the backend waits for a producer's event on the GPU
+  int32_t num_layers() const { return static_cast<int32_t>(local_layout.num_layers()); }
+
+  Wakeup wakeup;                   // the poller's
+  std::unique_ptr<Worker> worker;  // blocking work (AfterUnlock::may_block)
+  mutable Mutex mu;
+  mutable CondVar final_cv;  // a room became final, or became reusable (WaitRequest)
+  bool stop KVT_GUARDED_BY(mu) = false;
+  EngineStats stats KVT_GUARDED_BY(mu);
+};
+
+// Work that must not run under the engine's mutex, collected while it is held and done, in this
+// order, right after it is released: handles of completed writes freed, writes still in flight
+// released (cancelled and waited for), then messages sent (so a "quiesced" message never
+// overtakes the quiescing), then backend peers disconnected, then anything else.
+struct AfterUnlock {
+  std::vector<WriteId> frees;     // completed writes: freeing them never blocks
+  std::vector<WriteId> releases;  // writes that may be in flight: releasing may block
+  std::vector<std::function<void()>> messages;
+  std::vector<PeerId> disconnects;
+  std::vector<std::function<void()>> tasks;
+  // Whether running it may block (then it goes to the engine's worker thread, never a control
+  // io thread, the poller or a caller's thread).
+  bool may_block() const { return !releases.empty() || !disconnects.empty() || !tasks.empty(); }
+  bool empty() const { return frees.empty() && !may_block() && messages.empty(); }
+  // Runs everything (the caller does not hold the engine's mutex).
+  void Run(Backend& backend) {
+    for (WriteId w : frees) backend.Release(w);
+    for (WriteId w : releases) backend.Release(w);
+    for (auto& m : messages) m();
+    for (PeerId p : disconnects) (void)backend.Disconnect(p, Backend::DisconnectMode::kPeerDead);
+    for (auto& t : tasks) t();
+    frees.clear();
+    releases.clear();
+    messages.clear();
+    disconnects.clear();
+    tasks.clear();
+  }
+};
+
+// One thread that runs the engine's blocking work (AfterUnlock bundles that may block) in the
+// order it was handed over, so that one slow peer's teardown never holds a control io thread,
+// the poller or a caller. Bounded: one thread per engine, whatever happens to peers.
+class Worker {
+ public:
+  explicit Worker(Backend& backend) : backend_(backend), thread_([this] { Loop(); }) {}
+  ~Worker() { Stop(); }
+  Worker(const Worker&) = delete;
+  Worker& operator=(const Worker&) = delete;
+
+  void Post(AfterUnlock work) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      queue_.push_back(std::move(work));
+    }
+    cv_.notify_all();
+  }
+  // Returns once everything posted before the call has run.
+  void Drain() {
+    std::unique_lock<std::mutex> lock(mu_);
+    const uint64_t target = posted_ + queue_.size();
+    drained_.wait(lock, [&] { return done_ >= target || stopping_; });
+  }
+  // Runs what is queued, then joins the thread.
+  void Stop() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stopping_) return;
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  void Loop() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (true) {
+      cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stopping, and nothing left
+      AfterUnlock work = std::move(queue_.front());
+      queue_.erase(queue_.begin());
+      ++posted_;
+      lock.unlock();
+      work.Run(backend_);
+      lock.lock();
+      ++done_;
+      drained_.notify_all();
+    }
+  }
+
+  Backend& backend_;
+  std::mutex mu_;  // guards the queue and counters; never held while work runs
+  std::condition_variable cv_;
+  std::condition_variable drained_;
+  std::vector<AfterUnlock> queue_;
+  uint64_t posted_ = 0;  // taken off the queue
+  uint64_t done_ = 0;    // finished
+  bool stopping_ = false;
+  std::thread thread_;  // last: starts once the rest is constructed
+};
+
+// Runs `after` now when nothing in it can block, else hands it to the worker.
+inline void Dispatch(EngineContext& ctx, AfterUnlock& after) {
+  if (after.empty()) return;
+  if (after.may_block() && ctx.worker) {
+    ctx.worker->Post(std::move(after));
+    after = AfterUnlock();
+    return;
+  }
+  after.Run(*ctx.backend);
+}
+
+// The role-independent part of a room.
+struct RoomCore {
+  std::string id;
+  RequestState state = RequestState::kBootstrapping;
+  Status status;
+  Clock::time_point created;
+  Clock::time_point deadline;
+  Clock::time_point finished;
+  int32_t layer_begin = 0;
+  int32_t layer_end = 0;
+  uint64_t bytes = 0;
+  bool pages_reusable = false;  // decode: no write into the pages can land any more
+  // RequestInfo's timeline.
+  Clock::time_point request_sent;
+  Clock::time_point request_seen;
+  Clock::time_point source_ready;
+  Clock::time_point first_post;
+  Clock::time_point last_post;
+  int32_t layers_posted = 0;
+};
+
+// Rooms of one role (`Room` derives from RoomCore), guarded by the context's mutex.
+template <typename Room>
+class RequestTable {
+ public:
+  explicit RequestTable(EngineContext& ctx) : ctx_(ctx) {}
+
+  Room* Find(const std::string& id) KVT_REQUIRES(ctx_.mu) {
+    auto it = rooms_.find(id);
+    return it == rooms_.end() ? nullptr : &it->second;
+  }
+  const Room* Find(const std::string& id) const KVT_REQUIRES(ctx_.mu) {
+    auto it = rooms_.find(id);
+    return it == rooms_.end() ? nullptr : &it->second;
+  }
+
+  // A new room in Bootstrapping with the given deadline (the caller checked it is new).
+  Room& Open(const std::string& id, std::chrono::milliseconds deadline) KVT_REQUIRES(ctx_.mu) {
+    Room& room = rooms_[id];
+    room.id = id;
+    room.created = Clock::now();
+    room.deadline = room.created + deadline;
+    room.layer_end = ctx_.num_layers();
+    active_.insert(id);
+    active_count_.store(active_.size(), std::memory_order_relaxed);
+    return room;
+  }
+
+  // Removes a room as if it never existed (no statistics).
+  void Erase(const std::string& id) KVT_REQUIRES(ctx_.mu) {
+    active_.erase(id);
+    active_count_.store(active_.size(), std::memory_order_relaxed);
+    rooms_.erase(id);
+  }
+
+  // Moves the state forward (never backward, never out of a final state). True when the room
+  // became final now.
+  bool Advance(Room& room, RequestState to) KVT_REQUIRES(ctx_.mu) {
+    if (IsFinal(room.state) || static_cast<int>(to) <= static_cast<int>(room.state)) return false;
+    room.state = to;
+    if (!IsFinal(to)) return false;
+    room.finished = Clock::now();
+    active_.erase(room.id);
+    active_count_.store(active_.size(), std::memory_order_relaxed);
+    if (to == RequestState::kSuccess) {
+      ++ctx_.stats.requests_succeeded;
+      ctx_.stats.bytes += room.bytes;
+    } else {
+      ++ctx_.stats.requests_failed;
+    }
+    ctx_.final_cv.NotifyAll();
+    return true;
+  }
+
+  // Fails a room that is not final yet; true when it did.
+  bool Fail(Room& room, Status why) KVT_REQUIRES(ctx_.mu) {
+    if (IsFinal(room.state)) return false;
+    room.status = std::move(why);
+    return Advance(room, RequestState::kFailed);
+  }
+
+  StatusOr<RequestInfo> Get(const std::string& id) const KVT_REQUIRES(ctx_.mu) {
+    const Room* room = Find(id);
+    if (room == nullptr) return NotFound("no room '" + id + "' on this engine");
+    return InfoOf(*room);
+  }
+
+  StatusOr<RequestInfo> Wait(const std::string& id, std::chrono::milliseconds timeout) const
+      KVT_REQUIRES(ctx_.mu) {
+    const auto until = Clock::now() + timeout;
+    while (true) {
+      const Room* room = Find(id);
+      if (room == nullptr) return NotFound("no room '" + id + "' on this engine");
+      if (IsFinal(room->state)) return InfoOf(*room);
+      if (Clock::now() >= until || !ctx_.final_cv.WaitUntil(ctx_.mu, until)) {
+        room = Find(id);
+        if (room != nullptr && IsFinal(room->state)) return InfoOf(*room);
+        if (room == nullptr) return NotFound("no room '" + id + "' on this engine");
+        return DeadlineExceeded("room '" + id + "' is still " + RequestStateName(room->state) +
+                                " after " + std::to_string(timeout.count()) + " ms");
+      }
+    }
+  }
+
+  Status Forget(const std::string& id) KVT_REQUIRES(ctx_.mu) {
+    Room* room = Find(id);
+    if (room == nullptr) return NotFound("no room '" + id + "' on this engine");
+    if (!IsFinal(room->state)) {
+      return FailedPrecondition("room '" + id + "' is still " + RequestStateName(room->state) +
+                                "; abort it first");
+    }
+    rooms_.erase(id);
+    return OkStatus();
+  }
+
+  // Forgets final rooms past `retention` for which `may_forget` holds.
+  template <typename Pred>
+  void Sweep(Clock::time_point now, std::chrono::milliseconds retention, Pred may_forget)
+      KVT_REQUIRES(ctx_.mu) {
+    for (auto it = rooms_.begin(); it != rooms_.end();) {
+      const Room& room = it->second;
+      const bool expired =
+          IsFinal(room.state) && now - room.finished > retention && may_forget(room);
+      it = expired ? rooms_.erase(it) : std::next(it);
+    }
+  }
+
+  // Ids of the rooms that are not final (a copy: callers may finish rooms while iterating).
+  std::vector<std::string> ActiveIds() const KVT_REQUIRES(ctx_.mu) {
+    return {active_.begin(), active_.end()};
+  }
+  // Every room (for callers that must look at final ones too).
+  template <typename Fn>
+  void ForEach(Fn fn) KVT_REQUIRES(ctx_.mu) {
+    for (auto& [id, room] : rooms_) fn(room);
+  }
+  // Non-final rooms, readable without the lock (busy-poll hints).
+  size_t active_count() const { return active_count_.load(std::memory_order_relaxed); }
+  size_t active_size() const KVT_REQUIRES(ctx_.mu) { return active_.size(); }
+
+  static RequestInfo InfoOf(const RoomCore& room) {
+    RequestInfo info;
+    info.room = room.id;
+    info.state = room.state;
+    info.status = room.status;
+    info.bytes = room.bytes;
+    info.layers_posted = room.layers_posted;
+    info.pages_reusable = room.pages_reusable;
+    info.created = room.created;
+    info.finished = room.finished;
+    info.request_sent = room.request_sent;
+    info.request_seen = room.request_seen;
+    info.source_ready = room.source_ready;
+    info.first_post = room.first_post;
+    info.last_post = room.last_post;
+    return info;
+  }
+
+ private:
+  EngineContext& ctx_;
+  std::unordered_map<std::string, Room> rooms_ KVT_GUARDED_BY(ctx_.mu);
+  std::set<std::string> active_ KVT_GUARDED_BY(ctx_.mu);  // non-final rooms
+  std::atomic<size_t> active_count_{0};                   // active_.size()
+};
+
+// The part of an engine that plays one role; the TransferEngine forwards to it.
+class EngineSide {
+ public:
+  virtual ~EngineSide() = default;
+  virtual StatusOr<RequestInfo> GetRequest(const std::string& room) const = 0;
+  virtual StatusOr<RequestInfo> WaitRequest(const std::string& room,
+                                            std::chrono::milliseconds timeout) const = 0;
+  virtual Status Abort(const std::string& room, const std::string& reason) = 0;
+  virtual Status Forget(const std::string& room) = 0;
+
+  // One pass of the poller: deadlines, completions, retention. Returns when the poller should
+  // run again at the latest; `spin_write` is set to a write worth watching without sleeping
+  // (a device write whose source is ready, so its copy runs now), else 0.
+  struct PollResult {
+    Clock::time_point next;
+    WriteId spin_write = 0;
+  };
+  virtual PollResult PollPass(Clock::time_point now) = 0;
+
+  // Stops the side: every room not final fails, writes are quiesced, peers are told, sessions
+  // close. Called once, after the poller stopped.
+  virtual void Shutdown() = 0;
+};
+
+}  // namespace kvt::transfer::engine
