@@ -8,10 +8,10 @@
 #include <algorithm>
 #include <cerrno>
 
+#include "control/protocol.h"
 #include "engine/layout_codec.h"
 #include "engine/process_identity.h"
 #include "kvt/common/log.h"
-#include "kvt/transfer/control/protocol.h"
 
 namespace kvt::transfer::engine {
 namespace {
@@ -246,7 +246,7 @@ StatusOr<RequestInfo> DecodeSide::GetRequest(const std::string& room) const {
 StatusOr<RequestInfo> DecodeSide::WaitRequest(const std::string& room,
                                               std::chrono::milliseconds timeout) const {
   MutexLock lock(ctx_.mu);
-  return table_.Wait(room, timeout);
+  return WaitForFinal(ctx_, table_, room, timeout);
 }
 
 Status DecodeSide::Abort(const std::string& room_id, const std::string& reason) {
@@ -416,12 +416,13 @@ void DecodeSide::OnPeerMessage(PeerHandle peer_id, const v1::Envelope& envelope)
       const v1::Goodbye& goodbye = envelope.goodbye();
       p.alive = false;
       p.said_goodbye = goodbye.writes_quiesced();
-      table_.ForEach([&](DecodeRoom& room) {
-        if (room.peer != peer_id) return;
-        FailLocked(room, Unavailable("the prefill peer " + p.address +
-                                     " ended the session: " + goodbye.reason()));
-        if (goodbye.writes_quiesced()) MarkReusableLocked(room);
-      });
+      for (const std::string& id : table_.AllIds()) {
+        DecodeRoom* room = RoomOfLocked(peer_id, id);
+        if (room == nullptr) continue;
+        FailLocked(*room, Unavailable("the prefill peer " + p.address +
+                                      " ended the session: " + goodbye.reason()));
+        if (goodbye.writes_quiesced()) MarkReusableLocked(*room);
+      }
       KVT_LOG_INFO("xfer", "prefill peer '{}' at {} ended the session: {}", p.info.name(),
                    p.address, goodbye.reason());
       return;
@@ -466,14 +467,15 @@ void DecodeSide::OnPeerDisconnect(PeerHandle peer_id, const Status& why) {
   lost.give_up = Clock::now() + ctx_.options.peer_timeout;
   lost.backend_peer = std::exchange(p.backend_peer, std::nullopt);
   int failed = 0;
-  table_.ForEach([&](DecodeRoom& room) {
-    if (room.peer != peer_id) return;
-    if (FailLocked(room,
+  for (const std::string& id : table_.AllIds()) {
+    DecodeRoom* room = RoomOfLocked(peer_id, id);
+    if (room == nullptr) continue;
+    if (FailLocked(*room,
                    Unavailable("the prefill peer " + p.address + " was lost: " + why.ToString()))) {
       ++failed;
     }
-    if (!room.pages_reusable) lost.quarantined.push_back(room.id);
-  });
+    if (!room->pages_reusable) lost.quarantined.push_back(room->id);
+  }
   KVT_LOG_WARN("xfer",
                "lost prefill peer '{}' at {} ({}); {} requests failed, {} keep their pages "
                "quarantined until its process is known to be gone",

@@ -22,8 +22,8 @@
 #include <thread>
 #include <vector>
 
+#include "control/control_client.h"
 #include "engine/request_table.h"
-#include "kvt/transfer/control/control_client.h"
 
 namespace kvt::transfer::engine {
 
@@ -120,7 +120,7 @@ class DecodeSide final : public EngineSide {
   Status SendToPeerLocked(PeerHandle peer, const v1::Envelope& envelope) KVT_REQUIRES(ctx_.mu);
 
   EngineContext& ctx_;
-  RequestTable<DecodeRoom> table_;
+  RequestTable<DecodeRoom> table_ KVT_GUARDED_BY(ctx_.mu);
   std::map<PeerHandle, std::unique_ptr<DecodePeer>> peers_ KVT_GUARDED_BY(ctx_.mu);
   // Connections being made, by address: a second ConnectPeer to the same address waits for the
   // first one's result instead of opening another connection.

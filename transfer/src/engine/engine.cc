@@ -5,7 +5,7 @@
 
 #include <unistd.h>
 
-#include "backends/host_identity.h"
+#include "backends/common/host_identity.h"
 #include "engine/decode_side.h"
 #include "engine/layout_codec.h"
 #include "engine/poller.h"
@@ -58,7 +58,7 @@ class TransferEngine::Impl {
     KVT_ASSIGN_OR_RETURN(ctx_.local_layout,
                          LayoutFromPool(*pool_, options.tp_rank, options.tp_size));
     if (!ctx_.backend) {
-      KVT_ASSIGN_OR_RETURN(ctx_.backend, CreateBackend(options.backend, options.backend_options));
+      KVT_ASSIGN_OR_RETURN(ctx_.backend, CreateBackend(options.backend));
     }
     std::vector<LocalRegion> regions;
     for (size_t i = 0; i < infos.data_ptrs.size(); ++i) {

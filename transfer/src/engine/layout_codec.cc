@@ -1,6 +1,6 @@
 #include "engine/layout_codec.h"
 
-#include "kvt/transfer/control/protocol.h"
+#include "control/protocol.h"
 
 namespace kvt::transfer {
 

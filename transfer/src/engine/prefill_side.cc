@@ -2,10 +2,10 @@
 
 #include <algorithm>
 
+#include "control/protocol.h"
 #include "engine/layout_codec.h"
 #include "kvt/common/log.h"
 #include "kvt/kernels/cuda_util.h"
-#include "kvt/transfer/control/protocol.h"
 
 namespace kvt::transfer::engine {
 namespace {
@@ -47,7 +47,7 @@ Status PrefillSide::Start() {
   server.limits.idle_timeout = ctx_.options.peer_timeout;
   // The server polls while any request of the engine is not final.
   server.busy_poll.window = ctx_.options.control_busy_poll;
-  server.busy_poll.hint = [this] { return table_.active_count() > 0; };
+  server.busy_poll.hint = [this] { return ActiveRooms() > 0; };
   KVT_ASSIGN_OR_RETURN(server_, control::ControlServer::Create(server, this));
   return OkStatus();
 }
@@ -104,7 +104,7 @@ StatusOr<RequestInfo> PrefillSide::GetRequest(const std::string& room) const {
 StatusOr<RequestInfo> PrefillSide::WaitRequest(const std::string& room,
                                                std::chrono::milliseconds timeout) const {
   MutexLock lock(ctx_.mu);
-  return table_.Wait(room, timeout);
+  return WaitForFinal(ctx_, table_, room, timeout);
 }
 
 Status PrefillSide::Abort(const std::string& room_id, const std::string& reason) {

@@ -14,8 +14,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include "control/control_server.h"
 #include "engine/request_table.h"
-#include "kvt/transfer/control/control_server.h"
 #include "kvt/transfer/plan.h"
 
 namespace kvt::transfer::engine {
@@ -97,12 +97,16 @@ class PrefillSide final : public EngineSide, public control::ControlHandler {
   // Does `after` now, or on the engine's worker when it may block.
   void Run(AfterUnlock& after) KVT_EXCLUDES(ctx_.mu) { Dispatch(ctx_, after); }
   void SendTo(control::ConnectionId conn, const v1::Envelope& envelope);
+  // Non-final rooms, read without the lock by the control server's io threads (an atomic).
+  size_t ActiveRooms() const KVT_NO_THREAD_SAFETY_ANALYSIS {
+    return table_.active_counter().load(std::memory_order_relaxed);
+  }
 
   std::vector<CopyRun> TakeSpareRunsLocked() KVT_REQUIRES(ctx_.mu);
   void RecycleRunsLocked(std::vector<CopyRun> runs) KVT_REQUIRES(ctx_.mu);
 
   EngineContext& ctx_;
-  RequestTable<PrefillRoom> table_;
+  RequestTable<PrefillRoom> table_ KVT_GUARDED_BY(ctx_.mu);
   std::unique_ptr<control::ControlServer> server_;
   std::unordered_map<control::ConnectionId, Session> sessions_ KVT_GUARDED_BY(ctx_.mu);
   // Run storage of finished plans, reused by the next ones (planning then allocates nothing in

@@ -85,6 +85,8 @@ struct EngineContext {
   mutable CondVar final_cv;  // a room became final, or became reusable (WaitRequest)
   bool stop KVT_GUARDED_BY(mu) = false;
   EngineStats stats KVT_GUARDED_BY(mu);
+  // For the request tables, which are themselves guarded by `mu` where they are declared.
+  EngineStats& stats_storage() KVT_NO_THREAD_SAFETY_ANALYSIS { return stats; }
 };
 
 // Work that must not run under the engine's mutex, collected while it is held and done, in this
@@ -210,35 +212,37 @@ struct RoomCore {
   int32_t layers_posted = 0;
 };
 
-// Rooms of one role (`Room` derives from RoomCore), guarded by the context's mutex.
+// Rooms of one role (`Room` derives from RoomCore). Not synchronised itself: the side that owns
+// it declares it KVT_GUARDED_BY the context's mutex, so every use needs that lock held.
 template <typename Room>
 class RequestTable {
  public:
-  explicit RequestTable(EngineContext& ctx) : ctx_(ctx) {}
+  explicit RequestTable(EngineContext& ctx)
+      : num_layers_(ctx.num_layers()), stats_(ctx.stats_storage()), final_cv_(ctx.final_cv) {}
 
-  Room* Find(const std::string& id) KVT_REQUIRES(ctx_.mu) {
+  Room* Find(const std::string& id) {
     auto it = rooms_.find(id);
     return it == rooms_.end() ? nullptr : &it->second;
   }
-  const Room* Find(const std::string& id) const KVT_REQUIRES(ctx_.mu) {
+  const Room* Find(const std::string& id) const {
     auto it = rooms_.find(id);
     return it == rooms_.end() ? nullptr : &it->second;
   }
 
   // A new room in Bootstrapping with the given deadline (the caller checked it is new).
-  Room& Open(const std::string& id, std::chrono::milliseconds deadline) KVT_REQUIRES(ctx_.mu) {
+  Room& Open(const std::string& id, std::chrono::milliseconds deadline) {
     Room& room = rooms_[id];
     room.id = id;
     room.created = Clock::now();
     room.deadline = room.created + deadline;
-    room.layer_end = ctx_.num_layers();
+    room.layer_end = num_layers_;
     active_.insert(id);
     active_count_.store(active_.size(), std::memory_order_relaxed);
     return room;
   }
 
   // Removes a room as if it never existed (no statistics).
-  void Erase(const std::string& id) KVT_REQUIRES(ctx_.mu) {
+  void Erase(const std::string& id) {
     active_.erase(id);
     active_count_.store(active_.size(), std::memory_order_relaxed);
     rooms_.erase(id);
@@ -246,7 +250,7 @@ class RequestTable {
 
   // Moves the state forward (never backward, never out of a final state). True when the room
   // became final now.
-  bool Advance(Room& room, RequestState to) KVT_REQUIRES(ctx_.mu) {
+  bool Advance(Room& room, RequestState to) {
     if (IsFinal(room.state) || static_cast<int>(to) <= static_cast<int>(room.state)) return false;
     room.state = to;
     if (!IsFinal(to)) return false;
@@ -254,46 +258,29 @@ class RequestTable {
     active_.erase(room.id);
     active_count_.store(active_.size(), std::memory_order_relaxed);
     if (to == RequestState::kSuccess) {
-      ++ctx_.stats.requests_succeeded;
-      ctx_.stats.bytes += room.bytes;
+      ++stats_.requests_succeeded;
+      stats_.bytes += room.bytes;
     } else {
-      ++ctx_.stats.requests_failed;
+      ++stats_.requests_failed;
     }
-    ctx_.final_cv.NotifyAll();
+    final_cv_.NotifyAll();
     return true;
   }
 
   // Fails a room that is not final yet; true when it did.
-  bool Fail(Room& room, Status why) KVT_REQUIRES(ctx_.mu) {
+  bool Fail(Room& room, Status why) {
     if (IsFinal(room.state)) return false;
     room.status = std::move(why);
     return Advance(room, RequestState::kFailed);
   }
 
-  StatusOr<RequestInfo> Get(const std::string& id) const KVT_REQUIRES(ctx_.mu) {
+  StatusOr<RequestInfo> Get(const std::string& id) const {
     const Room* room = Find(id);
     if (room == nullptr) return NotFound("no room '" + id + "' on this engine");
     return InfoOf(*room);
   }
 
-  StatusOr<RequestInfo> Wait(const std::string& id, std::chrono::milliseconds timeout) const
-      KVT_REQUIRES(ctx_.mu) {
-    const auto until = Clock::now() + timeout;
-    while (true) {
-      const Room* room = Find(id);
-      if (room == nullptr) return NotFound("no room '" + id + "' on this engine");
-      if (IsFinal(room->state)) return InfoOf(*room);
-      if (Clock::now() >= until || !ctx_.final_cv.WaitUntil(ctx_.mu, until)) {
-        room = Find(id);
-        if (room != nullptr && IsFinal(room->state)) return InfoOf(*room);
-        if (room == nullptr) return NotFound("no room '" + id + "' on this engine");
-        return DeadlineExceeded("room '" + id + "' is still " + RequestStateName(room->state) +
-                                " after " + std::to_string(timeout.count()) + " ms");
-      }
-    }
-  }
-
-  Status Forget(const std::string& id) KVT_REQUIRES(ctx_.mu) {
+  Status Forget(const std::string& id) {
     Room* room = Find(id);
     if (room == nullptr) return NotFound("no room '" + id + "' on this engine");
     if (!IsFinal(room->state)) {
@@ -306,8 +293,7 @@ class RequestTable {
 
   // Forgets final rooms past `retention` for which `may_forget` holds.
   template <typename Pred>
-  void Sweep(Clock::time_point now, std::chrono::milliseconds retention, Pred may_forget)
-      KVT_REQUIRES(ctx_.mu) {
+  void Sweep(Clock::time_point now, std::chrono::milliseconds retention, Pred may_forget) {
     for (auto it = rooms_.begin(); it != rooms_.end();) {
       const Room& room = it->second;
       const bool expired =
@@ -316,18 +302,18 @@ class RequestTable {
     }
   }
 
-  // Ids of the rooms that are not final (a copy: callers may finish rooms while iterating).
-  std::vector<std::string> ActiveIds() const KVT_REQUIRES(ctx_.mu) {
-    return {active_.begin(), active_.end()};
+  // Ids of the rooms that are not final / of every room (copies: callers may finish or remove
+  // rooms while iterating).
+  std::vector<std::string> ActiveIds() const { return {active_.begin(), active_.end()}; }
+  std::vector<std::string> AllIds() const {
+    std::vector<std::string> ids;
+    ids.reserve(rooms_.size());
+    for (const auto& [id, room] : rooms_) ids.push_back(id);
+    return ids;
   }
-  // Every room (for callers that must look at final ones too).
-  template <typename Fn>
-  void ForEach(Fn fn) KVT_REQUIRES(ctx_.mu) {
-    for (auto& [id, room] : rooms_) fn(room);
-  }
-  // Non-final rooms, readable without the lock (busy-poll hints).
-  size_t active_count() const { return active_count_.load(std::memory_order_relaxed); }
-  size_t active_size() const KVT_REQUIRES(ctx_.mu) { return active_.size(); }
+  size_t active_size() const { return active_.size(); }
+  // Non-final rooms; an atomic, so it may be read without the lock (busy-poll hints).
+  const std::atomic<size_t>& active_counter() const { return active_count_; }
 
   static RequestInfo InfoOf(const RoomCore& room) {
     RequestInfo info;
@@ -348,11 +334,31 @@ class RequestTable {
   }
 
  private:
-  EngineContext& ctx_;
-  std::unordered_map<std::string, Room> rooms_ KVT_GUARDED_BY(ctx_.mu);
-  std::set<std::string> active_ KVT_GUARDED_BY(ctx_.mu);  // non-final rooms
-  std::atomic<size_t> active_count_{0};                   // active_.size()
+  const int32_t num_layers_;
+  EngineStats& stats_;  // the context's, under its mutex like the table
+  CondVar& final_cv_;
+  std::unordered_map<std::string, Room> rooms_;
+  std::set<std::string> active_;         // non-final rooms
+  std::atomic<size_t> active_count_{0};  // active_.size()
 };
+
+// Waits until the room is final (its info), or `timeout` (DeadlineExceeded).
+template <typename Room>
+StatusOr<RequestInfo> WaitForFinal(EngineContext& ctx, const RequestTable<Room>& table,
+                                   const std::string& id, std::chrono::milliseconds timeout)
+    KVT_REQUIRES(ctx.mu) {
+  const auto until = Clock::now() + timeout;
+  while (true) {
+    const Room* room = table.Find(id);
+    if (room == nullptr) return NotFound("no room '" + id + "' on this engine");
+    if (IsFinal(room->state)) return table.InfoOf(*room);
+    if (Clock::now() >= until) {
+      return DeadlineExceeded("room '" + id + "' is still " + RequestStateName(room->state) +
+                              " after " + std::to_string(timeout.count()) + " ms");
+    }
+    ctx.final_cv.WaitUntil(ctx.mu, until);
+  }
+}
 
 // The part of an engine that plays one role; the TransferEngine forwards to it.
 class EngineSide {
