@@ -7,6 +7,7 @@
 #include <string>
 
 #include "kvt/common/env.h"
+#include "kvt/common/log_level.h"
 
 namespace kvt {
 namespace env {
@@ -21,19 +22,41 @@ std::optional<std::string> Get(const char* name) {
 
 namespace {
 
+constexpr char kLevelNames[] = "trace, debug, info, warn, error, critical, off";
+
 spdlog::level::level_enum LevelFromEnv() {
   static const spdlog::level::level_enum level = [] {
     auto value = env::Get(env::kLogLevel);
     if (!value) return spdlog::level::info;
-    auto parsed = spdlog::level::from_str(*value);
-    // from_str answers "off" for names it does not know; only "off" itself should mean off.
-    if (parsed == spdlog::level::off && *value != "off") return spdlog::level::info;
-    return parsed;
+    StatusOr<spdlog::level::level_enum> parsed = ParseLogLevel(*value);
+    return parsed.ok() ? *parsed : spdlog::level::info;
   }();
   return level;
 }
 
 }  // namespace
+
+StatusOr<spdlog::level::level_enum> ParseLogLevel(std::string_view name) {
+  // spdlog's from_str answers "off" for names it does not know: only "off" itself means off.
+  const spdlog::level::level_enum parsed = spdlog::level::from_str(std::string(name));
+  if (parsed != spdlog::level::off || name == "off") return parsed;
+  // Appended piece by piece: GCC 12 warns falsely (-Wrestrict) on "'" + std::string(...).
+  std::string message = "'";
+  message += name;
+  message += "' is not a log level; use one of ";
+  message += kLevelNames;
+  return InvalidArgument(std::move(message));
+}
+
+Status CheckLogLevelEnv() {
+  auto value = env::Get(env::kLogLevel);
+  if (!value) return OkStatus();
+  StatusOr<spdlog::level::level_enum> parsed = ParseLogLevel(*value);
+  if (parsed.ok()) return OkStatus();
+  return InvalidArgument(std::string(env::kLogLevel) + "='" + *value +
+                         "' is not a log level; use one of " + kLevelNames +
+                         " (or unset it for info)");
+}
 
 std::shared_ptr<spdlog::logger> Logger(std::string_view tag) {
   static std::mutex mutex;  // guards creation; spdlog's registry is itself thread-safe

@@ -7,7 +7,8 @@
 
 namespace kvt::env {
 
-// KVT_LOG_LEVEL: trace | debug | info | warn | error | off (default info).
+// KVT_LOG_LEVEL: trace | debug | info | warn | error | critical | off (default info); other
+// values are refused by the programs (CheckLogLevelEnv in kvt/common/log_level.h).
 inline constexpr const char* kLogLevel = "KVT_LOG_LEVEL";
 
 // KVT_CLUSTER_TOKEN: the shared secret control connections authenticate with (HMAC-SHA256

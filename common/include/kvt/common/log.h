@@ -1,7 +1,8 @@
 // Logging through spdlog with one logger per component tag ("pool", "kern", "xfer", "ucx",
 // "ipc", "nccl", "ctl", "tool"). Loggers are created on first use and are thread-safe.
-// The level comes from KVT_LOG_LEVEL (trace, debug, info, warn, error, off; default info),
-// read once (see kvt/common/env.h).
+// The level comes from KVT_LOG_LEVEL (trace, debug, info, warn, error, critical, off; default
+// info), read once (see kvt/common/env.h). A value that names no level leaves the library at
+// info; programs refuse it first (CheckLogLevelEnv, kvt/common/log_level.h).
 #pragma once
 
 #include <spdlog/spdlog.h>
