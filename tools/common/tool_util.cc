@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <deque>
@@ -54,8 +55,19 @@ Status WriteReadyFile(const std::string& path, const std::string& contents) {
   return OkStatus();
 }
 
+std::string DescribeWaitStatus(int status) {
+  if (WIFEXITED(status)) return "exited with code " + std::to_string(WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) {
+    const int sig = WTERMSIG(status);
+    const char* name = strsignal(sig);
+    return "was killed by signal " + std::to_string(sig) +
+           (name != nullptr ? " (" + std::string(name) + ")" : std::string());
+  }
+  return "stopped (wait status " + std::to_string(status) + ")";
+}
+
 StatusOr<std::string> WaitReadyFile(const std::string& path, std::chrono::milliseconds timeout,
-                                    pid_t pid) {
+                                    pid_t pid, const std::function<bool()>& stop) {
   const auto until = Clock::now() + timeout;
   while (true) {
     std::ifstream in(path);
@@ -67,10 +79,11 @@ StatusOr<std::string> WaitReadyFile(const std::string& path, std::chrono::millis
     if (pid > 0) {
       int status = 0;
       if (waitpid(pid, &status, WNOHANG) == pid) {
-        return Aborted("process " + std::to_string(pid) + " exited (status " +
-                       std::to_string(status) + ") before writing '" + path + "'");
+        return Aborted("process " + std::to_string(pid) + " " + DescribeWaitStatus(status) +
+                       " before writing '" + path + "'");
       }
     }
+    if (stop && stop()) return Aborted("stopped while waiting for '" + path + "'");
     if (Clock::now() > until) {
       return DeadlineExceeded("'" + path + "' did not appear within " +
                               std::to_string(timeout.count()) + " ms");
@@ -95,6 +108,20 @@ void BlockTerminationSignals() {
   pthread_sigmask(SIG_BLOCK, &set, nullptr);
 }
 
+int WaitForTerminationSignalFor(std::chrono::milliseconds timeout) {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGINT);
+  sigaddset(&set, SIGTERM);
+  const auto ms = std::max<int64_t>(0, timeout.count());
+  timespec wait{static_cast<time_t>(ms / 1000), static_cast<long>(ms % 1000) * 1000000L};
+  while (true) {
+    const int sig = sigtimedwait(&set, nullptr, &wait);
+    if (sig > 0) return sig;
+    if (errno != EINTR) return 0;  // EAGAIN: none within the timeout
+  }
+}
+
 int WaitForTerminationSignal() {
   sigset_t set;
   sigemptyset(&set);
@@ -112,8 +139,18 @@ StatusOr<ChildProcess> ChildProcess::Spawn(const std::vector<std::string>& argv,
   std::vector<char*> args;
   for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
+  // The child reports a failed exec through this pipe (its errno); a successful exec closes it.
+  int exec_pipe[2];
+  if (pipe2(exec_pipe, O_CLOEXEC) != 0) {
+    return Unavailable(std::string("cannot start ") + argv[0] + ": pipe: " + std::strerror(errno));
+  }
   const pid_t pid = fork();
-  if (pid < 0) return Unavailable(std::string("fork: ") + std::strerror(errno));
+  if (pid < 0) {
+    const int err = errno;
+    close(exec_pipe[0]);
+    close(exec_pipe[1]);
+    return Unavailable("cannot start " + argv[0] + ": fork: " + std::strerror(err));
+  }
   if (pid == 0) {
     // Child: restore default signal handling, redirect output, exec.
     sigset_t none;
@@ -127,7 +164,23 @@ StatusOr<ChildProcess> ChildProcess::Spawn(const std::vector<std::string>& argv,
       }
     }
     execv(args[0], args.data());
+    const int err = errno;
+    ssize_t ignored = write(exec_pipe[1], &err, sizeof(err));
+    (void)ignored;
     _exit(127);
+  }
+  close(exec_pipe[1]);
+  int exec_errno = 0;
+  ssize_t n;
+  do {
+    n = read(exec_pipe[0], &exec_errno, sizeof(exec_errno));
+  } while (n < 0 && errno == EINTR);
+  close(exec_pipe[0]);
+  if (n == static_cast<ssize_t>(sizeof(exec_errno))) {
+    int status = 0;
+    waitpid(pid, &status, 0);
+    return FailedPrecondition("cannot execute " + argv[0] + ": " + std::strerror(exec_errno) +
+                              "; check the path and that the file is an executable program");
   }
   ChildProcess child;
   child.pid_ = pid;

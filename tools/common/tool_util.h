@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -28,9 +29,13 @@ StatusOr<HostPort> ParseHostPort(const std::string& text);
 Status WriteReadyFile(const std::string& path, const std::string& contents);
 
 // Waits until `path` exists and is non-empty, then returns its contents. DeadlineExceeded after
-// `timeout`; Aborted when `pid` (if > 0) exits first.
+// `timeout`; Aborted when `pid` (if > 0) exits first (saying how, in words) or when `stop` (if
+// set; polled every 10 ms) returns true.
 StatusOr<std::string> WaitReadyFile(const std::string& path, std::chrono::milliseconds timeout,
-                                    pid_t pid = -1);
+                                    pid_t pid = -1, const std::function<bool()>& stop = nullptr);
+
+// A waitpid status in words: "exited with code 3", "was killed by signal 9 (Killed)".
+std::string DescribeWaitStatus(int status);
 
 // Makes this process receive SIGTERM when its parent exits (Linux prctl), so agents started by
 // a driver never outlive it, even when the driver is killed with SIGKILL.
@@ -40,12 +45,16 @@ Status ExitWithParent();
 // once one of them arrives: the signal number.
 void BlockTerminationSignals();
 int WaitForTerminationSignal();
+// After BlockTerminationSignals: waits up to `timeout` (0: just looks) for SIGINT/SIGTERM and
+// returns it (consumed), or 0 when none came.
+int WaitForTerminationSignalFor(std::chrono::milliseconds timeout);
 
 // A child process started with argv; killed (SIGTERM, then SIGKILL after `grace`) and reaped
 // when the object is destroyed, unless it was already waited for.
 class ChildProcess {
  public:
   ChildProcess() = default;
+  // FailedPrecondition "cannot execute PATH: <reason>" when argv[0] cannot be executed.
   static StatusOr<ChildProcess> Spawn(const std::vector<std::string>& argv,
                                       const std::string& log_path = "");
   ~ChildProcess();
