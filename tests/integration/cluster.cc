@@ -78,13 +78,17 @@ Cluster::~Cluster() {
   }
 }
 
+std::string FileStem(const AgentSpec& spec) {
+  return spec.tp_size > 1 ? spec.name + ".rank" + std::to_string(spec.tp_rank) : spec.name;
+}
+
 StatusOr<std::vector<AgentProcess*>> Cluster::StartAgents(const std::vector<AgentSpec>& specs) {
   KVT_ASSIGN_OR_RETURN(const std::string agent_binary, AgentBinary());
   std::vector<AgentProcess*> started;
   for (const AgentSpec& spec : specs) {
     auto agent = std::make_unique<AgentProcess>();
     agent->spec = spec;
-    agent->log_path = dir_ + "/" + spec.name + ".log";
+    agent->log_path = dir_ + "/" + FileStem(spec) + ".log";
     const AgentLayout& l = spec.layout;
     std::vector<std::string> argv = {agent_binary,
                                      "--role",
@@ -114,18 +118,24 @@ StatusOr<std::vector<AgentProcess*>> Cluster::StartAgents(const std::vector<Agen
                                      "--layer-time-us",
                                      std::to_string(spec.layer_time_us),
                                      "--ready-file",
-                                     dir_ + "/" + spec.name + ".json",
+                                     dir_ + "/" + FileStem(spec) + ".json",
                                      "--exit-with-parent"};
     if (!spec.ucx_cuda_mode.empty()) {
       argv.push_back("--ucx-cuda-mode");
       argv.push_back(spec.ucx_cuda_mode);
+    }
+    if (spec.tp_size != 1 || spec.tp_rank != 0) {
+      for (const std::string& arg : {std::string("--tp-rank"), std::to_string(spec.tp_rank),
+                                     std::string("--tp-size"), std::to_string(spec.tp_size)}) {
+        argv.push_back(arg);
+      }
     }
     KVT_ASSIGN_OR_RETURN(agent->process, tools::ChildProcess::Spawn(argv, agent->log_path));
     agents_.push_back(std::move(agent));
     started.push_back(agents_.back().get());
   }
   for (AgentProcess* agent : started) {
-    const std::string ready = dir_ + "/" + agent->spec.name + ".json";
+    const std::string ready = dir_ + "/" + FileStem(agent->spec) + ".json";
     KVT_ASSIGN_OR_RETURN(std::string text,
                          tools::WaitReadyFile(ready, kReadyTimeout, agent->process.pid()));
     KVT_ASSIGN_OR_RETURN(nlohmann::json j, ParseReady(text, ready));

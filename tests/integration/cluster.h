@@ -46,7 +46,13 @@ struct AgentSpec {
   std::string device = "host";  // --device: host or cuda:N
   std::string backend = "ucx";  // --backend
   std::string ucx_cuda_mode;    // --ucx-cuda-mode (empty: the agent's default)
+  uint32_t tp_rank = 0;         // --tp-rank; ranks of one TP group share `name`
+  uint32_t tp_size = 1;         // --tp-size
 };
+
+// The stem of an agent's log and ready file in the scratch folder: its name, and its rank when
+// it is one of several TP ranks sharing the name.
+std::string FileStem(const AgentSpec& spec);
 
 // Environment variables that point the harness at other binaries.
 inline constexpr char kAgentBinEnv[] = "KVT_AGENT_BIN";

@@ -17,6 +17,7 @@
 #include "device_spec.h"
 #include "kvt/kernels/cuda_util.h"
 #include "page_list_arena.h"
+#include "pattern_id.h"
 #include "run_tool.h"
 #include "tool_util.h"
 
@@ -245,6 +246,79 @@ TEST(KvtAgentCliTest, BadUcxCudaModeIsRefused) {
   const ToolResult r = RunTool(KVT_AGENT_PATH, "--ucx-cuda-mode sometimes");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_THAT(r.out + r.err, HasSubstr("--ucx-cuda-mode"));
+}
+
+// Range errors name the flag, the allowed range and the value in plain numbers (CLI11's own
+// validators print their double bounds with hundreds of digits).
+TEST(KvtAgentCliTest, RangeErrorsSayFlagRangeAndValuePlainly) {
+  struct Case {
+    std::string args, flag, value, allowed;
+  };
+  for (const Case& c : {Case{"--layers 0", "--layers", "0", "1..4096"},
+                        Case{"--heads -3", "--heads", "-3", "1..65536"},
+                        Case{"--tokens 0", "--tokens", "0", ">= 1"},
+                        Case{"--deadline-ms 0", "--deadline-ms", "0", "1..3600000"},
+                        Case{"--ucx-copy-threads 65", "--ucx-copy-threads", "65", "0..64"},
+                        Case{"--layer-time-us -5", "--layer-time-us", "-5", ">= 0"},
+                        Case{"--page-size 16x", "--page-size", "16x", "1..65536"}}) {
+    const ToolResult r = RunTool(KVT_AGENT_PATH, c.args);
+    EXPECT_NE(r.exit_code, 0) << c.args;
+    const std::string text = r.out + r.err;
+    EXPECT_THAT(text, HasSubstr(c.flag)) << c.args;
+    EXPECT_THAT(text, HasSubstr(c.value)) << c.args;
+    EXPECT_THAT(text, HasSubstr(c.allowed)) << c.args;
+    EXPECT_THAT(text, ::testing::Not(::testing::ContainsRegex("[0-9]{20}"))) << c.args;
+    EXPECT_THAT(text, ::testing::Not(HasSubstr("e+308"))) << c.args;
+  }
+}
+
+TEST(KvtAgentCliTest, TpRankMustBeBelowTpSize) {
+  const ToolResult r = RunTool(KVT_AGENT_PATH, "--tp-rank 2 --tp-size 2");
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_THAT(r.err, HasSubstr("--tp-rank 2 is not below --tp-size 2"));
+  EXPECT_THAT(r.err, HasSubstr("0..1"));
+}
+
+TEST(KvtAgentCliTest, UnknownLogLevelIsRefusedWithTheAllowedOnes) {
+  // The bad --rpc is never reached when the level is checked first, as it must be.
+  const ToolResult r =
+      RunTool(std::string("KVT_LOG_LEVEL=verbose ") + KVT_AGENT_PATH, "--rpc 127.0.0.1:99999");
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_THAT(r.err, HasSubstr("KVT_LOG_LEVEL='verbose'"));
+  EXPECT_THAT(r.err, HasSubstr("trace, debug, info, warn, error"));
+}
+
+// The errors a user can cause name flags and values, never the classes behind them.
+TEST(KvtAgentCliTest, ErrorsNameNoInternalClasses) {
+  for (const std::string args :
+       {"--tokens 8 --page-size 16", "--dtype fp4", "--listen nowhere", "--rpc 1.2.3.4:99999",
+        "--bootstrap bad", "--tp-rank 3 --tp-size 2", "--heads 0", "--role both"}) {
+    const ToolResult r = RunTool(KVT_AGENT_PATH, args + " --bootstrap-wait-s 0");
+    EXPECT_NE(r.exit_code, 0) << args;
+    // The error is the last line; the status code's name ("InvalidArgument: ") may lead it.
+    std::string text = r.out + r.err;
+    while (!text.empty() && text.back() == '\n') text.pop_back();
+    text = text.substr(text.rfind('\n') == std::string::npos ? 0 : text.rfind('\n') + 1);
+    std::string after_code = text;
+    for (const std::string code :
+         {"InvalidArgument: ", "FailedPrecondition: ", "NotFound: ", "Unavailable: ",
+          "OutOfRange: ", "AlreadyExists: ", "ResourceExhausted: ", "Aborted: ",
+          "DeadlineExceeded: ", "Unimplemented: ", "DataLoss: ", "Internal: "}) {
+      const size_t at = after_code.find(code);
+      if (at != std::string::npos) after_code.erase(at, code.size());
+    }
+    EXPECT_THAT(after_code, ::testing::Not(::testing::ContainsRegex("[A-Z][a-z0-9]+[A-Z][a-z]")))
+        << args << ": " << text;
+    EXPECT_THAT(after_code, ::testing::Not(HasSubstr("::"))) << args << ": " << text;
+  }
+}
+
+// The pattern of a request depends on the shard, so pages of another TP rank never verify.
+TEST(PatternIdTest, EachTpRankHasItsOwnPattern) {
+  EXPECT_NE(PatternRequestId("room-1", 0), PatternRequestId("room-1", 1));
+  EXPECT_NE(PatternRequestId("room-1", 1), PatternRequestId("room-1", 256));
+  EXPECT_NE(PatternRequestId("room-1", 0), PatternRequestId("room-2", 0));
+  EXPECT_EQ(PatternRequestId("room-1", 3), PatternRequestId("room-1", 3));
 }
 
 // A host agent started without --backend runs ucx and says so (and which memory) in its ready

@@ -132,7 +132,7 @@ class Agent::Impl {
     }
     Status started;
     if (options_.prefill) {
-      started = engine_->Send(spec.room, pages);
+      started = engine_->Send(spec.room, pages, spec.deadline);
     } else {
       StatusOr<transfer::PeerHandle> peer =
           engine_->ConnectPeer(spec.prefill_host, spec.prefill_port);
@@ -301,7 +301,7 @@ class Agent::Impl {
                                    const uint64_t* k_bases, const uint64_t* v_bases,
                                    const int32_t* pages) const {
     kernels::PatternArgs a;
-    a.request = PatternRequestId(r.spec.room);
+    a.request = PatternRequestId(r.spec.room, options_.engine.tp_rank);
     a.k_bases = k_bases + first_layer;
     a.v_bases = v_bases + first_layer;
     a.first_layer = first_layer;
@@ -514,6 +514,14 @@ class Agent::Impl {
                        " bytes differ from the pattern, first at " + report.first_mismatch);
         }
       }
+    }
+    if (report.state != RequestState::kSuccess || !report.status.ok()) {
+      // Either side's operator sees which request failed and why (a lost peer included).
+      KVT_LOG_WARN(
+          "tool", "{} room '{}' failed after {:.0f} us: {}",
+          options_.prefill ? "prefill" : "decode", room,
+          std::chrono::duration<double, std::micro>(Clock::now() - request->submitted).count(),
+          report.status.ToString());
     }
     (void)engine_->Forget(room);
     if (cuda_ != nullptr) {

@@ -2,10 +2,11 @@
 //
 // Prefill: Submit(room, tokens) allocates pages, declares them to the engine and simulates the
 // model's forward on a worker thread: layer by layer it writes the deterministic pattern of the
-// request's tokens and then hands the layer to the engine. Decode: Submit(room, tokens, prefill
-// address) allocates pages and asks the prefill engine for the KV; when the request succeeds
-// every received byte is verified against the pattern. Pages return to the allocator once the
-// request is final and no write can land (prefill: and the forward no longer writes them).
+// request's tokens (seeded by the room and the TP rank, so each rank's shard is distinct) and then
+// hands the layer to the engine. Decode: Submit(room, tokens, prefill address) allocates pages and
+// asks the prefill engine for the KV; when the request succeeds every received byte is verified
+// against the pattern. Pages return to the allocator once the request is final and no write can
+// land (prefill: and the forward no longer writes them).
 //
 // Host pools run the CPU kernels, and a layer's simulated compute is a CPU sleep. CUDA pools
 // (PoolOptions::memory = kCuda, on PoolOptions::device) run the CUDA kernels on one stream per
@@ -51,9 +52,11 @@ struct AgentOptions {
 struct SubmitSpec {
   std::string room;
   int64_t tokens = 0;
-  std::string prefill_host;               // decode only
-  uint16_t prefill_port = 0;              // decode only
-  std::chrono::milliseconds deadline{0};  // 0: the engine's default
+  std::string prefill_host;   // decode only
+  uint16_t prefill_port = 0;  // decode only
+  // Both sides: the room fails (and its pages return) when not done by then; 0: the engine's
+  // default. A prefill room whose decode request never comes thus frees its pages too.
+  std::chrono::milliseconds deadline{0};
 };
 
 struct RequestReport {

@@ -1,5 +1,7 @@
 #include "agent_rpc.h"
 
+#include <algorithm>
+
 #include "kvt/common/log.h"
 #include "kvt/transfer/control/protocol.h"
 
@@ -26,9 +28,14 @@ constexpr auto kResolveTtl = std::chrono::seconds(2);
 
 }  // namespace
 
-AgentRpc::AgentRpc(Agent* agent, std::string name, bool prefill,
+AgentRpc::AgentRpc(Agent* agent, std::string name, bool prefill, uint32_t tp_rank, uint32_t tp_size,
                    std::optional<transfer::RegistryClientOptions> registry)
-    : agent_(agent), name_(std::move(name)), prefill_(prefill), registry_(std::move(registry)) {}
+    : agent_(agent),
+      name_(std::move(name)),
+      prefill_(prefill),
+      tp_rank_(tp_rank),
+      tp_size_(tp_size),
+      registry_(std::move(registry)) {}
 
 StatusOr<std::unique_ptr<control::ControlServer>> AgentRpc::Serve(
     const control::ControlServerOptions& options) {
@@ -49,12 +56,33 @@ StatusOr<HostPort> AgentRpc::ResolvePrefill(const std::string& name) {
     return FailedPrecondition("this agent runs without --bootstrap, so it cannot look up '" + name +
                               "'; give prefill_address instead");
   }
-  KVT_ASSIGN_OR_RETURN(auto agents,
-                       transfer::RegistryClient::Lookup(*registry_, name, v1::ROLE_PREFILL, 0u));
+  KVT_ASSIGN_OR_RETURN(auto agents, transfer::RegistryClient::Lookup(
+                                        *registry_, name, v1::ROLE_PREFILL, std::nullopt));
   if (agents.empty()) {
-    return NotFound("no prefill agent named '" + name + "' (rank 0) is registered");
+    return NotFound("no prefill agent named '" + name +
+                    "' is registered; check its --name and that it uses the same --bootstrap");
   }
-  KVT_ASSIGN_OR_RETURN(HostPort address, ParseHostPort(agents.front().control_address()));
+  // Equal TP sizes: decode rank r takes its shard from prefill rank r. Other sizes: rank 0, and
+  // the hello refuses the pair naming both sizes.
+  const bool same_size = std::any_of(agents.begin(), agents.end(), [&](const v1::AgentInfo& a) {
+    return a.tp_size() == tp_size_;
+  });
+  const uint32_t rank = same_size ? tp_rank_ : 0;
+  const v1::AgentInfo* pick = nullptr;
+  std::string registered;
+  for (const v1::AgentInfo& a : agents) {
+    registered += (registered.empty() ? "" : ", ") + std::to_string(a.tp_rank()) + " of " +
+                  std::to_string(a.tp_size());
+    if (a.tp_rank() == rank && (!same_size || a.tp_size() == tp_size_)) pick = &a;
+  }
+  if (pick == nullptr) {
+    return NotFound("prefill agent '" + name + "' has no rank " + std::to_string(rank) +
+                    " registered (ranks registered: " + registered +
+                    "); this decode agent is rank " + std::to_string(tp_rank_) +
+                    " of tp_size=" + std::to_string(tp_size_) +
+                    "; start that prefill rank or retry once it has registered");
+  }
+  KVT_ASSIGN_OR_RETURN(HostPort address, ParseHostPort(pick->control_address()));
   std::lock_guard<std::mutex> lock(mu_);
   resolved_[name] = Resolved{address, std::chrono::steady_clock::now()};
   return address;

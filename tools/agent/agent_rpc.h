@@ -1,6 +1,6 @@
 // AgentRpc: the driver-facing RPC of kvt-agent (SubmitRequest, QueryRequests, QueryStats over a
 // control connection). Decode agents resolve SubmitRequest.prefill_name through the bootstrap
-// registry (cached briefly).
+// registry (cached briefly): decode rank r reaches prefill rank r when the TP sizes match.
 //
 // Thread safety: the server calls OnMessage from its I/O threads; the handler is thread-safe.
 #pragma once
@@ -21,8 +21,9 @@ namespace kvt::tools {
 
 class AgentRpc : public control::ControlHandler {
  public:
-  // `registry` is where prefill names are looked up (nullopt: only prefill_address works).
-  AgentRpc(Agent* agent, std::string name, bool prefill,
+  // `registry` is where prefill names are looked up (nullopt: only prefill_address works);
+  // `tp_rank` of `tp_size` is this agent's tensor-parallel shard.
+  AgentRpc(Agent* agent, std::string name, bool prefill, uint32_t tp_rank, uint32_t tp_size,
            std::optional<transfer::RegistryClientOptions> registry);
 
   // Starts listening. The handler must outlive the returned server.
@@ -39,6 +40,8 @@ class AgentRpc : public control::ControlHandler {
   Agent* const agent_;
   const std::string name_;
   const bool prefill_;
+  const uint32_t tp_rank_;
+  const uint32_t tp_size_;
   const std::optional<transfer::RegistryClientOptions> registry_;
   control::ControlServer* server_ = nullptr;  // set by Serve before any message arrives
 

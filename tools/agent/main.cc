@@ -3,14 +3,18 @@
 // QueryRequests, QueryStats). Runs until SIGINT/SIGTERM (or its parent exits, with
 // --exit-with-parent).
 #include <CLI/CLI.hpp>
+#include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <iostream>
 #include <nlohmann/json.hpp>
 
 #include "agent.h"
 #include "agent_rpc.h"
+#include "cli_util.h"
 #include "device_spec.h"
 #include "kvt/common/log.h"
+#include "kvt/common/log_level.h"
 #include "kvt/transfer/backends.h"
 #include "kvt/transfer/control/auth.h"
 #include "kvt/transfer/control/protocol.h"
@@ -24,6 +28,43 @@ using namespace kvt;
 int Fail(const Status& status) {
   std::cerr << "kvt-agent: " << status.ToString() << "\n";
   return 1;
+}
+
+// Registers with the bootstrap, retrying while it cannot be reached (it may start after the
+// agents, or restart): the delay doubles from 100 ms up to 5 s, for at most `wait` in all.
+// Other refusals (authentication, a rejected registration) are returned at once. Aborted when
+// SIGINT/SIGTERM arrives meanwhile.
+StatusOr<std::unique_ptr<transfer::RegistryClient>> RegisterWithRetry(
+    const transfer::RegistryClientOptions& options, const v1::AgentInfo& self,
+    std::chrono::seconds wait) {
+  using Clock = std::chrono::steady_clock;
+  const std::string where = options.host + ":" + std::to_string(options.port);
+  const auto give_up = Clock::now() + wait;
+  std::chrono::milliseconds delay(100);
+  for (int attempt = 1;; ++attempt) {
+    auto client = transfer::RegistryClient::Start(options, self);
+    if (client.ok()) {
+      if (attempt > 1) {
+        KVT_LOG_INFO("tool", "the bootstrap at {} is back: registered on attempt {}", where,
+                     attempt);
+      }
+      return client;
+    }
+    const StatusCode code = client.status().code();
+    if (code != StatusCode::kUnavailable && code != StatusCode::kDeadlineExceeded) return client;
+    if (Clock::now() + delay > give_up) {
+      return Unavailable("the bootstrap at " + where + " did not answer within " +
+                         std::to_string(wait.count()) + " s (" + client.status().ToString() +
+                         "); start kvt-bootstrap there, or raise --bootstrap-wait-s");
+    }
+    KVT_LOG_WARN("tool", "the bootstrap at {} cannot be reached ({}); retrying in {} ms", where,
+                 client.status().ToString(), delay.count());
+    if (const int sig = tools::WaitForTerminationSignalFor(delay); sig != 0) {
+      return Aborted("stopped by signal " + std::to_string(sig) +
+                     " while waiting for the bootstrap at " + where);
+    }
+    delay = std::min<std::chrono::milliseconds>(2 * delay, std::chrono::seconds(5));
+  }
 }
 
 }  // namespace
@@ -42,7 +83,7 @@ int main(int argc, char** argv) {
   std::string dtype = "bf16";
   std::string ready_file;
   int64_t layers = 32, heads = 8, head_dim = 128, page_size = 16, tokens = 65536;
-  int64_t deadline_ms = 30000, layer_time_us = 0, control_busy_poll_us = 0;
+  int64_t deadline_ms = 30000, layer_time_us = 0, control_busy_poll_us = 0, bootstrap_wait_s = 60;
   uint32_t tp_rank = 0, tp_size = 1, seed = 1;
   int ucx_copy_threads = transfer::BackendOptions{}.ucx_copy_threads;
   bool exit_with_parent = false, no_shuffle = false, no_verify = false, skip_fill = false;
@@ -51,6 +92,11 @@ int main(int argc, char** argv) {
   app.add_option("--listen", listen, "engine control address (prefill), host:port");
   app.add_option("--rpc", rpc, "driver RPC address, host:port");
   app.add_option("--bootstrap", bootstrap, "bootstrap registry host:port (optional)");
+  app.add_option("--bootstrap-wait-s", bootstrap_wait_s,
+                 "how long to keep retrying while the bootstrap cannot be reached at start "
+                 "(0: try once)")
+      ->capture_default_str()
+      ->check(tools::IntRange(0, 86400));
   app.add_option("--backend", backend,
                  "transfer backend: ucx, cuda_ipc or loopback (default: cuda_ipc for CUDA pools, "
                  "ucx for host pools)");
@@ -62,19 +108,23 @@ int main(int argc, char** argv) {
                  "ucx on one host: threads copying a large write into the peer's shared memory "
                  "(0: half the cores, 2..8)")
       ->capture_default_str()
-      ->check(CLI::Range(0, 64));
+      ->check(tools::IntRange(0, 64));
   app.add_option("--device", device, "pool memory: host or cuda:N (CUDA device N)");
-  app.add_option("--layers", layers, "layers")->check(CLI::PositiveNumber);
-  app.add_option("--heads", heads, "KV heads of this rank")->check(CLI::PositiveNumber);
-  app.add_option("--head-dim", head_dim, "elements per head")->check(CLI::PositiveNumber);
+  app.add_option("--layers", layers, "layers")->check(tools::IntRange(1, 4096));
+  app.add_option("--heads", heads, "KV heads of this rank")->check(tools::IntRange(1, 65536));
+  app.add_option("--head-dim", head_dim, "elements per head")->check(tools::IntRange(1, 65536));
   app.add_option("--dtype", dtype, "bf16, fp16, fp32, fp8_e4m3, fp8_e5m2");
-  app.add_option("--page-size", page_size, "tokens per page")->check(CLI::PositiveNumber);
-  app.add_option("--tokens", tokens, "pool size in token slots")->check(CLI::PositiveNumber);
-  app.add_option("--tp-rank", tp_rank, "tensor-parallel rank");
-  app.add_option("--tp-size", tp_size, "tensor-parallel size");
+  app.add_option("--page-size", page_size, "tokens per page")->check(tools::IntRange(1, 65536));
+  app.add_option("--tokens", tokens, "pool size in token slots")->check(tools::IntAtLeast(1));
+  app.add_option("--tp-rank", tp_rank,
+                 "tensor-parallel rank (0..tp-size-1); a decode rank takes its shard from the "
+                 "prefill rank of the same number")
+      ->check(tools::IntRange(0, 65535));
+  app.add_option("--tp-size", tp_size, "tensor-parallel size")->check(tools::IntRange(1, 65536));
   app.add_option("--deadline-ms", deadline_ms, "default request deadline")
-      ->check(CLI::PositiveNumber);
-  app.add_option("--layer-time-us", layer_time_us, "prefill: simulated compute per layer");
+      ->check(tools::IntRange(1, 3600000));
+  app.add_option("--layer-time-us", layer_time_us, "prefill: simulated compute per layer")
+      ->check(tools::IntAtLeast(0));
   app.add_option("--control-busy-poll-us", control_busy_poll_us,
                  "engine control threads poll instead of sleeping while requests are in flight "
                  "and this long after (EngineOptions::control_busy_poll; 0: sleep; default: 1000 "
@@ -88,6 +138,13 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
 
   tools::BlockTerminationSignals();
+  if (Status st = CheckLogLevelEnv(); !st.ok()) return Fail(st);
+  if (tp_rank >= tp_size) {
+    return Fail(InvalidArgument("--tp-rank " + std::to_string(tp_rank) +
+                                " is not below --tp-size " + std::to_string(tp_size) +
+                                "; ranks of a group of " + std::to_string(tp_size) + " are 0.." +
+                                std::to_string(tp_size - 1)));
+  }
   if (exit_with_parent) {
     if (Status st = tools::ExitWithParent(); !st.ok()) return Fail(st);
   }
@@ -113,6 +170,14 @@ int main(int argc, char** argv) {
   if (!listen_at.ok()) return Fail(listen_at.status().WithContext("--listen"));
   auto rpc_at = tools::ParseHostPort(rpc);
   if (!rpc_at.ok()) return Fail(rpc_at.status().WithContext("--rpc"));
+  StatusOr<tools::HostPort> bootstrap_at = tools::HostPort{};
+  if (!bootstrap.empty()) bootstrap_at = tools::ParseHostPort(bootstrap);
+  if (!bootstrap_at.ok()) return Fail(bootstrap_at.status().WithContext("--bootstrap"));
+  if (tokens < page_size) {
+    return Fail(InvalidArgument("--tokens " + std::to_string(tokens) +
+                                " holds no whole page of --page-size " + std::to_string(page_size) +
+                                " tokens; give --tokens >= " + std::to_string(page_size)));
+  }
   const std::string token = control::ClusterTokenFromEnv();
 
   tools::AgentOptions options;
@@ -158,11 +223,9 @@ int main(int argc, char** argv) {
   std::optional<transfer::RegistryClientOptions> registry;
   std::unique_ptr<transfer::RegistryClient> registration;
   if (!bootstrap.empty()) {
-    auto at = tools::ParseHostPort(bootstrap);
-    if (!at.ok()) return Fail(at.status().WithContext("--bootstrap"));
     transfer::RegistryClientOptions r;
-    r.host = at->host;
-    r.port = at->port;
+    r.host = bootstrap_at->host;
+    r.port = bootstrap_at->port;
     r.client_id = name;
     r.role = prefill ? v1::ROLE_PREFILL : v1::ROLE_DECODE;
     r.cluster_token = token;
@@ -184,12 +247,15 @@ int main(int argc, char** argv) {
     layout->set_tp_size(tp_size);
     layout->set_num_pages(static_cast<uint64_t>(tokens / page_size + 1));
     layout->set_num_tokens(static_cast<uint64_t>(tokens));
-    auto client = transfer::RegistryClient::Start(r, self);
-    if (!client.ok()) return Fail(client.status());
+    auto client = RegisterWithRetry(r, self, std::chrono::seconds(bootstrap_wait_s));
+    if (!client.ok()) {
+      if (client.status().code() == StatusCode::kAborted) return 0;  // stopped by a signal
+      return Fail(client.status().WithContext("--bootstrap"));
+    }
     registration = std::move(client).value();
   }
 
-  tools::AgentRpc handler(agent->get(), name, prefill, registry);
+  tools::AgentRpc handler(agent->get(), name, prefill, tp_rank, tp_size, registry);
   control::ControlServerOptions rpc_options;
   rpc_options.bind_address = rpc_at->host;
   rpc_options.port = rpc_at->port;

@@ -4,7 +4,9 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 
+#include "cli_util.h"
 #include "kvt/common/log.h"
+#include "kvt/common/log_level.h"
 #include "kvt/transfer/control/auth.h"
 #include "kvt/transfer/registry.h"
 #include "tool_util.h"
@@ -19,9 +21,9 @@ int main(int argc, char** argv) {
   bool exit_with_parent = false;
   app.add_option("--listen", listen, "host:port to listen on (port 0: any)");
   app.add_option("--heartbeat-ms", heartbeat_ms, "heartbeat interval asked of agents")
-      ->check(CLI::PositiveNumber);
+      ->check(tools::IntAtLeast(1));
   app.add_option("--missed-heartbeats", missed, "entries expire after this many missed")
-      ->check(CLI::PositiveNumber);
+      ->check(tools::IntAtLeast(1));
   app.add_option("--ready-file", ready_file, "write the bound port here as JSON when ready");
   app.add_flag("--exit-with-parent", exit_with_parent, "exit when the parent process exits");
   CLI11_PARSE(app, argc, argv);
@@ -31,6 +33,7 @@ int main(int argc, char** argv) {
     std::cerr << "kvt-bootstrap: " << st.ToString() << "\n";
     return 1;
   };
+  if (Status st = CheckLogLevelEnv(); !st.ok()) return fail(st);
   if (exit_with_parent) {
     if (Status st = tools::ExitWithParent(); !st.ok()) return fail(st);
   }

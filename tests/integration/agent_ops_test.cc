@@ -1,0 +1,231 @@
+// What an operator sees of kvt-agent processes: an agent started before its bootstrap waits for
+// it (bounded, logged) and says when it is back; failed requests are logged at warn with room
+// and reason on both sides; a prefill agent lost mid-request is logged on the decode side; a
+// prefill room ends at its request's deadline and gives its pages back.
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "fixture.h"
+#include "kvt/transfer/registry.h"
+
+namespace kvt::integration {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using namespace std::chrono_literals;
+
+std::string ReadAll(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// Polls `path` until it holds `text`; false after `timeout`.
+bool WaitForLog(const std::string& path, const std::string& text,
+                std::chrono::milliseconds timeout) {
+  const auto until = Clock::now() + timeout;
+  while (Clock::now() < until) {
+    if (ReadAll(path).find(text) != std::string::npos) return true;
+    std::this_thread::sleep_for(20ms);
+  }
+  return ReadAll(path).find(text) != std::string::npos;
+}
+
+// A loopback port nobody listens on right now (the kernel's pick, released again).
+uint16_t FreePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  socklen_t len = sizeof(addr);
+  uint16_t port = 0;
+  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
+    port = ntohs(addr.sin_port);
+  }
+  close(fd);
+  return port;
+}
+
+class AgentBootstrapTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    unsetenv("KVT_CLUSTER_TOKEN");
+    dir_ = ::testing::TempDir() + "/kvt-agent-ops-" + std::to_string(getpid());
+    std::filesystem::create_directories(dir_);
+    auto agent = AgentBinary();
+    auto bootstrap = BootstrapBinary();
+    ASSERT_TRUE(agent.ok()) << agent.status();
+    ASSERT_TRUE(bootstrap.ok()) << bootstrap.status();
+    agent_bin_ = *agent;
+    bootstrap_bin_ = *bootstrap;
+  }
+  void TearDown() override {
+    if (HasFailure()) {
+      std::cerr << "agent log:\n" << ReadAll(dir_ + "/agent.log") << std::flush;
+    }
+    std::filesystem::remove_all(dir_);
+  }
+
+  std::vector<std::string> AgentArgs(uint16_t bootstrap_port, const std::string& extra_flag = "",
+                                     const std::string& extra_value = "") {
+    std::vector<std::string> argv = {agent_bin_,
+                                     "--role",
+                                     "decode",
+                                     "--name",
+                                     "ops-decode",
+                                     "--device",
+                                     "host",
+                                     "--layers",
+                                     "2",
+                                     "--heads",
+                                     "2",
+                                     "--head-dim",
+                                     "64",
+                                     "--tokens",
+                                     "256",
+                                     "--bootstrap",
+                                     "127.0.0.1:" + std::to_string(bootstrap_port),
+                                     "--ready-file",
+                                     dir_ + "/agent.json",
+                                     "--exit-with-parent"};
+    if (!extra_flag.empty()) {
+      argv.push_back(extra_flag);
+      argv.push_back(extra_value);
+    }
+    return argv;
+  }
+
+  std::string dir_, agent_bin_, bootstrap_bin_;
+};
+
+TEST_F(AgentBootstrapTest, AgentStartedBeforeTheBootstrapWaitsForIt) {
+  const uint16_t port = FreePort();
+  ASSERT_NE(port, 0);
+  auto agent = tools::ChildProcess::Spawn(AgentArgs(port), dir_ + "/agent.log");
+  ASSERT_TRUE(agent.ok()) << agent.status();
+  ASSERT_TRUE(WaitForLog(dir_ + "/agent.log", "cannot be reached", 20s))
+      << "the agent did not report the missing bootstrap";
+  ASSERT_TRUE(agent->running()) << "the agent exited instead of waiting for the bootstrap";
+
+  auto bootstrap =
+      tools::ChildProcess::Spawn({bootstrap_bin_, "--listen", "127.0.0.1:" + std::to_string(port),
+                                  "--ready-file", dir_ + "/bootstrap.json", "--exit-with-parent"},
+                                 dir_ + "/bootstrap.log");
+  ASSERT_TRUE(bootstrap.ok()) << bootstrap.status();
+  auto ready = tools::WaitReadyFile(dir_ + "/agent.json", 30s, agent->pid());
+  ASSERT_TRUE(ready.ok()) << ready.status();
+  EXPECT_TRUE(WaitForLog(dir_ + "/agent.log", "is back", 5s));
+
+  transfer::RegistryClientOptions lookup;
+  lookup.port = port;
+  auto found = transfer::RegistryClient::Lookup(lookup, "ops-decode", v1::ROLE_DECODE, 0u);
+  ASSERT_TRUE(found.ok()) << found.status();
+  EXPECT_EQ(found->size(), 1u) << "the agent is not registered after the bootstrap came back";
+  agent->Stop();
+  bootstrap->Stop();
+}
+
+TEST_F(AgentBootstrapTest, AgentGivesUpAfterTheWaitItWasGiven) {
+  const uint16_t port = FreePort();
+  ASSERT_NE(port, 0);
+  auto agent =
+      tools::ChildProcess::Spawn(AgentArgs(port, "--bootstrap-wait-s", "1"), dir_ + "/agent.log");
+  ASSERT_TRUE(agent.ok()) << agent.status();
+  const auto until = Clock::now() + 20s;
+  while (agent->running() && Clock::now() < until) std::this_thread::sleep_for(20ms);
+  ASSERT_FALSE(agent->running()) << "the agent kept waiting beyond --bootstrap-wait-s 1";
+  const std::string log = ReadAll(dir_ + "/agent.log");
+  EXPECT_NE(log.find("did not answer within 1 s"), std::string::npos) << log;
+  EXPECT_NE(log.find("--bootstrap-wait-s"), std::string::npos) << log;
+  EXPECT_NE(log.find("retrying in"), std::string::npos) << log;
+}
+
+using AgentLogTest = ClusterTest;
+
+// 2 layers x 300 ms: an abort 150 ms in lands mid-forward.
+constexpr int64_t kSlowLayerUs = 300000;
+
+TEST_F(AgentLogTest, FailedRequestIsLoggedAtWarnOnBothSides) {
+  AgentSpec prefill_spec = Prefill("log-prefill", kSlowLayerUs);
+  prefill_spec.layout.layers = 2;
+  AgentSpec decode_spec = Decode("log-decode");
+  decode_spec.layout.layers = 2;
+  IT_ASSERT_OK_AND_ASSIGN(auto agents, cluster_->StartAgents({prefill_spec, decode_spec}));
+  IT_ASSERT_OK_AND_ASSIGN(tools::RpcClient prefill, ConnectRpc(agents[0]->rpc_port));
+  IT_ASSERT_OK_AND_ASSIGN(tools::RpcClient decode, ConnectRpc(agents[1]->rpc_port));
+  IT_ASSERT_OK(SubmitAccepted(decode, ForDecode("doomed-room", 100, "log-prefill")));
+  IT_ASSERT_OK(SubmitAccepted(prefill, ForPrefill("doomed-room", 100)));
+  std::this_thread::sleep_for(150ms);
+  IT_ASSERT_OK_AND_ASSIGN(v1::SubmitReply aborted,
+                          AbortRoom(prefill, "doomed-room", "operator pulled the plug"));
+  ASSERT_EQ(aborted.status(), v1::STATUS_CODE_OK) << aborted.message();
+  IT_ASSERT_OK_AND_ASSIGN(v1::RequestReport on_decode, WaitFinal(decode, "doomed-room", 10s));
+  IT_ASSERT_OK_AND_ASSIGN(v1::RequestReport on_prefill, WaitFinal(prefill, "doomed-room", 10s));
+  ASSERT_EQ(on_decode.state(), v1::REQUEST_STATE_FAILED) << Describe(on_decode);
+  for (const AgentProcess* agent : agents) {
+    EXPECT_TRUE(WaitForLog(agent->log_path, "room 'doomed-room' failed", 5s))
+        << agent->spec.name << " did not log the failed request";
+    const std::string log = ReadAll(agent->log_path);
+    const size_t line = log.find("room 'doomed-room' failed");
+    if (line == std::string::npos) continue;
+    const size_t begin = log.rfind('\n', line) == std::string::npos ? 0 : log.rfind('\n', line);
+    const std::string text = log.substr(begin, log.find('\n', line) - begin);
+    EXPECT_NE(text.find("[warning]"), std::string::npos) << agent->spec.name << ": " << text;
+    EXPECT_NE(text.find("operator pulled the plug"), std::string::npos)
+        << agent->spec.name << ": " << text;
+  }
+}
+
+TEST_F(AgentLogTest, LostPrefillIsLoggedOnTheDecodeSide) {
+  AgentSpec prefill_spec = Prefill("lost-prefill", kSlowLayerUs);
+  prefill_spec.layout.layers = 2;
+  AgentSpec decode_spec = Decode("lost-decode");
+  decode_spec.layout.layers = 2;
+  IT_ASSERT_OK_AND_ASSIGN(auto agents, cluster_->StartAgents({prefill_spec, decode_spec}));
+  IT_ASSERT_OK_AND_ASSIGN(tools::RpcClient prefill, ConnectRpc(agents[0]->rpc_port));
+  IT_ASSERT_OK_AND_ASSIGN(tools::RpcClient decode, ConnectRpc(agents[1]->rpc_port));
+  IT_ASSERT_OK(SubmitAccepted(decode, ForDecode("orphan-room", 100, "lost-prefill")));
+  IT_ASSERT_OK(SubmitAccepted(prefill, ForPrefill("orphan-room", 100)));
+  std::this_thread::sleep_for(150ms);
+  agents[0]->process.Signal(SIGKILL);
+  IT_ASSERT_OK_AND_ASSIGN(v1::RequestReport on_decode, WaitFinal(decode, "orphan-room", 15s));
+  ASSERT_EQ(on_decode.state(), v1::REQUEST_STATE_FAILED) << Describe(on_decode);
+  EXPECT_TRUE(WaitForLog(agents[1]->log_path, "room 'orphan-room' failed", 10s));
+  const std::string log = ReadAll(agents[1]->log_path);
+  EXPECT_NE(log.find("was lost"), std::string::npos) << log;
+  EXPECT_NE(log.find("[warning]"), std::string::npos) << log;
+}
+
+// A prefill room whose decode request never comes ends at the SubmitRequest's deadline (not the
+// agent's default) and its source pages return to the pool.
+TEST_F(AgentLogTest, PrefillRoomEndsAtItsDeadlineAndFreesItsPages) {
+  IT_ASSERT_OK_AND_ASSIGN(AgentProcess * agent, cluster_->StartAgent(Prefill("alone-prefill")));
+  IT_ASSERT_OK_AND_ASSIGN(tools::RpcClient prefill, ConnectRpc(agent->rpc_port));
+  SubmitArgs args = ForPrefill("never-asked", 300);
+  args.deadline_ms = 400;  // the agent's default is 20 s
+  IT_ASSERT_OK(SubmitAccepted(prefill, args));
+  IT_ASSERT_OK_AND_ASSIGN(v1::AgentStatsReply during, Stats(prefill));
+  EXPECT_LT(during.free_pages(), during.total_pages());
+  IT_ASSERT_OK_AND_ASSIGN(v1::RequestReport report, WaitFinal(prefill, "never-asked", 8s));
+  EXPECT_EQ(report.state(), v1::REQUEST_STATE_FAILED) << Describe(report);
+  EXPECT_EQ(report.status(), v1::STATUS_CODE_DEADLINE_EXCEEDED) << Describe(report);
+  IT_ASSERT_OK_AND_ASSIGN(v1::AgentStatsReply after, Stats(prefill));
+  EXPECT_EQ(after.free_pages(), after.total_pages()) << "the failed room kept its pages";
+}
+
+}  // namespace
+}  // namespace kvt::integration
