@@ -3,18 +3,23 @@
 // prefill agent writes each request's KV layer by layer, the engine ships every layer as it is
 // written, the decode agent verifies every byte it received), prints a table and exits 0 only
 // when every request arrived intact. Every process it starts is stopped on every exit path (and
-// the agents exit by themselves if the demo is killed).
+// the agents exit by themselves if the demo is killed). Its working folder (logs, ready files)
+// is made under $TMPDIR (else /tmp) and removed on success and on SIGINT/SIGTERM; a failed run
+// keeps it and says where.
 //
 // Memory and backend: with a CUDA device present both agents keep their pools on cuda:0 and
 // move pages with cuda_ipc; without one, host pools and ucx. --device and --backend override;
 // the header and the JSON say what was used.
+#include <signal.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -24,8 +29,10 @@
 #include <set>
 #include <thread>
 
+#include "cli_util.h"
 #include "device_spec.h"
 #include "kvt/common/dtype.h"
+#include "kvt/common/log_level.h"
 #include "kvt/kernels/cuda_util.h"
 #include "kvt/transfer/control/protocol.h"
 #include "rpc_client.h"
@@ -79,7 +86,10 @@ class Demo {
     decode_ = {};
     prefill_ = {};
     bootstrap_ = {};
-    if (!dir_.empty() && !o_.keep_logs && ok_) std::filesystem::remove_all(dir_);
+    if (!dir_.empty() && !o_.keep_logs && (ok_ || signal_ != 0)) {
+      std::error_code ignored;
+      std::filesystem::remove_all(dir_, ignored);
+    }
   }
 
   int Run() {
@@ -91,7 +101,18 @@ class Demo {
   }
 
  private:
+  // True once SIGINT or SIGTERM arrived (they are blocked in main and picked up here).
+  bool Interrupted() {
+    if (signal_ == 0) signal_ = tools::WaitForTerminationSignalFor(std::chrono::milliseconds(0));
+    return signal_ != 0;
+  }
+
   int Fail(const Status& st) {
+    if (Interrupted()) {
+      std::cerr << "kvt-demo: stopped by " << (signal_ == SIGINT ? "SIGINT" : "SIGTERM")
+                << "; the agents are stopped and " << dir_ << " is removed\n";
+      return 128 + signal_;
+    }
     std::cerr << "kvt-demo: " << st.ToString() << "\n";
     for (const char* who : {"bootstrap", "prefill", "decode"}) {
       const std::string log = dir_ + "/" + who + ".log";
@@ -104,9 +125,15 @@ class Demo {
   }
 
   Status Start() {
-    char tmpl[] = "/tmp/kvt-demo-XXXXXX";
-    if (mkdtemp(tmpl) == nullptr) return Unavailable("cannot create a scratch folder in /tmp");
+    const char* tmp = getenv("TMPDIR");
+    const std::string parent = tmp != nullptr && *tmp != '\0' ? tmp : "/tmp";
+    std::string tmpl = parent + "/kvt-demo-XXXXXX";
+    if (mkdtemp(tmpl.data()) == nullptr) {
+      return Unavailable("cannot create a working folder in " + parent + ": " +
+                         std::strerror(errno) + "; set TMPDIR to a writable folder");
+    }
     dir_ = tmpl;
+    const auto stop = [this] { return Interrupted(); };
     std::string agent = o_.agent_path, bootstrap = o_.bootstrap_path;
     if (agent.empty()) {
       KVT_ASSIGN_OR_RETURN(agent,
@@ -121,8 +148,8 @@ class Demo {
                                          {bootstrap, "--listen", "127.0.0.1:0", "--ready-file",
                                           dir_ + "/bootstrap.json", "--exit-with-parent"},
                                          dir_ + "/bootstrap.log"));
-    KVT_ASSIGN_OR_RETURN(std::string ready,
-                         tools::WaitReadyFile(dir_ + "/bootstrap.json", 20s, bootstrap_.pid()));
+    KVT_ASSIGN_OR_RETURN(std::string ready, tools::WaitReadyFile(dir_ + "/bootstrap.json", 20s,
+                                                                 bootstrap_.pid(), stop));
     const int bootstrap_port = nlohmann::json::parse(ready)["port"].get<int>();
     const std::string registry = "127.0.0.1:" + std::to_string(bootstrap_port);
 
@@ -169,9 +196,11 @@ class Demo {
                          tools::ChildProcess::Spawn(agent_argv("prefill"), dir_ + "/prefill.log"));
     KVT_ASSIGN_OR_RETURN(decode_,
                          tools::ChildProcess::Spawn(agent_argv("decode"), dir_ + "/decode.log"));
-    KVT_ASSIGN_OR_RETURN(ready, tools::WaitReadyFile(dir_ + "/prefill.json", 60s, prefill_.pid()));
+    KVT_ASSIGN_OR_RETURN(ready,
+                         tools::WaitReadyFile(dir_ + "/prefill.json", 60s, prefill_.pid(), stop));
     prefill_info_ = nlohmann::json::parse(ready);
-    KVT_ASSIGN_OR_RETURN(ready, tools::WaitReadyFile(dir_ + "/decode.json", 60s, decode_.pid()));
+    KVT_ASSIGN_OR_RETURN(ready,
+                         tools::WaitReadyFile(dir_ + "/decode.json", 60s, decode_.pid(), stop));
     decode_info_ = nlohmann::json::parse(ready);
     KVT_ASSIGN_OR_RETURN(prefill_rpc_, tools::RpcClient::Connect(
                                            "127.0.0.1", prefill_info_["rpc_port"], "demo", 5s));
@@ -212,6 +241,7 @@ class Demo {
     std::map<std::string, size_t> outstanding;  // room -> index
     std::set<size_t> prefill_submitted;
     while (next < all.size() || !outstanding.empty()) {
+      if (Interrupted()) return Aborted("stopped by a signal");
       if (Clock::now() > deadline) {
         return DeadlineExceeded(std::to_string(outstanding.size() + all.size() - next) +
                                 " requests unfinished after " + std::to_string(o_.timeout_s) +
@@ -356,6 +386,7 @@ class Demo {
 
   const DemoOptions o_;
   std::string dir_;
+  int signal_ = 0;  // SIGINT / SIGTERM once one arrived
   tools::ChildProcess bootstrap_, prefill_, decode_;
   nlohmann::json prefill_info_, decode_info_;
   tools::RpcClient prefill_rpc_, decode_rpc_;
@@ -370,10 +401,14 @@ class Demo {
 int main(int argc, char** argv) {
   DemoOptions o;
   CLI::App app{"kvt-demo: bootstrap, prefill and decode agents moving and verifying KV pages"};
-  app.add_option("--requests", o.requests, "number of requests")->check(CLI::Range(1, 100000));
-  app.add_option("--min-tokens", o.min_tokens, "smallest request")->check(CLI::PositiveNumber);
-  app.add_option("--max-tokens", o.max_tokens, "largest request")->check(CLI::PositiveNumber);
-  app.add_option("--concurrency", o.concurrency, "requests in flight")->check(CLI::Range(1, 1024));
+  app.add_option("--requests", o.requests, "number of requests")
+      ->check(kvt::tools::IntRange(1, 100000));
+  app.add_option("--min-tokens", o.min_tokens, "smallest request")
+      ->check(kvt::tools::IntRange(1, 1 << 24));
+  app.add_option("--max-tokens", o.max_tokens, "largest request")
+      ->check(kvt::tools::IntRange(1, 1 << 24));
+  app.add_option("--concurrency", o.concurrency, "requests in flight")
+      ->check(kvt::tools::IntRange(1, 1024));
   app.add_option("--seed", o.seed, "workload seed");
   app.add_option("--device", o.device,
                  "pool memory of both agents: host or cuda:N (default: cuda:0 when a CUDA device "
@@ -381,20 +416,30 @@ int main(int argc, char** argv) {
   app.add_option("--backend", o.backend, "ucx or cuda_ipc (default: cuda_ipc on CUDA, else ucx)")
       ->check(CLI::IsMember({"ucx", "cuda_ipc"}));
   app.add_option("--ucx-tls", o.ucx_tls, "UCX transports, e.g. shm,self or tcp");
-  app.add_option("--layers", o.layers, "layers")->check(CLI::PositiveNumber);
-  app.add_option("--heads", o.heads, "KV heads")->check(CLI::PositiveNumber);
-  app.add_option("--head-dim", o.head_dim, "head dim")->check(CLI::PositiveNumber);
+  app.add_option("--layers", o.layers, "layers")->check(kvt::tools::IntRange(1, 4096));
+  app.add_option("--heads", o.heads, "KV heads")->check(kvt::tools::IntRange(1, 65536));
+  app.add_option("--head-dim", o.head_dim, "head dim")->check(kvt::tools::IntRange(1, 65536));
   app.add_option("--dtype", o.dtype, "bf16, fp16, fp32, fp8_e4m3, fp8_e5m2");
-  app.add_option("--page-size", o.page_size, "tokens per page")->check(CLI::PositiveNumber);
+  app.add_option("--page-size", o.page_size, "tokens per page")
+      ->check(kvt::tools::IntRange(1, 65536));
   app.add_option("--pool-tokens", o.pool_tokens, "token slots of each agent's pool")
-      ->check(CLI::PositiveNumber);
-  app.add_option("--layer-time-us", o.layer_time_us, "simulated compute per layer");
-  app.add_option("--timeout-s", o.timeout_s, "give up after this long")->check(CLI::Range(1, 3600));
+      ->check(kvt::tools::IntAtLeast(1));
+  app.add_option("--layer-time-us", o.layer_time_us, "simulated compute per layer")
+      ->check(kvt::tools::IntAtLeast(0));
+  app.add_option("--timeout-s", o.timeout_s, "give up after this long")
+      ->check(kvt::tools::IntRange(1, 3600));
   app.add_option("--json", o.json, "also write the figures here");
   app.add_option("--agent", o.agent_path, "path of kvt-agent (default: beside kvt-demo)");
   app.add_option("--bootstrap", o.bootstrap_path, "path of kvt-bootstrap");
   app.add_flag("--keep-logs", o.keep_logs, "keep the agents' logs even on success");
   CLI11_PARSE(app, argc, argv);
+  // Before any thread or child: SIGINT/SIGTERM are then picked up by the run, which stops the
+  // agents and removes its working folder.
+  kvt::tools::BlockTerminationSignals();
+  if (const kvt::Status level = kvt::CheckLogLevelEnv(); !level.ok()) {
+    std::cerr << "kvt-demo: " << level.ToString() << "\n";
+    return 2;
+  }
   if (o.min_tokens > o.max_tokens) {
     std::cerr << "kvt-demo: --min-tokens " << o.min_tokens << " exceeds --max-tokens "
               << o.max_tokens << "\n";
