@@ -7,7 +7,7 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
-#include "kvt/transfer/control/protocol.h"
+#include "control/protocol.h"
 
 namespace kvt::integration {
 namespace {

@@ -14,10 +14,10 @@
 #include <random>
 #include <regex>
 
+#include "control/control_client.h"
+#include "control/framing.h"
+#include "control/protocol.h"
 #include "fixture.h"
-#include "kvt/transfer/control/control_client.h"
-#include "kvt/transfer/control/framing.h"
-#include "kvt/transfer/control/protocol.h"
 #include "kvt/transfer/registry.h"
 
 namespace kvt::integration {

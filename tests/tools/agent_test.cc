@@ -171,7 +171,7 @@ AgentOptions SmallAgent(pool::MemoryKind memory, const std::string& backend) {
   o.pool.layer_num = 2;
   o.pool.memory = memory;
   o.pool.pin_host_memory = false;
-  o.engine.backend = backend;
+  o.engine.backend = *transfer::DefaultBackendConfig(backend);
   return o;
 }
 

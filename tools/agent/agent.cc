@@ -58,7 +58,9 @@ class Agent::Impl {
 
   Status Init() {
     const bool cuda_pool = options_.pool.memory == pool::MemoryKind::kCuda;
-    if (cuda_pool && options_.engine.backend == "loopback") {
+    const bool loopback =
+        std::holds_alternative<transfer::LoopbackOptions>(options_.engine.backend);
+    if (cuda_pool && loopback) {
       return FailedPrecondition(
           "the loopback backend copies host memory inside one process and cannot move a CUDA "
           "pool (device cuda:" +
@@ -68,9 +70,8 @@ class Agent::Impl {
     if (cuda_pool) KVT_RETURN_IF_ERROR(UseDevice(options_.pool.device));
     // The backend first, so that the pool's memory can come from it: UCX's shared-memory
     // transports write straight into a peer's buffers only when UCX allocated them.
-    KVT_ASSIGN_OR_RETURN(
-        std::shared_ptr<transfer::Backend> backend,
-        transfer::CreateBackend(options_.engine.backend, options_.engine.backend_options));
+    KVT_ASSIGN_OR_RETURN(std::shared_ptr<transfer::Backend> backend,
+                         transfer::CreateBackend(options_.engine.backend));
     pool::PoolOptions pool_options = options_.pool;
     pool_options.pd_disaggregation_enabled = true;
     if (pool_options.memory == pool::MemoryKind::kHost) {

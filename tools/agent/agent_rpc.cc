@@ -2,8 +2,8 @@
 
 #include <algorithm>
 
+#include "control/protocol.h"
 #include "kvt/common/log.h"
-#include "kvt/transfer/control/protocol.h"
 
 namespace kvt::tools {
 namespace {

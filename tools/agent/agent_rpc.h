@@ -13,7 +13,7 @@
 #include <string>
 
 #include "agent.h"
-#include "kvt/transfer/control/control_server.h"
+#include "control/control_server.h"
 #include "kvt/transfer/registry.h"
 #include "tool_util.h"
 

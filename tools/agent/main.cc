@@ -12,12 +12,12 @@
 #include "agent.h"
 #include "agent_rpc.h"
 #include "cli_util.h"
+#include "control/auth.h"
+#include "control/protocol.h"
 #include "device_spec.h"
 #include "kvt/common/log.h"
 #include "kvt/common/log_level.h"
 #include "kvt/transfer/backends.h"
-#include "kvt/transfer/control/auth.h"
-#include "kvt/transfer/control/protocol.h"
 #include "kvt/transfer/registry.h"
 #include "tool_util.h"
 
@@ -85,7 +85,7 @@ int main(int argc, char** argv) {
   int64_t layers = 32, heads = 8, head_dim = 128, page_size = 16, tokens = 65536;
   int64_t deadline_ms = 30000, layer_time_us = 0, control_busy_poll_us = 0, bootstrap_wait_s = 60;
   uint32_t tp_rank = 0, tp_size = 1, seed = 1;
-  int ucx_copy_threads = transfer::BackendOptions{}.ucx_copy_threads;
+  int ucx_copy_threads = transfer::UcxOptions{}.copy_threads;
   bool exit_with_parent = false, no_shuffle = false, no_verify = false, skip_fill = false;
   app.add_option("--role", role, "prefill or decode")->check(CLI::IsMember({"prefill", "decode"}));
   app.add_option("--name", name, "agent (instance) name; default kvt-<role>");
@@ -193,10 +193,16 @@ int main(int argc, char** argv) {
   options.pool.device = device_spec->index;
   options.pool.pin_host_memory = false;      // host backends do not need page-locked memory
   options.pool.prefault_host_memory = true;  // no page faults on the transfer path
-  options.engine.backend = backend;
-  options.engine.backend_options.ucx_transports = ucx_tls;
-  options.engine.backend_options.ucx_cuda_mode = ucx_cuda_mode;
-  options.engine.backend_options.ucx_copy_threads = ucx_copy_threads;
+  auto backend_config = transfer::DefaultBackendConfig(backend);
+  if (!backend_config.ok()) return Fail(backend_config.status().WithContext("--backend"));
+  if (auto* ucx = std::get_if<transfer::UcxOptions>(&*backend_config)) {
+    auto cuda_mode = transfer::ParseUcxCudaMode(ucx_cuda_mode);
+    if (!cuda_mode.ok()) return Fail(cuda_mode.status().WithContext("--ucx-cuda-mode"));
+    ucx->transports = ucx_tls;
+    ucx->cuda_mode = *cuda_mode;
+    ucx->copy_threads = ucx_copy_threads;
+  }
+  options.engine.backend = *backend_config;
   options.engine.server.bind_address = listen_at->host;
   options.engine.server.port = listen_at->port;
   options.engine.server.cluster_token = token;

@@ -96,7 +96,7 @@ struct TransferOptions {
   std::string backend = "ucx";
   std::string ucx_tls;  // empty: UCX's default (or UCX_TLS from the environment)
   int ucx_spin_us = 200;
-  int ucx_copy_threads = 0;          // BackendOptions::ucx_copy_threads (both sides; 0 = auto)
+  int ucx_copy_threads = 0;          // UcxOptions::copy_threads (both sides; 0 = auto)
   int64_t control_busy_poll_us = 0;  // both engines' EngineOptions::control_busy_poll
   std::string page_tokens = "1,16,64";
   int64_t tokens = 0;  // 0: 1024 on host pools, >= 1 GiB per request on CUDA pools
@@ -350,17 +350,20 @@ struct SideConfig {
     }
     return c;
   }
-  transfer::BackendOptions BackendOptions() const {
-    transfer::BackendOptions b;
-    b.ucx_transports = ucx_tls;
-    b.ucx_spin_us = ucx_spin_us;
-    b.ucx_copy_threads = ucx_copy_threads;
-    if (cuda) {
-      b.ucx_cuda_mode = ucx_cuda_mode;
-      b.ucx_staging_slots = ucx_staging_slots;
-      b.ucx_staging_slot_bytes = static_cast<size_t>(ucx_staging_slot_bytes);
+  // The backend both sides run, with this configuration's options.
+  StatusOr<std::unique_ptr<Backend>> CreateBackend() const {
+    KVT_ASSIGN_OR_RETURN(transfer::BackendConfig config, transfer::DefaultBackendConfig(backend));
+    if (auto* ucx = std::get_if<transfer::UcxOptions>(&config)) {
+      ucx->transports = ucx_tls;
+      ucx->spin = std::chrono::microseconds(ucx_spin_us);
+      ucx->copy_threads = ucx_copy_threads;
+      if (cuda) {
+        KVT_ASSIGN_OR_RETURN(ucx->cuda_mode, transfer::ParseUcxCudaMode(ucx_cuda_mode));
+        ucx->staging_slots = ucx_staging_slots;
+        ucx->staging_slot_bytes = static_cast<size_t>(ucx_staging_slot_bytes);
+      }
     }
-    return b;
+    return transfer::CreateBackend(config);
   }
   int64_t RowBytes() const {
     return static_cast<int64_t>(heads) * head_dim * ItemSize(ParseDType(dtype).value());
@@ -425,7 +428,7 @@ struct RawSide {
 
 StatusOr<RawSide> MakeRawSide(const SideConfig& c, const pool::KvPool& pool, uint8_t fill) {
   RawSide raw;
-  KVT_ASSIGN_OR_RETURN(raw.backend, transfer::CreateBackend(c.backend, c.BackendOptions()));
+  KVT_ASSIGN_OR_RETURN(raw.backend, c.CreateBackend());
   // The ceiling is a put into memory the backend reaches best, as the pools' memory is.
   uint8_t* contiguous = nullptr;
   const size_t rounded = (static_cast<size_t>(c.contiguous_bytes) + 4095) & ~size_t{4095};
@@ -563,8 +566,7 @@ class PrefillPeer {
  private:
   Status Setup() {
     if (config_.cuda) BENCH_CUDA(cudaSetDevice(config_.device));
-    KVT_ASSIGN_OR_RETURN(std::shared_ptr<Backend> backend,
-                         transfer::CreateBackend(config_.backend, config_.BackendOptions()));
+    KVT_ASSIGN_OR_RETURN(std::shared_ptr<Backend> backend, config_.CreateBackend());
     KVT_ASSIGN_OR_RETURN(
         pool_, MakePool(config_, config_.cuda ? nullptr : transfer::BackendHostAllocator(backend)));
     KVT_ASSIGN_OR_RETURN(infos_, pool_->GetContiguousBufInfos());
@@ -583,8 +585,6 @@ class PrefillPeer {
     transfer::EngineOptions e;
     e.name = "bench-prefill";
     e.prefill = true;
-    e.backend = config_.backend;
-    e.backend_options = config_.BackendOptions();
     e.server.bind_address = "127.0.0.1";
     e.default_deadline = std::chrono::seconds(config_.timeout_s);
     // Final rooms are kept for the timelines the stats reply carries (pipelined runs last seconds).
@@ -1173,8 +1173,7 @@ class DecodeSide {
                                                       const json& peer_raw) {
     auto d = std::unique_ptr<DecodeSide>(new DecodeSide(c));
     if (c.cuda) BENCH_CUDA(cudaSetDevice(c.device));
-    KVT_ASSIGN_OR_RETURN(std::shared_ptr<Backend> backend,
-                         transfer::CreateBackend(c.backend, c.BackendOptions()));
+    KVT_ASSIGN_OR_RETURN(std::shared_ptr<Backend> backend, c.CreateBackend());
     KVT_ASSIGN_OR_RETURN(d->pool_,
                          MakePool(c, c.cuda ? nullptr : transfer::BackendHostAllocator(backend)));
     KVT_ASSIGN_OR_RETURN(d->infos_, d->pool_->GetContiguousBufInfos());
@@ -1200,8 +1199,6 @@ class DecodeSide {
     transfer::EngineOptions e;
     e.name = "bench-decode";
     e.prefill = false;
-    e.backend = c.backend;
-    e.backend_options = c.BackendOptions();
     e.default_deadline = std::chrono::seconds(c.timeout_s);
     e.control_busy_poll = std::chrono::microseconds(c.control_busy_poll_us);
     KVT_ASSIGN_OR_RETURN(d->engine_, transfer::TransferEngine::Create(e, d->pool_.get(), backend));
@@ -2462,11 +2459,11 @@ void AddTransferCommand(CLI::App& app, int& exit_code) {
       ->capture_default_str()
       ->check(CLI::Range(int64_t{0}, int64_t{60'000'000}));
   cmd->add_option("--ucx-spin-us", opts->ucx_spin_us,
-                  "UCX progress thread spin before it sleeps (BackendOptions::ucx_spin_us)")
+                  "UCX progress thread spin before it sleeps (UcxOptions::spin)")
       ->capture_default_str();
   cmd->add_option("--ucx-copy-threads", opts->ucx_copy_threads,
                   "threads copying a large write into a peer's mapped shared memory "
-                  "(BackendOptions::ucx_copy_threads; 0: half the cores, 2..8)")
+                  "(UcxOptions::copy_threads; 0: half the cores, 2..8)")
       ->capture_default_str()
       ->check(CLI::Range(0, 64));
   cmd->add_option("--page-tokens", opts->page_tokens, "tokens per page, comma-separated")
@@ -2500,7 +2497,7 @@ void AddTransferCommand(CLI::App& app, int& exit_code) {
                 "after timing, check the pattern of one full and one one-page request (and, on "
                 "CUDA pools, of every layerwise request)");
   cmd->add_option("--ucx-cuda-mode", opts->ucx_cuda_mode,
-                  "ucx on CUDA pools: auto, staged or direct (BackendOptions::ucx_cuda_mode)")
+                  "ucx on CUDA pools: auto, staged or direct (UcxOptions::cuda_mode)")
       ->capture_default_str();
   cmd->add_option("--ucx-staging-slots", opts->ucx_staging_slots,
                   "ucx staging: bounce slots per side")

@@ -7,7 +7,7 @@
 #include "cli_util.h"
 #include "kvt/common/log.h"
 #include "kvt/common/log_level.h"
-#include "kvt/transfer/control/auth.h"
+#include "kvt/transfer/control_options.h"
 #include "kvt/transfer/registry.h"
 #include "tool_util.h"
 

@@ -1,7 +1,7 @@
 #include "rpc_client.h"
 
-#include "kvt/transfer/control/auth.h"
-#include "kvt/transfer/control/protocol.h"
+#include "control/auth.h"
+#include "control/protocol.h"
 
 namespace kvt::tools {
 

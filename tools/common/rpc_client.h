@@ -6,8 +6,8 @@
 #include <memory>
 #include <string>
 
+#include "control/control_client.h"
 #include "kvt/common/status.h"
-#include "kvt/transfer/control/control_client.h"
 
 namespace kvt::tools {
 

@@ -30,11 +30,11 @@
 #include <thread>
 
 #include "cli_util.h"
+#include "control/protocol.h"
 #include "device_spec.h"
 #include "kvt/common/dtype.h"
 #include "kvt/common/log_level.h"
 #include "kvt/kernels/cuda_util.h"
-#include "kvt/transfer/control/protocol.h"
 #include "rpc_client.h"
 #include "tool_util.h"
 

@@ -112,8 +112,11 @@ class EngineGpuTest : public ::testing::TestWithParam<std::string> {
     EngineOptions p;
     p.name = "prefill-gpu";
     p.prefill = true;
-    p.backend = GetParam() == "ucx_staged" ? "ucx" : GetParam();
-    p.backend_options.ucx_cuda_mode = "staged";
+    if (GetParam() == "ucx_staged") {
+      p.backend = UcxOptions{.cuda_mode = UcxCudaMode::kStaged};
+    } else {
+      p.backend = *DefaultBackendConfig(GetParam());
+    }
     p.default_deadline = 20s;
     auto prefill = TransferEngine::Create(p, src_pool_.get());
     ASSERT_TRUE(prefill.ok()) << prefill.status();

@@ -234,17 +234,32 @@ TEST(BackendFactory, TheTableNamesEveryConfigAlternative) {
   EXPECT_FALSE(RegisteredBackends()[3].capabilities.inter_process);  // loopback
 }
 
+UcxOptions Ucx(void (*set)(UcxOptions&)) {
+  UcxOptions options;
+  set(options);
+  return options;
+}
+
+LoopbackOptions Loopback(void (*set)(LoopbackOptions&)) {
+  LoopbackOptions options;
+  set(options);
+  return options;
+}
+
 TEST(BackendFactory, OptionsOutOfRangeNameTheOptionTheValueAndTheRange) {
   struct Case {
     BackendConfig config;
     std::vector<std::string> expected;
   };
   const Case cases[] = {
-      {UcxOptions{.copy_threads = 65}, {"copy_threads is 65", "1..64"}},
-      {UcxOptions{.spin = std::chrono::seconds(2)}, {"spin is 2000000 us", "0..1000000"}},
-      {UcxOptions{.staging_slots = 0}, {"staging_slots is 0", "1 to 4096"}},
-      {UcxOptions{.staging_slot_bytes = 100}, {"staging_slot_bytes is 100", "4096 bytes to 4 GiB"}},
-      {LoopbackOptions{.delay = std::chrono::microseconds(-1)}, {"delay is -1 us", "0"}},
+      {Ucx([](UcxOptions& o) { o.copy_threads = 65; }), {"copy_threads is 65", "1..64"}},
+      {Ucx([](UcxOptions& o) { o.spin = std::chrono::seconds(2); }),
+       {"spin is 2000000 us", "0..1000000"}},
+      {Ucx([](UcxOptions& o) { o.staging_slots = 0; }), {"staging_slots is 0", "1 to 4096"}},
+      {Ucx([](UcxOptions& o) { o.staging_slot_bytes = 100; }),
+       {"staging_slot_bytes is 100", "4096 bytes to 4 GiB"}},
+      {Loopback([](LoopbackOptions& o) { o.delay = std::chrono::microseconds(-1); }),
+       {"delay is -1 us", "0"}},
   };
   for (const Case& c : cases) {
     auto b = CreateBackend(c.config);
@@ -257,7 +272,8 @@ TEST(BackendFactory, OptionsOutOfRangeNameTheOptionTheValueAndTheRange) {
 }
 
 TEST(LoopbackBackend, DelayedWriteCanBeReleasedBeforeItLands) {
-  const LoopbackOptions options{.delay = std::chrono::milliseconds(200)};
+  LoopbackOptions options;
+  options.delay = std::chrono::milliseconds(200);
   auto a = CreateBackend(options);
   auto b = CreateBackend(options);
   ASSERT_TRUE(a.ok() && b.ok());

@@ -21,6 +21,16 @@ using testing::MakePool;
 using testing::Mismatches;
 using testing::SmallPoolOptions;
 
+// The backend of a test parameter: "loopback", "loopback_pages" (the loopback backend taking
+// page lists, the device backends' path) or "ucx".
+BackendConfig BackendFor(const std::string& param, std::chrono::microseconds delay = {}) {
+  if (param == "ucx") return UcxOptions{};
+  LoopbackOptions loopback;
+  loopback.delay = delay;
+  loopback.page_writes = param == "loopback_pages";
+  return loopback;
+}
+
 class EngineTest : public ::testing::TestWithParam<std::string> {
  protected:
   void Start(const pool::PoolOptions& prefill_pool, const pool::PoolOptions& decode_pool,
@@ -31,10 +41,7 @@ class EngineTest : public ::testing::TestWithParam<std::string> {
     EngineOptions p;
     p.name = "prefill-0";
     p.prefill = true;
-    // "loopback_pages": the loopback backend taking page lists (the device backends' path).
-    p.backend = GetParam() == "loopback_pages" ? "loopback" : GetParam();
-    p.backend_options.loopback_page_writes = GetParam() == "loopback_pages";
-    p.backend_options.loopback_delay_us = loopback_delay_us;
+    p.backend = BackendFor(GetParam(), std::chrono::microseconds(loopback_delay_us));
     p.default_deadline = 5s;
     p.control_busy_poll = busy_poll_;
     auto prefill = TransferEngine::Create(p, src_pool_.get());
@@ -129,8 +136,7 @@ TEST_P(EngineTest, BusyPollingPerConnectionMovesRequestsFromTwoPeers) {
   EngineOptions o;
   o.name = "prefill-1";
   o.prefill = true;
-  o.backend = GetParam() == "loopback_pages" ? "loopback" : GetParam();
-  o.backend_options.loopback_page_writes = GetParam() == "loopback_pages";
+  o.backend = BackendFor(GetParam());
   o.default_deadline = 5s;
   o.control_busy_poll = busy_poll_;
   auto second = TransferEngine::Create(o, second_pool.get());
@@ -406,7 +412,7 @@ TEST(EngineGuards, PoolsTheGuardsRefuseCannotBeRegistered) {
   auto pool = MakePool(o);
   ASSERT_TRUE(pool);
   EngineOptions e;
-  e.backend = "loopback";
+  e.backend = LoopbackOptions{};
   auto engine = TransferEngine::Create(e, pool.get());
   ASSERT_FALSE(engine.ok());
   EXPECT_NE(engine.status().message().find("state layers"), std::string::npos) << engine.status();
@@ -415,7 +421,7 @@ TEST(EngineGuards, PoolsTheGuardsRefuseCannotBeRegistered) {
 TEST(EngineGuards, NegativeControlBusyPollIsRefused) {
   auto pool = MakePool(SmallPoolOptions());
   EngineOptions e;
-  e.backend = "loopback";
+  e.backend = LoopbackOptions{};
   e.control_busy_poll = std::chrono::microseconds(-1);
   auto engine = TransferEngine::Create(e, pool.get());
   ASSERT_FALSE(engine.ok());
@@ -427,7 +433,7 @@ TEST(EngineGuards, NegativeControlBusyPollIsRefused) {
 TEST(EngineGuards, RolesAreEnforced) {
   auto pool = MakePool(SmallPoolOptions());
   EngineOptions e;
-  e.backend = "loopback";
+  e.backend = LoopbackOptions{};
   auto prefill = TransferEngine::Create(e, pool.get());
   ASSERT_TRUE(prefill.ok());
   EXPECT_EQ((*prefill)->ConnectPeer("127.0.0.1", 1).status().code(),

@@ -115,29 +115,6 @@ StatusOr<std::unique_ptr<Backend>> CreateBackend(std::string_view name) {
   return CreateBackend(config);
 }
 
-StatusOr<std::unique_ptr<Backend>> CreateBackend(std::string_view name,
-                                                 const BackendOptions& options) {
-  KVT_ASSIGN_OR_RETURN(BackendConfig config, DefaultBackendConfig(name));
-  if (auto* ucx = std::get_if<UcxOptions>(&config)) {
-    ucx->transports = options.ucx_transports;
-    ucx->spin = std::chrono::microseconds(options.ucx_spin_us);
-    ucx->direct_shm = options.ucx_direct_shm;
-    ucx->direct_inline_bytes = options.ucx_direct_inline_bytes;
-    ucx->copy_threads = options.ucx_copy_threads;
-    KVT_ASSIGN_OR_RETURN(ucx->cuda_mode, ParseUcxCudaMode(options.ucx_cuda_mode));
-    ucx->staging_slots = options.ucx_staging_slots;
-    ucx->staging_slot_bytes = options.ucx_staging_slot_bytes;
-  } else if (auto* nccl = std::get_if<NcclOptions>(&config)) {
-    nccl->slot_bytes = options.nccl_slot_bytes;
-    nccl->connect_timeout = std::chrono::milliseconds(options.nccl_connect_timeout_ms);
-    nccl->stall_timeout = std::chrono::milliseconds(options.nccl_stall_timeout_ms);
-  } else if (auto* loopback = std::get_if<LoopbackOptions>(&config)) {
-    loopback->delay = std::chrono::microseconds(options.loopback_delay_us);
-    loopback->page_writes = options.loopback_page_writes;
-  }
-  return CreateBackend(config);
-}
-
 namespace {
 
 class BackendAllocator final : public pool::HostAllocator {

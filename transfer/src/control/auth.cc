@@ -1,4 +1,4 @@
-#include "kvt/transfer/control/auth.h"
+#include "control/auth.h"
 
 #include <fmt/format.h>
 #include <openssl/crypto.h>

@@ -10,9 +10,9 @@
 #include <exception>
 #include <utility>
 
+#include "control/auth.h"
+#include "control/protocol.h"
 #include "kvt/common/log.h"
-#include "kvt/transfer/control/auth.h"
-#include "kvt/transfer/control/protocol.h"
 
 namespace kvt::control::internal {
 namespace {

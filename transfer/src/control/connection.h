@@ -19,11 +19,11 @@
 #include <string>
 #include <vector>
 
+#include "control/control_server.h"
+#include "control/framing.h"
+#include "control/validate.h"
 #include "kvt/common/status.h"
-#include "kvt/transfer/control/control_server.h"
-#include "kvt/transfer/control/framing.h"
-#include "kvt/transfer/control/options.h"
-#include "kvt/transfer/control/validate.h"
+#include "kvt/transfer/control_options.h"
 #include "kvt/v1/control.pb.h"
 
 namespace kvt::control::internal {

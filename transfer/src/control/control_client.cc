@@ -1,4 +1,4 @@
-#include "kvt/transfer/control/control_client.h"
+#include "control/control_client.h"
 
 #include <fmt/format.h>
 
@@ -18,9 +18,9 @@
 #include <thread>
 
 #include "connection.h"
+#include "control/auth.h"
 #include "io_loop.h"
 #include "kvt/common/log.h"
-#include "kvt/transfer/control/auth.h"
 
 namespace kvt::control {
 

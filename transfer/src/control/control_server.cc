@@ -1,4 +1,4 @@
-#include "kvt/transfer/control/control_server.h"
+#include "control/control_server.h"
 
 #include <fmt/format.h>
 
@@ -19,10 +19,10 @@
 #include <vector>
 
 #include "connection.h"
+#include "control/auth.h"
+#include "control/protocol.h"
 #include "io_loop.h"
 #include "kvt/common/log.h"
-#include "kvt/transfer/control/auth.h"
-#include "kvt/transfer/control/protocol.h"
 
 namespace kvt::control {
 

@@ -1,4 +1,4 @@
-#include "kvt/transfer/control/framing.h"
+#include "control/framing.h"
 
 #include <fmt/format.h>
 

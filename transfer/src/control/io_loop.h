@@ -5,7 +5,7 @@
 #include <thread>
 
 #include "kvt/common/status.h"
-#include "kvt/transfer/control/options.h"
+#include "kvt/transfer/control_options.h"
 
 namespace kvt::control::internal {
 

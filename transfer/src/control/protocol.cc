@@ -1,4 +1,4 @@
-#include "kvt/transfer/control/protocol.h"
+#include "control/protocol.h"
 
 #include <bit>
 #include <cstring>

@@ -1,4 +1,4 @@
-#include "kvt/transfer/control/validate.h"
+#include "control/validate.h"
 
 #include <fmt/format.h>
 
@@ -8,8 +8,8 @@
 #include <string_view>
 #include <vector>
 
-#include "kvt/transfer/control/auth.h"
-#include "kvt/transfer/control/protocol.h"
+#include "control/auth.h"
+#include "control/protocol.h"
 
 namespace kvt::control {
 namespace {

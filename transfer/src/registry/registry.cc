@@ -7,9 +7,10 @@
 #include <thread>
 #include <tuple>
 
+#include "control/control_client.h"
+#include "control/control_server.h"
+#include "control/protocol.h"
 #include "kvt/common/log.h"
-#include "kvt/transfer/control/control_client.h"
-#include "kvt/transfer/control/protocol.h"
 
 namespace kvt::transfer {
 namespace {

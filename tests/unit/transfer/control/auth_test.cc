@@ -1,4 +1,4 @@
-#include "kvt/transfer/control/auth.h"
+#include "control/auth.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>

@@ -1,4 +1,4 @@
-#include "kvt/transfer/control/framing.h"
+#include "control/framing.h"
 
 #include <gmock/gmock.h>
 #include <google/protobuf/util/message_differencer.h>

@@ -1,4 +1,4 @@
-#include "kvt/transfer/control/protocol.h"
+#include "control/protocol.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>

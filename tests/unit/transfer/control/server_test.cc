@@ -18,11 +18,11 @@
 #include <thread>
 #include <vector>
 
-#include "kvt/transfer/control/auth.h"
-#include "kvt/transfer/control/control_client.h"
-#include "kvt/transfer/control/control_server.h"
-#include "kvt/transfer/control/framing.h"
-#include "kvt/transfer/control/protocol.h"
+#include "control/auth.h"
+#include "control/control_client.h"
+#include "control/control_server.h"
+#include "control/framing.h"
+#include "control/protocol.h"
 #include "test_messages.h"
 
 namespace kvt::control {

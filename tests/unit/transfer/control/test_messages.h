@@ -4,7 +4,7 @@
 #include <cstdint>
 #include <string>
 
-#include "kvt/transfer/control/protocol.h"
+#include "control/protocol.h"
 #include "kvt/v1/control.pb.h"
 
 namespace kvt::control::testing {

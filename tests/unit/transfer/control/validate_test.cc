@@ -1,4 +1,4 @@
-#include "kvt/transfer/control/validate.h"
+#include "control/validate.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -6,7 +6,7 @@
 #include <functional>
 #include <string>
 
-#include "kvt/transfer/control/auth.h"
+#include "control/auth.h"
 #include "test_messages.h"
 
 namespace kvt::control {

@@ -67,24 +67,4 @@ StatusOr<std::unique_ptr<Backend>> CreateBackend(std::string_view name);
 // allocator of its own (then pools use ordinary memory).
 std::shared_ptr<pool::HostAllocator> BackendHostAllocator(std::shared_ptr<Backend> backend);
 
-// Transitional, until EngineOptions carries a BackendConfig: the former shared options struct
-// and creation by name from it. Use BackendConfig instead.
-struct BackendOptions {
-  std::string ucx_transports;
-  int ucx_spin_us = 200;
-  bool ucx_direct_shm = true;
-  size_t ucx_direct_inline_bytes = size_t{256} << 10;
-  int ucx_copy_threads = 0;
-  int loopback_delay_us = 0;
-  bool loopback_page_writes = false;
-  std::string ucx_cuda_mode = "auto";
-  int ucx_staging_slots = 8;
-  size_t ucx_staging_slot_bytes = size_t{4} << 20;
-  uint64_t nccl_slot_bytes = uint64_t{8} << 20;
-  int nccl_connect_timeout_ms = 60000;
-  int nccl_stall_timeout_ms = 30000;
-};
-StatusOr<std::unique_ptr<Backend>> CreateBackend(std::string_view name,
-                                                 const BackendOptions& options);
-
 }  // namespace kvt::transfer

@@ -42,7 +42,7 @@
 #include "kvt/common/status.h"
 #include "kvt/pool/kv_pool.h"
 #include "kvt/transfer/backends.h"
-#include "kvt/transfer/control/control_server.h"
+#include "kvt/transfer/control_options.h"
 
 namespace kvt::transfer {
 
@@ -96,10 +96,11 @@ struct EngineStats {
 using PeerHandle = uint64_t;
 
 struct EngineOptions {
-  std::string name = "kvt";     // agent name (in hellos and authentication)
-  bool prefill = true;          // prefill (listens, writes) or decode (connects, receives)
-  std::string backend = "ucx";  // see BackendNames()
-  BackendOptions backend_options;
+  std::string name = "kvt";  // agent name (in hellos and authentication)
+  bool prefill = true;       // prefill (listens, writes) or decode (connects, receives)
+  // The backend Create makes when it is given none: the alternative picks it (UcxOptions,
+  // CudaIpcOptions, NcclOptions, LoopbackOptions; backends.h).
+  BackendConfig backend = UcxOptions{};
   // Control server (prefill engines). bind_address, port, cluster_token, limits.
   control::ControlServerOptions server;
   // Shared secret for connections this engine makes (decode); empty: none.

@@ -20,7 +20,7 @@
 #include <vector>
 
 #include "kvt/common/status.h"
-#include "kvt/transfer/control/control_server.h"
+#include "kvt/transfer/control_options.h"
 #include "kvt/v1/registry.pb.h"
 
 namespace kvt::transfer {

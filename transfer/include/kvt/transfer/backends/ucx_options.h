@@ -32,7 +32,7 @@ StatusOr<UcxCudaMode> ParseUcxCudaMode(std::string_view name);
 struct UcxOptions {
   // UCX transports to allow (UCX_TLS syntax, e.g. "shm,self" or "tcp"); empty = UCX's default
   // choice (or the UCX_TLS environment variable when set).
-  std::string transports;
+  std::string transports{};
   // The progress thread spins this long without work before it sleeps on the worker's event fd;
   // longer spins trade a CPU core for lower latency. 0..1 s.
   std::chrono::microseconds spin{200};

@@ -1,5 +1,9 @@
-// ConnectionLimits: the bounds every control connection (server or client side) runs under.
-// BusyPollOptions: how an endpoint's io threads wait for frames.
+// Options of kvt's control plane (TCP connections carrying framed kvt.v1.Envelope messages):
+//   ConnectionLimits      the bounds every control connection (server or client side) runs under
+//   ValidationLimits      bounds on the fields of received messages
+//   BusyPollOptions       how an endpoint's io threads wait for frames
+//   ControlServerOptions  a control server's address, authentication and limits (what
+//                         EngineOptions::server and RegistryServerOptions::server carry)
 //
 // Thread safety: plain values (BusyPollOptions::hint is called from io threads).
 #pragma once
@@ -8,6 +12,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <string>
 
 namespace kvt::control {
 
@@ -51,5 +56,48 @@ struct BusyPollOptions {
   // atomic load). True while the owner expects frames (requests in flight).
   std::function<bool()> hint;
 };
+
+// Bounds for fields whose size a peer chooses. The defaults match the comments in the .proto
+// files; tests may lower them.
+struct ValidationLimits {
+  size_t max_name_bytes = 128;         // agent / client / server names, host ids
+  size_t max_room_id_bytes = 256;      // room ids
+  size_t max_address_bytes = 256;      // "host:port"
+  size_t max_message_bytes = 4096;     // free text (error messages, reasons)
+  size_t max_backend_name_bytes = 32;  // "ucx", "cuda_ipc", ...
+  size_t max_blob_bytes = 64u << 10;   // rkeys, IPC handles, worker addresses
+  size_t max_backends = 16;            // keys per buffer, endpoints per peer
+  uint32_t max_layers = 4096;
+  uint32_t max_page_size = 65536;
+  uint32_t max_heads = 65536;
+  uint32_t max_head_dim = 65536;
+  uint32_t max_tp_size = 65536;
+  size_t max_pages_per_request = 1u << 20;
+  size_t max_slices = 4096;
+  uint32_t max_deadline_ms = 3600 * 1000;
+  size_t max_agents_per_reply = 4096;
+};
+
+struct ControlServerOptions {
+  // IP address to listen on ("127.0.0.1", "::1", "0.0.0.0", or "localhost").
+  std::string bind_address = "127.0.0.1";
+  uint16_t port = 0;  // 0: the kernel picks one; read it back with port()
+  // Our name in AuthChallenge (and in the mutual-auth proof).
+  std::string server_id = "kvt";
+  // Shared secret (>= 16 bytes); empty: no authentication (loopback only, see below). Callers
+  // usually fill it from ClusterTokenFromEnv().
+  std::string cluster_token;
+  // Lets a server without a token listen on a non-loopback address. Anyone who can reach the
+  // port can then drive transfers into the pool: for isolated test networks only.
+  bool allow_remote_without_token = false;
+  size_t max_connections = 256;  // connections beyond this get Error(RESOURCE_EXHAUSTED), close
+  size_t num_threads = 1;        // io threads; 1..64 (1 with busy polling)
+  ConnectionLimits limits;
+  ValidationLimits validation;
+  BusyPollOptions busy_poll;  // how the io thread(s) wait for frames (above)
+};
+
+// The cluster token from KVT_CLUSTER_TOKEN, or an empty string when unset.
+std::string ClusterTokenFromEnv();
 
 }  // namespace kvt::control

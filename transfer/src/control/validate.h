@@ -16,30 +16,10 @@
 #include <cstdint>
 
 #include "kvt/common/status.h"
+#include "kvt/transfer/control_options.h"
 #include "kvt/v1/control.pb.h"
 
 namespace kvt::control {
-
-// Bounds for fields whose size a peer chooses. The defaults match the comments in the .proto
-// files; tests may lower them.
-struct ValidationLimits {
-  size_t max_name_bytes = 128;         // agent / client / server names, host ids
-  size_t max_room_id_bytes = 256;      // room ids
-  size_t max_address_bytes = 256;      // "host:port"
-  size_t max_message_bytes = 4096;     // free text (error messages, reasons)
-  size_t max_backend_name_bytes = 32;  // "ucx", "cuda_ipc", ...
-  size_t max_blob_bytes = 64u << 10;   // rkeys, IPC handles, worker addresses
-  size_t max_backends = 16;            // keys per buffer, endpoints per peer
-  uint32_t max_layers = 4096;
-  uint32_t max_page_size = 65536;
-  uint32_t max_heads = 65536;
-  uint32_t max_head_dim = 65536;
-  uint32_t max_tp_size = 65536;
-  size_t max_pages_per_request = 1u << 20;
-  size_t max_slices = 4096;
-  uint32_t max_deadline_ms = 3600 * 1000;
-  size_t max_agents_per_reply = 4096;
-};
 
 // What is known about the peer on this connection. Zero means "not known yet" (before Hello);
 // checks that need the value are skipped then.

@@ -18,6 +18,7 @@
 #include <string_view>
 
 #include "kvt/common/status.h"
+#include "kvt/transfer/control_options.h"  // ClusterTokenFromEnv
 #include "kvt/v1/common.pb.h"
 
 namespace kvt::control {
@@ -29,9 +30,6 @@ inline constexpr size_t kMinClusterTokenBytes = 16;
 
 // OK, or InvalidArgument saying how long the token is and how to make a good one.
 Status CheckClusterToken(std::string_view token);
-
-// The cluster token from KVT_CLUSTER_TOKEN, or an empty string when unset.
-std::string ClusterTokenFromEnv();
 
 // kAuthNonceBytes bytes from OpenSSL's CSPRNG. Internal when the generator fails.
 StatusOr<std::string> MakeNonce();

@@ -24,9 +24,9 @@
 #include <memory>
 #include <string>
 
+#include "control/validate.h"
 #include "kvt/common/status.h"
-#include "kvt/transfer/control/options.h"
-#include "kvt/transfer/control/validate.h"
+#include "kvt/transfer/control_options.h"
 #include "kvt/v1/control.pb.h"
 
 namespace kvt::control {
@@ -57,25 +57,6 @@ class ControlHandler {
   virtual void OnMessage(ConnectionId id, const v1::Envelope& envelope) = 0;
   // The connection is gone: called exactly once for each connection that got OnConnect, last.
   virtual void OnDisconnect(ConnectionId id, const Status& why) = 0;
-};
-
-struct ControlServerOptions {
-  // IP address to listen on ("127.0.0.1", "::1", "0.0.0.0", or "localhost").
-  std::string bind_address = "127.0.0.1";
-  uint16_t port = 0;  // 0: the kernel picks one; read it back with port()
-  // Our name in AuthChallenge (and in the mutual-auth proof).
-  std::string server_id = "kvt";
-  // Shared secret (>= 16 bytes); empty: no authentication (loopback only, see below). Callers
-  // usually fill it from ClusterTokenFromEnv().
-  std::string cluster_token;
-  // Lets a server without a token listen on a non-loopback address. Anyone who can reach the
-  // port can then drive transfers into the pool: for isolated test networks only.
-  bool allow_remote_without_token = false;
-  size_t max_connections = 256;  // connections beyond this get Error(RESOURCE_EXHAUSTED), close
-  size_t num_threads = 1;        // io threads; 1..64 (1 with busy polling)
-  ConnectionLimits limits;
-  ValidationLimits validation;
-  BusyPollOptions busy_poll;  // how the io thread(s) wait for frames (options.h)
 };
 
 class ControlServer {

@@ -15,7 +15,7 @@
 #include <string_view>
 
 #include "kvt/common/status.h"
-#include "kvt/transfer/control/options.h"
+#include "kvt/transfer/control_options.h"
 #include "kvt/v1/control.pb.h"
 
 namespace kvt::control {

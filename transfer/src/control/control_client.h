@@ -12,9 +12,9 @@
 #include <memory>
 #include <string>
 
+#include "control/validate.h"
 #include "kvt/common/status.h"
-#include "kvt/transfer/control/options.h"
-#include "kvt/transfer/control/validate.h"
+#include "kvt/transfer/control_options.h"
 #include "kvt/v1/control.pb.h"
 
 namespace kvt::control {
@@ -36,7 +36,7 @@ struct ControlClientOptions {
   size_t max_inbox_frames = 1024;
   ConnectionLimits limits;
   ValidationLimits validation;
-  BusyPollOptions busy_poll;  // how the io thread(s) wait for frames (options.h)
+  BusyPollOptions busy_poll;  // how the io thread(s) wait for frames (control_options.h)
 };
 
 class ControlClient {
