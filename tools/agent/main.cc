@@ -127,8 +127,8 @@ int main(int argc, char** argv) {
       ->check(tools::IntAtLeast(0));
   app.add_option("--control-busy-poll-us", control_busy_poll_us,
                  "engine control threads poll instead of sleeping while requests are in flight "
-                 "and this long after (EngineOptions::control_busy_poll; 0: sleep; default: 1000 "
-                 "on CUDA pools, whose nodes have cores to spare, 0 on host pools)");
+                 "and this long after (0: sleep; default: 1000 on CUDA pools, whose nodes have "
+                 "cores to spare, 0 on host pools)");
   app.add_option("--seed", seed, "page shuffling seed");
   app.add_flag("--no-shuffle", no_shuffle, "hand pages out in ascending order");
   app.add_flag("--no-verify", no_verify, "decode: skip the byte check (benchmarks)");
