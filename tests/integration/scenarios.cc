@@ -23,15 +23,6 @@ double MsSince(Clock::time_point start) {
   return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
 }
 
-constexpr char kKnownProbeRace[] =
-    "known bug: after the prefill's SIGKILL the decode engine's one-shot liveness probe "
-    "(PeerPortRefuses, transfer/src/engine/engine.cc) ran while the dying process still held its "
-    "listening socket (the kernel releases a dying process's files last-opened first, so the "
-    "control connection closes before the listener); decode log: 'prefill peer ... still "
-    "listens; N failed requests keep their pages quarantined until it acknowledges'. The rooms "
-    "never become final on the decode agent and their pages leak. Fix: re-probe until refused "
-    "(bounded by peer_timeout). ";
-
 }  // namespace
 
 uint64_t ExpectedBytes(const AgentLayout& l, uint64_t tokens) {
@@ -187,26 +178,18 @@ void ExpectKilledPrefillFailsOnlyItsRequests(Cluster& cluster, const AgentSpec& 
   EXPECT_TRUE(WIFSIGNALED(wait_status) && WTERMSIG(wait_status) == SIGKILL) << wait_status;
 
   // Connection loss is noticed through the closed socket at once, and the pages are released
-  // once the dead peer's port refuses connections: far below the 20 s deadline.
+  // once the peer's process is known to be gone (no process with its pid and start time): far
+  // below the 20 s deadline.
   auto doomed_reports = WaitFinal(decode, doomed_rooms, 5s);
   const double noticed_ms = MsSince(killed_at);
-  // Known product bug (see kKnownProbeRace): the decode engine probes the dead peer's port once,
-  // and can do so while the dying process still holds its listening socket; the failed rooms
-  // then stay quarantined for good. Detected by its log line, reported as a skip at the end so
-  // that the rest of the scenario still runs.
-  const bool probe_race = !doomed_reports.ok() &&
-                          doomed_reports.status().code() == StatusCode::kDeadlineExceeded &&
-                          LogContains(*agents[2], "still listens");
-  if (!probe_race) {
-    ASSERT_TRUE(doomed_reports.ok()) << doomed_reports.status().ToString();
-    EXPECT_LT(noticed_ms, 5000) << "the dead prefill's requests took " << noticed_ms
-                                << " ms to fail";
-    for (const auto& [room, report] : *doomed_reports) {
-      if (!in_flight.count(room)) continue;
-      EXPECT_EQ(report.state(), v1::REQUEST_STATE_FAILED) << Describe(report);
-      EXPECT_EQ(report.status(), v1::STATUS_CODE_UNAVAILABLE) << Describe(report);
-      EXPECT_FALSE(report.verified()) << Describe(report);
-    }
+  ASSERT_TRUE(doomed_reports.ok()) << doomed_reports.status().ToString();
+  EXPECT_LT(noticed_ms, 5000) << "the dead prefill's requests took " << noticed_ms
+                              << " ms to fail";
+  for (const auto& [room, report] : *doomed_reports) {
+    if (!in_flight.count(room)) continue;
+    EXPECT_EQ(report.state(), v1::REQUEST_STATE_FAILED) << Describe(report);
+    EXPECT_EQ(report.status(), v1::STATUS_CODE_UNAVAILABLE) << Describe(report);
+    EXPECT_FALSE(report.verified()) << Describe(report);
   }
 
   IT_ASSERT_OK_AND_ASSIGN(auto alive_reports, WaitFinal(decode, alive_rooms, 15s));
@@ -228,7 +211,6 @@ void ExpectKilledPrefillFailsOnlyItsRequests(Cluster& cluster, const AgentSpec& 
   // The survivor's rooms, the one after the kill, and any doomed room that beat the kill.
   EXPECT_EQ(stats.succeeded(), kPerPrefill + 1 + doomed_rooms.size() - in_flight.size());
   EXPECT_EQ(stats.corrupted(), 0u);
-  if (probe_race) GTEST_SKIP() << kKnownProbeRace << doomed_reports.status().ToString();
   EXPECT_EQ(stats.failed(), in_flight.size());
   EXPECT_EQ(stats.free_pages(), decode_before.free_pages()) << "pages of failed rooms leaked";
 }

@@ -4,6 +4,7 @@
 // writes the deterministic pattern with the fill kernel and the decode side verifies every byte
 // with the verify kernel. Skips without a CUDA device.
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <atomic>
@@ -279,6 +280,45 @@ TEST_P(EngineGpuTest, OutOfRangePagesFailOnlyThatRequest) {
   ASSERT_TRUE(done.ok()) << done.status();
   EXPECT_EQ(done->state, RequestState::kSuccess) << done->status;
   EXPECT_EQ(Mismatches(13, dst), 0u);
+}
+
+// A write gated on a producer that computes for 400 ms (a host function holding its stream, as a
+// long forward pass would): the prefill engine sleeps while it waits instead of watching the
+// write, so the process uses well under a tenth of a core over the wait.
+TEST_P(EngineGpuTest, GatedWriteCostsNoCpuWhileItWaits) {
+  Start();
+  std::mt19937 rng(14);
+  const auto src = RandomPages(rng, num_pages(), 32);
+  const auto dst = RandomPages(rng, num_pages(), 32);
+  DevicePattern pattern = DevicePattern::Make(*src_pool_, 15, src);
+  ASSERT_TRUE(decode_->Receive("gated", peer_, dst).ok());
+  ASSERT_TRUE(prefill_->Send("gated", src).ok());
+  auto cpu_seconds = [] {
+    rusage u{};
+    getrusage(RUSAGE_SELF, &u);
+    return static_cast<double>(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
+           static_cast<double>(u.ru_utime.tv_usec + u.ru_stime.tv_usec) * 1e-6;
+  };
+  ASSERT_EQ(cudaLaunchHostFunc(
+                stream_.get(), [](void*) { std::this_thread::sleep_for(400ms); }, nullptr),
+            cudaSuccess);
+  ASSERT_TRUE(kernels::FillPatternCuda(pattern.all(), stream_.get()).ok());
+  auto ready = cuda::Event::Create(/*timing=*/false);
+  ASSERT_TRUE(ready.ok()) << ready.status();
+  ASSERT_TRUE(ready->Record(stream_.get()).ok());
+  const auto start = std::chrono::steady_clock::now();
+  const double cpu_start = cpu_seconds();
+  ASSERT_TRUE(prefill_->LayersReady("gated", layers(), ready->get()).ok());
+  auto done = decode_->WaitRequest("gated", 20s);
+  const double wall =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double cpu = cpu_seconds() - cpu_start;
+  ASSERT_TRUE(done.ok()) << done.status();
+  EXPECT_EQ(done->state, RequestState::kSuccess) << done->status;
+  EXPECT_GE(wall, 0.35);
+  EXPECT_LT(cpu, 0.1 * wall) << "CPU " << cpu << " s over " << wall << " s of waiting";
+  EXPECT_EQ(Mismatches(15, dst), 0u);
+  ASSERT_TRUE(stream_.Synchronize().ok());
 }
 
 INSTANTIATE_TEST_SUITE_P(DeviceBackends, EngineGpuTest, ::testing::Values("cuda_ipc", "ucx_staged"),

@@ -422,6 +422,9 @@ Status Validate(const v1::Envelope& envelope, const PeerContext& peer,
     case v1::Envelope::kAbortAck:
       return CheckId("abort_ack.room_id", envelope.abort_ack().room_id(), limits.max_room_id_bytes,
                      true);
+    case v1::Envelope::kGoodbye:
+      return CheckSize("goodbye.reason", envelope.goodbye().reason().size(),
+                       limits.max_message_bytes);
     case v1::Envelope::kHeartbeat:
     case v1::Envelope::kHeartbeatAck:
       return OkStatus();

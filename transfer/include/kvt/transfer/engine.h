@@ -117,18 +117,18 @@ struct EngineOptions {
   // through the closed socket).
   std::chrono::milliseconds heartbeat_interval{1000};
   std::chrono::milliseconds peer_timeout{10000};
-  // Prefill engines with device backends (cuda_ipc): while writes are in flight the poller
-  // watches the oldest one's completion event for up to this long between passes instead of
-  // sleeping until the backend's notification (which costs tens of µs of wake-up): a CPU core
-  // while the GPU copies, for completion seen within microseconds. 0: sleep.
+  // Prefill engines with device backends (cuda_ipc): while a write's copy runs (its producer's
+  // event has completed), the poller watches it for up to this long between passes instead of
+  // sleeping until the backend's notification (which costs a thread wake-up): a CPU core while
+  // the GPU copies, for completion seen within microseconds. A write still waiting for its
+  // producer is never watched this way. 0: always sleep.
   std::chrono::microseconds device_spin{200};
   // The control plane's io threads (the prefill engine's server, one per decode connection):
   // 0 = they sleep in epoll between frames; > 0 = while requests are in flight (on a prefill
   // engine: any of its requests; on a decode engine: that connection's peer's requests), and for
   // this long after the last frame or request, they poll their sockets without sleeping
   // (control::BusyPollOptions): a CPU core per polling io thread, for control messages handled
-  // within microseconds. Needs server.num_threads = 1. On a server, waking a thread that slept
-  // through a layerwise forward costs 80-120 µs per message (docs/transfer-bench.md, session 4).
+  // within microseconds instead of after a thread wake-up. Needs server.num_threads = 1.
   std::chrono::microseconds control_busy_poll{0};
   uint32_t tp_rank = 0;
   uint32_t tp_size = 1;

@@ -10,6 +10,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <unordered_map>
 
 #include "backends/common/run_check.h"
@@ -62,6 +63,8 @@ class LoopbackBackend final : public Backend {
   explicit LoopbackBackend(const LoopbackOptions& options)
       : delay_(options.delay),
         page_writes_(options.page_writes),
+        release_completes_(options.release_completes_in_flight),
+        before_disconnect_(options.before_disconnect),
         self_(std::make_shared<Target>()) {
     address_ = Directory::Get().Add(self_);
   }
@@ -124,6 +127,7 @@ class LoopbackBackend final : public Backend {
   }
 
   Status Disconnect(PeerId peer, DisconnectMode) override {
+    if (before_disconnect_) before_disconnect_(peer);
     std::lock_guard<std::mutex> lock(mutex_);
     if (peers_.erase(peer) == 0) return NotFound("no loopback peer " + std::to_string(peer));
     for (auto& [id, write] : writes_) {
@@ -214,8 +218,20 @@ class LoopbackBackend final : public Backend {
   }
 
   void Release(WriteId id) override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    writes_.erase(id);  // an in-flight write is simply never performed
+    std::unique_lock<std::mutex> lock(mutex_);
+    auto it = writes_.find(id);
+    if (it == writes_.end()) return;
+    if (release_completes_ && it->second.status.code() == StatusCode::kInProgress) {
+      // Waited out without the lock (other writes go on), then performed.
+      const Clock::time_point ready_at = it->second.ready_at;
+      lock.unlock();
+      std::this_thread::sleep_until(ready_at);
+      lock.lock();
+      it = writes_.find(id);
+      if (it == writes_.end()) return;
+      if (it->second.status.code() == StatusCode::kInProgress) Complete(it->second);
+    }
+    writes_.erase(it);  // otherwise an in-flight write is simply never performed
   }
 
  private:
@@ -302,6 +318,8 @@ class LoopbackBackend final : public Backend {
 
   const std::chrono::microseconds delay_;
   const bool page_writes_;
+  const bool release_completes_;
+  const std::function<void(uint64_t)> before_disconnect_;
   const std::shared_ptr<Target> self_;
   std::string address_;
 
