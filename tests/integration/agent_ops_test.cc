@@ -227,5 +227,21 @@ TEST_F(AgentLogTest, PrefillRoomEndsAtItsDeadlineAndFreesItsPages) {
   EXPECT_EQ(after.free_pages(), after.total_pages()) << "the failed room kept its pages";
 }
 
+// A driver request that breaks a validation rule is answered with an Error tied to it, and the
+// same connection keeps serving.
+TEST_F(AgentLogTest, MalformedRequestIsAnsweredAndTheConnectionKeepsServing) {
+  IT_ASSERT_OK_AND_ASSIGN(AgentProcess * agent, cluster_->StartAgent(Prefill("rpc-prefill")));
+  IT_ASSERT_OK_AND_ASSIGN(tools::RpcClient rpc, ConnectRpc(agent->rpc_port));
+  v1::Envelope bad;
+  bad.mutable_submit_request()->set_room_id("zero-tokens");
+  bad.mutable_submit_request()->set_num_tokens(0);  // breaks 1..16777216
+  auto reply = rpc.Call(bad, 5s);                   // an Error with reply_to becomes a Status
+  ASSERT_FALSE(reply.ok());
+  EXPECT_EQ(reply.status().code(), StatusCode::kInvalidArgument) << reply.status();
+  EXPECT_NE(reply.status().message().find("submit_request.num_tokens"), std::string::npos);
+  IT_ASSERT_OK_AND_ASSIGN(v1::AgentStatsReply stats, Stats(rpc));  // same connection
+  EXPECT_EQ(stats.name(), "rpc-prefill");
+}
+
 }  // namespace
 }  // namespace kvt::integration

@@ -17,6 +17,12 @@
 namespace kvt::control::internal {
 namespace {
 
+// Requests a driver sends to an agent's RPC port; each is answered on its own.
+bool IsDriverRequest(v1::Envelope::BodyCase body) {
+  return body == v1::Envelope::kSubmitRequest || body == v1::Envelope::kQueryRequests ||
+         body == v1::Envelope::kQueryStats || body == v1::Envelope::kAbortRoom;
+}
+
 constexpr size_t kReadChunkBytes = 64u << 10;
 
 long long Ms(std::chrono::milliseconds d) { return static_cast<long long>(d.count()); }
@@ -254,6 +260,16 @@ void Connection::HandleFrame(const v1::Envelope& envelope) {
     }
   }
   if (Status s = Validate(envelope, peer_, config_.validation); !s.ok()) {
+    // A driver's request (a decoded frame with a known body) that breaks a rule costs that
+    // request only: it is answered with an Error tied to it and the connection keeps serving.
+    if (state_ == State::kOpen && IsDriverRequest(body)) {
+      KVT_LOG_WARN("ctl", "connection {} ({}): refusing {} #{}: {}", config_.id, remote_address_,
+                   BodyName(envelope), envelope.id(), s.ToString());
+      v1::Envelope error = MakeErrorEnvelope(v1::STATUS_CODE_INVALID_ARGUMENT, s.message());
+      error.set_reply_to(envelope.id());
+      (void)SendNow(error, /*bypass_limits=*/false);
+      return;
+    }
     FailNow(body == v1::Envelope::BODY_NOT_SET ? v1::STATUS_CODE_MALFORMED_FRAME
                                                : v1::STATUS_CODE_INVALID_ARGUMENT,
             s);
