@@ -35,7 +35,7 @@
 #include "kvt/transfer/backend.h"
 #include "kvt/transfer/backends.h"
 // Private headers of kvt::transfer (this target has no transfer/src include path).
-#include "../../unit/backends/backend_test_util.h"
+#include "backend_test_util.h"
 #include "backends/cuda_ipc/cuda_ipc_backend.h"
 #include "backends/cuda_ipc/cuda_ipc_codec.h"
 #include "child_process.h"

@@ -35,7 +35,7 @@
 #include "kvt/transfer/backend.h"
 #include "kvt/transfer/backends.h"
 // Private headers of kvt::transfer (this target has no transfer/src include path).
-#include "../../unit/backends/backend_test_util.h"
+#include "backend_test_util.h"
 #include "backends/nccl/nccl_backend.h"
 #include "backends/nccl/nccl_protocol.h"
 #include "child_process.h"

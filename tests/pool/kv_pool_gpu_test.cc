@@ -5,7 +5,7 @@
 
 #include <cstring>
 
-#include "../../unit/pool/pool_test_util.h"
+#include "pool_test_util.h"
 #include "kvt/kernels/cuda_util.h"
 #include "kvt/pool/kv_pool.h"
 

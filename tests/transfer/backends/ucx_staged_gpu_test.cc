@@ -13,7 +13,7 @@
 #include <thread>
 #include <vector>
 
-#include "../../unit/backends/backend_test_util.h"
+#include "backend_test_util.h"
 #include "kvt/kernels/cuda_util.h"
 #include "kvt/transfer/backend.h"
 #include "kvt/transfer/backends.h"
