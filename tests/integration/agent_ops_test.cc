@@ -132,7 +132,8 @@ TEST_F(AgentBootstrapTest, AgentStartedBeforeTheBootstrapWaitsForIt) {
 
   transfer::RegistryClientOptions lookup;
   lookup.port = port;
-  auto found = transfer::RegistryClient::Lookup(lookup, "ops-decode", v1::ROLE_DECODE, 0u);
+  auto found =
+      transfer::RegistryClient::Lookup(lookup, "ops-decode", transfer::AgentRole::kDecode, 0u);
   ASSERT_TRUE(found.ok()) << found.status();
   EXPECT_EQ(found->size(), 1u) << "the agent is not registered after the bootstrap came back";
   agent->Stop();

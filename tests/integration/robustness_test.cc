@@ -214,9 +214,10 @@ TEST_F(GarbageTest, EveryPortDropsBadFramesAndKeepsServing) {
   registry.port = cluster_->bootstrap_port();
   registry.client_id = "it-lookup";
   IT_ASSERT_OK_AND_ASSIGN(
-      auto found, transfer::RegistryClient::Lookup(registry, "it-prefill", v1::ROLE_PREFILL, 0u));
+      auto found,
+      transfer::RegistryClient::Lookup(registry, "it-prefill", transfer::AgentRole::kPrefill, 0u));
   ASSERT_EQ(found.size(), 1u);
-  EXPECT_EQ(found[0].control_address(), agents[0]->engine_address());
+  EXPECT_EQ(found[0].control_address, agents[0]->engine_address());
   // Fresh connections to both RPC ports; the decode agent's first request opens its first
   // connection to the prefill engine, after all the garbage it received.
   IT_ASSERT_OK_AND_ASSIGN(tools::RpcClient prefill, ConnectRpc(agents[0]->rpc_port));

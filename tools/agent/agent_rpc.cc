@@ -56,24 +56,25 @@ StatusOr<HostPort> AgentRpc::ResolvePrefill(const std::string& name) {
     return FailedPrecondition("this agent runs without --bootstrap, so it cannot look up '" + name +
                               "'; give prefill_address instead");
   }
-  KVT_ASSIGN_OR_RETURN(auto agents, transfer::RegistryClient::Lookup(
-                                        *registry_, name, v1::ROLE_PREFILL, std::nullopt));
+  KVT_ASSIGN_OR_RETURN(
+      auto agents, transfer::RegistryClient::Lookup(*registry_, name, transfer::AgentRole::kPrefill,
+                                                    std::nullopt));
   if (agents.empty()) {
     return NotFound("no prefill agent named '" + name +
                     "' is registered; check its --name and that it uses the same --bootstrap");
   }
   // Equal TP sizes: decode rank r takes its shard from prefill rank r. Other sizes: rank 0, and
   // the hello refuses the pair naming both sizes.
-  const bool same_size = std::any_of(agents.begin(), agents.end(), [&](const v1::AgentInfo& a) {
-    return a.tp_size() == tp_size_;
-  });
+  const bool same_size =
+      std::any_of(agents.begin(), agents.end(),
+                  [&](const transfer::AgentEntry& a) { return a.tp_size == tp_size_; });
   const uint32_t rank = same_size ? tp_rank_ : 0;
-  const v1::AgentInfo* pick = nullptr;
+  const transfer::AgentEntry* pick = nullptr;
   std::string registered;
-  for (const v1::AgentInfo& a : agents) {
-    registered += (registered.empty() ? "" : ", ") + std::to_string(a.tp_rank()) + " of " +
-                  std::to_string(a.tp_size());
-    if (a.tp_rank() == rank && (!same_size || a.tp_size() == tp_size_)) pick = &a;
+  for (const transfer::AgentEntry& a : agents) {
+    registered += (registered.empty() ? "" : ", ") + std::to_string(a.tp_rank) + " of " +
+                  std::to_string(a.tp_size);
+    if (a.tp_rank == rank && (!same_size || a.tp_size == tp_size_)) pick = &a;
   }
   if (pick == nullptr) {
     return NotFound("prefill agent '" + name + "' has no rank " + std::to_string(rank) +
@@ -82,7 +83,7 @@ StatusOr<HostPort> AgentRpc::ResolvePrefill(const std::string& name) {
                     " of tp_size=" + std::to_string(tp_size_) +
                     "; start that prefill rank or retry once it has registered");
   }
-  KVT_ASSIGN_OR_RETURN(HostPort address, ParseHostPort(pick->control_address()));
+  KVT_ASSIGN_OR_RETURN(HostPort address, ParseHostPort(pick->control_address));
   std::lock_guard<std::mutex> lock(mu_);
   resolved_[name] = Resolved{address, std::chrono::steady_clock::now()};
   return address;

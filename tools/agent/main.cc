@@ -13,7 +13,6 @@
 #include "agent_rpc.h"
 #include "cli_util.h"
 #include "control/auth.h"
-#include "control/protocol.h"
 #include "device_spec.h"
 #include "kvt/common/log.h"
 #include "kvt/common/log_level.h"
@@ -35,7 +34,7 @@ int Fail(const Status& status) {
 // Other refusals (authentication, a rejected registration) are returned at once. Aborted when
 // SIGINT/SIGTERM arrives meanwhile.
 StatusOr<std::unique_ptr<transfer::RegistryClient>> RegisterWithRetry(
-    const transfer::RegistryClientOptions& options, const v1::AgentInfo& self,
+    const transfer::RegistryClientOptions& options, const transfer::AgentEntry& self,
     std::chrono::seconds wait) {
   using Clock = std::chrono::steady_clock;
   const std::string where = options.host + ":" + std::to_string(options.port);
@@ -233,26 +232,27 @@ int main(int argc, char** argv) {
     r.host = bootstrap_at->host;
     r.port = bootstrap_at->port;
     r.client_id = name;
-    r.role = prefill ? v1::ROLE_PREFILL : v1::ROLE_DECODE;
+    r.role = prefill ? transfer::AgentRole::kPrefill : transfer::AgentRole::kDecode;
     r.cluster_token = token;
     registry = r;
-    v1::AgentInfo self;
-    self.set_name(name);
-    self.set_role(r.role);
-    self.set_tp_rank(tp_rank);
-    self.set_tp_size(tp_size);
+    transfer::AgentEntry self;
+    self.name = name;
+    self.role = r.role;
+    self.tp_rank = tp_rank;
+    self.tp_size = tp_size;
     const uint16_t port = prefill ? (*agent)->engine_port() : 0;
-    self.set_control_address(listen_at->host + ":" + std::to_string(port));
-    auto* layout = self.mutable_layout();
-    layout->set_num_layers(static_cast<uint32_t>(layers));
-    layout->set_page_size(static_cast<uint32_t>(page_size));
-    layout->set_dtype(*control::ToProtoDType(*parsed_dtype));
-    layout->set_head_num(static_cast<uint32_t>(heads));
-    layout->set_head_dim(static_cast<uint32_t>(head_dim));
-    layout->set_tp_rank(tp_rank);
-    layout->set_tp_size(tp_size);
-    layout->set_num_pages(static_cast<uint64_t>(tokens / page_size + 1));
-    layout->set_num_tokens(static_cast<uint64_t>(tokens));
+    self.control_address = listen_at->host + ":" + std::to_string(port);
+    self.layout = transfer::AgentLayout{
+        .num_layers = static_cast<uint32_t>(layers),
+        .page_size = static_cast<uint32_t>(page_size),
+        .dtype = *parsed_dtype,
+        .head_num = static_cast<uint32_t>(heads),
+        .head_dim = static_cast<uint32_t>(head_dim),
+        .tp_rank = tp_rank,
+        .tp_size = tp_size,
+        .num_pages = static_cast<uint64_t>(tokens / page_size + 1),
+        .num_tokens = static_cast<uint64_t>(tokens),
+    };
     auto client = RegisterWithRetry(r, self, std::chrono::seconds(bootstrap_wait_s));
     if (!client.ok()) {
       if (client.status().code() == StatusCode::kAborted) return 0;  // stopped by a signal

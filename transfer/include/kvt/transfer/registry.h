@@ -9,6 +9,8 @@
 // RegistryClient is the agent's side: it registers once (failing if the registry cannot be
 // reached), then refreshes from a background thread, reconnecting after connection loss.
 //
+// The API speaks plain C++ (AgentRole, AgentEntry); the wire messages stay inside the library.
+//
 // Thread safety: both classes may be used from any thread.
 #pragma once
 
@@ -19,11 +21,49 @@
 #include <string>
 #include <vector>
 
+#include "kvt/common/dtype.h"
 #include "kvt/common/status.h"
 #include "kvt/transfer/control_options.h"
-#include "kvt/v1/registry.pb.h"
 
 namespace kvt::transfer {
+
+// What an agent is. Only prefill and decode agents register; kTool is the role of clients that
+// only look up (the default of RegistryClientOptions); kAny matches every role in a look-up.
+enum class AgentRole : uint8_t {
+  kAny = 0,
+  kPrefill = 1,
+  kDecode = 2,
+  kTool = 4,
+};
+
+// "any", "prefill", "decode", "tool".
+const char* AgentRoleName(AgentRole role);
+
+// A summary of an agent's pool layout (no memory descriptors: those travel in the engines'
+// hello). Registered entries carry it so that a peer can check compatibility before connecting.
+struct AgentLayout {
+  uint32_t num_layers = 0;  // layers with K/V buffers
+  uint32_t page_size = 0;   // tokens per page
+  DType dtype = DType::kBF16;
+  uint32_t head_num = 0;        // KV heads held by this rank
+  uint32_t head_dim = 0;        // elements per head
+  uint32_t tp_rank = 0;         // equal to AgentEntry::tp_rank
+  uint32_t tp_size = 1;         // equal to AgentEntry::tp_size
+  uint64_t num_pages = 0;       // pages including the dummy page 0
+  uint64_t num_tokens = 0;      // token slots (the pool's size)
+  uint32_t total_kv_heads = 0;  // KV heads of the whole model before TP sharding; 0: not given
+};
+
+// One agent (one TP rank of a prefill or decode instance) as the registry knows it.
+struct AgentEntry {
+  std::string name;  // instance name shared by its TP ranks; printable ASCII, 1..128 bytes
+  AgentRole role = AgentRole::kAny;  // kPrefill or kDecode to register
+  uint32_t tp_rank = 0;              // < tp_size
+  uint32_t tp_size = 1;
+  std::string control_address;        // "host:port" of its engine's control server
+  std::optional<AgentLayout> layout;  // its pool's layout, when it has one
+  std::string host_id;                // identifies the machine; empty: not given
+};
 
 struct RegistryServerOptions {
   control::ControlServerOptions server;  // bind address, port, cluster token, limits
@@ -39,10 +79,10 @@ class RegistryServer {
   RegistryServer& operator=(const RegistryServer&) = delete;
 
   uint16_t port() const;
-  // Live entries matching the filter (empty name / ROLE_UNSPECIFIED / nullopt match all), in
+  // Live entries matching the filter (empty name / AgentRole::kAny / nullopt match all), in
   // (name, role, tp_rank) order.
-  std::vector<v1::AgentInfo> Lookup(const std::string& name, v1::Role role,
-                                    std::optional<uint32_t> tp_rank) const;
+  std::vector<AgentEntry> Lookup(const std::string& name, AgentRole role,
+                                 std::optional<uint32_t> tp_rank) const;
   size_t size() const;
 
  private:
@@ -55,16 +95,18 @@ struct RegistryClientOptions {
   std::string host = "127.0.0.1";
   uint16_t port = 0;
   std::string client_id = "kvt-agent";
-  v1::Role role = v1::ROLE_TOOL;
+  AgentRole role = AgentRole::kTool;  // this client's role in the connection greeting
   std::string cluster_token;
   std::chrono::milliseconds timeout{5000};  // connect + each reply
 };
 
 class RegistryClient {
  public:
-  // Registers `self` and keeps it registered until destroyed.
+  // Registers `self` and keeps it registered until destroyed. InvalidArgument when `self`
+  // cannot be sent (a layout dtype that is no pool dtype); the registry refuses roles other than
+  // kPrefill and kDecode and entries out of its limits, naming the field and value.
   static StatusOr<std::unique_ptr<RegistryClient>> Start(const RegistryClientOptions& options,
-                                                         const v1::AgentInfo& self);
+                                                         const AgentEntry& self);
   ~RegistryClient();
   RegistryClient(const RegistryClient&) = delete;
   RegistryClient& operator=(const RegistryClient&) = delete;
@@ -73,9 +115,9 @@ class RegistryClient {
   uint64_t refreshes() const;
 
   // One look-up over its own connection.
-  static StatusOr<std::vector<v1::AgentInfo>> Lookup(const RegistryClientOptions& options,
-                                                     const std::string& name, v1::Role role,
-                                                     std::optional<uint32_t> tp_rank);
+  static StatusOr<std::vector<AgentEntry>> Lookup(const RegistryClientOptions& options,
+                                                  const std::string& name, AgentRole role,
+                                                  std::optional<uint32_t> tp_rank);
 
  private:
   class Impl;
