@@ -1,6 +1,10 @@
 # Finds every dependency kvt builds against. tools/setup.sh installs the Debian packages.
+# cmake/kvtConfig.cmake.in finds again, for users of the installed package, those that kvt's
+# exported targets name: keep the two in step.
+set(KVT_CUDA_TOOLKIT_MIN_VERSION 12.0)
+set(KVT_BOOST_MIN_VERSION 1.74)
 find_package(Threads REQUIRED)
-find_package(CUDAToolkit 12.0 REQUIRED)
+find_package(CUDAToolkit ${KVT_CUDA_TOOLKIT_MIN_VERSION} REQUIRED)
 
 # NCCL ships inside the CUDA toolkit's folders on our machines; a system NCCL works too.
 find_path(KVT_NCCL_INCLUDE_DIR nccl.h
@@ -18,7 +22,7 @@ target_link_libraries(kvt::nccl INTERFACE ${KVT_NCCL_LIBRARY})
 find_package(PkgConfig REQUIRED)
 pkg_check_modules(UCX REQUIRED IMPORTED_TARGET ucx)
 
-find_package(Boost 1.74 REQUIRED)
+find_package(Boost ${KVT_BOOST_MIN_VERSION} REQUIRED)
 find_package(Protobuf REQUIRED)
 find_package(OpenSSL REQUIRED)
 find_package(fmt REQUIRED)

@@ -9,6 +9,8 @@ function(kvt_library name)
     PUBLIC $<BUILD_INTERFACE:${CMAKE_CURRENT_SOURCE_DIR}/include> $<INSTALL_INTERFACE:include>
     PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}/src)
   target_link_libraries(kvt_${name} PUBLIC ${ARG_PUBLIC_DEPS} PRIVATE ${ARG_PRIVATE_DEPS})
+  # The public headers are C++20: users of the installed targets get the standard with them.
+  target_compile_features(kvt_${name} PUBLIC cxx_std_20)
   kvt_warnings(kvt_${name})
   set_property(GLOBAL APPEND PROPERTY KVT_EXPORTED_TARGETS kvt_${name})
 endfunction()
