@@ -22,6 +22,10 @@ constexpr auto kSourceWaitPoll = std::chrono::microseconds(200);
 // layers is looked at.
 constexpr auto kEventPoll = std::chrono::microseconds(200);
 constexpr auto kIdlePoll = std::chrono::milliseconds(10);
+// A room one of whose writes completed this recently counts as producing (a forward layer by
+// layer): its next write is watched without sleeping. Longer than a layer of any forward pass,
+// far shorter than a stalled one.
+constexpr auto kProducingWindow = std::chrono::milliseconds(5);
 
 constexpr size_t kSpareRunVectors = 4;
 constexpr size_t kMaxSpareRunBytes = size_t{32} << 20;
@@ -172,11 +176,16 @@ EngineSide::PollResult PrefillSide::PollPass(Clock::time_point now) {
         // A write can complete only once its copy runs, i.e. once its producer's event has
         // completed: while the producer still computes (a whole forward pass), the poller
         // neither spins nor polls fast.
+        // A layerwise forward that is still producing (one of the room's writes completed
+        // lately) is watched too, so that its last layer's completion is seen at once.
         const PostedWrite& oldest = room->writes.front();
         StatusOr<bool> source_done = EventDone(oldest.ready);
-        if (!source_done.ok() || *source_done) {
-          running_write = true;
-          if (result.spin_write == 0 && ctx_.page_writes) result.spin_write = oldest.id;
+        const bool runs = !source_done.ok() || *source_done;
+        const bool producing = room->last_progress != Clock::time_point() &&
+                               now - room->last_progress < kProducingWindow;
+        running_write |= runs;
+        if ((runs || producing) && result.spin_write == 0 && ctx_.page_writes) {
+          result.spin_write = oldest.id;
         }
         writes_in_flight = true;
       }
@@ -560,6 +569,7 @@ void PrefillSide::CheckWritesLocked(PrefillRoom& room, AfterUnlock& after) {
     }
     after.frees.push_back(write);  // complete: releasing it only frees its handle
     room.writes.erase(room.writes.begin());
+    room.last_progress = Clock::now();
   }
   if (room.posted_end == room.layer_end) {
     room.status = OkStatus();

@@ -39,6 +39,9 @@ struct PrefillRoom : RoomCore {
   std::optional<Plan> plan;
   int32_t posted_end = 0;  // layers [layer_begin, posted_end) posted
   std::vector<PostedWrite> writes;
+  // When the last of its writes completed: a producer that is still making progress (a layerwise
+  // forward) is worth watching without sleeping.
+  Clock::time_point last_progress;
 };
 
 class PrefillSide final : public EngineSide, public control::ControlHandler {

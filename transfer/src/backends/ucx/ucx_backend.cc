@@ -204,8 +204,8 @@ class UcxBackend final : public Backend {
     caps.inter_process = true;
     caps.inter_node = true;
     caps.page_writes = staged_.load(std::memory_order_acquire);
-    // Direct copies and flushes call the notifier; the staged path does not (it is polled).
-    caps.notifies_completion = !caps.page_writes;
+    // Direct copies, flushes and staged writes (their last acknowledgement) call the notifier.
+    caps.notifies_completion = true;
     return caps;
   }
 
@@ -229,6 +229,7 @@ class UcxBackend final : public Backend {
     if (stage && !staging_) {
       // The staging context comes with the first staged pool (host-only backends never pay).
       KVT_ASSIGN_OR_RETURN(staging_, ucx_staging::StagedTransport::Create(transports_, instance_));
+      staging_->SetOnWriteDone([this] { Notify(); });
     }
     UnmapLocked();
     if (staging_) KVT_RETURN_IF_ERROR(staging_->Detach());

@@ -471,6 +471,7 @@ void StagedTransport::FailWrite(WriteId id, Write& write, const Status& status) 
   if (write.status.code() != StatusCode::kInProgress) return;
   write.status = status;
   KVT_LOG_DEBUG("ucx", "staged write {} failed: {}", id, status.ToString());
+  if (on_write_done_) on_write_done_();
 }
 
 void StagedTransport::FailChunk(SendSlot& slot, const Status& status) {
@@ -639,6 +640,7 @@ void StagedTransport::HandleAck(const ChunkAck& ack, std::string_view message) {
     ++write.acked;
     if (write.acked == write.plan.count() && write.status.code() == StatusCode::kInProgress) {
       write.status = OkStatus();
+      if (on_write_done_) on_write_done_();
     }
     return;
   }

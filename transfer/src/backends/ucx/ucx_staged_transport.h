@@ -36,6 +36,7 @@
 #include <chrono>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <list>
 #include <map>
 #include <memory>
@@ -115,6 +116,9 @@ class StagedTransport {
   // Stops the write's unsent chunks and waits (bounded) for those in flight to be acknowledged,
   // so that none of its bytes lands later.
   void Release(WriteId id);
+  // Called (on the progress thread) each time a write completes or fails, so that the owner can
+  // tell its caller at once instead of being polled. Must not block or call back in.
+  void SetOnWriteDone(std::function<void()> done) { on_write_done_ = std::move(done); }
 
   // ---- receiving ----------------------------------------------------------------------------
   // Stops accepting chunks from a sending backend: queued ones are dropped (acknowledged as
@@ -256,6 +260,7 @@ class StagedTransport {
   // An eventfd the copier's completion callbacks write (OnCopierDone); notified_ when the
   // current copier calls it.
   int completion_fd_ = -1;
+  std::function<void()> on_write_done_;  // SetOnWriteDone
   bool notified_ = false;
   static void OnCopierDone(void* self);
   uint64_t slot_bytes_ = 0;
