@@ -16,6 +16,7 @@
 #include <thread>
 #include <vector>
 
+#include "agent_command.h"
 #include "fixture.h"
 #include "kvt/transfer/registry.h"
 
@@ -82,31 +83,18 @@ class AgentBootstrapTest : public ::testing::Test {
 
   std::vector<std::string> AgentArgs(uint16_t bootstrap_port, const std::string& extra_flag = "",
                                      const std::string& extra_value = "") {
-    std::vector<std::string> argv = {agent_bin_,
-                                     "--role",
-                                     "decode",
-                                     "--name",
-                                     "ops-decode",
-                                     "--device",
-                                     "host",
-                                     "--layers",
-                                     "2",
-                                     "--heads",
-                                     "2",
-                                     "--head-dim",
-                                     "64",
-                                     "--tokens",
-                                     "256",
-                                     "--bootstrap",
-                                     "127.0.0.1:" + std::to_string(bootstrap_port),
-                                     "--ready-file",
-                                     dir_ + "/agent.json",
-                                     "--exit-with-parent"};
-    if (!extra_flag.empty()) {
-      argv.push_back(extra_flag);
-      argv.push_back(extra_value);
-    }
-    return argv;
+    tools::AgentCommand command;
+    command.binary = agent_bin_;
+    command.role = "decode";
+    command.name = "ops-decode";
+    command.layers = 2;
+    command.heads = 2;
+    command.head_dim = 64;
+    command.tokens = 256;
+    command.bootstrap = "127.0.0.1:" + std::to_string(bootstrap_port);
+    command.ready_file = dir_ + "/agent.json";
+    if (!extra_flag.empty()) command.extra = {extra_flag, extra_value};
+    return command.Argv();
   }
 
   std::string dir_, agent_bin_, bootstrap_bin_;
@@ -121,10 +109,11 @@ TEST_F(AgentBootstrapTest, AgentStartedBeforeTheBootstrapWaitsForIt) {
       << "the agent did not report the missing bootstrap";
   ASSERT_TRUE(agent->running()) << "the agent exited instead of waiting for the bootstrap";
 
-  auto bootstrap =
-      tools::ChildProcess::Spawn({bootstrap_bin_, "--listen", "127.0.0.1:" + std::to_string(port),
-                                  "--ready-file", dir_ + "/bootstrap.json", "--exit-with-parent"},
-                                 dir_ + "/bootstrap.log");
+  tools::BootstrapCommand command;
+  command.binary = bootstrap_bin_;
+  command.listen = "127.0.0.1:" + std::to_string(port);
+  command.ready_file = dir_ + "/bootstrap.json";
+  auto bootstrap = tools::ChildProcess::Spawn(command.Argv(), dir_ + "/bootstrap.log");
   ASSERT_TRUE(bootstrap.ok()) << bootstrap.status();
   auto ready = tools::WaitReadyFile(dir_ + "/agent.json", 30s, agent->pid());
   ASSERT_TRUE(ready.ok()) << ready.status();
@@ -165,17 +154,17 @@ TEST_F(AgentLogTest, FailedRequestIsLoggedAtWarnOnBothSides) {
   prefill_spec.layout.layers = 2;
   AgentSpec decode_spec = Decode("log-decode");
   decode_spec.layout.layers = 2;
-  IT_ASSERT_OK_AND_ASSIGN(auto agents, cluster_->StartAgents({prefill_spec, decode_spec}));
-  IT_ASSERT_OK_AND_ASSIGN(tools::RpcClient prefill, ConnectRpc(agents[0]->rpc_port));
-  IT_ASSERT_OK_AND_ASSIGN(tools::RpcClient decode, ConnectRpc(agents[1]->rpc_port));
-  IT_ASSERT_OK(SubmitAccepted(decode, ForDecode("doomed-room", 100, "log-prefill")));
-  IT_ASSERT_OK(SubmitAccepted(prefill, ForPrefill("doomed-room", 100)));
+  KVT_ASSERT_OK_AND_ASSIGN(auto agents, cluster_->StartAgents({prefill_spec, decode_spec}));
+  KVT_ASSERT_OK_AND_ASSIGN(tools::RpcClient prefill, ConnectRpc(agents[0]->rpc_port));
+  KVT_ASSERT_OK_AND_ASSIGN(tools::RpcClient decode, ConnectRpc(agents[1]->rpc_port));
+  KVT_ASSERT_OK(SubmitAccepted(decode, ForDecode("doomed-room", 100, "log-prefill")));
+  KVT_ASSERT_OK(SubmitAccepted(prefill, ForPrefill("doomed-room", 100)));
   std::this_thread::sleep_for(150ms);
-  IT_ASSERT_OK_AND_ASSIGN(v1::SubmitReply aborted,
-                          AbortRoom(prefill, "doomed-room", "operator pulled the plug"));
+  KVT_ASSERT_OK_AND_ASSIGN(v1::SubmitReply aborted,
+                           AbortRoom(prefill, "doomed-room", "operator pulled the plug"));
   ASSERT_EQ(aborted.status(), v1::STATUS_CODE_OK) << aborted.message();
-  IT_ASSERT_OK_AND_ASSIGN(v1::RequestReport on_decode, WaitFinal(decode, "doomed-room", 10s));
-  IT_ASSERT_OK_AND_ASSIGN(v1::RequestReport on_prefill, WaitFinal(prefill, "doomed-room", 10s));
+  KVT_ASSERT_OK_AND_ASSIGN(v1::RequestReport on_decode, WaitFinal(decode, "doomed-room", 10s));
+  KVT_ASSERT_OK_AND_ASSIGN(v1::RequestReport on_prefill, WaitFinal(prefill, "doomed-room", 10s));
   ASSERT_EQ(on_decode.state(), v1::REQUEST_STATE_FAILED) << Describe(on_decode);
   for (const AgentProcess* agent : agents) {
     EXPECT_TRUE(WaitForLog(agent->log_path, "room 'doomed-room' failed", 5s))
@@ -196,14 +185,14 @@ TEST_F(AgentLogTest, LostPrefillIsLoggedOnTheDecodeSide) {
   prefill_spec.layout.layers = 2;
   AgentSpec decode_spec = Decode("lost-decode");
   decode_spec.layout.layers = 2;
-  IT_ASSERT_OK_AND_ASSIGN(auto agents, cluster_->StartAgents({prefill_spec, decode_spec}));
-  IT_ASSERT_OK_AND_ASSIGN(tools::RpcClient prefill, ConnectRpc(agents[0]->rpc_port));
-  IT_ASSERT_OK_AND_ASSIGN(tools::RpcClient decode, ConnectRpc(agents[1]->rpc_port));
-  IT_ASSERT_OK(SubmitAccepted(decode, ForDecode("orphan-room", 100, "lost-prefill")));
-  IT_ASSERT_OK(SubmitAccepted(prefill, ForPrefill("orphan-room", 100)));
+  KVT_ASSERT_OK_AND_ASSIGN(auto agents, cluster_->StartAgents({prefill_spec, decode_spec}));
+  KVT_ASSERT_OK_AND_ASSIGN(tools::RpcClient prefill, ConnectRpc(agents[0]->rpc_port));
+  KVT_ASSERT_OK_AND_ASSIGN(tools::RpcClient decode, ConnectRpc(agents[1]->rpc_port));
+  KVT_ASSERT_OK(SubmitAccepted(decode, ForDecode("orphan-room", 100, "lost-prefill")));
+  KVT_ASSERT_OK(SubmitAccepted(prefill, ForPrefill("orphan-room", 100)));
   std::this_thread::sleep_for(150ms);
   agents[0]->process.Signal(SIGKILL);
-  IT_ASSERT_OK_AND_ASSIGN(v1::RequestReport on_decode, WaitFinal(decode, "orphan-room", 15s));
+  KVT_ASSERT_OK_AND_ASSIGN(v1::RequestReport on_decode, WaitFinal(decode, "orphan-room", 15s));
   ASSERT_EQ(on_decode.state(), v1::REQUEST_STATE_FAILED) << Describe(on_decode);
   EXPECT_TRUE(WaitForLog(agents[1]->log_path, "room 'orphan-room' failed", 10s));
   const std::string log = ReadAll(agents[1]->log_path);
@@ -214,25 +203,25 @@ TEST_F(AgentLogTest, LostPrefillIsLoggedOnTheDecodeSide) {
 // A prefill room whose decode request never comes ends at the SubmitRequest's deadline (not the
 // agent's default) and its source pages return to the pool.
 TEST_F(AgentLogTest, PrefillRoomEndsAtItsDeadlineAndFreesItsPages) {
-  IT_ASSERT_OK_AND_ASSIGN(AgentProcess * agent, cluster_->StartAgent(Prefill("alone-prefill")));
-  IT_ASSERT_OK_AND_ASSIGN(tools::RpcClient prefill, ConnectRpc(agent->rpc_port));
+  KVT_ASSERT_OK_AND_ASSIGN(AgentProcess * agent, cluster_->StartAgent(Prefill("alone-prefill")));
+  KVT_ASSERT_OK_AND_ASSIGN(tools::RpcClient prefill, ConnectRpc(agent->rpc_port));
   SubmitArgs args = ForPrefill("never-asked", 300);
   args.deadline_ms = 400;  // the agent's default is 20 s
-  IT_ASSERT_OK(SubmitAccepted(prefill, args));
-  IT_ASSERT_OK_AND_ASSIGN(v1::AgentStatsReply during, Stats(prefill));
+  KVT_ASSERT_OK(SubmitAccepted(prefill, args));
+  KVT_ASSERT_OK_AND_ASSIGN(v1::AgentStatsReply during, Stats(prefill));
   EXPECT_LT(during.free_pages(), during.total_pages());
-  IT_ASSERT_OK_AND_ASSIGN(v1::RequestReport report, WaitFinal(prefill, "never-asked", 8s));
+  KVT_ASSERT_OK_AND_ASSIGN(v1::RequestReport report, WaitFinal(prefill, "never-asked", 8s));
   EXPECT_EQ(report.state(), v1::REQUEST_STATE_FAILED) << Describe(report);
   EXPECT_EQ(report.status(), v1::STATUS_CODE_DEADLINE_EXCEEDED) << Describe(report);
-  IT_ASSERT_OK_AND_ASSIGN(v1::AgentStatsReply after, Stats(prefill));
+  KVT_ASSERT_OK_AND_ASSIGN(v1::AgentStatsReply after, Stats(prefill));
   EXPECT_EQ(after.free_pages(), after.total_pages()) << "the failed room kept its pages";
 }
 
 // A driver request that breaks a validation rule is answered with an Error tied to it, and the
 // same connection keeps serving.
 TEST_F(AgentLogTest, MalformedRequestIsAnsweredAndTheConnectionKeepsServing) {
-  IT_ASSERT_OK_AND_ASSIGN(AgentProcess * agent, cluster_->StartAgent(Prefill("rpc-prefill")));
-  IT_ASSERT_OK_AND_ASSIGN(tools::RpcClient rpc, ConnectRpc(agent->rpc_port));
+  KVT_ASSERT_OK_AND_ASSIGN(AgentProcess * agent, cluster_->StartAgent(Prefill("rpc-prefill")));
+  KVT_ASSERT_OK_AND_ASSIGN(tools::RpcClient rpc, ConnectRpc(agent->rpc_port));
   v1::Envelope bad;
   bad.mutable_submit_request()->set_room_id("zero-tokens");
   bad.mutable_submit_request()->set_num_tokens(0);  // breaks 1..16777216
@@ -240,7 +229,7 @@ TEST_F(AgentLogTest, MalformedRequestIsAnsweredAndTheConnectionKeepsServing) {
   ASSERT_FALSE(reply.ok());
   EXPECT_EQ(reply.status().code(), StatusCode::kInvalidArgument) << reply.status();
   EXPECT_NE(reply.status().message().find("submit_request.num_tokens"), std::string::npos);
-  IT_ASSERT_OK_AND_ASSIGN(v1::AgentStatsReply stats, Stats(rpc));  // same connection
+  KVT_ASSERT_OK_AND_ASSIGN(v1::AgentStatsReply stats, Stats(rpc));  // same connection
   EXPECT_EQ(stats.name(), "rpc-prefill");
 }
 

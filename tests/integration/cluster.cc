@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
+#include "agent_command.h"
 #include "control/protocol.h"
 
 namespace kvt::integration {
@@ -55,11 +56,12 @@ StatusOr<std::unique_ptr<Cluster>> Cluster::Create() {
   cluster->dir_ = tmpl;
   const std::string ready = cluster->dir_ + "/bootstrap.json";
   KVT_ASSIGN_OR_RETURN(const std::string bootstrap, BootstrapBinary());
-  KVT_ASSIGN_OR_RETURN(
-      cluster->bootstrap_,
-      tools::ChildProcess::Spawn({bootstrap, "--listen", "127.0.0.1:0", "--ready-file", ready,
-                                  "--heartbeat-ms", "200", "--exit-with-parent"},
-                                 cluster->dir_ + "/bootstrap.log"));
+  tools::BootstrapCommand command;
+  command.binary = bootstrap;
+  command.ready_file = ready;
+  command.heartbeat_ms = 200;
+  KVT_ASSIGN_OR_RETURN(cluster->bootstrap_, tools::ChildProcess::Spawn(
+                                                command.Argv(), cluster->dir_ + "/bootstrap.log"));
   KVT_ASSIGN_OR_RETURN(std::string text,
                        tools::WaitReadyFile(ready, kReadyTimeout, cluster->bootstrap_.pid()));
   KVT_ASSIGN_OR_RETURN(nlohmann::json j, ParseReady(text, ready));
@@ -90,47 +92,27 @@ StatusOr<std::vector<AgentProcess*>> Cluster::StartAgents(const std::vector<Agen
     agent->spec = spec;
     agent->log_path = dir_ + "/" + FileStem(spec) + ".log";
     const AgentLayout& l = spec.layout;
-    std::vector<std::string> argv = {agent_binary,
-                                     "--role",
-                                     spec.role,
-                                     "--name",
-                                     spec.name,
-                                     "--bootstrap",
-                                     "127.0.0.1:" + std::to_string(bootstrap_port_),
-                                     "--device",
-                                     spec.device,
-                                     "--backend",
-                                     spec.backend,
-                                     "--layers",
-                                     std::to_string(l.layers),
-                                     "--heads",
-                                     std::to_string(l.heads),
-                                     "--head-dim",
-                                     std::to_string(l.head_dim),
-                                     "--dtype",
-                                     "bf16",
-                                     "--page-size",
-                                     std::to_string(l.page_size),
-                                     "--tokens",
-                                     std::to_string(l.tokens),
-                                     "--deadline-ms",
-                                     std::to_string(spec.deadline_ms),
-                                     "--layer-time-us",
-                                     std::to_string(spec.layer_time_us),
-                                     "--ready-file",
-                                     dir_ + "/" + FileStem(spec) + ".json",
-                                     "--exit-with-parent"};
-    if (!spec.ucx_cuda_mode.empty()) {
-      argv.push_back("--ucx-cuda-mode");
-      argv.push_back(spec.ucx_cuda_mode);
-    }
-    if (spec.tp_size != 1 || spec.tp_rank != 0) {
-      for (const std::string& arg : {std::string("--tp-rank"), std::to_string(spec.tp_rank),
-                                     std::string("--tp-size"), std::to_string(spec.tp_size)}) {
-        argv.push_back(arg);
-      }
-    }
-    KVT_ASSIGN_OR_RETURN(agent->process, tools::ChildProcess::Spawn(argv, agent->log_path));
+    tools::AgentCommand command;
+    command.binary = agent_binary;
+    command.role = spec.role;
+    command.name = spec.name;
+    command.bootstrap = "127.0.0.1:" + std::to_string(bootstrap_port_);
+    command.ready_file = dir_ + "/" + FileStem(spec) + ".json";
+    command.device = spec.device;
+    command.backend = spec.backend;
+    command.layers = l.layers;
+    command.heads = l.heads;
+    command.head_dim = l.head_dim;
+    command.tokens = l.tokens;
+    command.dtype = "bf16";
+    command.page_size = l.page_size;
+    command.deadline_ms = spec.deadline_ms;
+    command.layer_time_us = spec.layer_time_us;
+    command.ucx_cuda_mode = spec.ucx_cuda_mode;
+    command.tp_rank = spec.tp_rank;
+    command.tp_size = spec.tp_size;
+    KVT_ASSIGN_OR_RETURN(agent->process,
+                         tools::ChildProcess::Spawn(command.Argv(), agent->log_path));
     agents_.push_back(std::move(agent));
     started.push_back(agents_.back().get());
   }

@@ -1,6 +1,6 @@
 // The gtest side of the integration harness: a fixture that owns a Cluster (bootstrap started
-// in SetUp, everything stopped in TearDown, logs printed and kept when a test failed) and
-// assertion macros for Status / StatusOr.
+// in SetUp, everything stopped in TearDown, logs printed and kept when a test failed); the
+// Status assertions come with it (kvt/testing/status.h).
 #pragma once
 
 #include <gtest/gtest.h>
@@ -11,21 +11,7 @@
 #include <string>
 
 #include "cluster.h"
-
-// Fails the test (and returns) when `expr`, a Status, is not OK.
-#define IT_ASSERT_OK(expr)                                                  \
-  do {                                                                      \
-    const ::kvt::Status it_status_ = (expr);                                \
-    ASSERT_TRUE(it_status_.ok()) << #expr << ": " << it_status_.ToString(); \
-  } while (false)
-
-// `lhs = value of expr` (a StatusOr), or fails the test and returns.
-#define IT_ASSERT_OK_AND_ASSIGN(lhs, expr) \
-  IT_ASSERT_OK_AND_ASSIGN_IMPL_(KVT_STATUS_CONCAT_(it_statusor_, __LINE__), lhs, expr)
-#define IT_ASSERT_OK_AND_ASSIGN_IMPL_(tmp, lhs, expr)                \
-  auto tmp = (expr);                                                 \
-  ASSERT_TRUE(tmp.ok()) << #expr << ": " << tmp.status().ToString(); \
-  lhs = std::move(tmp).value()
+#include "kvt/testing/status.h"
 
 namespace kvt::integration {
 

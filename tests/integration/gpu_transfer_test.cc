@@ -11,6 +11,7 @@
 
 #include "fixture.h"
 #include "kvt/kernels/cuda_util.h"
+#include "kvt/testing/gpu.h"
 #include "scenarios.h"
 
 namespace kvt::integration {
@@ -21,10 +22,7 @@ using namespace std::chrono_literals;
 class GpuTransferTest : public ClusterTest {
  protected:
   void SetUp() override {
-    const cuda::DeviceCountResult devices = cuda::DeviceCount();
-    if (devices.count == 0) {
-      GTEST_SKIP() << "needs a CUDA device; this process sees none (" << devices.reason << ")";
-    }
+    KVT_SKIP_WITHOUT_GPU();
     ClusterTest::SetUp();
   }
 
@@ -41,8 +39,8 @@ class GpuTransferTest : public ClusterTest {
 // Both agents run what they were asked for (their ready files and stats say so), and one
 // request crosses.
 TEST_F(GpuTransferTest, AgentsRunCudaPoolsWithCudaIpc) {
-  IT_ASSERT_OK_AND_ASSIGN(auto agents, cluster_->StartAgents({OnGpu(Prefill("gpu-prefill")),
-                                                              OnGpu(Decode("gpu-decode"))}));
+  KVT_ASSERT_OK_AND_ASSIGN(auto agents, cluster_->StartAgents({OnGpu(Prefill("gpu-prefill")),
+                                                               OnGpu(Decode("gpu-decode"))}));
   for (const AgentProcess* agent : agents) {
     const nlohmann::json ready = nlohmann::json::parse(agent->ready_json, nullptr, false);
     ASSERT_FALSE(ready.is_discarded()) << agent->ready_json;
@@ -50,15 +48,15 @@ TEST_F(GpuTransferTest, AgentsRunCudaPoolsWithCudaIpc) {
     EXPECT_EQ(ready.value("backend", ""), "cuda_ipc") << agent->ready_json;
     EXPECT_FALSE(ready.value("device_name", "").empty()) << agent->ready_json;
   }
-  IT_ASSERT_OK_AND_ASSIGN(tools::RpcClient prefill, ConnectRpc(agents[0]->rpc_port));
-  IT_ASSERT_OK_AND_ASSIGN(tools::RpcClient decode, ConnectRpc(agents[1]->rpc_port));
+  KVT_ASSERT_OK_AND_ASSIGN(tools::RpcClient prefill, ConnectRpc(agents[0]->rpc_port));
+  KVT_ASSERT_OK_AND_ASSIGN(tools::RpcClient decode, ConnectRpc(agents[1]->rpc_port));
   for (tools::RpcClient* rpc : {&prefill, &decode}) {
-    IT_ASSERT_OK_AND_ASSIGN(const v1::AgentStatsReply stats, Stats(*rpc));
+    KVT_ASSERT_OK_AND_ASSIGN(const v1::AgentStatsReply stats, Stats(*rpc));
     EXPECT_EQ(stats.memory(), "cuda") << stats.name();
     EXPECT_EQ(stats.backend(), "cuda_ipc") << stats.name();
   }
-  IT_ASSERT_OK_AND_ASSIGN(v1::RequestReport report,
-                          RunRequest(prefill, decode, ForDecode("one", 777, "gpu-prefill")));
+  KVT_ASSERT_OK_AND_ASSIGN(v1::RequestReport report,
+                           RunRequest(prefill, decode, ForDecode("one", 777, "gpu-prefill")));
   EXPECT_EQ(report.state(), v1::REQUEST_STATE_SUCCESS) << Describe(report);
   EXPECT_TRUE(report.verified()) << Describe(report);
   EXPECT_EQ(report.bytes(), ExpectedBytes(agents[0]->spec.layout, 777)) << Describe(report);

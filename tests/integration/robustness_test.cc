@@ -158,8 +158,8 @@ using GarbageTest = ClusterTest;
 // the bootstrap, the prefill engine, and both agents' RPC ports: every time the server drops
 // that connection promptly, and each server keeps serving everyone else.
 TEST_F(GarbageTest, EveryPortDropsBadFramesAndKeepsServing) {
-  IT_ASSERT_OK_AND_ASSIGN(auto agents,
-                          cluster_->StartAgents({Prefill("it-prefill"), Decode("it-decode")}));
+  KVT_ASSERT_OK_AND_ASSIGN(auto agents,
+                           cluster_->StartAgents({Prefill("it-prefill"), Decode("it-decode")}));
   const std::vector<std::pair<std::string, uint16_t>> ports = {
       {"bootstrap", cluster_->bootstrap_port()},
       {"prefill engine", agents[0]->engine_port},
@@ -175,8 +175,8 @@ TEST_F(GarbageTest, EveryPortDropsBadFramesAndKeepsServing) {
   for (const auto& [what, port] : ports) {
     SCOPED_TRACE(what + " port " + std::to_string(port));
     // 1. Random bytes: almost surely an absurd length prefix, maybe more.
-    IT_ASSERT_OK_AND_ASSIGN(ProbeResult random,
-                            Probe(port, RandomBytes(4096, port), AfterSend::kKeepOpen));
+    KVT_ASSERT_OK_AND_ASSIGN(ProbeResult random,
+                             Probe(port, RandomBytes(4096, port), AfterSend::kKeepOpen));
     EXPECT_TRUE(random.server_closed) << random.Summary();
     EXPECT_LT(random.close_ms, 2000) << random.Summary();
     // The server speaks first (AuthChallenge), whatever the client sends.
@@ -184,26 +184,26 @@ TEST_F(GarbageTest, EveryPortDropsBadFramesAndKeepsServing) {
     EXPECT_TRUE(random.frames.front().has_auth_challenge()) << random.Summary();
 
     // 2. A whole frame that is not an Envelope: an Error frame, then close.
-    IT_ASSERT_OK_AND_ASSIGN(ProbeResult garbage,
-                            Probe(port, BigEndian32(256) + not_an_envelope, AfterSend::kKeepOpen));
+    KVT_ASSERT_OK_AND_ASSIGN(ProbeResult garbage,
+                             Probe(port, BigEndian32(256) + not_an_envelope, AfterSend::kKeepOpen));
     EXPECT_TRUE(garbage.server_closed) << garbage.Summary();
     EXPECT_TRUE(garbage.HasError(v1::STATUS_CODE_MALFORMED_FRAME)) << garbage.Summary();
     EXPECT_LT(garbage.close_ms, 2000) << garbage.Summary();
 
     // 3. A 1 GiB length prefix: refused from the header alone, before any payload arrives.
-    IT_ASSERT_OK_AND_ASSIGN(ProbeResult huge,
-                            Probe(port, BigEndian32(1u << 30) + "abcd", AfterSend::kKeepOpen));
+    KVT_ASSERT_OK_AND_ASSIGN(ProbeResult huge,
+                             Probe(port, BigEndian32(1u << 30) + "abcd", AfterSend::kKeepOpen));
     EXPECT_TRUE(huge.server_closed) << huge.Summary();
     EXPECT_TRUE(huge.HasError(v1::STATUS_CODE_MALFORMED_FRAME)) << huge.Summary();
     EXPECT_LT(huge.close_ms, 2000) << huge.Summary();
 
     // 4. A truncated frame, then our side closes: the server notices the EOF and closes too.
-    IT_ASSERT_OK_AND_ASSIGN(ProbeResult cut, Probe(port, truncated, AfterSend::kHalfClose));
+    KVT_ASSERT_OK_AND_ASSIGN(ProbeResult cut, Probe(port, truncated, AfterSend::kHalfClose));
     EXPECT_TRUE(cut.server_closed) << cut.Summary();
     EXPECT_LT(cut.close_ms, 2000) << cut.Summary();
 
     // 5. The same, closed outright (nothing to observe but the server's health below).
-    IT_ASSERT_OK(Probe(port, truncated, AfterSend::kCloseAtOnce).status());
+    KVT_ASSERT_OK(Probe(port, truncated, AfterSend::kCloseAtOnce).status());
   }
 
   // Every process survived, and every server still does its job for a well-behaved client.
@@ -213,21 +213,21 @@ TEST_F(GarbageTest, EveryPortDropsBadFramesAndKeepsServing) {
   transfer::RegistryClientOptions registry;
   registry.port = cluster_->bootstrap_port();
   registry.client_id = "it-lookup";
-  IT_ASSERT_OK_AND_ASSIGN(
+  KVT_ASSERT_OK_AND_ASSIGN(
       auto found,
       transfer::RegistryClient::Lookup(registry, "it-prefill", transfer::AgentRole::kPrefill, 0u));
   ASSERT_EQ(found.size(), 1u);
   EXPECT_EQ(found[0].control_address, agents[0]->engine_address());
   // Fresh connections to both RPC ports; the decode agent's first request opens its first
   // connection to the prefill engine, after all the garbage it received.
-  IT_ASSERT_OK_AND_ASSIGN(tools::RpcClient prefill, ConnectRpc(agents[0]->rpc_port));
-  IT_ASSERT_OK_AND_ASSIGN(tools::RpcClient decode, ConnectRpc(agents[1]->rpc_port));
-  IT_ASSERT_OK_AND_ASSIGN(
+  KVT_ASSERT_OK_AND_ASSIGN(tools::RpcClient prefill, ConnectRpc(agents[0]->rpc_port));
+  KVT_ASSERT_OK_AND_ASSIGN(tools::RpcClient decode, ConnectRpc(agents[1]->rpc_port));
+  KVT_ASSERT_OK_AND_ASSIGN(
       v1::RequestReport after,
       RunRequest(prefill, decode, ForDecode("after-garbage", 500, "it-prefill")));
   EXPECT_EQ(after.state(), v1::REQUEST_STATE_SUCCESS) << Describe(after);
   EXPECT_TRUE(after.verified()) << Describe(after);
-  IT_ASSERT_OK_AND_ASSIGN(const v1::AgentStatsReply stats, Stats(prefill));
+  KVT_ASSERT_OK_AND_ASSIGN(const v1::AgentStatsReply stats, Stats(prefill));
   EXPECT_EQ(stats.succeeded(), 1u);
 }
 
@@ -252,8 +252,8 @@ StatusOr<std::unique_ptr<control::ControlClient>> ConnectWithToken(uint16_t port
 // Every server refuses a client with another token (or none); the right token works, and the
 // decode agent's own connections (bootstrap, prefill engine) authenticate with it.
 TEST_F(ClusterTokenTest, WrongTokenIsRefusedRightTokenWorks) {
-  IT_ASSERT_OK_AND_ASSIGN(auto agents,
-                          cluster_->StartAgents({Prefill("it-prefill"), Decode("it-decode")}));
+  KVT_ASSERT_OK_AND_ASSIGN(auto agents,
+                           cluster_->StartAgents({Prefill("it-prefill"), Decode("it-decode")}));
   const std::vector<std::pair<std::string, uint16_t>> ports = {
       {"bootstrap", cluster_->bootstrap_port()},
       {"prefill engine", agents[0]->engine_port},
@@ -270,17 +270,17 @@ TEST_F(ClusterTokenTest, WrongTokenIsRefusedRightTokenWorks) {
     EXPECT_NE(none.status().message().find("requires authentication"), std::string::npos)
         << none.status().ToString();
     // The same client with the right token gets in: the refusals above were about the token.
-    IT_ASSERT_OK(ConnectWithToken(port, kGoodToken).status());
+    KVT_ASSERT_OK(ConnectWithToken(port, kGoodToken).status());
   }
   // The RPC client with the right token, through the environment like every kvt tool.
-  IT_ASSERT_OK_AND_ASSIGN(tools::RpcClient prefill, ConnectRpc(agents[0]->rpc_port));
-  IT_ASSERT_OK_AND_ASSIGN(tools::RpcClient decode, ConnectRpc(agents[1]->rpc_port));
-  IT_ASSERT_OK_AND_ASSIGN(const v1::AgentStatsReply stats, Stats(decode));
+  KVT_ASSERT_OK_AND_ASSIGN(tools::RpcClient prefill, ConnectRpc(agents[0]->rpc_port));
+  KVT_ASSERT_OK_AND_ASSIGN(tools::RpcClient decode, ConnectRpc(agents[1]->rpc_port));
+  KVT_ASSERT_OK_AND_ASSIGN(const v1::AgentStatsReply stats, Stats(decode));
   EXPECT_EQ(stats.name(), "it-decode");
   // Both agents registered under the token, and the decode agent resolves the prefill by name
   // (bootstrap look-up) and pulls its KV over an authenticated engine connection.
-  IT_ASSERT_OK_AND_ASSIGN(v1::RequestReport report,
-                          RunRequest(prefill, decode, ForDecode("with-token", 777, "it-prefill")));
+  KVT_ASSERT_OK_AND_ASSIGN(v1::RequestReport report,
+                           RunRequest(prefill, decode, ForDecode("with-token", 777, "it-prefill")));
   EXPECT_EQ(report.state(), v1::REQUEST_STATE_SUCCESS) << Describe(report);
   EXPECT_TRUE(report.verified()) << Describe(report);
   EXPECT_EQ(report.mismatches(), 0u) << Describe(report);
@@ -313,14 +313,14 @@ TEST_F(LayoutMismatchTest, RefusalNamesBothValues) {
   page32.layout.page_size = 32;
   AgentSpec layers8 = Decode("it-decode-layers8");
   layers8.layout.layers = 8;
-  IT_ASSERT_OK_AND_ASSIGN(auto agents, cluster_->StartAgents({Prefill("it-prefill"), page32,
-                                                              layers8, Decode("it-decode")}));
-  IT_ASSERT_OK_AND_ASSIGN(tools::RpcClient prefill, ConnectRpc(agents[0]->rpc_port));
-  IT_ASSERT_OK_AND_ASSIGN(tools::RpcClient decode_page32, ConnectRpc(agents[1]->rpc_port));
-  IT_ASSERT_OK_AND_ASSIGN(tools::RpcClient decode_layers8, ConnectRpc(agents[2]->rpc_port));
-  IT_ASSERT_OK_AND_ASSIGN(tools::RpcClient decode, ConnectRpc(agents[3]->rpc_port));
+  KVT_ASSERT_OK_AND_ASSIGN(auto agents, cluster_->StartAgents({Prefill("it-prefill"), page32,
+                                                               layers8, Decode("it-decode")}));
+  KVT_ASSERT_OK_AND_ASSIGN(tools::RpcClient prefill, ConnectRpc(agents[0]->rpc_port));
+  KVT_ASSERT_OK_AND_ASSIGN(tools::RpcClient decode_page32, ConnectRpc(agents[1]->rpc_port));
+  KVT_ASSERT_OK_AND_ASSIGN(tools::RpcClient decode_layers8, ConnectRpc(agents[2]->rpc_port));
+  KVT_ASSERT_OK_AND_ASSIGN(tools::RpcClient decode, ConnectRpc(agents[3]->rpc_port));
 
-  IT_ASSERT_OK_AND_ASSIGN(
+  KVT_ASSERT_OK_AND_ASSIGN(
       std::string page_message,
       RefusalMessage(decode_page32, ForDecode("page-mismatch", 64, "it-prefill")));
   EXPECT_TRUE(std::regex_search(
@@ -328,9 +328,10 @@ TEST_F(LayoutMismatchTest, RefusalNamesBothValues) {
       << page_message;
 
   // By address this time, past the bootstrap.
-  IT_ASSERT_OK_AND_ASSIGN(std::string layer_message,
-                          RefusalMessage(decode_layers8, ForDecodeAt("layer-mismatch", 64,
-                                                                     agents[0]->engine_address())));
+  KVT_ASSERT_OK_AND_ASSIGN(
+      std::string layer_message,
+      RefusalMessage(decode_layers8,
+                     ForDecodeAt("layer-mismatch", 64, agents[0]->engine_address())));
   EXPECT_TRUE(std::regex_search(layer_message,
                                 std::regex("num_layers (prefill=4 decode=8|decode=8 prefill=4)")))
       << layer_message;
@@ -339,10 +340,10 @@ TEST_F(LayoutMismatchTest, RefusalNamesBothValues) {
     ASSERT_TRUE(agent->process.running()) << agent->spec.name << " died";
   }
   // Refused rooms hold no pages on the refusing agents.
-  IT_ASSERT_OK_AND_ASSIGN(const v1::AgentStatsReply refused, Stats(decode_page32));
+  KVT_ASSERT_OK_AND_ASSIGN(const v1::AgentStatsReply refused, Stats(decode_page32));
   EXPECT_EQ(refused.submitted(), 0u);
-  IT_ASSERT_OK_AND_ASSIGN(v1::RequestReport ok,
-                          RunRequest(prefill, decode, ForDecode("matching", 64, "it-prefill")));
+  KVT_ASSERT_OK_AND_ASSIGN(v1::RequestReport ok,
+                           RunRequest(prefill, decode, ForDecode("matching", 64, "it-prefill")));
   EXPECT_EQ(ok.state(), v1::REQUEST_STATE_SUCCESS) << Describe(ok);
   EXPECT_TRUE(ok.verified()) << Describe(ok);
 }

@@ -33,12 +33,12 @@ uint64_t ExpectedBytes(const AgentLayout& l, uint64_t tokens) {
 void ExpectRandomWorkloadByteExact(Cluster& cluster, const AgentSpec& prefill_spec,
                                    const AgentSpec& decode_spec, const RandomWorkload& workload,
                                    double* wall_s) {
-  IT_ASSERT_OK_AND_ASSIGN(auto agents, cluster.StartAgents({prefill_spec, decode_spec}));
+  KVT_ASSERT_OK_AND_ASSIGN(auto agents, cluster.StartAgents({prefill_spec, decode_spec}));
   const AgentLayout layout = agents[0]->spec.layout;
-  IT_ASSERT_OK_AND_ASSIGN(tools::RpcClient prefill, ConnectRpc(agents[0]->rpc_port));
-  IT_ASSERT_OK_AND_ASSIGN(tools::RpcClient decode, ConnectRpc(agents[1]->rpc_port));
-  IT_ASSERT_OK_AND_ASSIGN(const v1::AgentStatsReply decode_before, Stats(decode));
-  IT_ASSERT_OK_AND_ASSIGN(const v1::AgentStatsReply prefill_before, Stats(prefill));
+  KVT_ASSERT_OK_AND_ASSIGN(tools::RpcClient prefill, ConnectRpc(agents[0]->rpc_port));
+  KVT_ASSERT_OK_AND_ASSIGN(tools::RpcClient decode, ConnectRpc(agents[1]->rpc_port));
+  KVT_ASSERT_OK_AND_ASSIGN(const v1::AgentStatsReply decode_before, Stats(decode));
+  KVT_ASSERT_OK_AND_ASSIGN(const v1::AgentStatsReply prefill_before, Stats(prefill));
 
   // Log-uniform sizes from 1 token to max_tokens: many sub-page and odd-sized requests, some
   // that span dozens of pages.
@@ -70,19 +70,19 @@ void ExpectRandomWorkloadByteExact(Cluster& cluster, const AgentSpec& prefill_sp
       if (!prefill_accepted.count(next)) {
         SubmitArgs to_prefill = r;
         to_prefill.prefill_name.clear();
-        IT_ASSERT_OK_AND_ASSIGN(v1::SubmitReply reply, Submit(prefill, to_prefill));
+        KVT_ASSERT_OK_AND_ASSIGN(v1::SubmitReply reply, Submit(prefill, to_prefill));
         if (reply.status() == v1::STATUS_CODE_RESOURCE_EXHAUSTED) break;
         ASSERT_EQ(reply.status(), v1::STATUS_CODE_OK) << r.room << ": " << reply.message();
         prefill_accepted.insert(next);
       }
-      IT_ASSERT_OK_AND_ASSIGN(v1::SubmitReply reply, Submit(decode, r));
+      KVT_ASSERT_OK_AND_ASSIGN(v1::SubmitReply reply, Submit(decode, r));
       if (reply.status() == v1::STATUS_CODE_RESOURCE_EXHAUSTED) break;
       ASSERT_EQ(reply.status(), v1::STATUS_CODE_OK) << r.room << ": " << reply.message();
       outstanding[r.room] = next++;
     }
     std::vector<std::string> rooms;
     for (const auto& [room, i] : outstanding) rooms.push_back(room);
-    IT_ASSERT_OK_AND_ASSIGN(std::vector<v1::RequestReport> reports, Query(decode, rooms));
+    KVT_ASSERT_OK_AND_ASSIGN(std::vector<v1::RequestReport> reports, Query(decode, rooms));
     for (const v1::RequestReport& report : reports) {
       if (!IsFinal(report)) continue;
       decode_reports[report.room_id()] = report;
@@ -109,14 +109,14 @@ void ExpectRandomWorkloadByteExact(Cluster& cluster, const AgentSpec& prefill_sp
   // the device finished it), a moment after the decode side saw the data.
   std::vector<std::string> all_rooms;
   for (const SubmitArgs& r : requests) all_rooms.push_back(r.room);
-  IT_ASSERT_OK_AND_ASSIGN(auto prefill_reports, WaitFinal(prefill, all_rooms, 20s));
+  KVT_ASSERT_OK_AND_ASSIGN(auto prefill_reports, WaitFinal(prefill, all_rooms, 20s));
   for (const auto& [room, report] : prefill_reports) {
     EXPECT_EQ(report.state(), v1::REQUEST_STATE_SUCCESS) << Describe(report);
     EXPECT_EQ(report.bytes(), decode_reports.at(room).bytes()) << Describe(report);
   }
 
   const uint64_t n = requests.size();
-  IT_ASSERT_OK_AND_ASSIGN(const v1::AgentStatsReply d, Stats(decode));
+  KVT_ASSERT_OK_AND_ASSIGN(const v1::AgentStatsReply d, Stats(decode));
   EXPECT_EQ(d.role(), v1::ROLE_DECODE);
   EXPECT_EQ(d.submitted() - decode_before.submitted(), n);
   EXPECT_EQ(d.succeeded() - decode_before.succeeded(), n);
@@ -126,7 +126,7 @@ void ExpectRandomWorkloadByteExact(Cluster& cluster, const AgentSpec& prefill_sp
   EXPECT_EQ(d.bytes() - decode_before.bytes(), total_bytes);
   // Every page came back to the allocators once the rooms were final.
   EXPECT_EQ(d.free_pages(), decode_before.free_pages());
-  IT_ASSERT_OK_AND_ASSIGN(const v1::AgentStatsReply p, Stats(prefill));
+  KVT_ASSERT_OK_AND_ASSIGN(const v1::AgentStatsReply p, Stats(prefill));
   EXPECT_EQ(p.role(), v1::ROLE_PREFILL);
   EXPECT_EQ(p.engine_port(), agents[0]->engine_port);
   EXPECT_EQ(p.submitted() - prefill_before.submitted(), n);
@@ -139,12 +139,13 @@ void ExpectRandomWorkloadByteExact(Cluster& cluster, const AgentSpec& prefill_sp
 void ExpectKilledPrefillFailsOnlyItsRequests(Cluster& cluster, const AgentSpec& doomed_spec,
                                              const AgentSpec& alive_spec,
                                              const AgentSpec& decode_spec) {
-  IT_ASSERT_OK_AND_ASSIGN(auto agents, cluster.StartAgents({doomed_spec, alive_spec, decode_spec}));
+  KVT_ASSERT_OK_AND_ASSIGN(auto agents,
+                           cluster.StartAgents({doomed_spec, alive_spec, decode_spec}));
   AgentProcess* doomed = agents[0];
-  IT_ASSERT_OK_AND_ASSIGN(tools::RpcClient doomed_rpc, ConnectRpc(doomed->rpc_port));
-  IT_ASSERT_OK_AND_ASSIGN(tools::RpcClient alive_rpc, ConnectRpc(agents[1]->rpc_port));
-  IT_ASSERT_OK_AND_ASSIGN(tools::RpcClient decode, ConnectRpc(agents[2]->rpc_port));
-  IT_ASSERT_OK_AND_ASSIGN(const v1::AgentStatsReply decode_before, Stats(decode));
+  KVT_ASSERT_OK_AND_ASSIGN(tools::RpcClient doomed_rpc, ConnectRpc(doomed->rpc_port));
+  KVT_ASSERT_OK_AND_ASSIGN(tools::RpcClient alive_rpc, ConnectRpc(agents[1]->rpc_port));
+  KVT_ASSERT_OK_AND_ASSIGN(tools::RpcClient decode, ConnectRpc(agents[2]->rpc_port));
+  KVT_ASSERT_OK_AND_ASSIGN(const v1::AgentStatsReply decode_before, Stats(decode));
 
   constexpr int kPerPrefill = 4;
   constexpr uint32_t kDeadlineMs = 20000;
@@ -155,16 +156,16 @@ void ExpectKilledPrefillFailsOnlyItsRequests(Cluster& cluster, const AgentSpec& 
       const std::string prefill_name = to_doomed ? doomed_spec.name : alive_spec.name;
       SubmitArgs args = ForDecode(prefill_name + "-" + std::to_string(i),
                                   static_cast<uint64_t>(100 + 97 * i), prefill_name, kDeadlineMs);
-      IT_ASSERT_OK(
+      KVT_ASSERT_OK(
           SubmitAccepted(to_doomed ? doomed_rpc : alive_rpc, ForPrefill(args.room, args.tokens)));
-      IT_ASSERT_OK(SubmitAccepted(decode, args));
+      KVT_ASSERT_OK(SubmitAccepted(decode, args));
       (to_doomed ? doomed_rooms : alive_rooms).push_back(args.room);
     }
   }
   std::this_thread::sleep_for(100ms - (Clock::now() - submitted));
   // Rooms already final here are outside the experiment (not expected: the first forward
   // alone takes 200 ms).
-  IT_ASSERT_OK_AND_ASSIGN(auto before_kill, Query(decode, doomed_rooms));
+  KVT_ASSERT_OK_AND_ASSIGN(auto before_kill, Query(decode, doomed_rooms));
   std::set<std::string> in_flight;
   ASSERT_EQ(before_kill.size(), doomed_rooms.size());
   for (size_t i = 0; i < doomed_rooms.size(); ++i) {
@@ -183,8 +184,7 @@ void ExpectKilledPrefillFailsOnlyItsRequests(Cluster& cluster, const AgentSpec& 
   auto doomed_reports = WaitFinal(decode, doomed_rooms, 5s);
   const double noticed_ms = MsSince(killed_at);
   ASSERT_TRUE(doomed_reports.ok()) << doomed_reports.status().ToString();
-  EXPECT_LT(noticed_ms, 5000) << "the dead prefill's requests took " << noticed_ms
-                              << " ms to fail";
+  EXPECT_LT(noticed_ms, 5000) << "the dead prefill's requests took " << noticed_ms << " ms to fail";
   for (const auto& [room, report] : *doomed_reports) {
     if (!in_flight.count(room)) continue;
     EXPECT_EQ(report.state(), v1::REQUEST_STATE_FAILED) << Describe(report);
@@ -192,7 +192,7 @@ void ExpectKilledPrefillFailsOnlyItsRequests(Cluster& cluster, const AgentSpec& 
     EXPECT_FALSE(report.verified()) << Describe(report);
   }
 
-  IT_ASSERT_OK_AND_ASSIGN(auto alive_reports, WaitFinal(decode, alive_rooms, 15s));
+  KVT_ASSERT_OK_AND_ASSIGN(auto alive_reports, WaitFinal(decode, alive_rooms, 15s));
   for (const auto& [room, report] : alive_reports) {
     EXPECT_EQ(report.state(), v1::REQUEST_STATE_SUCCESS) << Describe(report);
     EXPECT_TRUE(report.verified()) << Describe(report);
@@ -202,12 +202,12 @@ void ExpectKilledPrefillFailsOnlyItsRequests(Cluster& cluster, const AgentSpec& 
   // The decode agent is healthy: it answers, its counters add up, its pages are back, and it
   // still moves data from the surviving prefill.
   ASSERT_TRUE(agents[2]->process.running()) << "the decode agent died with its peer";
-  IT_ASSERT_OK_AND_ASSIGN(
+  KVT_ASSERT_OK_AND_ASSIGN(
       v1::RequestReport after,
       RunRequest(alive_rpc, decode, ForDecode("after-kill", 333, alive_spec.name)));
   EXPECT_EQ(after.state(), v1::REQUEST_STATE_SUCCESS) << Describe(after);
   EXPECT_TRUE(after.verified()) << Describe(after);
-  IT_ASSERT_OK_AND_ASSIGN(const v1::AgentStatsReply stats, Stats(decode));
+  KVT_ASSERT_OK_AND_ASSIGN(const v1::AgentStatsReply stats, Stats(decode));
   // The survivor's rooms, the one after the kill, and any doomed room that beat the kill.
   EXPECT_EQ(stats.succeeded(), kPerPrefill + 1 + doomed_rooms.size() - in_flight.size());
   EXPECT_EQ(stats.corrupted(), 0u);

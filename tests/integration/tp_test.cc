@@ -24,15 +24,15 @@ AgentSpec Ranked(AgentSpec spec, uint32_t rank, uint32_t size) {
 
 TEST_F(TpTest, EachDecodeRankGetsItsOwnShardByteExact) {
   constexpr uint32_t kRanks = 2;
-  IT_ASSERT_OK_AND_ASSIGN(
+  KVT_ASSERT_OK_AND_ASSIGN(
       auto agents,
       cluster_->StartAgents(
           {Ranked(Prefill("tp-prefill"), 0, kRanks), Ranked(Prefill("tp-prefill"), 1, kRanks),
            Ranked(Decode("tp-decode"), 0, kRanks), Ranked(Decode("tp-decode"), 1, kRanks)}));
   std::vector<tools::RpcClient> prefill(kRanks), decode(kRanks);
   for (uint32_t r = 0; r < kRanks; ++r) {
-    IT_ASSERT_OK_AND_ASSIGN(prefill[r], ConnectRpc(agents[r]->rpc_port));
-    IT_ASSERT_OK_AND_ASSIGN(decode[r], ConnectRpc(agents[kRanks + r]->rpc_port));
+    KVT_ASSERT_OK_AND_ASSIGN(prefill[r], ConnectRpc(agents[r]->rpc_port));
+    KVT_ASSERT_OK_AND_ASSIGN(decode[r], ConnectRpc(agents[kRanks + r]->rpc_port));
   }
 
   std::vector<std::string> rooms;
@@ -41,14 +41,14 @@ TEST_F(TpTest, EachDecodeRankGetsItsOwnShardByteExact) {
     const uint64_t tokens = 40 + 97 * static_cast<uint64_t>(i);
     rooms.push_back(room);
     for (uint32_t r = 0; r < kRanks; ++r) {
-      IT_ASSERT_OK(SubmitAccepted(prefill[r], ForPrefill(room, tokens)));
-      IT_ASSERT_OK(SubmitAccepted(decode[r], ForDecode(room, tokens, "tp-prefill")));
+      KVT_ASSERT_OK(SubmitAccepted(prefill[r], ForPrefill(room, tokens)));
+      KVT_ASSERT_OK(SubmitAccepted(decode[r], ForDecode(room, tokens, "tp-prefill")));
     }
   }
 
   for (uint32_t r = 0; r < kRanks; ++r) {
-    IT_ASSERT_OK_AND_ASSIGN(auto on_decode, WaitFinal(decode[r], rooms, 20s));
-    IT_ASSERT_OK_AND_ASSIGN(auto on_prefill, WaitFinal(prefill[r], rooms, 20s));
+    KVT_ASSERT_OK_AND_ASSIGN(auto on_decode, WaitFinal(decode[r], rooms, 20s));
+    KVT_ASSERT_OK_AND_ASSIGN(auto on_prefill, WaitFinal(prefill[r], rooms, 20s));
     for (const std::string& room : rooms) {
       const v1::RequestReport& d = on_decode.at(room);
       EXPECT_EQ(d.state(), v1::REQUEST_STATE_SUCCESS) << "decode rank " << r << ": " << Describe(d);
@@ -66,12 +66,12 @@ TEST_F(TpTest, EachDecodeRankGetsItsOwnShardByteExact) {
 // A decode rank whose prefill rank has not registered is refused naming the ranks, instead of
 // being sent to another rank's shard.
 TEST_F(TpTest, MissingPrefillRankIsNamed) {
-  IT_ASSERT_OK_AND_ASSIGN(auto agents,
-                          cluster_->StartAgents({Ranked(Prefill("half-prefill"), 0, 2),
-                                                 Ranked(Decode("half-decode"), 1, 2)}));
-  IT_ASSERT_OK_AND_ASSIGN(tools::RpcClient decode, ConnectRpc(agents[1]->rpc_port));
-  IT_ASSERT_OK_AND_ASSIGN(v1::SubmitReply reply,
-                          Submit(decode, ForDecode("lonely", 100, "half-prefill")));
+  KVT_ASSERT_OK_AND_ASSIGN(auto agents,
+                           cluster_->StartAgents({Ranked(Prefill("half-prefill"), 0, 2),
+                                                  Ranked(Decode("half-decode"), 1, 2)}));
+  KVT_ASSERT_OK_AND_ASSIGN(tools::RpcClient decode, ConnectRpc(agents[1]->rpc_port));
+  KVT_ASSERT_OK_AND_ASSIGN(v1::SubmitReply reply,
+                           Submit(decode, ForDecode("lonely", 100, "half-prefill")));
   EXPECT_EQ(reply.status(), v1::STATUS_CODE_NOT_FOUND) << reply.message();
   EXPECT_NE(reply.message().find("no rank 1"), std::string::npos) << reply.message();
   EXPECT_NE(reply.message().find("0 of 2"), std::string::npos) << reply.message();

@@ -37,32 +37,32 @@ class AbortTest : public ClusterTest, public ::testing::WithParamInterface<std::
 // then serve the next request normally.
 TEST_P(AbortTest, AbortMidTransferFailsBothSidesThenRecovers) {
   const bool from_decode = GetParam() == "decode";
-  IT_ASSERT_OK_AND_ASSIGN(auto agents, cluster_->StartAgents({Prefill("it-prefill", kSlowLayerUs),
-                                                              Decode("it-decode")}));
-  IT_ASSERT_OK_AND_ASSIGN(tools::RpcClient prefill, ConnectRpc(agents[0]->rpc_port));
-  IT_ASSERT_OK_AND_ASSIGN(tools::RpcClient decode, ConnectRpc(agents[1]->rpc_port));
-  IT_ASSERT_OK_AND_ASSIGN(const v1::AgentStatsReply decode_before, Stats(decode));
+  KVT_ASSERT_OK_AND_ASSIGN(auto agents, cluster_->StartAgents({Prefill("it-prefill", kSlowLayerUs),
+                                                               Decode("it-decode")}));
+  KVT_ASSERT_OK_AND_ASSIGN(tools::RpcClient prefill, ConnectRpc(agents[0]->rpc_port));
+  KVT_ASSERT_OK_AND_ASSIGN(tools::RpcClient decode, ConnectRpc(agents[1]->rpc_port));
+  KVT_ASSERT_OK_AND_ASSIGN(const v1::AgentStatsReply decode_before, Stats(decode));
 
   const SubmitArgs doomed = ForDecode("abort-me", 300, "it-prefill");
   // Decode first: the forward (and so the 240 ms clock) starts only once the decode side's
   // request is in place, however long its first connection to the prefill engine takes.
-  IT_ASSERT_OK(SubmitAccepted(decode, doomed));
-  IT_ASSERT_OK(SubmitAccepted(prefill, ForPrefill(doomed.room, doomed.tokens)));
+  KVT_ASSERT_OK(SubmitAccepted(decode, doomed));
+  KVT_ASSERT_OK(SubmitAccepted(prefill, ForPrefill(doomed.room, doomed.tokens)));
   std::this_thread::sleep_for(100ms);
-  IT_ASSERT_OK_AND_ASSIGN(auto before, Query(decode, {doomed.room}));
+  KVT_ASSERT_OK_AND_ASSIGN(auto before, Query(decode, {doomed.room}));
   ASSERT_FALSE(IsFinal(before.at(0)))
       << "the request finished before the abort; the forward is not slow enough: "
       << Describe(before.at(0));
 
   tools::RpcClient& aborter = from_decode ? decode : prefill;
   const auto abort_at = Clock::now();
-  IT_ASSERT_OK_AND_ASSIGN(v1::SubmitReply abort_reply,
-                          AbortRoom(aborter, doomed.room, "integration test abort"));
+  KVT_ASSERT_OK_AND_ASSIGN(v1::SubmitReply abort_reply,
+                           AbortRoom(aborter, doomed.room, "integration test abort"));
   EXPECT_EQ(abort_reply.status(), v1::STATUS_CODE_OK) << abort_reply.message();
 
-  IT_ASSERT_OK_AND_ASSIGN(v1::RequestReport on_decode, WaitFinal(decode, doomed.room, 10s));
+  KVT_ASSERT_OK_AND_ASSIGN(v1::RequestReport on_decode, WaitFinal(decode, doomed.room, 10s));
   const double decode_ms = MsSince(abort_at);
-  IT_ASSERT_OK_AND_ASSIGN(v1::RequestReport on_prefill, WaitFinal(prefill, doomed.room, 10s));
+  KVT_ASSERT_OK_AND_ASSIGN(v1::RequestReport on_prefill, WaitFinal(prefill, doomed.room, 10s));
   EXPECT_EQ(on_decode.state(), v1::REQUEST_STATE_FAILED) << Describe(on_decode);
   EXPECT_EQ(on_decode.status(), v1::STATUS_CODE_ABORTED) << Describe(on_decode);
   EXPECT_FALSE(on_decode.verified()) << Describe(on_decode);
@@ -76,13 +76,14 @@ TEST_P(AbortTest, AbortMidTransferFailsBothSidesThenRecovers) {
             std::string::npos)
       << Describe(from_decode ? on_prefill : on_decode);
 
-  IT_ASSERT_OK_AND_ASSIGN(v1::RequestReport after,
-                          RunRequest(prefill, decode, ForDecode("after-abort", 300, "it-prefill")));
+  KVT_ASSERT_OK_AND_ASSIGN(
+      v1::RequestReport after,
+      RunRequest(prefill, decode, ForDecode("after-abort", 300, "it-prefill")));
   EXPECT_EQ(after.state(), v1::REQUEST_STATE_SUCCESS) << Describe(after);
   EXPECT_TRUE(after.verified()) << Describe(after);
   EXPECT_EQ(after.mismatches(), 0u) << Describe(after);
 
-  IT_ASSERT_OK_AND_ASSIGN(const v1::AgentStatsReply d, Stats(decode));
+  KVT_ASSERT_OK_AND_ASSIGN(const v1::AgentStatsReply d, Stats(decode));
   EXPECT_EQ(d.failed(), 1u);
   EXPECT_EQ(d.succeeded(), 1u);
   EXPECT_EQ(d.free_pages(), decode_before.free_pages())
@@ -101,36 +102,36 @@ using DeadlineTest = ClusterTest;
 // deadline; the prefill side fails the room too; later requests are unaffected.
 TEST_F(DeadlineTest, ExpiredRequestsFailAndLaterOnesSucceed) {
   // 4 layers x 100 ms: a 300 ms deadline cannot be met even when the prefill runs the room.
-  IT_ASSERT_OK_AND_ASSIGN(
+  KVT_ASSERT_OK_AND_ASSIGN(
       auto agents, cluster_->StartAgents({Prefill("it-prefill", 100000), Decode("it-decode")}));
-  IT_ASSERT_OK_AND_ASSIGN(tools::RpcClient prefill, ConnectRpc(agents[0]->rpc_port));
-  IT_ASSERT_OK_AND_ASSIGN(tools::RpcClient decode, ConnectRpc(agents[1]->rpc_port));
+  KVT_ASSERT_OK_AND_ASSIGN(tools::RpcClient prefill, ConnectRpc(agents[0]->rpc_port));
+  KVT_ASSERT_OK_AND_ASSIGN(tools::RpcClient decode, ConnectRpc(agents[1]->rpc_port));
 
   // 1. Decode only: the prefill agent never runs a forward for the room.
   auto start = Clock::now();
-  IT_ASSERT_OK(SubmitAccepted(decode, ForDecode("orphan", 64, "it-prefill", 300)));
-  IT_ASSERT_OK_AND_ASSIGN(v1::RequestReport orphan, WaitFinal(decode, "orphan", 10s));
+  KVT_ASSERT_OK(SubmitAccepted(decode, ForDecode("orphan", 64, "it-prefill", 300)));
+  KVT_ASSERT_OK_AND_ASSIGN(v1::RequestReport orphan, WaitFinal(decode, "orphan", 10s));
   double elapsed_ms = MsSince(start);
   EXPECT_EQ(orphan.state(), v1::REQUEST_STATE_FAILED) << Describe(orphan);
   EXPECT_EQ(orphan.status(), v1::STATUS_CODE_DEADLINE_EXCEEDED) << Describe(orphan);
   EXPECT_GE(elapsed_ms, 250) << "failed before its deadline: " << Describe(orphan);
   EXPECT_LT(elapsed_ms, 3000) << "took " << elapsed_ms << " ms to notice a 300 ms deadline";
   // The prefill agent itself never saw the room (only its engine did): a FAILED, unknown room.
-  IT_ASSERT_OK_AND_ASSIGN(auto orphan_prefill, Query(prefill, {"orphan"}));
+  KVT_ASSERT_OK_AND_ASSIGN(auto orphan_prefill, Query(prefill, {"orphan"}));
   EXPECT_EQ(orphan_prefill.at(0).state(), v1::REQUEST_STATE_FAILED);
   EXPECT_EQ(orphan_prefill.at(0).status(), v1::STATUS_CODE_NOT_FOUND);
 
   // 2. Both sides know the room; the forward is too slow for the deadline.
   start = Clock::now();
   // Decode first, so the 400 ms forward cannot get a head start on the 300 ms deadline.
-  IT_ASSERT_OK(SubmitAccepted(decode, ForDecode("late", 64, "it-prefill", 300)));
-  IT_ASSERT_OK(SubmitAccepted(prefill, ForPrefill("late", 64)));
-  IT_ASSERT_OK_AND_ASSIGN(v1::RequestReport late, WaitFinal(decode, "late", 10s));
+  KVT_ASSERT_OK(SubmitAccepted(decode, ForDecode("late", 64, "it-prefill", 300)));
+  KVT_ASSERT_OK(SubmitAccepted(prefill, ForPrefill("late", 64)));
+  KVT_ASSERT_OK_AND_ASSIGN(v1::RequestReport late, WaitFinal(decode, "late", 10s));
   elapsed_ms = MsSince(start);
   EXPECT_EQ(late.state(), v1::REQUEST_STATE_FAILED) << Describe(late);
   EXPECT_EQ(late.status(), v1::STATUS_CODE_DEADLINE_EXCEEDED) << Describe(late);
   EXPECT_LT(elapsed_ms, 3000) << "took " << elapsed_ms << " ms to notice a 300 ms deadline";
-  IT_ASSERT_OK_AND_ASSIGN(v1::RequestReport late_prefill, WaitFinal(prefill, "late", 10s));
+  KVT_ASSERT_OK_AND_ASSIGN(v1::RequestReport late_prefill, WaitFinal(prefill, "late", 10s));
   EXPECT_EQ(late_prefill.state(), v1::REQUEST_STATE_FAILED) << Describe(late_prefill);
   // Its own copy of the deadline or the decode side's abort, whichever came first.
   EXPECT_TRUE(late_prefill.status() == v1::STATUS_CODE_DEADLINE_EXCEEDED ||
@@ -138,8 +139,8 @@ TEST_F(DeadlineTest, ExpiredRequestsFailAndLaterOnesSucceed) {
       << Describe(late_prefill);
 
   // 3. A request with the default deadline succeeds on the same agents.
-  IT_ASSERT_OK_AND_ASSIGN(v1::RequestReport ok,
-                          RunRequest(prefill, decode, ForDecode("in-time", 64, "it-prefill")));
+  KVT_ASSERT_OK_AND_ASSIGN(v1::RequestReport ok,
+                           RunRequest(prefill, decode, ForDecode("in-time", 64, "it-prefill")));
   EXPECT_EQ(ok.state(), v1::REQUEST_STATE_SUCCESS) << Describe(ok);
   EXPECT_TRUE(ok.verified()) << Describe(ok);
 }

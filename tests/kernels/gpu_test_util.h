@@ -1,5 +1,5 @@
 // Helpers for the GPU kernel tests: device mirrors of host byte buffers at chosen
-// misalignments, and the skip check every test starts with.
+// misalignments; the skip check every test starts with comes from kvt/testing/gpu.h.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -12,27 +12,13 @@
 #include <vector>
 
 #include "kvt/kernels/cuda_util.h"
-
-#define KVT_SKIP_WITHOUT_GPU()   \
-  if (!::kvt::cuda::HasDevice()) \
-  GTEST_SKIP() << "no CUDA device: " << ::kvt::cuda::DeviceCount().reason
-
-#define KVT_ASSERT_OK(expr)             \
-  do {                                  \
-    ::kvt::Status kvt_s_ = (expr);      \
-    ASSERT_TRUE(kvt_s_.ok()) << kvt_s_; \
-  } while (false)
+#include "kvt/testing/gpu.h"
+#include "kvt/testing/random.h"
+#include "kvt/testing/status.h"
 
 namespace kvt::kernels::testing {
 
-// `n` distinct values from [0, range) in random order.
-inline std::vector<int32_t> Distinct(int64_t n, int64_t range, std::mt19937& rng) {
-  std::vector<int32_t> all(static_cast<size_t>(range));
-  std::iota(all.begin(), all.end(), 0);
-  std::shuffle(all.begin(), all.end(), rng);
-  all.resize(static_cast<size_t>(n));
-  return all;
-}
+using ::kvt::testing::DistinctIndices;
 
 // A device allocation of `size` usable bytes starting `misalign` bytes past a 256-byte
 // boundary, with a host mirror. Upload/Download move the usable bytes.

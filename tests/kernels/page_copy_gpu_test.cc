@@ -19,7 +19,7 @@ namespace kvt::kernels {
 namespace {
 
 using testing::DeviceBytes;
-using testing::Distinct;
+using testing::DistinctIndices;
 using testing::ToDevice;
 
 struct CopyCase {
@@ -60,8 +60,8 @@ void CheckCopy(const CopyCase& c, uint32_t seed, Run run) {
     src_host.push_back(src.back()->host_addr());
     dst_host.push_back(dst.back()->host_addr());
   }
-  std::vector<int32_t> src_pages = Distinct(c.num_pages, src_pool, rng);
-  std::vector<int32_t> dst_pages = Distinct(c.num_pages, dst_pool, rng);
+  std::vector<int32_t> src_pages = DistinctIndices(c.num_pages, src_pool, rng);
+  std::vector<int32_t> dst_pages = DistinctIndices(c.num_pages, dst_pool, rng);
   auto d_src_bases = ToDevice(src_dev);
   auto d_dst_bases = ToDevice(dst_dev);
   auto d_src_pages = ToDevice(src_pages);
@@ -351,7 +351,7 @@ void CheckPackUnpack(const std::vector<PackCase>& cases, uint32_t seed, Pack pac
       dev_bases.push_back(pool.back()->addr());
       host_bases.push_back(pool.back()->host_addr());
     }
-    const std::vector<int32_t> pages = Distinct(p.pages, pool_pages, rng);
+    const std::vector<int32_t> pages = DistinctIndices(p.pages, pool_pages, rng);
     auto d_bases = ToDevice(dev_bases);
     auto d_pages = ToDevice(pages);
     ASSERT_TRUE(d_bases.ok() && d_pages.ok());

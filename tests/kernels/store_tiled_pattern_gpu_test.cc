@@ -22,7 +22,7 @@ namespace kvt::kernels {
 namespace {
 
 using testing::DeviceBytes;
-using testing::Distinct;
+using testing::DistinctIndices;
 using testing::ToDevice;
 
 // Random element bytes of `dtype`: ordinary values, values past the fp8 ranges, and a few
@@ -110,7 +110,7 @@ TEST_P(StoreGpuTest, MatchesCpuReferenceBitForBit) {
       KVT_ASSERT_OK(src[kv].Upload());
       KVT_ASSERT_OK(dst[kv].Upload());
     }
-    const std::vector<int32_t> loc = Distinct(shape.rows, pool_rows, rng);
+    const std::vector<int32_t> loc = DistinctIndices(shape.rows, pool_rows, rng);
     auto d_loc = ToDevice(loc);
     ASSERT_TRUE(d_loc.ok());
     StoreArgs a;
@@ -191,7 +191,7 @@ TEST(TiledCopyGpuTest, MatchesCpuReference) {
       dev_bases.push_back(bufs.back()->addr());
       host_bases.push_back(bufs.back()->host_addr());
     }
-    const std::vector<int32_t> picked = Distinct(2 * t.locs, rows, rng);
+    const std::vector<int32_t> picked = DistinctIndices(2 * t.locs, rows, rng);
     std::vector<int32_t> src(picked.begin(), picked.begin() + t.locs);
     std::vector<int32_t> tgt(picked.begin() + t.locs, picked.end());
     auto d_bases = ToDevice(dev_bases);
@@ -249,7 +249,7 @@ TEST(PatternGpuTest, FillMatchesCpuAndVerifyLocatesFlips) {
       kh.push_back(k.back()->host_addr());
       vh.push_back(v.back()->host_addr());
     }
-    const std::vector<int32_t> pages = Distinct(pages_needed, pool_pages, rng);
+    const std::vector<int32_t> pages = DistinctIndices(pages_needed, pool_pages, rng);
     auto d_k = ToDevice(kd);
     auto d_v = ToDevice(vd);
     auto d_pages = ToDevice(pages);

@@ -7,6 +7,8 @@
 #include <random>
 #include <vector>
 
+#include "kvt/testing/random.h"
+
 namespace kvt::kernels::testing {
 
 // `size` bytes starting `misalign` bytes past a 64-byte boundary, filled with random bytes.
@@ -30,14 +32,7 @@ class HostBytes {
   size_t size_;
 };
 
-// `n` distinct values from [0, range), in random order.
-inline std::vector<int32_t> DistinctIndices(int64_t n, int64_t range, std::mt19937& rng) {
-  std::vector<int32_t> all(static_cast<size_t>(range));
-  std::iota(all.begin(), all.end(), 0);
-  std::shuffle(all.begin(), all.end(), rng);
-  all.resize(static_cast<size_t>(n));
-  return all;
-}
+using ::kvt::testing::DistinctIndices;
 
 inline int64_t Uniform(std::mt19937& rng, int64_t lo, int64_t hi) {
   return std::uniform_int_distribution<int64_t>(lo, hi)(rng);

@@ -5,9 +5,10 @@
 
 #include <cstring>
 
-#include "pool_test_util.h"
 #include "kvt/kernels/cuda_util.h"
 #include "kvt/pool/kv_pool.h"
+#include "kvt/testing/gpu.h"
+#include "pool_test_util.h"
 
 namespace kvt::pool {
 namespace {
@@ -19,11 +20,7 @@ using testing::RandomFiniteBf16;
 
 class CudaPoolTest : public ::testing::TestWithParam<DType> {
  protected:
-  void SetUp() override {
-    if (!kvt::cuda::HasDevice()) {
-      GTEST_SKIP() << "no CUDA device: " << kvt::cuda::DeviceCount().reason;
-    }
-  }
+  void SetUp() override { KVT_SKIP_WITHOUT_GPU(); }
 
   PoolOptions Options(int64_t layers = 3) const {
     PoolOptions o;
@@ -184,8 +181,7 @@ INSTANTIATE_TEST_SUITE_P(DTypes, CudaPoolTest,
                          [](const auto& info) { return std::string(DTypeName(info.param)); });
 
 TEST(CudaPoolConversionTest, Fp32IntoFp8WithScaleMatchesCpu) {
-  if (!kvt::cuda::HasDevice())
-    GTEST_SKIP() << "no CUDA device: " << kvt::cuda::DeviceCount().reason;
+  KVT_SKIP_WITHOUT_GPU();
   for (DType pool_dtype : {DType::kFP8E4M3, DType::kFP8E5M2, DType::kBF16, DType::kFP16}) {
     PoolOptions o;
     o.size = 64;

@@ -9,6 +9,7 @@
 
 #include "kvt/pool/kv_pool.h"
 #include "kvt/pool/pool_options.h"
+#include "kvt/testing/random.h"
 
 namespace kvt::pool::testing {
 
@@ -25,13 +26,7 @@ inline PoolOptions SmallOptions(int64_t layers = 2) {
   return o;
 }
 
-inline std::vector<uint8_t> RandomBytes(size_t n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::uniform_int_distribution<int> byte(0, 255);
-  std::vector<uint8_t> out(n);
-  for (auto& b : out) b = static_cast<uint8_t>(byte(rng));
-  return out;
-}
+using ::kvt::testing::RandomBytes;
 
 // Random bf16 values that are finite (exponent field never all ones), so conversions are sane.
 inline std::vector<uint8_t> RandomFiniteBf16(size_t elems, uint32_t seed) {

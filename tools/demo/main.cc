@@ -29,6 +29,7 @@
 #include <set>
 #include <thread>
 
+#include "agent_command.h"
 #include "cli_util.h"
 #include "control/protocol.h"
 #include "device_spec.h"
@@ -144,53 +145,36 @@ class Demo {
           bootstrap,
           tools::FindTool("kvt-bootstrap", {"kvt-bootstrap", "../bootstrap/kvt-bootstrap"}));
     }
-    KVT_ASSIGN_OR_RETURN(bootstrap_, tools::ChildProcess::Spawn(
-                                         {bootstrap, "--listen", "127.0.0.1:0", "--ready-file",
-                                          dir_ + "/bootstrap.json", "--exit-with-parent"},
-                                         dir_ + "/bootstrap.log"));
+    tools::BootstrapCommand bootstrap_command;
+    bootstrap_command.binary = bootstrap;
+    bootstrap_command.ready_file = dir_ + "/bootstrap.json";
+    KVT_ASSIGN_OR_RETURN(
+        bootstrap_, tools::ChildProcess::Spawn(bootstrap_command.Argv(), dir_ + "/bootstrap.log"));
     KVT_ASSIGN_OR_RETURN(std::string ready, tools::WaitReadyFile(dir_ + "/bootstrap.json", 20s,
                                                                  bootstrap_.pid(), stop));
     const int bootstrap_port = nlohmann::json::parse(ready)["port"].get<int>();
     const std::string registry = "127.0.0.1:" + std::to_string(bootstrap_port);
 
     auto agent_argv = [&](const std::string& role) {
-      std::vector<std::string> argv = {agent,
-                                       "--role",
-                                       role,
-                                       "--name",
-                                       "demo-" + role,
-                                       "--bootstrap",
-                                       registry,
-                                       "--backend",
-                                       o_.backend,
-                                       "--device",
-                                       o_.device,
-                                       "--layers",
-                                       std::to_string(o_.layers),
-                                       "--heads",
-                                       std::to_string(o_.heads),
-                                       "--head-dim",
-                                       std::to_string(o_.head_dim),
-                                       "--dtype",
-                                       o_.dtype,
-                                       "--page-size",
-                                       std::to_string(o_.page_size),
-                                       "--tokens",
-                                       std::to_string(o_.pool_tokens),
-                                       "--seed",
-                                       std::to_string(o_.seed + (role == "decode")),
-                                       "--layer-time-us",
-                                       std::to_string(o_.layer_time_us),
-                                       "--deadline-ms",
-                                       std::to_string(o_.timeout_s * 1000),
-                                       "--ready-file",
-                                       dir_ + "/" + role + ".json",
-                                       "--exit-with-parent"};
-      if (!o_.ucx_tls.empty()) {
-        argv.push_back("--ucx-tls");
-        argv.push_back(o_.ucx_tls);
-      }
-      return argv;
+      tools::AgentCommand command;
+      command.binary = agent;
+      command.role = role;
+      command.name = "demo-" + role;
+      command.bootstrap = registry;
+      command.ready_file = dir_ + "/" + role + ".json";
+      command.backend = o_.backend;
+      command.device = o_.device;
+      command.layers = o_.layers;
+      command.heads = o_.heads;
+      command.head_dim = o_.head_dim;
+      command.dtype = o_.dtype;
+      command.page_size = o_.page_size;
+      command.tokens = o_.pool_tokens;
+      command.seed = o_.seed + (role == "decode");
+      command.layer_time_us = o_.layer_time_us;
+      command.deadline_ms = int64_t{o_.timeout_s} * 1000;
+      command.ucx_tls = o_.ucx_tls;
+      return command.Argv();
     };
     KVT_ASSIGN_OR_RETURN(prefill_,
                          tools::ChildProcess::Spawn(agent_argv("prefill"), dir_ + "/prefill.log"));

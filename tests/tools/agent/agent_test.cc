@@ -16,17 +16,17 @@
 
 #include "device_spec.h"
 #include "kvt/kernels/cuda_util.h"
+#include "kvt/testing/run_tool.h"
 #include "page_list_arena.h"
 #include "pattern_id.h"
-#include "run_tool.h"
 #include "tool_util.h"
 
 namespace kvt::tools {
 namespace {
 
+using kvt::testing::RunTool;
+using kvt::testing::ToolResult;
 using ::testing::HasSubstr;
-using testing::RunTool;
-using testing::ToolResult;
 
 // ---- device names -----------------------------------------------------------------------
 

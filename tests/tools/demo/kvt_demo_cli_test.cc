@@ -19,13 +19,13 @@
 #include <vector>
 
 #include "kvt/kernels/cuda_util.h"
-#include "run_tool.h"
+#include "kvt/testing/run_tool.h"
 #include "tool_util.h"
 
 namespace {
 
-using kvt::tools::testing::RunTool;
-using kvt::tools::testing::ToolResult;
+using kvt::testing::RunTool;
+using kvt::testing::ToolResult;
 using ::testing::HasSubstr;
 
 constexpr char kSmall[] =

@@ -6,17 +6,15 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
-#include "run_tool.h"
+#include "kvt/testing/run_tool.h"
 
 namespace {
 
 using nlohmann::json;
 using ::testing::HasSubstr;
-using Result = kvt::tools::testing::ToolResult;
+using Result = kvt::testing::ToolResult;
 
-Result RunInfo(const std::string& args) {
-  return kvt::tools::testing::RunTool(KVT_INFO_PATH, args);
-}
+Result RunInfo(const std::string& args) { return kvt::testing::RunTool(KVT_INFO_PATH, args); }
 
 const char* kBase =
     "layout --layers 2 --heads 2 --head-dim 8 --dtype bf16 --page-size 4 --tokens 16";

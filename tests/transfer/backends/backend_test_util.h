@@ -18,30 +18,17 @@
 #include <vector>
 
 #include "kvt/common/status.h"
+#include "kvt/testing/random.h"
 #include "kvt/transfer/backend.h"
 
 namespace kvt::transfer::testing {
 
-// Overwrites `bytes` with bytes drawn from `rng`.
-inline void FillRandom(std::span<uint8_t> bytes, std::mt19937& rng) {
-  for (auto& b : bytes) b = static_cast<uint8_t>(rng());
-}
-
-// `size` bytes drawn from a generator seeded with `seed`.
-inline std::vector<uint8_t> RandomBytes(size_t size, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::vector<uint8_t> bytes(size);
-  FillRandom(bytes, rng);
-  return bytes;
-}
+using ::kvt::testing::FillRandom;
+using ::kvt::testing::RandomBytes;
 
 // `n` distinct pages from [1, range) in random order (page 0 is the dummy page).
 inline std::vector<int32_t> DistinctPages(int64_t n, int64_t range, std::mt19937& rng) {
-  std::vector<int32_t> all(static_cast<size_t>(range - 1));
-  std::iota(all.begin(), all.end(), 1);
-  std::shuffle(all.begin(), all.end(), rng);
-  all.resize(static_cast<size_t>(n));
-  return all;
+  return ::kvt::testing::DistinctIndices(n, range, rng, /*first=*/1);
 }
 
 // Applies a page write to host copies of two pools, as the backend must: for every layer l of

@@ -32,6 +32,8 @@
 #include <vector>
 
 #include "kvt/kernels/cuda_util.h"
+#include "kvt/testing/gpu.h"
+#include "kvt/testing/status.h"
 #include "kvt/transfer/backend.h"
 #include "kvt/transfer/backends.h"
 // Private headers of kvt::transfer (this target has no transfer/src include path).
@@ -39,6 +41,7 @@
 #include "backends/cuda_ipc/cuda_ipc_backend.h"
 #include "backends/cuda_ipc/cuda_ipc_codec.h"
 #include "child_process.h"
+#include "gpu_pool.h"
 
 namespace kvt::transfer {
 namespace {
@@ -47,19 +50,10 @@ using Clock = std::chrono::steady_clock;
 using testing::ApplyPageWrite;
 using testing::DescribeMismatch;
 using testing::DistinctPages;
+using testing::GpuPool;
 using ::testing::HasSubstr;
 using testing::RandomBytes;
 using testing::WaitFor;
-
-#define KVT_SKIP_WITHOUT_GPU()   \
-  if (!::kvt::cuda::HasDevice()) \
-  GTEST_SKIP() << "no CUDA device: " << ::kvt::cuda::DeviceCount().reason
-
-#define KVT_ASSERT_OK(expr)             \
-  do {                                  \
-    ::kvt::Status kvt_s_ = (expr);      \
-    ASSERT_TRUE(kvt_s_.ok()) << kvt_s_; \
-  } while (false)
 
 constexpr int kLayers = 4;
 constexpr int32_t kPages = 64;
@@ -67,62 +61,6 @@ constexpr uint64_t kItem = 2048;
 constexpr uint8_t kPoison = 0xEE;
 
 // ---- Pools and expectations ---------------------------------------------------------------
-
-// A CUDA pool as kvt's pool lays it out: one cudaMalloc holding 2L buffers (K of every layer,
-// then V) of `pages` pages of `item` bytes each, after a gap.
-class GpuPool {
- public:
-  static constexpr uint64_t kGap = 8192;
-
-  Status Init(int layers, int32_t pages, uint64_t item, int device = 0) {
-    layers_ = layers;
-    pages_ = pages;
-    item_ = item;
-    device_ = device;
-    auto memory = cuda::DeviceBuffer::Allocate(kGap + bytes(), device);
-    if (!memory.ok()) return memory.status();
-    memory_ = std::move(memory).value();
-    return OkStatus();
-  }
-  uint64_t buffer_bytes() const { return static_cast<uint64_t>(pages_) * item_; }
-  uint64_t bytes() const { return 2 * static_cast<uint64_t>(layers_) * buffer_bytes(); }
-  uint64_t Base(int b) const {
-    return reinterpret_cast<uint64_t>(memory_.data()) + kGap + b * buffer_bytes();
-  }
-  void* data() const { return reinterpret_cast<void*>(Base(0)); }
-  std::vector<LocalRegion> Regions() const {
-    std::vector<LocalRegion> regions;
-    for (int b = 0; b < 2 * layers_; ++b) {
-      regions.push_back({Base(b), buffer_bytes(), item_, MemoryKind::kCuda, device_});
-    }
-    return regions;
-  }
-  Status Upload(const std::vector<uint8_t>& image) const {
-    return cuda::Copy(data(), image.data(), image.size());
-  }
-  StatusOr<std::vector<uint8_t>> Download() const {
-    std::vector<uint8_t> image(bytes());
-    Status s = cuda::Copy(image.data(), data(), image.size());
-    if (!s.ok()) return s;
-    return image;
-  }
-  Status Fill(uint8_t value) const {
-    Status s = cuda::ToStatus(cudaSetDevice(device_), "cudaSetDevice");
-    if (!s.ok()) return s;
-    s = cuda::ToStatus(cudaMemset(data(), value, bytes()), "cudaMemset");
-    if (!s.ok()) return s;
-    return cuda::ToStatus(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-  }
-  int layers() const { return layers_; }
-  uint64_t item() const { return item_; }
-
- private:
-  cuda::DeviceBuffer memory_;
-  int layers_ = 0;
-  int32_t pages_ = 0;
-  uint64_t item_ = 0;
-  int device_ = 0;
-};
 
 void ApplyRuns(std::span<const CopyRun> runs, const std::vector<uint8_t>& src,
                std::vector<uint8_t>& dst, uint64_t buffer_bytes) {
@@ -553,8 +491,7 @@ TEST(CudaIpcRegister, RefusesWhatItCannotShare) {
 }
 
 TEST(CudaIpcCrossDevice, WritesIntoAPoolOnAnotherGpu) {
-  KVT_SKIP_WITHOUT_GPU();
-  if (cuda::DeviceCount().count < 2) GTEST_SKIP() << "needs two CUDA devices";
+  KVT_SKIP_WITHOUT_GPUS(2, "the pools sit on two devices");
   GpuPool src, dst;
   KVT_ASSERT_OK(src.Init(2, 16, 4096, 0));
   KVT_ASSERT_OK(dst.Init(2, 16, 4096, 1));

@@ -32,6 +32,8 @@
 #include <vector>
 
 #include "kvt/kernels/cuda_util.h"
+#include "kvt/testing/gpu.h"
+#include "kvt/testing/status.h"
 #include "kvt/transfer/backend.h"
 #include "kvt/transfer/backends.h"
 // Private headers of kvt::transfer (this target has no transfer/src include path).
@@ -39,6 +41,7 @@
 #include "backends/nccl/nccl_backend.h"
 #include "backends/nccl/nccl_protocol.h"
 #include "child_process.h"
+#include "gpu_pool.h"
 
 namespace kvt::transfer {
 namespace {
@@ -50,29 +53,12 @@ using testing::DistinctPages;
 using ::testing::HasSubstr;
 using testing::RandomBytes;
 
-#define KVT_ASSERT_OK(expr)             \
-  do {                                  \
-    ::kvt::Status kvt_s_ = (expr);      \
-    ASSERT_TRUE(kvt_s_.ok()) << kvt_s_; \
-  } while (false)
-
 constexpr int kLayers = 4;
 constexpr int32_t kPages = 257;  // page 0 is the dummy page
 constexpr uint64_t kItem = 4096;
 constexpr uint8_t kPoison = 0xA5;
 constexpr int kParentDevice = 0;
 constexpr int kChildDevice = 1;
-
-int DeviceCountOrZero() {
-  const cuda::DeviceCountResult devices = cuda::DeviceCount();
-  return devices.count;
-}
-
-#define KVT_SKIP_WITHOUT_TWO_GPUS()                                                       \
-  if (const int kvt_n_ = DeviceCountOrZero(); kvt_n_ < 2)                                 \
-  GTEST_SKIP() << "needs 2 CUDA devices, found " << kvt_n_                                \
-               << (kvt_n_ == 0 ? " (" + cuda::DeviceCount().reason + ")" : std::string()) \
-               << "; NCCL cannot put two ranks on one GPU"
 
 // Small slots so that every write spans many chunks and wraps the slot ring many times.
 nccl::NcclTuning TestTuning() {
@@ -93,45 +79,14 @@ StatusOr<std::unique_ptr<Backend>> NewBackend(const nccl::NcclTuning& tuning = T
 
 // ---- Pools and expectations -----------------------------------------------------------------
 
-// A CUDA pool laid out as kvt's pool does: one cudaMalloc holding 2L buffers (K of every layer,
-// then V) of kPages pages of kItem bytes, after a gap so that buffers sit at non-zero offsets.
-class GpuPool {
+// The pools of these tests: kLayers x kPages x kItem on one device, after a 4 KiB gap.
+class GpuPool : public testing::GpuPool {
  public:
-  static constexpr uint64_t kGap = 4096;
-
   Status Init(int device) {
-    device_ = device;
-    auto memory = cuda::DeviceBuffer::Allocate(kGap + bytes(), device);
-    if (!memory.ok()) return memory.status();
-    memory_ = std::move(memory).value();
-    return OkStatus();
+    return testing::GpuPool::Init(kLayers, kPages, kItem, device, /*gap=*/4096);
   }
   static uint64_t buffer_bytes() { return static_cast<uint64_t>(kPages) * kItem; }
   static uint64_t bytes() { return 2 * kLayers * buffer_bytes(); }
-  uint64_t Base(int b) const {
-    return reinterpret_cast<uint64_t>(memory_.data()) + kGap + b * buffer_bytes();
-  }
-  void* data() const { return reinterpret_cast<void*>(Base(0)); }
-  std::vector<LocalRegion> Regions() const {
-    std::vector<LocalRegion> regions;
-    for (int b = 0; b < 2 * kLayers; ++b) {
-      regions.push_back({Base(b), buffer_bytes(), kItem, MemoryKind::kCuda, device_});
-    }
-    return regions;
-  }
-  Status Upload(const std::vector<uint8_t>& image) const {
-    return cuda::Copy(data(), image.data(), image.size());
-  }
-  StatusOr<std::vector<uint8_t>> Download() const {
-    std::vector<uint8_t> image(bytes());
-    Status s = cuda::Copy(image.data(), data(), image.size());
-    if (!s.ok()) return s;
-    return image;
-  }
-
- private:
-  cuda::DeviceBuffer memory_;
-  int device_ = 0;
 };
 
 // Polls until no write is InProgress or `limit` passed; the final statuses.
@@ -240,7 +195,7 @@ TEST(NcclChild, DISABLED_Decode) {
 class NcclTwoProcesses : public ::testing::Test {
  protected:
   void SetUp() override {
-    KVT_SKIP_WITHOUT_TWO_GPUS();
+    KVT_SKIP_WITHOUT_GPUS(2, "NCCL cannot put two ranks on one GPU");
     signal(SIGPIPE, SIG_IGN);  // a dead child must fail a write, not kill the test
     KVT_ASSERT_OK(cuda::ToStatus(cudaSetDevice(kParentDevice), "cudaSetDevice"));
     auto backend = NewBackend();
@@ -526,9 +481,7 @@ TEST_F(NcclTwoProcesses, DisconnectAsPeerDeadAbortsWritesInFlight) {
 class NcclOneProcess : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (DeviceCountOrZero() < 1) {
-      GTEST_SKIP() << "needs a CUDA device: " << cuda::DeviceCount().reason;
-    }
+    KVT_SKIP_WITHOUT_GPU();
     KVT_ASSERT_OK(cuda::ToStatus(cudaSetDevice(0), "cudaSetDevice"));
     nccl::NcclTuning tuning = TestTuning();
     tuning.connect_timeout = std::chrono::seconds(2);

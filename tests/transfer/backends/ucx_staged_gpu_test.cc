@@ -15,15 +15,13 @@
 
 #include "backend_test_util.h"
 #include "kvt/kernels/cuda_util.h"
+#include "kvt/testing/gpu.h"
+#include "kvt/testing/status.h"
 #include "kvt/transfer/backend.h"
 #include "kvt/transfer/backends.h"
 
 namespace kvt::transfer {
 namespace {
-
-#define KVT_SKIP_WITHOUT_GPU()   \
-  if (!::kvt::cuda::HasDevice()) \
-  GTEST_SKIP() << "no CUDA device: " << ::kvt::cuda::DeviceCount().reason
 
 using Clock = std::chrono::steady_clock;
 using testing::DistinctPages;

@@ -19,6 +19,8 @@
 #include "kvt/kernels/cuda_util.h"
 #include "kvt/kernels/kernels.h"
 #include "kvt/pool/kv_pool.h"
+#include "kvt/testing/gpu.h"
+#include "kvt/testing/random.h"
 #include "kvt/transfer/engine.h"
 
 namespace kvt::transfer {
@@ -89,19 +91,13 @@ class DevicePattern {
 };
 
 std::vector<int32_t> RandomPages(std::mt19937& rng, int64_t num_pages, size_t count) {
-  std::vector<int32_t> all(static_cast<size_t>(num_pages) - 1);
-  std::iota(all.begin(), all.end(), 1);  // page 0 is the dummy page
-  std::shuffle(all.begin(), all.end(), rng);
-  all.resize(count);
-  return all;
+  return ::kvt::testing::DistinctIndices(static_cast<int64_t>(count), num_pages, rng,
+                                         /*first=*/1);  // page 0 is the dummy page
 }
 
 class EngineGpuTest : public ::testing::TestWithParam<std::string> {
  protected:
-  void SetUp() override {
-    const cuda::DeviceCountResult devices = cuda::DeviceCount();
-    if (devices.count == 0) GTEST_SKIP() << "needs a CUDA device: " << devices.reason;
-  }
+  void SetUp() override { KVT_SKIP_WITHOUT_GPU(); }
 
   void Start(const pool::PoolOptions& options = CudaPoolOptions()) {
     auto src = pool::KvPool::Create(options);

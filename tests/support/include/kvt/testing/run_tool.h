@@ -1,5 +1,5 @@
-// Runs a built tool with a shell command line and captures its exit code, stdout and stderr
-// (for the command-line tests of the tools).
+// Runs a built tool with a shell command line and captures its exit code, stdout and stderr, for
+// the command-line tests of the tools.
 #pragma once
 
 #include <sys/wait.h>
@@ -10,7 +10,7 @@
 #include <sstream>
 #include <string>
 
-namespace kvt::tools::testing {
+namespace kvt::testing {
 
 struct ToolResult {
   int exit_code = -1;  // -1 when the tool did not exit normally
@@ -39,4 +39,4 @@ inline ToolResult RunTool(const std::string& binary, const std::string& args) {
   return r;
 }
 
-}  // namespace kvt::tools::testing
+}  // namespace kvt::testing
