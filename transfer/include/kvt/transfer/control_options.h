@@ -47,9 +47,8 @@ struct ConnectionLimits {
 // sockets without sleeping for as long as `hint` returns true and then until `window` has
 // passed with nothing to do: a CPU core per io thread while polling, for frames handled within
 // microseconds of their arrival. An owner whose hint turns true while the thread sleeps calls
-// Wake(). A server polls only with one io thread (ControlServer refuses more). A thread woken from
-// epoll after milliseconds of idling costs 30-120 µs on a server (measured on the device
-// machine: docs/transfer-bench.md), mostly its core's sleep state.
+// Wake(). A server polls only with one io thread (ControlServer refuses more). Polling trades a
+// core for the tens of microseconds a thread woken from epoll after an idle spell costs.
 struct BusyPollOptions {
   std::chrono::microseconds window{0};
   // Called often from the io threads, without locks: must be cheap and thread-safe (e.g. an

