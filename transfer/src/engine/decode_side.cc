@@ -238,17 +238,6 @@ Status DecodeSide::Receive(const std::string& room_id, PeerHandle peer_id,
   return OkStatus();
 }
 
-StatusOr<RequestInfo> DecodeSide::GetRequest(const std::string& room) const {
-  MutexLock lock(ctx_.mu);
-  return table_.Get(room);
-}
-
-StatusOr<RequestInfo> DecodeSide::WaitRequest(const std::string& room,
-                                              std::chrono::milliseconds timeout) const {
-  MutexLock lock(ctx_.mu);
-  return WaitForFinal(ctx_, table_, room, timeout);
-}
-
 Status DecodeSide::Abort(const std::string& room_id, const std::string& reason) {
   MutexLock lock(ctx_.mu);
   DecodeRoom* room = table_.Find(room_id);
@@ -256,11 +245,6 @@ Status DecodeSide::Abort(const std::string& room_id, const std::string& reason) 
   if (IsFinal(room->state)) return OkStatus();
   AbortLocked(*room, v1::STATUS_CODE_ABORTED, Aborted(reason));
   return OkStatus();
-}
-
-Status DecodeSide::Forget(const std::string& room) {
-  MutexLock lock(ctx_.mu);
-  return table_.Forget(room);
 }
 
 size_t DecodeSide::lost_peers() const {

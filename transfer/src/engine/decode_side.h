@@ -32,9 +32,9 @@ struct DecodeRoom : RoomCore {
   std::vector<int32_t> dst_pages;
 };
 
-class DecodeSide final : public EngineSide {
+class DecodeSide final : public SideWithTable<DecodeRoom> {
  public:
-  explicit DecodeSide(EngineContext& ctx) : ctx_(ctx), table_(ctx) {}
+  explicit DecodeSide(EngineContext& ctx) : SideWithTable(ctx) {}
   ~DecodeSide() override;
 
   // Starts the liveness worker.
@@ -45,12 +45,7 @@ class DecodeSide final : public EngineSide {
                  std::chrono::milliseconds deadline, int32_t layer_begin, int32_t layer_end)
       KVT_EXCLUDES(ctx_.mu);
 
-  StatusOr<RequestInfo> GetRequest(const std::string& room) const override KVT_EXCLUDES(ctx_.mu);
-  StatusOr<RequestInfo> WaitRequest(const std::string& room,
-                                    std::chrono::milliseconds timeout) const override
-      KVT_EXCLUDES(ctx_.mu);
   Status Abort(const std::string& room, const std::string& reason) override KVT_EXCLUDES(ctx_.mu);
-  Status Forget(const std::string& room) override KVT_EXCLUDES(ctx_.mu);
   PollResult PollPass(Clock::time_point now) override KVT_EXCLUDES(ctx_.mu);
   void Shutdown() override KVT_EXCLUDES(ctx_.mu);
 
@@ -119,8 +114,6 @@ class DecodeSide final : public EngineSide {
   void AbortLocked(DecodeRoom& room, v1::StatusCode code, Status why) KVT_REQUIRES(ctx_.mu);
   Status SendToPeerLocked(PeerHandle peer, const v1::Envelope& envelope) KVT_REQUIRES(ctx_.mu);
 
-  EngineContext& ctx_;
-  RequestTable<DecodeRoom> table_ KVT_GUARDED_BY(ctx_.mu);
   std::map<PeerHandle, std::unique_ptr<DecodePeer>> peers_ KVT_GUARDED_BY(ctx_.mu);
   // Connections being made, by address: a second ConnectPeer to the same address waits for the
   // first one's result instead of opening another connection.

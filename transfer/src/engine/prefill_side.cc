@@ -100,17 +100,6 @@ Status PrefillSide::LayersReady(const std::string& room_id, int32_t layers_done,
   return OkStatus();
 }
 
-StatusOr<RequestInfo> PrefillSide::GetRequest(const std::string& room) const {
-  MutexLock lock(ctx_.mu);
-  return table_.Get(room);
-}
-
-StatusOr<RequestInfo> PrefillSide::WaitRequest(const std::string& room,
-                                               std::chrono::milliseconds timeout) const {
-  MutexLock lock(ctx_.mu);
-  return WaitForFinal(ctx_, table_, room, timeout);
-}
-
 Status PrefillSide::Abort(const std::string& room_id, const std::string& reason) {
   AfterUnlock after;
   {
@@ -133,11 +122,6 @@ Status PrefillSide::Abort(const std::string& room_id, const std::string& reason)
   }
   Run(after);
   return OkStatus();
-}
-
-Status PrefillSide::Forget(const std::string& room) {
-  MutexLock lock(ctx_.mu);
-  return table_.Forget(room);
 }
 
 // ------------------------------------------------------------------------------------ poller --

@@ -44,9 +44,9 @@ struct PrefillRoom : RoomCore {
   Clock::time_point last_progress;
 };
 
-class PrefillSide final : public EngineSide, public control::ControlHandler {
+class PrefillSide final : public SideWithTable<PrefillRoom>, public control::ControlHandler {
  public:
-  explicit PrefillSide(EngineContext& ctx) : ctx_(ctx), table_(ctx) {}
+  explicit PrefillSide(EngineContext& ctx) : SideWithTable(ctx) {}
   ~PrefillSide() override;
 
   // Starts the control server.
@@ -58,12 +58,7 @@ class PrefillSide final : public EngineSide, public control::ControlHandler {
   Status LayersReady(const std::string& room, int32_t layers_done, cudaEvent_t ready)
       KVT_EXCLUDES(ctx_.mu);
 
-  StatusOr<RequestInfo> GetRequest(const std::string& room) const override KVT_EXCLUDES(ctx_.mu);
-  StatusOr<RequestInfo> WaitRequest(const std::string& room,
-                                    std::chrono::milliseconds timeout) const override
-      KVT_EXCLUDES(ctx_.mu);
   Status Abort(const std::string& room, const std::string& reason) override KVT_EXCLUDES(ctx_.mu);
-  Status Forget(const std::string& room) override KVT_EXCLUDES(ctx_.mu);
   PollResult PollPass(Clock::time_point now) override KVT_EXCLUDES(ctx_.mu);
   void Shutdown() override KVT_EXCLUDES(ctx_.mu);
 
@@ -108,8 +103,6 @@ class PrefillSide final : public EngineSide, public control::ControlHandler {
   std::vector<CopyRun> TakeSpareRunsLocked() KVT_REQUIRES(ctx_.mu);
   void RecycleRunsLocked(std::vector<CopyRun> runs) KVT_REQUIRES(ctx_.mu);
 
-  EngineContext& ctx_;
-  RequestTable<PrefillRoom> table_ KVT_GUARDED_BY(ctx_.mu);
   std::unique_ptr<control::ControlServer> server_;
   std::unordered_map<control::ConnectionId, Session> sessions_ KVT_GUARDED_BY(ctx_.mu);
   // Run storage of finished plans, reused by the next ones (planning then allocates nothing in

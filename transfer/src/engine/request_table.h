@@ -384,4 +384,31 @@ class EngineSide {
   virtual void Shutdown() = 0;
 };
 
+// What both sides share: the context and their table, and the calls that only read or drop
+// rooms.
+template <typename Room>
+class SideWithTable : public EngineSide {
+ public:
+  explicit SideWithTable(EngineContext& ctx) : ctx_(ctx), table_(ctx) {}
+
+  StatusOr<RequestInfo> GetRequest(const std::string& room) const override KVT_EXCLUDES(ctx_.mu) {
+    MutexLock lock(ctx_.mu);
+    return table_.Get(room);
+  }
+  StatusOr<RequestInfo> WaitRequest(const std::string& room,
+                                    std::chrono::milliseconds timeout) const override
+      KVT_EXCLUDES(ctx_.mu) {
+    MutexLock lock(ctx_.mu);
+    return WaitForFinal(ctx_, table_, room, timeout);
+  }
+  Status Forget(const std::string& room) override KVT_EXCLUDES(ctx_.mu) {
+    MutexLock lock(ctx_.mu);
+    return table_.Forget(room);
+  }
+
+ protected:
+  EngineContext& ctx_;
+  RequestTable<Room> table_ KVT_GUARDED_BY(ctx_.mu);
+};
+
 }  // namespace kvt::transfer::engine
