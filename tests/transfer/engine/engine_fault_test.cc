@@ -54,14 +54,13 @@ std::vector<uint8_t> Snapshot(const pool::KvPool& pool, const std::vector<int32_
   return out;
 }
 
-size_t ThreadCount() {
+size_t EntryCount(const char* folder) {
   size_t n = 0;
-  for ([[maybe_unused]] const auto& entry :
-       std::filesystem::directory_iterator("/proc/self/task")) {
-    ++n;
-  }
+  for ([[maybe_unused]] const auto& entry : std::filesystem::directory_iterator(folder)) ++n;
   return n;
 }
+size_t ThreadCount() { return EntryCount("/proc/self/task"); }
+size_t FdCount() { return EntryCount("/proc/self/fd"); }
 
 // A prefill engine destroyed while its writes are in flight: the decode side may reuse the pages
 // only once no byte of them can land any more. The loopback backend here models a network card
@@ -299,13 +298,14 @@ TEST(EngineFaultTest, OrphanedPrefillRoomEndsAtItsSendDeadline) {
   EXPECT_EQ((*prefill)->Send("negative", {1}, -5ms).code(), StatusCode::kInvalidArgument);
 }
 
-// Lost prefill peers leave no thread (nor connection) behind on the decode engine.
+// Lost prefill peers leave no thread and no file descriptor (connection) behind on the decode
+// engine.
 TEST(EngineFaultTest, LostPeersLeaveNoThreadsBehind) {
   auto dst_pool = MakePool(SmallPoolOptions());
   auto src_pool = MakePool(SmallPoolOptions());
   auto decode = TransferEngine::Create(Options("decode-0", false), dst_pool.get(), Loopback({}));
   ASSERT_TRUE(decode.ok());
-  size_t baseline = 0;
+  size_t baseline = 0, baseline_fds = 0;
   for (int i = 0; i < 12; ++i) {
     auto prefill = TransferEngine::Create(Options("prefill-" + std::to_string(i), true),
                                           src_pool.get(), Loopback({}));
@@ -321,14 +321,18 @@ TEST(EngineFaultTest, LostPeersLeaveNoThreadsBehind) {
     if (i == 1) {
       std::this_thread::sleep_for(300ms);
       baseline = ThreadCount();
+      baseline_fds = FdCount();
     }
   }
-  size_t now = ThreadCount();
-  for (auto until = Clock::now() + 3s; Clock::now() < until && now > baseline;) {
+  size_t now = ThreadCount(), fds = FdCount();
+  for (auto until = Clock::now() + 3s;
+       Clock::now() < until && (now > baseline || fds > baseline_fds);) {
     std::this_thread::sleep_for(20ms);
     now = ThreadCount();
+    fds = FdCount();
   }
   EXPECT_LE(now, baseline) << "threads grew with the number of lost peers";
+  EXPECT_LE(fds, baseline_fds) << "file descriptors grew with the number of lost peers";
 }
 
 }  // namespace
