@@ -1,0 +1,136 @@
+// The backends' own wire formats, which a connected peer controls: CUDA IPC addresses and region
+// keys, NCCL addresses, pair tokens, chunk headers and acks, the staged UCX chunks and active
+// message headers, the UCX address trailer, and the text records the addresses are built on.
+//
+// Input: byte 0 picks the decoder (modulo the count below); the rest is what it decodes.
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string_view>
+
+#include "backends/common/host_identity.h"
+#include "backends/cuda_ipc/cuda_ipc_codec.h"
+#include "backends/nccl/nccl_protocol.h"
+#include "backends/ucx/ucx_staged_protocol.h"
+#include "fuzz_common.h"
+
+using namespace kvt;
+using namespace kvt::transfer;
+
+namespace {
+
+// The receiving pool of the chunk decoders: 4 layers of 64 pages (and the dummy page).
+constexpr int32_t kLayers = 4;
+constexpr uint64_t kPages = 65;
+
+enum Decoder : uint8_t {
+  kCudaIpcAddress,
+  kCudaIpcRegionKey,
+  kNcclAddress,
+  kNcclToken,
+  kNcclChunkHeader,
+  kNcclAck,
+  kUcxChunk,
+  kUcxMessages,
+  kUcxAddressTrailer,
+  kTextRecord,
+  kDecoderCount,
+};
+
+void DecodeNcclChunkHeader(std::span<const uint8_t> bytes) {
+  constexpr uint64_t kCapacity = 1 << 20;
+  StatusOr<nccl::ChunkHeader> header =
+      nccl::DecodeChunkHeader(bytes, /*expected_step=*/1, kCapacity);
+  if (!header.ok()) return;
+  KVT_FUZZ_CHECK(nccl::HeaderPayloadBytes(*header) <= kCapacity);
+  nccl::ReceiverLayout layout;
+  layout.num_layers = kLayers;
+  layout.item_len = fuzz::kLocalItemLen;
+  layout.buffer_bytes.assign(2 * kLayers, kPages * fuzz::kLocalItemLen);
+  (void)nccl::CheckChunkFits(*header, layout);
+}
+
+void DecodeUcxChunk(std::span<const uint8_t> bytes) {
+  const ucx_staging::ChunkLimits limits{.num_layers = kLayers,
+                                        .item_len = fuzz::kLocalItemLen,
+                                        .buffer_len = kPages * fuzz::kLocalItemLen};
+  StatusOr<ucx_staging::DecodedChunk> chunk = ucx_staging::DecodeChunk(bytes, limits);
+  if (!chunk.ok()) return;
+  // What the receiver then copies out of the payload into its pool must lie inside both.
+  KVT_FUZZ_CHECK(chunk->header.layer_begin >= 0 &&
+                 chunk->header.layer_begin < chunk->header.layer_end &&
+                 chunk->header.layer_end <= kLayers);
+  for (int32_t page : chunk->dst_pages) {
+    KVT_FUZZ_CHECK(page >= 1 && static_cast<uint64_t>(page) < kPages);
+  }
+  KVT_FUZZ_CHECK(chunk->header.payload_bytes == bytes.size());
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  if (size == 0) return 0;
+  const auto decoder = static_cast<Decoder>(data[0] % kDecoderCount);
+  const std::span<const uint8_t> bytes(data + 1, size - 1);
+  const std::string_view text(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+  switch (decoder) {
+    case kCudaIpcAddress:
+      (void)cuda_ipc::DecodeAddress(text);
+      break;
+    case kCudaIpcRegionKey: {
+      // The buffer length the key must cover comes first (8 bytes, little-endian).
+      if (bytes.size() < 8) return 0;
+      uint64_t region_length = 0;
+      for (int i = 7; i >= 0; --i) region_length = (region_length << 8) | bytes[i];
+      StatusOr<cuda_ipc::RegionKey> key = cuda_ipc::DecodeRegionKey(text.substr(8), region_length);
+      if (key.ok()) {
+        KVT_FUZZ_CHECK(key->offset <= key->allocation_bytes &&
+                       region_length <= key->allocation_bytes - key->offset);
+      }
+      break;
+    }
+    case kNcclAddress:
+      (void)nccl::DecodeAddress(text);
+      break;
+    case kNcclToken: {
+      StatusOr<nccl::PairToken> token = nccl::DecodeToken(text);
+      if (token.ok()) KVT_FUZZ_CHECK(token->slot_bytes > 0);
+      break;
+    }
+    case kNcclChunkHeader:
+      DecodeNcclChunkHeader(bytes);
+      break;
+    case kNcclAck:
+      (void)nccl::DecodeAck(bytes, /*expected_step=*/1);
+      break;
+    case kUcxChunk:
+      DecodeUcxChunk(bytes);
+      break;
+    case kUcxMessages:
+      (void)ucx_staging::DecodeChunkNotice(bytes);
+      (void)ucx_staging::DecodeHello(bytes);
+      (void)ucx_staging::DecodeHelloAck(bytes);
+      (void)ucx_staging::DecodeChunkAck(bytes);
+      (void)ucx_staging::DecodeBye(bytes);
+      break;
+    case kUcxAddressTrailer: {
+      const ucx_staging::SplitAddress split = ucx_staging::SplitPeerAddress(text);
+      KVT_FUZZ_CHECK(split.worker_address.size() <= text.size());
+      break;
+    }
+    case kTextRecord: {
+      static constexpr TextRecordFormat kFormat = {.prefix = "fuzz/1",
+                                                   .what = "fuzz record",
+                                                   .not_one = "not a fuzz record",
+                                                   .use_instead = "send a fuzz record"};
+      StatusOr<TextRecordFields> fields = ParseTextRecord(text, kFormat);
+      if (fields.ok()) {
+        for (const auto& [name, value] : *fields) KVT_FUZZ_CHECK(!name.empty());
+      }
+      break;
+    }
+    case kDecoderCount:
+      break;
+  }
+  return 0;
+}
