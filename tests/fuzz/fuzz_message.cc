@@ -5,8 +5,10 @@
 // Input: the serialized kvt.v1.Envelope.
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <vector>
 
+#include "control/auth.h"
 #include "control/protocol.h"
 #include "control/validate.h"
 #include "fuzz_common.h"
@@ -54,6 +56,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     case v1::Envelope::kLayerProgress:
       for (int32_t page : envelope.layer_progress().src_page_ids()) KVT_FUZZ_CHECK(page >= 1);
       break;
+    case v1::Envelope::kAuthResponse: {
+      // The server's check of the client's proof, with a token and nonce of the right sizes.
+      const v1::AuthResponse& response = envelope.auth_response();
+      StatusOr<std::string> expected = control::ClientAuthMac(
+          "fuzz-cluster-token-0123456789", std::string(control::kAuthNonceBytes, 'n'),
+          response.client_id(), response.role());
+      if (expected.ok()) (void)control::MacEquals(*expected, response.mac());
+      break;
+    }
     case v1::Envelope::kError:
       KVT_FUZZ_CHECK(!control::StatusFromError(envelope.error()).ok());
       break;

@@ -20,8 +20,8 @@ if ! command -v clang++-14 >/dev/null || ! command -v clang-14 >/dev/null; then
   exit 1
 fi
 if ! compgen -G "/usr/lib/llvm-14/lib/clang/*/lib/linux/libclang_rt.fuzzer-x86_64.a" >/dev/null; then
-  echo "fuzz: libFuzzer's runtime for clang-14 is missing; install the Debian package" \
-    "libfuzzer-14-dev" >&2
+  echo "fuzz: libFuzzer's runtime for clang-14 (libclang_rt.fuzzer) is missing; install the" \
+    "Debian packages libclang-common-14-dev and libfuzzer-14-dev" >&2
   exit 1
 fi
 
