@@ -725,6 +725,111 @@ TEST_F(ControlServerTest, SilentClientHitsTheIdleTimeout) {
   EXPECT_FALSE(client->connected());
 }
 
+// Before authentication only a small frame (an auth_response) is accepted: a 15 MiB length
+// prefix is refused from its 4 header bytes, so nothing is buffered for it.
+TEST_F(ControlServerTest, LargeFrameBeforeAuthIsRefusedAtTheHeader) {
+  ControlServerOptions options;
+  options.cluster_token = kToken;
+  options.limits.handshake_timeout = 10s;  // far beyond the waits below
+  StartServer(options);
+  RawClient raw(server_->port());
+  StatusOr<v1::Envelope> challenge = raw.ReadFrame();
+  ASSERT_TRUE(challenge.ok()) << challenge.status();
+  const auto start = std::chrono::steady_clock::now();
+  ASSERT_TRUE(raw.SendBytes(Header(15u << 20)));  // no payload follows
+  StatusOr<v1::Error> error = raw.ReadError();
+  ASSERT_TRUE(error.ok()) << error.status();
+  EXPECT_EQ(error->code(), v1::STATUS_CODE_MALFORMED_FRAME);
+  EXPECT_THAT(error->message(), HasSubstr("15728640 bytes exceeds max_handshake_frame_bytes"));
+  EXPECT_TRUE(raw.WaitForClose());
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 2s);
+  EXPECT_EQ(handler_.connects(), 0u);
+}
+
+// Sends one byte every `every` until the server closes the connection; returns how long that
+// took (or `give_up`).
+std::chrono::steady_clock::duration TrickleUntilClosed(RawClient& raw, std::string_view bytes,
+                                                       std::chrono::milliseconds every,
+                                                       std::chrono::milliseconds give_up) {
+  const auto start = std::chrono::steady_clock::now();
+  size_t next = 0;
+  while (std::chrono::steady_clock::now() - start < give_up) {
+    if (!raw.SendBytes(bytes.substr(next % bytes.size(), 1))) break;
+    ++next;
+    std::this_thread::sleep_for(every);
+  }
+  return std::chrono::steady_clock::now() - start;
+}
+
+// A frame trickled a byte at a time never completes the handshake: the deadline counts from the
+// connect, and bytes do not reset it; without a token as with one.
+TEST_F(ControlServerTest, TricklerWithoutTokenIsClosedAtTheHandshakeDeadline) {
+  ControlServerOptions options;
+  options.limits.handshake_timeout = 500ms;
+  StartServer(options);
+  RawClient raw(server_->port());
+  const auto took = TrickleUntilClosed(raw, Header(100) + std::string(100, 'x'), 50ms, 5000ms);
+  EXPECT_LT(took, 2s);
+  StatusOr<v1::Error> error = raw.ReadError();
+  ASSERT_TRUE(error.ok()) << error.status();
+  EXPECT_EQ(error->code(), v1::STATUS_CODE_DEADLINE_EXCEEDED);
+  EXPECT_THAT(error->message(), HasSubstr("no complete frame within 500 ms"));
+}
+
+TEST_F(ControlServerTest, TricklerWithTokenIsClosedAtTheHandshakeDeadline) {
+  ControlServerOptions options;
+  options.cluster_token = kToken;
+  options.limits.handshake_timeout = 500ms;
+  StartServer(options);
+  RawClient raw(server_->port());
+  const auto took = TrickleUntilClosed(raw, Header(100) + std::string(100, 'x'), 50ms, 5000ms);
+  EXPECT_LT(took, 2s);
+  StatusOr<v1::Error> error = raw.ReadError();
+  ASSERT_TRUE(error.ok()) << error.status();
+  EXPECT_EQ(error->code(), v1::STATUS_CODE_UNAUTHENTICATED);
+  EXPECT_EQ(handler_.connects(), 0u);
+}
+
+// After the handshake, a frame must still complete within frame_timeout once it has begun:
+// bytes that keep the idle timer fed do not keep a frame open forever.
+TEST_F(ControlServerTest, FrameTrickledAfterTheHandshakeHitsTheFrameTimeout) {
+  ControlServerOptions options;
+  options.limits.frame_timeout = 500ms;
+  StartServer(options);
+  RawClient raw(server_->port());
+  ASSERT_TRUE(raw.SendEnvelope(testing::MakeAgentRegistration()));  // a complete first frame
+  ASSERT_TRUE(handler_.WaitFor([&] { return handler_.messages_locked() == 1; }));
+  const auto took = TrickleUntilClosed(raw, Header(100) + std::string(100, 'x'), 50ms, 5000ms);
+  EXPECT_LT(took, 2s);
+  StatusOr<v1::Error> error = raw.ReadError();
+  ASSERT_TRUE(error.ok()) << error.status();
+  EXPECT_EQ(error->code(), v1::STATUS_CODE_DEADLINE_EXCEEDED);
+  EXPECT_THAT(error->message(), HasSubstr("frame_timeout"));
+}
+
+// Connections that never authenticate fill max_connections; an authenticated client still gets
+// in at once (the oldest connection still in its handshake makes room), and is served.
+TEST_F(ControlServerTest, FloodOfUnauthenticatedConnectionsDoesNotLockOutClients) {
+  ControlServerOptions options;
+  options.cluster_token = kToken;
+  options.max_connections = 8;
+  options.limits.handshake_timeout = 3000ms;
+  StartServer(options);
+  std::vector<std::unique_ptr<RawClient>> flood;
+  for (size_t i = 0; i < 2 * options.max_connections; ++i) {
+    flood.push_back(std::make_unique<RawClient>(server_->port()));
+    ASSERT_TRUE(flood.back()->SendBytes(Header(100)));  // a frame begun, never finished
+  }
+  ControlClientOptions client_options = ClientOptions("good");
+  client_options.cluster_token = kToken;
+  const auto start = std::chrono::steady_clock::now();
+  auto client = Connect(client_options);
+  ASSERT_NE(client, nullptr);
+  ExpectEcho(*client);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 1s);
+  EXPECT_LE(server_->connection_count(), 4 * options.max_connections);
+}
+
 TEST_F(ControlServerTest, StopDisconnectsEveryone) {
   StartServer();
   auto a = Connect(ClientOptions("a"));
@@ -778,6 +883,18 @@ TEST(ControlServerOptionsTest, RefusesBadOptions) {
   EXPECT_FALSE(ControlServer::Create(options, nullptr).ok());
   options.num_threads = 0;
   EXPECT_FALSE(ControlServer::Create(options, &handler).ok());
+  options = {};
+  options.limits.max_handshake_frame_bytes = 100;
+  EXPECT_THAT(ControlServer::Create(options, &handler).status().message(),
+              HasSubstr("limits.max_handshake_frame_bytes = 100"));
+  options = {};
+  options.limits.handshake_timeout = 0ms;
+  EXPECT_THAT(ControlServer::Create(options, &handler).status().message(),
+              HasSubstr("limits.handshake_timeout = 0 ms"));
+  options = {};
+  options.limits.frame_timeout = -1ms;
+  EXPECT_THAT(ControlServer::Create(options, &handler).status().message(),
+              HasSubstr("limits.frame_timeout = -1 ms"));
 }
 
 // Busy polling (BusyPollOptions): frames flow both ways with polling io threads; while the hint

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <boost/asio/dispatch.hpp>
 #include <boost/asio/post.hpp>
 #include <boost/asio/write.hpp>
@@ -49,6 +50,28 @@ std::string EndpointString(const tcp::endpoint& endpoint) {
   return fmt::format("{}:{}", address.to_string(), endpoint.port());
 }
 
+Status CheckConnectionLimits(const ConnectionLimits& limits) {
+  if (limits.max_handshake_frame_bytes < kMinHandshakeFrameBytes) {
+    return InvalidArgument(fmt::format(
+        "limits.max_handshake_frame_bytes = {}: too small for an auth_response with the longest "
+        "client id; use at least {} (the default is {})",
+        limits.max_handshake_frame_bytes, kMinHandshakeFrameBytes, kDefaultMaxHandshakeFrameBytes));
+  }
+  if (limits.handshake_timeout.count() <= 0) {
+    return InvalidArgument(fmt::format(
+        "limits.handshake_timeout = {} ms: must be > 0 (it bounds how long an unauthenticated "
+        "connection may stay open; the default is 5000 ms)",
+        Ms(limits.handshake_timeout)));
+  }
+  if (limits.frame_timeout.count() <= 0) {
+    return InvalidArgument(fmt::format(
+        "limits.frame_timeout = {} ms: must be > 0 (it bounds how long one frame may take to "
+        "arrive; the default is 30000 ms)",
+        Ms(limits.frame_timeout)));
+  }
+  return OkStatus();
+}
+
 Connection::Connection(tcp::socket socket, ConnectionConfig config, ConnectionCallbacks callbacks)
     : config_(std::move(config)),
       callbacks_(std::move(callbacks)),
@@ -57,6 +80,7 @@ Connection::Connection(tcp::socket socket, ConnectionConfig config, ConnectionCa
       decoder_(config_.limits.max_frame_bytes),
       read_buffer_(kReadChunkBytes),
       handshake_timer_(strand_),
+      frame_timer_(strand_),
       idle_timer_(strand_),
       heartbeat_timer_(strand_),
       linger_timer_(strand_) {
@@ -134,29 +158,23 @@ void Connection::Fail(v1::StatusCode code, Status why) {
              [self = shared_from_this(), code, why = std::move(why)] { self->FailNow(code, why); });
 }
 
+void Connection::Evict(Status why) {
+  asio::post(strand_, [self = shared_from_this(), why = std::move(why)] {
+    if (self->state_ == State::kAwaitAuthResponse) {
+      self->FailNow(v1::STATUS_CODE_RESOURCE_EXHAUSTED, why);
+    }
+  });
+}
+
 void Connection::DoStart() {
   if (state_ != State::kNew) return;
   last_receive_ = std::chrono::steady_clock::now();
   const auto& limits = config_.limits;
+  // Counted from the connect and never extended: bytes that do not finish the handshake (or,
+  // without a token, the first frame) do not keep the connection open.
   handshake_timer_.expires_after(limits.handshake_timeout);
   handshake_timer_.async_wait([self = shared_from_this()](const boost::system::error_code& ec) {
-    if (ec) return;
-    const State state = self->state_;
-    if (state != State::kAwaitAuthResponse && state != State::kAwaitChallenge &&
-        state != State::kAwaitAuthResult) {
-      return;
-    }
-    const long long ms = Ms(self->config_.limits.handshake_timeout);
-    if (state == State::kAwaitAuthResponse) {
-      self->FailNow(v1::STATUS_CODE_UNAUTHENTICATED,
-                    DeadlineExceeded(fmt::format(
-                        "authentication timed out: no auth_response within {} ms", ms)));
-    } else {
-      self->FailNow(v1::STATUS_CODE_DEADLINE_EXCEEDED,
-                    DeadlineExceeded(fmt::format(
-                        "handshake timed out: no {} from the server within {} ms",
-                        state == State::kAwaitChallenge ? "auth_challenge" : "auth_result", ms)));
-    }
+    if (!ec) self->OnHandshakeTimeout();
   });
   if (limits.idle_timeout.count() > 0) ArmIdleTimer(limits.idle_timeout);
 
@@ -175,6 +193,8 @@ void Connection::DoStart() {
       c->set_nonce(nonce_);
       c->set_auth_required(true);
       state_ = State::kAwaitAuthResponse;
+      awaiting_authentication_.store(true);
+      LimitFramesForHandshake();
     }
     if (Status s = SendNow(challenge, false); !s.ok()) {
       FailNow(v1::STATUS_CODE_INTERNAL, s);
@@ -183,10 +203,72 @@ void Connection::DoStart() {
     if (config_.cluster_token.empty()) Open();
   } else {
     state_ = State::kAwaitChallenge;
+    LimitFramesForHandshake();
   }
   // Open() runs the connect handler, which may have closed the connection (and started the
   // lingering read) already.
   if (!closing_or_closed()) ReadSome();
+}
+
+void Connection::OnHandshakeTimeout() {
+  const State state = state_;
+  const long long ms = Ms(config_.limits.handshake_timeout);
+  if (state == State::kAwaitAuthResponse) {
+    FailNow(
+        v1::STATUS_CODE_UNAUTHENTICATED,
+        DeadlineExceeded(fmt::format(
+            "authentication timed out: no auth_response within {} ms (handshake_timeout)", ms)));
+  } else if (state == State::kAwaitChallenge || state == State::kAwaitAuthResult) {
+    FailNow(v1::STATUS_CODE_DEADLINE_EXCEEDED,
+            DeadlineExceeded(fmt::format(
+                "handshake timed out: no {} from the server within {} ms",
+                state == State::kAwaitChallenge ? "auth_challenge" : "auth_result", ms)));
+  } else if (state == State::kOpen && config_.side == Side::kServer && !first_frame_received_) {
+    // A server without a token: the peer had handshake_timeout to send one whole frame.
+    FailNow(v1::STATUS_CODE_DEADLINE_EXCEEDED,
+            DeadlineExceeded(fmt::format(
+                "handshake timed out: no complete frame within {} ms of connecting "
+                "(handshake_timeout); send the first frame (a hello, a request or a heartbeat) "
+                "right after connecting",
+                ms)));
+  }
+}
+
+void Connection::LimitFramesForHandshake() {
+  const uint32_t limit =
+      std::min(config_.limits.max_handshake_frame_bytes, config_.limits.max_frame_bytes);
+  decoder_.set_max_frame_bytes(limit, "max_handshake_frame_bytes");
+}
+
+void Connection::WatchPartialFrame() {
+  if (decoder_.buffered_bytes() == 0) {
+    frame_in_progress_ = false;
+    return;
+  }
+  if (frame_in_progress_) return;
+  frame_in_progress_ = true;
+  frame_started_ = std::chrono::steady_clock::now();
+  if (!frame_timer_armed_) ArmFrameTimer(config_.limits.frame_timeout);
+}
+
+void Connection::ArmFrameTimer(std::chrono::steady_clock::duration after) {
+  frame_timer_armed_ = true;
+  frame_timer_.expires_after(after);
+  frame_timer_.async_wait([self = shared_from_this()](const boost::system::error_code& ec) {
+    self->frame_timer_armed_ = false;
+    if (ec || self->closing_or_closed() || !self->frame_in_progress_) return;
+    const auto limit = self->config_.limits.frame_timeout;
+    const auto taken = std::chrono::steady_clock::now() - self->frame_started_;
+    if (taken >= limit) {
+      self->FailNow(v1::STATUS_CODE_DEADLINE_EXCEEDED,
+                    DeadlineExceeded(fmt::format(
+                        "frame incomplete after {} ms (frame_timeout): {} bytes of it arrived; "
+                        "a frame must arrive whole within frame_timeout once it has begun",
+                        Ms(limit), self->decoder_.buffered_bytes())));
+      return;
+    }
+    self->ArmFrameTimer(limit - taken);  // a younger frame than the one this timer was set for
+  });
 }
 
 void Connection::ReadSome() {
@@ -232,6 +314,12 @@ void Connection::OnRead(const boost::system::error_code& ec, size_t bytes) {
         FailNow(v1::STATUS_CODE_MALFORMED_FRAME, s);
         return;
       }
+      frame_in_progress_ = false;
+      if (!first_frame_received_) {
+        first_frame_received_ = true;
+        // A server without a token: the first frame completes the handshake.
+        if (state_ == State::kOpen) CancelTimer(handshake_timer_);
+      }
       HandleFrame(envelope);
       if (closing_or_closed()) return;
       continue;
@@ -239,11 +327,18 @@ void Connection::OnRead(const boost::system::error_code& ec, size_t bytes) {
     if (data.empty()) break;
     StatusOr<size_t> used = decoder_.Feed(data);
     if (!used.ok()) {
-      FailNow(v1::STATUS_CODE_MALFORMED_FRAME, used.status());
+      Status why = used.status();
+      if (state_ == State::kAwaitAuthResponse) {
+        why = InvalidArgument(fmt::format(
+            "{}; before authentication only an auth_response (a few hundred bytes) may be sent",
+            why.message()));
+      }
+      FailNow(v1::STATUS_CODE_MALFORMED_FRAME, why);
       return;
     }
     data.remove_prefix(*used);
   }
+  WatchPartialFrame();
   ReadSome();
 }
 
@@ -460,11 +555,16 @@ void Connection::OnAuthResult(const v1::Envelope& envelope) {
 void Connection::Open() {
   state_ = State::kOpen;
   was_open_ = true;
+  awaiting_authentication_.store(false);
+  decoder_.set_max_frame_bytes(config_.limits.max_frame_bytes);
   {
     std::lock_guard<std::mutex> lock(write_mu_);
     direct_ok_ = true;
   }
-  CancelTimer(handshake_timer_);
+  // A server without a token keeps the handshake deadline until the first complete frame.
+  if (config_.side == Side::kClient || authenticated_ || first_frame_received_) {
+    CancelTimer(handshake_timer_);
+  }
   if (config_.limits.heartbeat_interval.count() > 0) ArmHeartbeatTimer();
   ConnectionInfo info;
   info.id = config_.id;
@@ -529,8 +629,10 @@ void Connection::BeginClose(Status why, bool flush) {
     direct_ok_ = false;  // from here on frames go through the queue (draining sends them)
   }
   CancelTimer(handshake_timer_);
+  CancelTimer(frame_timer_);
   CancelTimer(idle_timer_);
   CancelTimer(heartbeat_timer_);
+  awaiting_authentication_.store(false);
   if (!flush || state_ == State::kNew) {
     FinishClose();
     return;
@@ -559,6 +661,7 @@ void Connection::FinishClose() {
   state_ = State::kClosed;
   closing_.store(true);
   CancelTimer(handshake_timer_);
+  CancelTimer(frame_timer_);
   CancelTimer(idle_timer_);
   CancelTimer(heartbeat_timer_);
   CancelTimer(linger_timer_);

@@ -74,6 +74,20 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // Thread-safe: sends Error{code, why.message()}, then closes with `why`.
   void Fail(v1::StatusCode code, Status why);
 
+  // Thread-safe. True while a server with a cluster token waits for this connection's
+  // auth_response; ControlServer evicts such connections first when it is full.
+  bool awaiting_authentication() const { return awaiting_authentication_.load(); }
+  // Thread-safe. Claims an unauthenticated connection for eviction: true once (for the caller
+  // that should then call Evict()), false when it authenticated or was claimed already.
+  bool ClaimForEviction() { return awaiting_authentication_.exchange(false); }
+  // Thread-safe: like Fail(RESOURCE_EXHAUSTED, why), unless the connection has authenticated
+  // meanwhile.
+  void Evict(Status why);
+
+  // Thread-safe. True once the connection is closing (saying goodbye, bounded by close_linger)
+  // or closed.
+  bool closing() const { return closing_.load(); }
+
   ConnectionId id() const { return config_.id; }
   const std::string& remote_address() const { return remote_address_; }
 
@@ -115,6 +129,13 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void OnWrite(const boost::system::error_code& ec);
 
   void ArmIdleTimer(std::chrono::steady_clock::duration after);
+  void OnHandshakeTimeout();
+  // After a read: starts the frame_timeout clock when a frame is left incomplete.
+  void WatchPartialFrame();
+  void ArmFrameTimer(std::chrono::steady_clock::duration after);
+  // Before authentication a frame may be at most max_handshake_frame_bytes; after it,
+  // max_frame_bytes.
+  void LimitFramesForHandshake();
   void ArmHeartbeatTimer();
   bool closing_or_closed() const { return state_ == State::kDraining || state_ == State::kClosed; }
 
@@ -139,7 +160,12 @@ class Connection : public std::enable_shared_from_this<Connection> {
   PeerContext peer_;  // from the peer's Hello / HelloAck
   std::chrono::steady_clock::time_point last_receive_;
   uint64_t heartbeat_sequence_ = 0;
+  bool first_frame_received_ = false;
+  bool frame_in_progress_ = false;  // bytes of an incomplete frame are buffered
+  bool frame_timer_armed_ = false;
+  std::chrono::steady_clock::time_point frame_started_;  // first read of the incomplete frame
   asio::steady_timer handshake_timer_;
+  asio::steady_timer frame_timer_;
   asio::steady_timer idle_timer_;
   asio::steady_timer heartbeat_timer_;
   asio::steady_timer linger_timer_;
@@ -153,9 +179,13 @@ class Connection : public std::enable_shared_from_this<Connection> {
   bool direct_ok_ = false;               // guarded by write_mu_; open, and the socket is not closed
   // Shared with Send() callers on other threads.
   std::atomic<bool> closing_{false};
+  std::atomic<bool> awaiting_authentication_{false};
   std::atomic<size_t> queued_frames_{0};
   std::atomic<size_t> queued_bytes_{0};
 };
+
+// InvalidArgument naming the field and its value when `limits` cannot work.
+Status CheckConnectionLimits(const ConnectionLimits& limits);
 
 // "ip:port" of an endpoint.
 std::string EndpointString(const tcp::endpoint& endpoint);

@@ -90,6 +90,7 @@ StatusOr<std::unique_ptr<ControlClient>> ControlClient::Connect(const ControlCli
   }
   if (options.port == 0) return InvalidArgument("ControlClientOptions::port is 0");
   if (options.max_inbox_frames < 1) return InvalidArgument("max_inbox_frames must be >= 1");
+  KVT_RETURN_IF_ERROR(internal::CheckConnectionLimits(options.limits));
   KVT_RETURN_IF_ERROR(internal::CheckBusyPoll(options.busy_poll));
 
   auto impl = std::make_unique<Impl>(options, handler);

@@ -32,6 +32,9 @@ namespace asio = internal::asio;
 namespace {
 
 constexpr size_t kMaxThreads = 64;
+// Open connections plus those closing (each for at most close_linger) stay below this many
+// times max_connections.
+constexpr size_t kMaxConnectionsFactor = 4;
 // After an accept error (EMFILE, ...), wait before accepting again instead of spinning.
 constexpr std::chrono::milliseconds kAcceptRetryDelay{50};
 
@@ -62,6 +65,10 @@ struct ControlServer::Impl {
   void StartAccept();
   void OnAccept(const boost::system::error_code& ec, tcp::socket socket);
   void RejectOverLimit(tcp::socket& socket, size_t open);
+  // The server is full: evicts the oldest connection still waiting for its auth_response, so
+  // that connections which never authenticate cannot lock clients out. False when there is
+  // none.
+  bool EvictUnauthenticated(size_t open);
   std::shared_ptr<internal::Connection> Find(ConnectionId id) const;
 
   const ControlServerOptions options;
@@ -106,12 +113,17 @@ void ControlServer::Impl::OnAccept(const boost::system::error_code& ec, tcp::soc
     });
     return;
   }
+  // Connections still saying goodbye (evicted ones among them) do not count against
+  // max_connections, but all of them together stay under kMaxConnectionsFactor times it.
   size_t open = 0;
+  size_t total = 0;
   {
     std::lock_guard<std::mutex> lock(connections_mutex);
-    open = connections.size();
+    total = connections.size();
+    for (const auto& [other, connection] : connections) open += connection->closing() ? 0 : 1;
   }
-  if (open >= options.max_connections) {
+  if (total >= kMaxConnectionsFactor * options.max_connections ||
+      (open >= options.max_connections && !EvictUnauthenticated(open))) {
     RejectOverLimit(socket, open);
     StartAccept();
     return;
@@ -167,6 +179,30 @@ void ControlServer::Impl::OnAccept(const boost::system::error_code& ec, tcp::soc
   StartAccept();
 }
 
+bool ControlServer::Impl::EvictUnauthenticated(size_t open) {
+  std::shared_ptr<internal::Connection> victim;
+  {
+    std::lock_guard<std::mutex> lock(connections_mutex);
+    ConnectionId oldest = 0;
+    for (const auto& [id, connection] : connections) {
+      if (connection->awaiting_authentication() && (oldest == 0 || id < oldest)) {
+        oldest = id;
+        victim = connection;
+      }
+    }
+    if (victim == nullptr || !victim->ClaimForEviction()) return false;
+  }
+  KVT_LOG_WARN("ctl",
+               "{} connections open (max_connections = {}): closing unauthenticated connection {} "
+               "({}) to make room",
+               open, options.max_connections, victim->id(), victim->remote_address());
+  victim->Evict(ResourceExhausted(fmt::format(
+      "the server is full ({} connections, max_connections = {}) and this connection has not "
+      "authenticated; authenticate right after connecting",
+      open, options.max_connections)));
+  return true;
+}
+
 void ControlServer::Impl::RejectOverLimit(tcp::socket& socket, size_t open) {
   boost::system::error_code ec;
   const tcp::endpoint remote = socket.remote_endpoint(ec);
@@ -213,6 +249,7 @@ StatusOr<std::unique_ptr<ControlServer>> ControlServer::Create(const ControlServ
         fmt::format("limits.max_frame_bytes = {}: too small for any real message (>= 64)",
                     options.limits.max_frame_bytes));
   }
+  KVT_RETURN_IF_ERROR(internal::CheckConnectionLimits(options.limits));
   if (options.server_id.empty() || options.server_id.size() > options.validation.max_name_bytes) {
     return InvalidArgument(
         fmt::format("server_id must be 1..{} bytes", options.validation.max_name_bytes));

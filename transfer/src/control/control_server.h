@@ -9,9 +9,13 @@
 //
 // Per connection: on accept the server sends AuthChallenge. With a cluster token the client must
 // answer with a valid HMAC (auth.h) within limits.handshake_timeout or it is refused
-// ("authentication failed" Error frame, then close). Frames that do not decode, break the size
-// limit or fail Validate() get an Error frame naming the problem and the connection is closed and
-// logged (tag "ctl"); other connections are unaffected. Hello / HelloAck with another protocol
+// ("authentication failed" Error frame, then close); until then its frames may be at most
+// limits.max_handshake_frame_bytes. Without a token the client's first complete frame must
+// arrive within limits.handshake_timeout. Every frame must arrive whole within
+// limits.frame_timeout of its first byte. A full server (max_connections) makes room by closing
+// its oldest connection still waiting for an auth_response. Frames that do not decode, break the
+// size limit or fail Validate() get an Error frame naming the problem and the connection is closed
+// and logged (tag "ctl"); other connections are unaffected. Hello / HelloAck with another protocol
 // version get Error(PROTOCOL_VERSION_MISMATCH) naming both versions, then close. Heartbeats are
 // answered by the server itself and not passed to the handler.
 //

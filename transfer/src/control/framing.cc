@@ -12,15 +12,16 @@ namespace {
 // does not pin megabytes per connection for the connection's life.
 constexpr size_t kKeepPayloadCapacity = 1u << 20;
 
-Status CheckFrameLength(uint64_t length, uint32_t max_frame_bytes) {
+Status CheckFrameLength(uint64_t length, uint32_t max_frame_bytes,
+                        const char* limit_name = "max_frame_bytes") {
   if (length == 0) {
     return InvalidArgument(
         "zero-length frame: every frame carries one Envelope with a message body");
   }
   if (length > max_frame_bytes) {
     return InvalidArgument(
-        fmt::format("frame of {} bytes exceeds max_frame_bytes = {}; refused before reading it",
-                    length, max_frame_bytes));
+        fmt::format("frame of {} bytes exceeds {} = {}; refused before reading it", length,
+                    limit_name, max_frame_bytes));
   }
   return OkStatus();
 }
@@ -84,7 +85,7 @@ StatusOr<size_t> FrameDecoder::Feed(std::string_view data) {
       payload_length_ = (uint32_t{header_[0]} << 24) | (uint32_t{header_[1]} << 16) |
                         (uint32_t{header_[2]} << 8) | uint32_t{header_[3]};
       // The length is checked here, before the payload buffer is touched.
-      if (Status s = CheckFrameLength(payload_length_, max_frame_bytes_); !s.ok()) {
+      if (Status s = CheckFrameLength(payload_length_, max_frame_bytes_, limit_name_); !s.ok()) {
         return Fail(s);
       }
       state_ = State::kPayload;

@@ -61,6 +61,13 @@ class FrameDecoder {
   // frame is ready; DataLoss when the payload is not a valid Envelope.
   Status Take(v1::Envelope* out);
 
+  // Changes the limit for the frames whose length prefix has not been read yet (a connection
+  // lowers it until its peer has authenticated). `limit_name` names the limit in the error.
+  void set_max_frame_bytes(uint32_t max_frame_bytes, const char* limit_name = "max_frame_bytes") {
+    max_frame_bytes_ = max_frame_bytes;
+    limit_name_ = limit_name;
+  }
+
   // Bytes buffered toward the current frame (header and payload); for tests and metrics.
   size_t buffered_bytes() const;
   // Capacity of the payload buffer; lets tests prove that a refused frame allocated nothing.
@@ -71,7 +78,8 @@ class FrameDecoder {
 
   Status Fail(Status status);
 
-  const uint32_t max_frame_bytes_;
+  uint32_t max_frame_bytes_;
+  const char* limit_name_ = "max_frame_bytes";  // a string literal
   State state_ = State::kHeader;
   unsigned char header_[kFrameHeaderBytes] = {};
   size_t header_filled_ = 0;

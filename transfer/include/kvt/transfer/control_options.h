@@ -20,6 +20,13 @@ namespace kvt::control {
 // bigger is a bug or an attack.
 inline constexpr uint32_t kDefaultMaxFrameBytes = 16u << 20;
 
+// 8 KiB: the largest frame a peer needs before authentication is an auth_response (client id
+// of at most 128 bytes, a 32-byte MAC and a 32-byte nonce: under 300 bytes) or, toward a client,
+// an Error whose reason is at most ValidationLimits::max_message_bytes (4096 bytes).
+inline constexpr uint32_t kDefaultMaxHandshakeFrameBytes = 8u << 10;
+// Smallest max_handshake_frame_bytes accepted: an auth_response with the longest client id.
+inline constexpr uint32_t kMinHandshakeFrameBytes = 1024;
+
 struct ConnectionLimits {
   // Largest Envelope accepted or sent, in bytes (the length prefix excluded). Checked against
   // the length prefix before any buffer is allocated.
@@ -28,8 +35,20 @@ struct ConnectionLimits {
   // beyond either (a slow peer cannot make us buffer without bound).
   size_t max_queued_frames = 4096;
   size_t max_queued_bytes = 64u << 20;
-  // Time from TCP connect until authentication (or the unauthenticated greeting) is done.
+  // Largest frame accepted before authentication is done (a server with a cluster token waiting
+  // for the auth_response; a client waiting for the server's challenge and verdict). Checked
+  // against the length prefix like max_frame_bytes (the smaller of the two applies), so an
+  // unauthenticated peer cannot make us buffer more than this.
+  uint32_t max_handshake_frame_bytes = kDefaultMaxHandshakeFrameBytes;
+  // Time from TCP connect until authentication is done or, on a server without a cluster token,
+  // until the peer's first complete frame has arrived. Counted from the connect: bytes that do
+  // not complete the handshake do not extend it. Must be > 0.
   std::chrono::milliseconds handshake_timeout{5000};
+  // Once a frame's first byte has arrived, the rest must arrive within this long, or the
+  // connection is closed (DeadlineExceeded): a peer that trickles bytes cannot hold a
+  // connection (and a partial frame's buffer) open by keeping the idle timer fed. Long enough
+  // for a max_frame_bytes Hello over a slow link. Must be > 0.
+  std::chrono::milliseconds frame_timeout{30000};
   // A connection that receives nothing for this long is closed (DeadlineExceeded). 0 = never.
   // Peers keep quiet connections alive with heartbeat_interval.
   std::chrono::milliseconds idle_timeout{60000};
@@ -89,8 +108,11 @@ struct ControlServerOptions {
   // Lets a server without a token listen on a non-loopback address. Anyone who can reach the
   // port can then drive transfers into the pool: for isolated test networks only.
   bool allow_remote_without_token = false;
-  size_t max_connections = 256;  // connections beyond this get Error(RESOURCE_EXHAUSTED), close
-  size_t num_threads = 1;        // io threads; 1..64 (1 with busy polling)
+  // Open connections. A connection beyond this closes the oldest one still waiting for its
+  // auth_response (so a flood that never authenticates cannot keep clients out); when there is
+  // none it gets Error(RESOURCE_EXHAUSTED) and is closed.
+  size_t max_connections = 256;
+  size_t num_threads = 1;  // io threads; 1..64 (1 with busy polling)
   ConnectionLimits limits;
   ValidationLimits validation;
   BusyPollOptions busy_poll;  // how the io thread(s) wait for frames (above)
