@@ -233,5 +233,46 @@ TEST_F(AgentLogTest, MalformedRequestIsAnsweredAndTheConnectionKeepsServing) {
   EXPECT_EQ(stats.name(), "rpc-prefill");
 }
 
+// A submit whose prefill address accepts TCP but never speaks blocks on connecting to that peer;
+// meanwhile the same agent's other driver calls (stats, queries) answer at once, and the stuck
+// submit is answered with its error once the connect gives up.
+TEST_F(AgentLogTest, SubmitToASilentPeerDoesNotStallOtherCalls) {
+  // A listener that never accepts: the kernel completes the handshake, nothing is ever sent.
+  const int silent = socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(silent, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  ASSERT_EQ(bind(silent, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(listen(silent, 16), 0);
+  ASSERT_EQ(getsockname(silent, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  const std::string silent_address = "127.0.0.1:" + std::to_string(ntohs(addr.sin_port));
+
+  KVT_ASSERT_OK_AND_ASSIGN(AgentProcess * agent, cluster_->StartAgent(Decode("stall-decode")));
+  KVT_ASSERT_OK_AND_ASSIGN(tools::RpcClient submitter, ConnectRpc(agent->rpc_port, "submitter"));
+  KVT_ASSERT_OK_AND_ASSIGN(tools::RpcClient observer, ConnectRpc(agent->rpc_port, "observer"));
+  StatusOr<v1::SubmitReply> stuck = Unavailable("not answered");
+  std::thread submit(
+      [&] { stuck = Submit(submitter, ForDecodeAt("stuck-room", 100, silent_address)); });
+  std::this_thread::sleep_for(300ms);  // the submit is now waiting on the silent peer
+  for (int i = 0; i < 5; ++i) {
+    const auto start = Clock::now();
+    StatusOr<v1::AgentStatsReply> stats = Stats(observer);
+    const auto took = Clock::now() - start;
+    ASSERT_TRUE(stats.ok()) << stats.status();
+    EXPECT_LT(took, 200ms) << "stats took "
+                           << std::chrono::duration_cast<std::chrono::milliseconds>(took).count()
+                           << " ms while a submit waited on a silent peer";
+    StatusOr<std::vector<v1::RequestReport>> reports = Query(observer, {"stuck-room"});
+    EXPECT_TRUE(reports.ok()) << reports.status();
+  }
+  submit.join();
+  close(silent);
+  ASSERT_TRUE(stuck.ok()) << stuck.status();
+  EXPECT_NE(stuck->status(), v1::STATUS_CODE_OK) << "a submit to a silent peer was accepted";
+  EXPECT_FALSE(stuck->message().empty());
+}
+
 }  // namespace
 }  // namespace kvt::integration

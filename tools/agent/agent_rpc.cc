@@ -37,11 +37,107 @@ AgentRpc::AgentRpc(Agent* agent, std::string name, bool prefill, uint32_t tp_ran
       tp_size_(tp_size),
       registry_(std::move(registry)) {}
 
+AgentRpc::~AgentRpc() { Stop(); }
+
 StatusOr<std::unique_ptr<control::ControlServer>> AgentRpc::Serve(
     const control::ControlServerOptions& options) {
+  {
+    std::lock_guard<std::mutex> lock(work_mu_);
+    if (workers_.empty()) {
+      for (size_t i = 0; i < kSubmitWorkers; ++i) workers_.emplace_back([this] { WorkerLoop(); });
+    }
+  }
   KVT_ASSIGN_OR_RETURN(auto server, control::ControlServer::Create(options, this));
   server_ = server.get();
   return server;
+}
+
+void AgentRpc::Stop() {
+  std::vector<std::thread> workers;
+  std::deque<SubmitJob> dropped;
+  {
+    std::lock_guard<std::mutex> lock(work_mu_);
+    stopping_ = true;
+    workers.swap(workers_);
+    dropped.swap(jobs_);
+    for (const SubmitJob& job : dropped)
+      rooms_in_flight_.erase(job.request.submit_request().room_id());
+  }
+  work_cv_.notify_all();
+  for (const SubmitJob& job : dropped) {
+    Reply(job.connection, job.request.id(),
+          control::MakeErrorEnvelope(v1::STATUS_CODE_UNAVAILABLE,
+                                     "the agent is stopping; submit room '" +
+                                         job.request.submit_request().room_id() +
+                                         "' to another agent"));
+  }
+  for (std::thread& worker : workers) {
+    if (worker.joinable()) worker.join();
+  }
+}
+
+void AgentRpc::QueueSubmit(control::ConnectionId id, const v1::Envelope& envelope) {
+  const std::string& room = envelope.submit_request().room_id();
+  std::string refusal;
+  v1::StatusCode code = v1::STATUS_CODE_OK;
+  {
+    std::lock_guard<std::mutex> lock(work_mu_);
+    if (stopping_) {
+      code = v1::STATUS_CODE_UNAVAILABLE;
+      refusal = "the agent is stopping; submit room '" + room + "' to another agent";
+    } else if (rooms_in_flight_.count(room) != 0) {
+      code = v1::STATUS_CODE_ALREADY_EXISTS;
+      refusal = "room '" + room + "' is being submitted to this agent already; wait for that " +
+                "submit's reply";
+    } else if (jobs_.size() >= kMaxQueuedSubmits) {
+      code = v1::STATUS_CODE_RESOURCE_EXHAUSTED;
+      refusal = "room '" + room + "': " + std::to_string(jobs_.size()) +
+                " submits are waiting for one of " + std::to_string(kSubmitWorkers) +
+                " workers (the limit is " + std::to_string(kMaxQueuedSubmits) +
+                "; some prefill peers may not answer); retry later";
+    } else {
+      rooms_in_flight_.insert(room);
+      jobs_.push_back(SubmitJob{id, envelope});
+    }
+  }
+  if (code == v1::STATUS_CODE_OK) {
+    work_cv_.notify_one();
+    return;
+  }
+  v1::Envelope reply;
+  auto* r = reply.mutable_submit_reply();
+  r->set_room_id(room);
+  r->set_status(code);
+  r->set_message(refusal);
+  Reply(id, envelope.id(), std::move(reply));
+}
+
+void AgentRpc::WorkerLoop() {
+  while (true) {
+    SubmitJob job;
+    {
+      std::unique_lock<std::mutex> lock(work_mu_);
+      work_cv_.wait(lock, [&] { return stopping_ || !jobs_.empty(); });
+      if (jobs_.empty()) return;  // stopping
+      job = std::move(jobs_.front());
+      jobs_.pop_front();
+    }
+    v1::Envelope reply = Submit(job.request.submit_request());
+    {
+      std::lock_guard<std::mutex> lock(work_mu_);
+      rooms_in_flight_.erase(job.request.submit_request().room_id());
+    }
+    Reply(job.connection, job.request.id(), std::move(reply));
+  }
+}
+
+void AgentRpc::Reply(control::ConnectionId id, uint64_t reply_to, v1::Envelope reply) {
+  reply.set_reply_to(reply_to);
+  control::ControlServer* server = server_;
+  if (server == nullptr) return;
+  // NotFound when the driver left meanwhile: nobody is waiting for the reply any more.
+  Status sent = server->Send(id, reply);
+  if (!sent.ok()) KVT_LOG_WARN("tool", "RPC reply not sent: {}", sent.ToString());
 }
 
 StatusOr<HostPort> AgentRpc::ResolvePrefill(const std::string& name) {
@@ -123,8 +219,8 @@ void AgentRpc::OnMessage(control::ConnectionId id, const v1::Envelope& envelope)
   v1::Envelope reply;
   switch (envelope.body_case()) {
     case v1::Envelope::kSubmitRequest:
-      reply = Submit(envelope.submit_request());
-      break;
+      QueueSubmit(id, envelope);  // answered by a worker, or at once when refused
+      return;
     case v1::Envelope::kAbortRoom: {
       const Status st =
           agent_->Abort(envelope.abort_room().room_id(), envelope.abort_room().reason().empty()
@@ -178,9 +274,7 @@ void AgentRpc::OnMessage(control::ConnectionId id, const v1::Envelope& envelope)
           "kvt-agent's RPC answers SubmitRequest, AbortRoom, QueryRequests and QueryStats, not " +
               std::string(control::BodyName(envelope)));
   }
-  reply.set_reply_to(envelope.id());
-  Status sent = server_->Send(id, reply);
-  if (!sent.ok()) KVT_LOG_WARN("tool", "RPC reply not sent: {}", sent.ToString());
+  Reply(id, envelope.id(), std::move(reply));
 }
 
 }  // namespace kvt::tools

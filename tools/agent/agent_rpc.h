@@ -2,15 +2,30 @@
 // control connection). Decode agents resolve SubmitRequest.prefill_name through the bootstrap
 // registry (cached briefly): decode rank r reaches prefill rank r when the TP sizes match.
 //
+// Submits run on a small pool of worker threads, never on the server's io thread: a decode
+// submit may block for seconds (a registry lookup, connecting to a prefill peer and waiting for
+// its hello), and the io thread must keep answering the other calls (stats, queries, aborts)
+// within milliseconds. A submit's reply goes out when it is done, tied to its request by
+// reply_to; a submit that finds every worker busy and kMaxQueuedSubmits waiting is answered
+// RESOURCE_EXHAUSTED at once.
+//
 // Thread safety: the server calls OnMessage from its I/O threads; the handler is thread-safe.
+// Stop() (or the destructor) joins the workers; call it before the server and the agent are
+// destroyed, since workers use both.
 #pragma once
 
 #include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "agent.h"
 #include "control/control_server.h"
@@ -25,6 +40,14 @@ class AgentRpc : public control::ControlHandler {
   // `tp_rank` of `tp_size` is this agent's tensor-parallel shard.
   AgentRpc(Agent* agent, std::string name, bool prefill, uint32_t tp_rank, uint32_t tp_size,
            std::optional<transfer::RegistryClientOptions> registry);
+  ~AgentRpc() override;
+
+  AgentRpc(const AgentRpc&) = delete;
+  AgentRpc& operator=(const AgentRpc&) = delete;
+
+  // Submits that may run at once, and that may wait for a worker beyond those.
+  static constexpr size_t kSubmitWorkers = 8;
+  static constexpr size_t kMaxQueuedSubmits = 1024;
 
   // Starts listening. The handler must outlive the returned server.
   StatusOr<std::unique_ptr<control::ControlServer>> Serve(
@@ -33,7 +56,20 @@ class AgentRpc : public control::ControlHandler {
   void OnMessage(control::ConnectionId id, const v1::Envelope& envelope) override;
   void OnDisconnect(control::ConnectionId id, const Status& why) override {}
 
+  // Stops taking submits, answers the queued ones UNAVAILABLE and joins the workers (a submit
+  // in progress finishes first). Idempotent.
+  void Stop();
+
  private:
+  struct SubmitJob {
+    control::ConnectionId connection = 0;
+    v1::Envelope request;
+  };
+
+  // Queues a submit for the workers, or answers it at once when it cannot be queued.
+  void QueueSubmit(control::ConnectionId id, const v1::Envelope& envelope);
+  void WorkerLoop();
+  void Reply(control::ConnectionId id, uint64_t reply_to, v1::Envelope reply);
   v1::Envelope Submit(const v1::SubmitRequest& request);
   StatusOr<HostPort> ResolvePrefill(const std::string& name);
 
@@ -51,6 +87,13 @@ class AgentRpc : public control::ControlHandler {
     std::chrono::steady_clock::time_point at;
   };
   std::map<std::string, Resolved> resolved_;
+
+  std::mutex work_mu_;  // guards the members below
+  std::condition_variable work_cv_;
+  std::deque<SubmitJob> jobs_;
+  std::set<std::string> rooms_in_flight_;  // queued or running: a second submit is refused
+  bool stopping_ = false;
+  std::vector<std::thread> workers_;
 };
 
 }  // namespace kvt::tools

@@ -269,6 +269,12 @@ int main(int argc, char** argv) {
   rpc_options.cluster_token = token;
   auto server = handler.Serve(rpc_options);
   if (!server.ok()) return Fail(server.status().WithContext("--rpc"));
+  // Declared after `server`, so destroyed before it on every return: the handler's submit
+  // workers reply through the server and use the agent.
+  struct StopRpcWorkers {
+    tools::AgentRpc* handler;
+    ~StopRpcWorkers() { handler->Stop(); }
+  } stop_rpc_workers{&handler};
 
   nlohmann::json ready = {{"name", name},
                           {"role", role},
@@ -285,6 +291,7 @@ int main(int argc, char** argv) {
   const int sig = tools::WaitForTerminationSignal();
   KVT_LOG_INFO("tool", "kvt-agent {} stopping on signal {}", name, sig);
   (*server)->Stop();
+  handler.Stop();
   registration.reset();
   agent->reset();
   return 0;
