@@ -15,7 +15,7 @@ packages=(
   libprotobuf-dev protobuf-compiler
   libgtest-dev libgmock-dev libbenchmark-dev
   libspdlog-dev libfmt-dev libcli11-dev nlohmann-json3-dev libxxhash-dev libssl-dev
-  iproute2 procps
+  iproute2 procps nftables
   clang-14 libfuzzer-14-dev
 )
 
