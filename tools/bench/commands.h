@@ -15,4 +15,9 @@ void AddKernelsCommand(CLI::App& app, int& exit_code);
 // hidden `transfer-peer` child command.
 void AddTransferCommand(CLI::App& app, int& exit_code);
 
+// `kvt-bench load`: a bootstrap and many kvt-agent processes on loopback under many requests in
+// flight, every byte verified: throughput, latency percentiles, failures, peak RSS per agent;
+// the ceiling is the same requests through one prefill and one decode agent.
+void AddLoadCommand(CLI::App& app, int& exit_code);
+
 }  // namespace kvt::bench

@@ -11,6 +11,7 @@ int main(int argc, char** argv) {
   int exit_code = 0;
   kvt::bench::AddKernelsCommand(app, exit_code);
   kvt::bench::AddTransferCommand(app, exit_code);
+  kvt::bench::AddLoadCommand(app, exit_code);
   CLI11_PARSE(app, argc, argv);
   return exit_code;
 }
