@@ -52,8 +52,10 @@ constexpr uint16_t kBootstrapPort = 9000;
 constexpr auto kShortPeerTimeout = 2500ms;
 constexpr auto kEngineHeartbeat = 500ms;
 constexpr auto kDefaultPeerTimeout = 10000ms;
-// What a failure may take beyond the peer timeout on a loaded two-core machine.
-constexpr auto kMargin = 6s;
+// What a failure may take beyond the peer timeout: an agent reports a failed room final only
+// once its pages may be reused (the engine's fencing bound, about 2 s past the peer timeout),
+// plus slack for a loaded two-core machine.
+constexpr auto kMargin = 8s;
 // How long the pages of failed rooms may take to come back, beyond the peer timeout, once the
 // peer is reachable again (or known dead).
 constexpr auto kPagesBackMargin = 10s;
@@ -448,13 +450,15 @@ std::vector<Flow> Concat(std::vector<Flow> a, const std::vector<Flow>& b) {
   return a;
 }
 
-// Rooms of a fault: each final report is either a success with every byte verified, or a
-// failure that says why. The number of failures.
-int ExpectSucceededOrFailedWithReason(const std::map<std::string, v1::RequestReport>& reports) {
+// Rooms of a fault: each final report is either a success (on the decode side: with every byte
+// verified; only decode agents verify), or a failure that says why. The number of failures.
+enum class Side { kPrefill, kDecode };
+int ExpectSucceededOrFailedWithReason(const std::map<std::string, v1::RequestReport>& reports,
+                                      Side side) {
   int failed = 0;
   for (const auto& [room, r] : reports) {
     if (r.state() == v1::REQUEST_STATE_SUCCESS) {
-      EXPECT_TRUE(r.verified() && r.mismatches() == 0) << Describe(r);
+      if (side == Side::kDecode) EXPECT_TRUE(r.verified() && r.mismatches() == 0) << Describe(r);
       continue;
     }
     ++failed;
@@ -522,7 +526,7 @@ class MultinodeFaultTest : public MultinodeTest {
         << kMargin.count() << " s; the agent reports a failed room final only once its "
         << "pages may be reused: " << reports.status().ToString();
     if (reports.ok()) {
-      EXPECT_GT(ExpectSucceededOrFailedWithReason(*reports), 0);
+      EXPECT_GT(ExpectSucceededOrFailedWithReason(*reports, Side::kDecode), 0);
       std::cout << "the decode agents failed p0's rooms " << noticed << " s after the fault\n";
       RecordProperty("seconds_to_fail", std::to_string(noticed));
     }
@@ -570,7 +574,7 @@ TEST_F(MultinodeFaultTest, PrefillSigkillThenRestart) {
   KVT_ASSERT_OK_AND_ASSIGN(auto reports, WaitDecodes(affected, kMargin));
   std::cout << "the decode agents failed p0's rooms " << Seconds(Clock::now() - start)
             << " s after SIGKILL\n";
-  EXPECT_GT(ExpectSucceededOrFailedWithReason(reports), 0);
+  EXPECT_GT(ExpectSucceededOrFailedWithReason(reports, Side::kDecode), 0);
   ExpectBystandersVerified(bystanders);
   ExpectPagesBack({"d0", "d1"}, initial, kPagesBackMargin);
   KVT_ASSERT_OK(Restart("p0"));
@@ -594,7 +598,7 @@ TEST_F(MultinodeFaultTest, DecodeSigkillThenRestart) {
   KVT_ASSERT_OK_AND_ASSIGN(auto reports, WaitPrefills(affected, kMargin + 5s));
   std::cout << "the prefill agents failed d0's rooms " << Seconds(Clock::now() - start)
             << " s after SIGKILL\n";
-  EXPECT_GT(ExpectSucceededOrFailedWithReason(reports), 0);
+  EXPECT_GT(ExpectSucceededOrFailedWithReason(reports, Side::kPrefill), 0);
   ExpectBystandersVerified(bystanders);
   ExpectPagesBack({"p0", "p1", "d1"}, initial, kPagesBackMargin);
   KVT_ASSERT_OK(Restart("d0"));
@@ -621,7 +625,7 @@ TEST_F(MultinodeFaultTest, DecodeSigstopThenSigcont) {
       << "the prefill agents did not fail the stopped decode agent's rooms: "
       << prefill_reports.status().ToString();
   if (prefill_reports.ok()) {
-    EXPECT_GT(ExpectSucceededOrFailedWithReason(*prefill_reports), 0);
+    EXPECT_GT(ExpectSucceededOrFailedWithReason(*prefill_reports, Side::kPrefill), 0);
     std::cout << "the prefill agents failed d0's rooms " << Seconds(Clock::now() - start)
               << " s after SIGSTOP\n";
   }
@@ -630,7 +634,7 @@ TEST_F(MultinodeFaultTest, DecodeSigstopThenSigcont) {
   auto decode_reports = WaitDecodes(affected, peer_timeout_ + kMargin);
   EXPECT_TRUE(decode_reports.ok()) << "the continued decode agent does not report its rooms final: "
                                    << decode_reports.status().ToString();
-  if (decode_reports.ok()) ExpectSucceededOrFailedWithReason(*decode_reports);
+  if (decode_reports.ok()) ExpectSucceededOrFailedWithReason(*decode_reports, Side::kDecode);
   ExpectPagesBack({"p0", "p1", "d0"}, initial, peer_timeout_ + kPagesBackMargin);
   auto moved = RunVerified(Concat(Flows("p0", "d0", "n", 3, 256), Flows("p1", "d0", "n", 3, 256)),
                            50, peer_timeout_ + kRequestTimeout);
