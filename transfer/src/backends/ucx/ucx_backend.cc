@@ -24,6 +24,7 @@
 
 #include "backends/common/run_check.h"
 #include "backends/common/stream_copy.h"
+#include "backends/ucx/ucx_peer_check.h"
 #include "backends/ucx/ucx_staged_protocol.h"
 #include "backends/ucx/ucx_staged_transport.h"
 #include "backends/ucx/ucx_util.h"
@@ -190,6 +191,9 @@ class UcxBackend final : public Backend {
     KVT_RETURN_IF_ERROR(
         UcsStatus(ucp_worker_get_address(worker_, &worker_address_, &worker_address_len_),
                   "ucp_worker_get_address"));
+    // Peers' addresses are checked against the format this UCX's own must have too.
+    KVT_RETURN_IF_ERROR(
+        CheckOwnAddress({reinterpret_cast<const uint8_t*>(worker_address_), worker_address_len_}));
     progress_ = std::thread([this] { ProgressLoop(); });
     for (int i = 0; i < copy_threads_; ++i) copiers_.emplace_back([this] { CopyLoop(); });
     poster_ = std::thread([this] { PostLoop(); });
@@ -285,6 +289,15 @@ class UcxBackend final : public Backend {
         UnmapLocked();
         return packed_ok;
       }
+      packed_ok = ucx_check::CheckPackedRkey({static_cast<const uint8_t*>(packed), packed_len});
+      if (!packed_ok.ok()) {
+        ucp_rkey_buffer_release(packed);
+        UnmapLocked();
+        return Internal(
+            "this UCX (" + std::string(UcxVersion()) +
+            ") packs memory keys that kvt's check of peers' keys refuses: " + packed_ok.message() +
+            "; kvt cannot check peers' keys with this UCX: use UCX 1.13");
+      }
       descriptor.regions.push_back(RemoteRegion{
           r.base, r.length, r.item_len, std::string(static_cast<const char*>(packed), packed_len)});
       ucp_rkey_buffer_release(packed);
@@ -300,6 +313,24 @@ class UcxBackend final : public Backend {
     const ucx_staging::SplitAddress address = ucx_staging::SplitPeerAddress(descriptor.address);
     if (address.worker_address.empty()) return InvalidArgument("peer sent an empty UCX address");
     const bool peer_staged = address.trailer.has_value() && address.trailer->staged;
+    // Nothing the peer sent reaches UCX unchecked: UCX's parsers trust every length in it.
+    KVT_RETURN_IF_ERROR(ucx_check::CheckWorkerAddress(
+        {reinterpret_cast<const uint8_t*>(address.worker_address.data()),
+         address.worker_address.size()}));
+    for (size_t i = 0; i < descriptor.regions.size(); ++i) {
+      const RemoteRegion& region = descriptor.regions[i];
+      if (region.length == 0 || region.base + region.length < region.base) {
+        return InvalidArgument("the peer's buffer " + std::to_string(i) + " (base " +
+                               std::to_string(region.base) + ", " + std::to_string(region.length) +
+                               " bytes) is empty or wraps the address space; the peer is not a "
+                               "kvt agent");
+      }
+      if (peer_staged) continue;  // no keys: the peer's pool is reached through bounce slots
+      KVT_RETURN_IF_ERROR(
+          ucx_check::CheckPackedRkey(
+              {reinterpret_cast<const uint8_t*>(region.key.data()), region.key.size()})
+              .WithContext("the key of the peer's buffer " + std::to_string(i)));
+    }
     ApiLock lock(*this);
     KVT_RETURN_IF_ERROR(CheckRegionCount(local_.size(), descriptor.regions.size()));
     const bool local_staged = staged_.load(std::memory_order_acquire);
@@ -339,9 +370,23 @@ class UcxBackend final : public Backend {
     ep.err_handler.cb = &UcxBackend::OnEndpointError;
     ep.err_handler.arg = peer.error.get();
     KVT_RETURN_IF_ERROR(UcsStatus(ucp_ep_create(worker_, &ep, &peer.ep), "ucp_ep_create"));
+    // What is mapped before the keys are unpacked: the shared memory they attach is what is new
+    // afterwards, and the only memory the peer's buffers may lie in (MapDirectLocked).
+    std::vector<ucx_check::Mapping> maps_before;
+    if (direct_shm_) {
+      StatusOr<std::vector<ucx_check::Mapping>> maps = ucx_check::ReadSelfMaps();
+      if (!maps.ok()) {
+        ClosePeerLocked(peer);
+        return maps.status();
+      }
+      maps_before = *std::move(maps);
+    }
     for (size_t i = 0; i < descriptor.regions.size(); ++i) {
+      // Zeros after the key: a transport's unpacker reads its own key size, whatever the peer's.
+      std::string key = descriptor.regions[i].key;
+      key.append(ucx_check::kRkeyUnpackPadding, '\0');
       ucp_rkey_h rkey = nullptr;
-      ucs_status_t st = ucp_ep_rkey_unpack(peer.ep, descriptor.regions[i].key.data(), &rkey);
+      ucs_status_t st = ucp_ep_rkey_unpack(peer.ep, key.data(), &rkey);
       if (st != UCS_OK) {
         ClosePeerLocked(peer);
         return UcsStatus(st, "ucp_ep_rkey_unpack of the peer's buffer " + std::to_string(i))
@@ -349,7 +394,13 @@ class UcxBackend final : public Backend {
       }
       peer.rkeys.push_back(rkey);
     }
-    if (direct_shm_) MapDirectLocked(peer);
+    if (direct_shm_) {
+      Status mapped = MapDirectLocked(peer, maps_before);
+      if (!mapped.ok()) {
+        ClosePeerLocked(peer);
+        return mapped;
+      }
+    }
     peers_.emplace(id, std::move(peer));
     return id;
   }
@@ -580,13 +631,45 @@ class UcxBackend final : public Backend {
 
   // Finds local mappings of all the peer's buffers; on success pre-faults them, because the
   // first store to each 4 KiB page of a fresh mapping costs a page fault (a few microseconds
-  // here), which would otherwise land on every first write to a page. mutex_ held.
-  void MapDirectLocked(Peer& peer) {
+  // here), which would otherwise land on every first write to a page. A buffer UCX cannot map
+  // here leaves the peer to network puts (OK); a buffer that maps anywhere but, whole, into the
+  // shared memory that unpacking the peer's keys attached (what /proc/self/maps has beyond
+  // `maps_before`) is a lie: InvalidArgument. UCX does not check (the shared-memory transports'
+  // ucp_rkey_ptr adds an offset to any address, and their puts copy there too). mutex_ held.
+  Status MapDirectLocked(Peer& peer, std::span<const ucx_check::Mapping> maps_before) {
     std::vector<uint8_t*> direct;
     for (size_t i = 0; i < peer.rkeys.size(); ++i) {
+      const RemoteRegion& region = peer.regions[i];
       void* local = nullptr;
-      if (ucp_rkey_ptr(peer.rkeys[i], peer.regions[i].base, &local) != UCS_OK) return;
+      void* local_last = nullptr;
+      const ucs_status_t first = ucp_rkey_ptr(peer.rkeys[i], region.base, &local);
+      if (first == UCS_ERR_UNREACHABLE) return OkStatus();  // not mapped here: network puts
+      const ucs_status_t last =
+          first == UCS_OK
+              ? ucp_rkey_ptr(peer.rkeys[i], region.base + region.length - 1, &local_last)
+              : first;
+      if (first != UCS_OK || last != UCS_OK ||
+          reinterpret_cast<uintptr_t>(local_last) - reinterpret_cast<uintptr_t>(local) !=
+              region.length - 1) {
+        return InvalidArgument("the peer's buffer " + std::to_string(i) + " (base " +
+                               std::to_string(region.base) + ", " + std::to_string(region.length) +
+                               " bytes) lies outside the memory its key maps (ucp_rkey_ptr: " +
+                               ucs_status_string(first != UCS_OK ? first : last) +
+                               "); the peer is not a kvt agent, or its registration changed "
+                               "without a new hello");
+      }
       direct.push_back(static_cast<uint8_t*>(local));
+    }
+    if (direct.empty()) return OkStatus();
+    KVT_ASSIGN_OR_RETURN(const std::vector<ucx_check::Mapping> maps_after,
+                         ucx_check::ReadSelfMaps());
+    const std::vector<ucx_check::Mapping> maps = ucx_check::NewMappings(maps_before, maps_after);
+    std::vector<ucx_check::Range> own;
+    for (const LocalRegion& r : local_) own.push_back({r.base, r.length});
+    for (size_t i = 0; i < direct.size(); ++i) {
+      KVT_RETURN_IF_ERROR(
+          ucx_check::CheckMappedForWrite(i, peer.regions[i].base, peer.regions[i].length,
+                                         reinterpret_cast<uint64_t>(direct[i]), maps, own));
     }
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23
@@ -599,6 +682,19 @@ class UcxBackend final : public Backend {
     peer.direct = std::move(direct);
     KVT_LOG_DEBUG("ucx", "peer buffers mapped directly ({} buffers): writes are plain copies",
                   peer.direct.size());
+    return OkStatus();
+  }
+
+  // The check of peers' addresses must pass this UCX's own: otherwise its format is not the one
+  // the check knows (another UCX version, or UCX_UNIFIED_MODE, which leaves the lengths out).
+  static Status CheckOwnAddress(std::span<const uint8_t> address) {
+    Status own = ucx_check::CheckWorkerAddress(address);
+    if (own.ok()) return own;
+    return FailedPrecondition(
+        "this UCX's (" + std::string(UcxVersion()) +
+        ") own worker address fails kvt's check of peers' addresses (" + own.message() +
+        "), so no peer could connect; run with UCX 1.13 in its default address format "
+        "(UCX_ADDRESS_VERSION v1 or v2, UCX_UNIFIED_MODE unset)");
   }
   // A large write into a directly mapped peer, copied by the copy threads: one slice each
   // (SplitRuns), claimed from the front of the queue, so writes start in the order posted (the

@@ -10,6 +10,7 @@
 #include <limits>
 #include <utility>
 
+#include "backends/ucx/ucx_peer_check.h"
 #include "backends/ucx/ucx_util.h"
 #include "kvt/common/log.h"
 #include "kvt/transfer/plan.h"
@@ -689,6 +690,13 @@ void StagedTransport::HandleHellos() {
   for (PendingHello& h : hellos) {
     auto it = senders_.find(h.hello.sender);
     if (it == senders_.end()) {
+      // The address came in the hello's payload: UCX's parser trusts every length in it.
+      Status valid = ucx_check::CheckWorkerAddress(
+          {reinterpret_cast<const uint8_t*>(h.address.data()), h.address.size()});
+      if (!valid.ok()) {
+        KVT_LOG_WARN("ucx", "cannot answer a staging hello: {}", valid.ToString());
+        continue;
+      }
       ucp_ep_params_t ep = {};
       ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                       UCP_EP_PARAM_FIELD_ERR_HANDLER;
