@@ -1,6 +1,8 @@
 // The backends' own wire formats, which a connected peer controls: CUDA IPC addresses and region
 // keys, NCCL addresses, pair tokens, chunk headers and acks, the staged UCX chunks and active
-// message headers, the UCX address trailer, and the text records the addresses are built on.
+// message headers, the UCX address trailer, UCX's own packed worker addresses and memory keys
+// (checked before UCX sees them, ucx_peer_check.h), and the text records the addresses are built
+// on.
 //
 // Input: byte 0 picks the decoder (modulo the count below); the rest is what it decodes.
 #include <cstddef>
@@ -11,6 +13,7 @@
 #include "backends/common/host_identity.h"
 #include "backends/cuda_ipc/cuda_ipc_codec.h"
 #include "backends/nccl/nccl_protocol.h"
+#include "backends/ucx/ucx_peer_check.h"
 #include "backends/ucx/ucx_staged_protocol.h"
 #include "fuzz_common.h"
 
@@ -34,6 +37,8 @@ enum Decoder : uint8_t {
   kUcxMessages,
   kUcxAddressTrailer,
   kTextRecord,
+  kUcxWorkerAddress,
+  kUcxPackedKey,
   kDecoderCount,
 };
 
@@ -129,6 +134,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       }
       break;
     }
+    case kUcxWorkerAddress:
+      (void)ucx_check::CheckWorkerAddress(bytes);
+      break;
+    case kUcxPackedKey:
+      (void)ucx_check::CheckPackedRkey(bytes);
+      break;
     case kDecoderCount:
       break;
   }

@@ -205,6 +205,9 @@ void WriteHellos() {
   Write("hello", "hello_ack", ack.SerializeAsString());
 }
 
+// The seeds of the UCX worker address and packed key decoders (ucx_worker_address_*,
+// ucx_packed_key) are not written here: they are what UCX 1.13.1's ucp_worker_get_address and
+// ucp_rkey_pack produced (tcp, shm, and v2 with debug information), and this program links no UCX.
 void WriteBackendCodecs() {
   using namespace kvt::transfer;
   auto write = [](int decoder, const std::string& name, const std::string& bytes) {
