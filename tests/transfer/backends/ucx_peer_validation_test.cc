@@ -255,9 +255,13 @@ constexpr uint64_t kBufferBytes = 64 * kItem;
 
 class UcxPeerValidationTest : public ::testing::TestWithParam<std::string> {
  protected:
+  // UcxOptions::direct_shm of both backends.
+  virtual bool DirectShm() const { return true; }
+
   void SetUp() override {
     UcxOptions options;
     options.transports = GetParam();
+    options.direct_shm = DirectShm();
     auto a = CreateUcxBackend(options);
     ASSERT_TRUE(a.ok()) << a.status();
     auto b = CreateUcxBackend(options);
@@ -304,6 +308,10 @@ class UcxPeerValidationTest : public ::testing::TestWithParam<std::string> {
   std::string_view GoodWorkerAddress() const {
     return ucx_staging::SplitPeerAddress(good_.address).worker_address;
   }
+
+  // Lies about the receiver's buffers (beyond, before, around its allocation) are refused where
+  // UCX maps the receiver's memory here; then the good descriptor still works.
+  void LiesAreRefused();
 
   // Connects the good descriptor, writes a page into every buffer, and checks the bytes.
   void GoodPeerStillWorks() {
@@ -383,7 +391,22 @@ TEST_P(UcxPeerValidationTest, GarbageAddressesAreRefusedAndAGoodPeerStillConnect
   GoodPeerStillWorks();
 }
 
-TEST_P(UcxPeerValidationTest, LyingDescriptorsAreRefusedAtConnect) {
+TEST_P(UcxPeerValidationTest, LyingDescriptorsAreRefusedAtConnect) { LiesAreRefused(); }
+
+// Without direct copies UCX's shared-memory puts copy to the same mapped addresses: the same lies
+// are refused.
+class UcxPeerValidationNoDirectTest : public UcxPeerValidationTest {
+ protected:
+  bool DirectShm() const override { return false; }
+};
+
+TEST_P(UcxPeerValidationNoDirectTest, LyingDescriptorsAreRefusedAtConnect) { LiesAreRefused(); }
+
+INSTANTIATE_TEST_SUITE_P(Transports, UcxPeerValidationNoDirectTest,
+                         ::testing::Values("", "sysv", "posix", "tcp"),
+                         testing::TransportsTestName);
+
+void UcxPeerValidationTest::LiesAreRefused() {
   struct Lie {
     std::string name;
     int buffer;

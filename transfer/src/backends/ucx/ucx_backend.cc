@@ -372,14 +372,10 @@ class UcxBackend final : public Backend {
     KVT_RETURN_IF_ERROR(UcsStatus(ucp_ep_create(worker_, &ep, &peer.ep), "ucp_ep_create"));
     // What is mapped before the keys are unpacked: the shared memory they attach is what is new
     // afterwards, and the only memory the peer's buffers may lie in (MapDirectLocked).
-    std::vector<ucx_check::Mapping> maps_before;
-    if (direct_shm_) {
-      StatusOr<std::vector<ucx_check::Mapping>> maps = ucx_check::ReadSelfMaps();
-      if (!maps.ok()) {
-        ClosePeerLocked(peer);
-        return maps.status();
-      }
-      maps_before = *std::move(maps);
+    StatusOr<std::vector<ucx_check::Mapping>> maps_before = ucx_check::ReadSelfMaps();
+    if (!maps_before.ok()) {
+      ClosePeerLocked(peer);
+      return maps_before.status();
     }
     for (size_t i = 0; i < descriptor.regions.size(); ++i) {
       // Zeros after the key: a transport's unpacker reads its own key size, whatever the peer's.
@@ -394,12 +390,11 @@ class UcxBackend final : public Backend {
       }
       peer.rkeys.push_back(rkey);
     }
-    if (direct_shm_) {
-      Status mapped = MapDirectLocked(peer, maps_before);
-      if (!mapped.ok()) {
-        ClosePeerLocked(peer);
-        return mapped;
-      }
+    // Checked with or without direct copies: UCX's shared-memory puts copy to the same place.
+    Status mapped = MapDirectLocked(peer, *maps_before, direct_shm_);
+    if (!mapped.ok()) {
+      ClosePeerLocked(peer);
+      return mapped;
     }
     peers_.emplace(id, std::move(peer));
     return id;
@@ -629,21 +624,27 @@ class UcxBackend final : public Backend {
     uint64_t remote_instance = 0;  // the peer backend's id (its descriptor trailer), 0 unknown
   };
 
-  // Finds local mappings of all the peer's buffers; on success pre-faults them, because the
-  // first store to each 4 KiB page of a fresh mapping costs a page fault (a few microseconds
-  // here), which would otherwise land on every first write to a page. A buffer UCX cannot map
-  // here leaves the peer to network puts (OK); a buffer that maps anywhere but, whole, into the
-  // shared memory that unpacking the peer's keys attached (what /proc/self/maps has beyond
-  // `maps_before`) is a lie: InvalidArgument. UCX does not check (the shared-memory transports'
-  // ucp_rkey_ptr adds an offset to any address, and their puts copy there too). mutex_ held.
-  Status MapDirectLocked(Peer& peer, std::span<const ucx_check::Mapping> maps_before) {
-    std::vector<uint8_t*> direct;
+  // Finds local mappings of the peer's buffers. A buffer UCX maps here (ucp_rkey_ptr) that lies
+  // anywhere but, whole, in the shared memory that unpacking the peer's keys attached (what
+  // /proc/self/maps has beyond `maps_before`) is a lie: InvalidArgument. UCX does not check:
+  // the shared-memory transports' ucp_rkey_ptr adds an offset to any address, and their puts
+  // copy there too. When every buffer maps here and `copy_directly`, writes become plain copies
+  // into the mappings, pre-faulted here, because the first store to each 4 KiB page of a fresh
+  // mapping costs a page fault (a few microseconds here), which would otherwise land on every
+  // first write to a page. mutex_ held.
+  Status MapDirectLocked(Peer& peer, std::span<const ucx_check::Mapping> maps_before,
+                         bool copy_directly) {
+    std::vector<uint8_t*> direct(peer.rkeys.size(), nullptr);
+    bool all_mapped = true;
     for (size_t i = 0; i < peer.rkeys.size(); ++i) {
       const RemoteRegion& region = peer.regions[i];
       void* local = nullptr;
       void* local_last = nullptr;
       const ucs_status_t first = ucp_rkey_ptr(peer.rkeys[i], region.base, &local);
-      if (first == UCS_ERR_UNREACHABLE) return OkStatus();  // not mapped here: network puts
+      if (first == UCS_ERR_UNREACHABLE) {  // not mapped here: network puts
+        all_mapped = false;
+        continue;
+      }
       const ucs_status_t last =
           first == UCS_OK
               ? ucp_rkey_ptr(peer.rkeys[i], region.base + region.length - 1, &local_last)
@@ -658,19 +659,23 @@ class UcxBackend final : public Backend {
                                "); the peer is not a kvt agent, or its registration changed "
                                "without a new hello");
       }
-      direct.push_back(static_cast<uint8_t*>(local));
+      direct[i] = static_cast<uint8_t*>(local);
     }
-    if (direct.empty()) return OkStatus();
+    if (std::all_of(direct.begin(), direct.end(), [](uint8_t* p) { return p == nullptr; })) {
+      return OkStatus();
+    }
     KVT_ASSIGN_OR_RETURN(const std::vector<ucx_check::Mapping> maps_after,
                          ucx_check::ReadSelfMaps());
     const std::vector<ucx_check::Mapping> maps = ucx_check::NewMappings(maps_before, maps_after);
     std::vector<ucx_check::Range> own;
     for (const LocalRegion& r : local_) own.push_back({r.base, r.length});
     for (size_t i = 0; i < direct.size(); ++i) {
+      if (direct[i] == nullptr) continue;
       KVT_RETURN_IF_ERROR(
           ucx_check::CheckMappedForWrite(i, peer.regions[i].base, peer.regions[i].length,
                                          reinterpret_cast<uint64_t>(direct[i]), maps, own));
     }
+    if (!copy_directly || !all_mapped) return OkStatus();
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23
 #endif
