@@ -115,6 +115,28 @@ int64_t PeakRssKiB(pid_t pid) {
   return -1;
 }
 
+// A "Name:   123 kB" field of a /proc file in KiB; -1 when absent.
+int64_t ProcKiB(const std::string& path, const std::string& field) {
+  std::ifstream in(path);
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind(field + ":", 0) == 0) {
+      return std::strtoll(line.c_str() + field.size() + 1, nullptr, 10);
+    }
+  }
+  return -1;
+}
+
+// Where an agent's memory is now: its own (anonymous) pages, shared memory it has touched (its
+// pool and, on a prefill agent, the decode pools it writes into, which UCX maps), and its
+// proportional share (Pss: shared pages divided among the processes mapping them).
+json MemoryNow(pid_t pid) {
+  const std::string status = "/proc/" + std::to_string(pid) + "/status";
+  return {{"rss_kib", ProcKiB(status, "VmRSS")},
+          {"rss_anon_kib", ProcKiB(status, "RssAnon")},
+          {"rss_shmem_kib", ProcKiB(status, "RssShmem")},
+          {"pss_kib", ProcKiB("/proc/" + std::to_string(pid) + "/smaps_rollup", "Pss")}};
+}
+
 // User + system CPU seconds of a process so far; -1 when unreadable.
 double CpuSeconds(pid_t pid) {
   std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
@@ -255,7 +277,7 @@ struct RunResult {
   std::vector<std::string> failures;  // the first few, in words
   json agents = json::array();
   int64_t agent_failed = 0, agent_corrupted = 0;  // summed over the agents' own counters
-  double start_s = 0, pool_mib = 0;
+  double start_s = 0, warmup_s = 0, pool_mib = 0;
 
   double RequestsPerSecond() const { return wall_s > 0 ? requests / wall_s : 0; }
   double GBps() const { return wall_s > 0 ? static_cast<double>(bytes) / wall_s / 1e9 : 0; }
@@ -283,7 +305,10 @@ class LoadRun {
   // error here: they are counted in the result).
   StatusOr<RunResult> Run() {
     KVT_RETURN_IF_ERROR(Start());
-    KVT_RETURN_IF_ERROR(Workload());
+    // One request per pair first (untimed): each decode agent connects to each prefill agent
+    // once, as a cluster does when it starts, before the timed load. Its failures count.
+    KVT_RETURN_IF_ERROR(Workload(/*warm=*/true));
+    KVT_RETURN_IF_ERROR(Workload(/*warm=*/false));
     KVT_RETURN_IF_ERROR(Settle());
     StopAll();
     return r_;
@@ -392,7 +417,9 @@ class LoadRun {
     int64_t request = -1;
   };
 
-  std::string Room(int64_t i) const { return "load-" + r_.name + "-" + std::to_string(i); }
+  std::string Room(int64_t i) const {
+    return "load-" + r_.name + "-" + phase_ + "-" + std::to_string(i);
+  }
   int64_t RoomIndex(const std::string& room) const {
     const size_t dash = room.rfind('-');
     return dash == std::string::npos ? -1 : std::strtoll(room.c_str() + dash + 1, nullptr, 10);
@@ -482,7 +509,9 @@ class LoadRun {
           continue;
         }
         const int64_t i = RoomIndex(rep.room_id());
-        if (i >= 0 && i < static_cast<int64_t>(reqs_.size())) Finish(i, rep, ev.at);
+        if (i >= 0 && i < static_cast<int64_t>(reqs_.size()) && rep.room_id() == Room(i)) {
+          Finish(i, rep, ev.at);
+        }
       }
       return OkStatus();
     }
@@ -527,9 +556,19 @@ class LoadRun {
     return OkStatus();
   }
 
-  Status Workload() {
+  // The timed load, or (warm) one request per prefill -> decode pair.
+  Status Workload(bool warm) {
     const int n = r_.prefill + r_.decode;
     const int pairs = r_.prefill * r_.decode;
+    const int64_t requests = warm ? pairs : o_.requests;
+    const int seconds = warm ? 0 : o_.seconds;
+    const int in_flight = warm ? pairs : o_.in_flight;
+    phase_ = warm ? "warm" : "timed";
+    reqs_.clear();
+    r_.succeeded = r_.verified = r_.retries = 0;
+    r_.bytes = 0;
+    r_.latency_ms.clear();
+    r_.agent_latency_ms.clear();
     submits_out_.assign(n, 0);
     query_out_.assign(n, false);
     waiting_.assign(n, {});
@@ -537,7 +576,7 @@ class LoadRun {
     TokenSampler sampler(o_, o_.seed);
     const auto start = Clock::now();
     const auto give_up = start + std::chrono::seconds(o_.timeout_s);
-    const auto submit_until = start + std::chrono::seconds(o_.seconds);
+    const auto submit_until = start + std::chrono::seconds(seconds);
     auto last_check = start;
     const auto poll = std::chrono::milliseconds(o_.poll_ms);
     while (true) {
@@ -553,12 +592,12 @@ class LoadRun {
         last_check = now;
       }
       const bool more =
-          o_.seconds > 0 ? now < submit_until : static_cast<int64_t>(reqs_.size()) < o_.requests;
+          seconds > 0 ? now < submit_until : static_cast<int64_t>(reqs_.size()) < requests;
       // Admission: new requests while below --in-flight.
       if (more) {
-        while (in_flight_ < o_.in_flight &&
-               (o_.seconds > 0 ? Clock::now() < submit_until
-                               : static_cast<int64_t>(reqs_.size()) < o_.requests)) {
+        while (in_flight_ < in_flight &&
+               (seconds > 0 ? Clock::now() < submit_until
+                            : static_cast<int64_t>(reqs_.size()) < requests)) {
           const int64_t i = static_cast<int64_t>(reqs_.size());
           const int pair = static_cast<int>(i % pairs);
           const int p = pair % r_.prefill;
@@ -595,6 +634,10 @@ class LoadRun {
       auto until = Clock::now() + poll;
       if (!retries_.empty()) until = std::min(until, retries_.top().first);
       for (Inbox::Event& ev : inbox_.Take(until)) KVT_RETURN_IF_ERROR(Handle(ev));
+    }
+    if (warm) {
+      r_.warmup_s = std::chrono::duration<double>(Clock::now() - start).count();
+      return OkStatus();
     }
     r_.wall_s = std::chrono::duration<double>(Clock::now() - start).count();
     r_.requests = static_cast<int64_t>(reqs_.size());
@@ -663,6 +706,7 @@ class LoadRun {
                            {"role", a.prefill ? "prefill" : "decode"},
                            {"pid", a.pid},
                            {"peak_rss_kib", PeakRssKiB(a.pid)},
+                           {"memory_at_end", MemoryNow(a.pid)},
                            {"cpu_s", CpuSeconds(a.pid)},
                            {"submitted", st.submitted()},
                            {"succeeded", st.succeeded()},
@@ -708,6 +752,7 @@ class LoadRun {
   std::string backend_, memory_;
   int64_t pool_tokens_ = 0;
 
+  std::string phase_;  // in room names: "warm" or "timed"
   std::vector<Request> reqs_;
   int in_flight_ = 0;
   uint64_t next_id_ = 0;
@@ -736,6 +781,7 @@ json RunJson(const RunResult& r) {
           {"bytes", r.bytes},
           {"wall_s", r.wall_s},
           {"startup_s", r.start_s},
+          {"warmup_s", r.warmup_s},
           {"requests_per_s", r.RequestsPerSecond()},
           {"gb_per_s", r.GBps()},
           {"latency_ms",
@@ -847,6 +893,7 @@ int RunLoad(const LoadOptions& o) {
       "tokens {} (median {}, sigma {}, clamped to {}..{}; mean {:.0f})\n",
       o.layers, o.heads, o.head_dim, o.dtype, o.page_size, token_bytes, o.token_dist,
       o.median_tokens, o.sigma, o.min_tokens, o.max_tokens, mean_tokens);
+  std::fflush(stdout);
 
   std::vector<std::pair<std::string, std::pair<int, int>>> plan = {{"load", {o.prefill, o.decode}}};
   if (o.ceiling == "pair") plan.push_back({"pair", {1, 1}});
@@ -865,8 +912,12 @@ int RunLoad(const LoadOptions& o) {
     }
     backend = run.backend();
     memory = run.memory();
-    fmt::print("  {} run: {} agents up in {:.1f} s, pools of {} tokens ({:.0f} MiB) each\n", name,
-               sides.first + sides.second, r->start_s, run.pool_tokens(), r->pool_mib);
+    fmt::print(
+        "  {} run: {} agents up in {:.1f} s, pools of {} tokens ({:.0f} MiB) each; warm-up ({} "
+        "requests, one per pair) {:.1f} s\n",
+        name, sides.first + sides.second, r->start_s, run.pool_tokens(), r->pool_mib,
+        sides.first * sides.second, r->warmup_s);
+    std::fflush(stdout);
     results.push_back(std::move(r).value());
   }
   if (signal != 0) {
@@ -882,6 +933,9 @@ int RunLoad(const LoadOptions& o) {
   for (const RunResult& r : results) {
     failures += r.Failures();
     runs.push_back(RunJson(r));
+    int64_t pss = 0;
+    for (const json& a : r.agents) pss += a["memory_at_end"]["pss_kib"].get<int64_t>();
+    runs.back()["agents_pss_total_kib"] = pss;
   }
   doc["backend"] = backend;
   doc["memory"] = memory;
@@ -904,16 +958,28 @@ int RunLoad(const LoadOptions& o) {
   for (const RunResult& r : results) fmt::print("{}\n", RunRow(r));
   if (ratio > 0) fmt::print("\nload / pair (requests/s, same requests): {:.3f}\n", ratio);
   for (const RunResult& r : results) {
-    fmt::print("\n{} run, per agent: peak RSS (VmHWM), CPU, counters\n", r.name);
-    fmt::print("  {:<10} {:<7} {:>8} {:>9} {:>7} {:>9} {:>9} {:>6} {:>9}\n", "agent", "role", "pid",
-               "peak MiB", "cpu s", "submitted", "succeeded", "failed", "corrupted");
+    fmt::print(
+        "\n{} run, per agent: peak RSS (VmHWM; shared memory touched included), at the end its "
+        "own pages (anon), shared memory touched (shm) and proportional share (Pss), MiB; CPU; "
+        "counters (the warm-up's one request per pair included)\n",
+        r.name);
+    fmt::print("  {:<10} {:<7} {:>8} {:>9} {:>7} {:>7} {:>7} {:>7} {:>9} {:>9} {:>6} {:>9}\n",
+               "agent", "role", "pid", "peak MiB", "anon", "shm", "Pss", "cpu s", "submitted",
+               "succeeded", "failed", "corrupted");
     for (const json& a : r.agents) {
-      fmt::print("  {:<10} {:<7} {:>8} {:>9.1f} {:>7.1f} {:>9} {:>9} {:>6} {:>9}\n",
-                 a["name"].get<std::string>(), a["role"].get<std::string>(), a["pid"].get<int>(),
-                 a["peak_rss_kib"].get<int64_t>() / 1024.0, a["cpu_s"].get<double>(),
-                 a["submitted"].get<uint64_t>(), a["succeeded"].get<uint64_t>(),
-                 a["failed"].get<uint64_t>(), a["corrupted"].get<uint64_t>());
+      const json& m = a["memory_at_end"];
+      fmt::print(
+          "  {:<10} {:<7} {:>8} {:>9.1f} {:>7.1f} {:>7.1f} {:>7.1f} {:>7.1f} {:>9} {:>9} "
+          "{:>6} {:>9}\n",
+          a["name"].get<std::string>(), a["role"].get<std::string>(), a["pid"].get<int>(),
+          a["peak_rss_kib"].get<int64_t>() / 1024.0, m["rss_anon_kib"].get<int64_t>() / 1024.0,
+          m["rss_shmem_kib"].get<int64_t>() / 1024.0, m["pss_kib"].get<int64_t>() / 1024.0,
+          a["cpu_s"].get<double>(), a["submitted"].get<uint64_t>(), a["succeeded"].get<uint64_t>(),
+          a["failed"].get<uint64_t>(), a["corrupted"].get<uint64_t>());
     }
+    int64_t pss = 0;
+    for (const json& a : r.agents) pss += a["memory_at_end"]["pss_kib"].get<int64_t>();
+    fmt::print("  all agents' Pss at the end: {:.0f} MiB\n", pss / 1024.0);
     for (const std::string& f : r.failures) fmt::print("  FAILED {}\n", f);
   }
   fmt::print("\nkvt-bench itself: peak RSS {:.1f} MiB; load average at start {}, at end {}\n",
