@@ -83,6 +83,8 @@ int main(int argc, char** argv) {
   std::string ready_file;
   int64_t layers = 32, heads = 8, head_dim = 128, page_size = 16, tokens = 65536;
   int64_t deadline_ms = 30000, layer_time_us = 0, control_busy_poll_us = 0, bootstrap_wait_s = 60;
+  int64_t peer_timeout_ms = transfer::EngineOptions{}.peer_timeout.count();
+  int64_t engine_heartbeat_ms = transfer::EngineOptions{}.heartbeat_interval.count();
   uint32_t tp_rank = 0, tp_size = 1, seed = 1;
   int ucx_copy_threads = transfer::UcxOptions{}.copy_threads;
   bool exit_with_parent = false, no_shuffle = false, no_verify = false, skip_fill = false;
@@ -122,6 +124,15 @@ int main(int argc, char** argv) {
   app.add_option("--tp-size", tp_size, "tensor-parallel size")->check(tools::IntRange(1, 65536));
   app.add_option("--deadline-ms", deadline_ms, "default request deadline")
       ->check(tools::IntRange(1, 3600000));
+  app.add_option("--peer-timeout-ms", peer_timeout_ms,
+                 "an engine peer that sends nothing (not even a heartbeat) for this long is lost: "
+                 "its requests fail, and a prefill engine posts no write to it any more")
+      ->capture_default_str()
+      ->check(tools::IntRange(100, 3600000));
+  app.add_option("--engine-heartbeat-ms", engine_heartbeat_ms,
+                 "heartbeat interval of engine control connections (below --peer-timeout-ms)")
+      ->capture_default_str()
+      ->check(tools::IntRange(10, 600000));
   app.add_option("--layer-time-us", layer_time_us, "prefill: simulated compute per layer")
       ->check(tools::IntAtLeast(0));
   app.add_option("--control-busy-poll-us", control_busy_poll_us,
@@ -207,6 +218,14 @@ int main(int argc, char** argv) {
   options.engine.server.cluster_token = token;
   options.engine.cluster_token = token;
   options.engine.default_deadline = std::chrono::milliseconds(deadline_ms);
+  if (engine_heartbeat_ms >= peer_timeout_ms) {
+    return Fail(InvalidArgument(
+        "--engine-heartbeat-ms " + std::to_string(engine_heartbeat_ms) +
+        " must be below --peer-timeout-ms " + std::to_string(peer_timeout_ms) +
+        ", or every idle peer is declared lost; a third of it or less is usual"));
+  }
+  options.engine.peer_timeout = std::chrono::milliseconds(peer_timeout_ms);
+  options.engine.heartbeat_interval = std::chrono::milliseconds(engine_heartbeat_ms);
   if (control_busy_poll_us < 0) {
     return Fail(InvalidArgument("--control-busy-poll-us " + std::to_string(control_busy_poll_us) +
                                 ": must be >= 0 (or leave it out for the default)"));

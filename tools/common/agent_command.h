@@ -28,6 +28,8 @@ struct AgentCommand {
   std::optional<uint64_t> seed;
   std::optional<int64_t> layer_time_us;
   std::optional<int64_t> deadline_ms;
+  std::optional<int64_t> peer_timeout_ms;      // --peer-timeout-ms
+  std::optional<int64_t> engine_heartbeat_ms;  // --engine-heartbeat-ms
   std::string ucx_tls;        // empty: UCX's choice
   std::string ucx_cuda_mode;  // empty: the agent's default
   uint32_t tp_rank = 0;       // passed when not the single-rank 0 of 1
@@ -55,6 +57,8 @@ struct AgentCommand {
     if (seed) add_number("--seed", *seed);
     if (layer_time_us) add_number("--layer-time-us", *layer_time_us);
     if (deadline_ms) add_number("--deadline-ms", *deadline_ms);
+    if (peer_timeout_ms) add_number("--peer-timeout-ms", *peer_timeout_ms);
+    if (engine_heartbeat_ms) add_number("--engine-heartbeat-ms", *engine_heartbeat_ms);
     add("--ucx-tls", ucx_tls);
     add("--ucx-cuda-mode", ucx_cuda_mode);
     if (tp_size != 1 || tp_rank != 0) {

@@ -14,6 +14,7 @@
 
 #include "engine_test_util.h"
 #include "kvt/transfer/backends.h"
+#include "kvt/testing/tcp_relay.h"
 #include "kvt/transfer/engine.h"
 
 namespace kvt::transfer {
@@ -61,6 +62,18 @@ size_t EntryCount(const char* folder) {
 }
 size_t ThreadCount() { return EntryCount("/proc/self/task"); }
 size_t FdCount() { return EntryCount("/proc/self/fd"); }
+
+// Short liveness settings for the fencing tests.
+EngineOptions Quick(const std::string& name, bool prefill) {
+  EngineOptions o = Options(name, prefill);
+  o.peer_timeout = 600ms;
+  o.heartbeat_interval = 150ms;
+  return o;
+}
+
+double MsSince(Clock::time_point t) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
+}
 
 // A prefill engine destroyed while its writes are in flight: the decode side may reuse the pages
 // only once no byte of them can land any more. The loopback backend here models a network card
@@ -333,6 +346,96 @@ TEST(EngineFaultTest, LostPeersLeaveNoThreadsBehind) {
   }
   EXPECT_LE(now, baseline) << "threads grew with the number of lost peers";
   EXPECT_LE(fds, baseline_fds) << "file descriptors grew with the number of lost peers";
+}
+
+// The control connection goes silent (a paused peer, a pulled cable: nothing is closed). Both
+// sides fail the request within the peer timeout; the prefill side fences the session (it posts
+// nothing more, even for layers that become ready afterwards); the decode side frees the pages
+// once the prefill side's fencing bound has passed, not before; and once the connection is back,
+// a new request succeeds.
+TEST(EngineFaultTest, SilentPeerIsFencedAndItsPagesComeBackAfterTheBound) {
+  auto src_pool = MakePool(SmallPoolOptions());
+  auto dst_pool = MakePool(SmallPoolOptions());
+  auto prefill = TransferEngine::Create(Quick("prefill-0", true), src_pool.get(), Loopback({}));
+  ASSERT_TRUE(prefill.ok()) << prefill.status();
+  auto decode = TransferEngine::Create(Quick("decode-0", false), dst_pool.get(), Loopback({}));
+  ASSERT_TRUE(decode.ok()) << decode.status();
+  kvt::testing::TcpRelay relay((*prefill)->port());
+  ASSERT_NE(relay.port(), 0);
+  auto peer = (*decode)->ConnectPeer("127.0.0.1", relay.port());
+  ASSERT_TRUE(peer.ok()) << peer.status();
+
+  const std::vector<int32_t> src = {3, 4, 5, 9}, dst = {10, 11, 12, 40};
+  Fill(*src_pool, 77, src);
+  const std::vector<uint8_t> before = Snapshot(*dst_pool, dst);
+  ASSERT_TRUE((*decode)->Receive("room-1", *peer, dst).ok());
+  ASSERT_TRUE((*prefill)->Send("room-1", src).ok());
+  for (auto until = Clock::now() + 2s; Clock::now() < until;) {
+    auto info = (*prefill)->GetRequest("room-1");
+    if (info.ok() && info->state == RequestState::kWaitingForInput) break;
+    std::this_thread::sleep_for(1ms);
+  }
+  ASSERT_EQ((*prefill)->GetRequest("room-1")->state, RequestState::kWaitingForInput);
+
+  relay.Pause();
+  const auto paused = Clock::now();
+  auto failed = (*decode)->WaitRequest("room-1", 5s);
+  ASSERT_TRUE(failed.ok()) << failed.status();
+  const double failed_ms = MsSince(paused);
+  EXPECT_EQ(failed->state, RequestState::kFailed);
+  EXPECT_EQ(failed->status.code(), StatusCode::kUnavailable) << failed->status;
+  EXPECT_LT(failed_ms, 600 + 1000) << "the silent peer's request failed late";
+  EXPECT_FALSE(failed->pages_reusable) << "pages reusable before the prefill side is fenced";
+
+  // The prefill side fenced the session too; layers that become ready now are never posted.
+  auto fenced = (*prefill)->WaitRequest("room-1", 5s);
+  ASSERT_TRUE(fenced.ok()) << fenced.status();
+  EXPECT_EQ(fenced->state, RequestState::kFailed);
+  EXPECT_EQ(fenced->layers_posted, 0);
+  ASSERT_TRUE((*prefill)->LayersReady("room-1", 4).ok());
+
+  // The bound: the prefill side's peer timeout plus its teardown time, from the close.
+  bool reusable = false;
+  for (auto until = Clock::now() + 6s; Clock::now() < until && !reusable;) {
+    auto info = (*decode)->GetRequest("room-1");
+    ASSERT_TRUE(info.ok()) << info.status();
+    reusable = info->pages_reusable;
+    if (!reusable) std::this_thread::sleep_for(10ms);
+  }
+  const double reusable_ms = MsSince(paused);
+  ASSERT_TRUE(reusable) << "the pages of the silent peer's request never came back";
+  EXPECT_GE(reusable_ms, 600 + 2000 - 50) << "pages came back before the fencing bound";
+  EXPECT_EQ(Snapshot(*dst_pool, dst), before) << "a write landed after the session was fenced";
+
+  // The connection comes back: the old session is gone on both sides, a new one works.
+  relay.Resume();
+  auto again = (*decode)->ConnectPeer("127.0.0.1", relay.port());
+  ASSERT_TRUE(again.ok()) << again.status();
+  ASSERT_TRUE((*decode)->Receive("room-2", *again, dst).ok());
+  ASSERT_TRUE((*prefill)->Send("room-2", src).ok());
+  ASSERT_TRUE((*prefill)->LayersReady("room-2", 4).ok());
+  auto done = (*decode)->WaitRequest("room-2", 5s);
+  ASSERT_TRUE(done.ok()) << done.status();
+  EXPECT_EQ(done->state, RequestState::kSuccess) << done->status;
+  EXPECT_EQ(Mismatches(*dst_pool, 77, dst), 0u);
+}
+
+TEST(EngineFaultTest, LivenessSettingsAreValidated) {
+  auto pool = MakePool(SmallPoolOptions());
+  EngineOptions slow_heartbeat = Options("prefill-0", true);
+  slow_heartbeat.peer_timeout = 500ms;
+  slow_heartbeat.heartbeat_interval = 500ms;
+  auto refused = TransferEngine::Create(slow_heartbeat, pool.get(), Loopback({}));
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("heartbeat_interval = 500"), std::string::npos)
+      << refused.status();
+  EngineOptions no_timeout = Options("prefill-0", true);
+  no_timeout.peer_timeout = 0ms;
+  refused = TransferEngine::Create(no_timeout, pool.get(), Loopback({}));
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("peer_timeout = 0"), std::string::npos)
+      << refused.status();
 }
 
 }  // namespace

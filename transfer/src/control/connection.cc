@@ -25,6 +25,8 @@ bool IsDriverRequest(v1::Envelope::BodyCase body) {
 }
 
 constexpr size_t kReadChunkBytes = 64u << 10;
+// How long a connection closed for silence waits for its Error frame to reach the socket.
+constexpr auto kSilentPeerLinger = std::chrono::milliseconds(20);
 
 long long Ms(std::chrono::milliseconds d) { return static_cast<long long>(d.count()); }
 
@@ -388,6 +390,10 @@ void Connection::HandleFrame(const v1::Envelope& envelope) {
         FailedPrecondition(fmt::format("unexpected {} after the handshake", BodyName(envelope))));
     return;
   }
+  if ((body == v1::Envelope::kHeartbeat || body == v1::Envelope::kHeartbeatAck) &&
+      callbacks_.on_heartbeat) {
+    callbacks_.on_heartbeat();
+  }
   if (body == v1::Envelope::kHeartbeat) {
     v1::Envelope ack;
     ack.set_reply_to(envelope.id());
@@ -589,11 +595,15 @@ void Connection::ArmIdleTimer(std::chrono::steady_clock::duration after) {
     const auto idle = self->config_.limits.idle_timeout;
     const auto quiet = std::chrono::steady_clock::now() - self->last_receive_;
     if (quiet >= idle) {
+      // A peer silent this long reads nothing either: the Error frame goes to the socket, but
+      // waiting close_linger for the peer's FIN would only delay everything that waits on this
+      // connection's end (failing its requests, fencing its writes).
       self->FailNow(v1::STATUS_CODE_DEADLINE_EXCEEDED,
                     DeadlineExceeded(fmt::format(
                         "idle timeout: nothing received for {} ms (the peer should send "
                         "heartbeats)",
-                        Ms(idle))));
+                        Ms(idle))),
+                    kSilentPeerLinger);
       return;
     }
     self->ArmIdleTimer(idle - quiet);
@@ -611,16 +621,16 @@ void Connection::ArmHeartbeatTimer() {
   });
 }
 
-void Connection::FailNow(v1::StatusCode code, Status why) {
+void Connection::FailNow(v1::StatusCode code, Status why, std::chrono::milliseconds linger) {
   if (closing_or_closed()) return;
   KVT_LOG_WARN("ctl", "connection {} ({}): {}; closing it", config_.id, remote_address_,
                why.ToString());
   // Best effort: the peer may be gone or not reading; close_linger bounds the attempt.
   (void)SendNow(MakeErrorEnvelope(code, why.message()), /*bypass_limits=*/true);
-  BeginClose(std::move(why), /*flush=*/true);
+  BeginClose(std::move(why), /*flush=*/true, linger);
 }
 
-void Connection::BeginClose(Status why, bool flush) {
+void Connection::BeginClose(Status why, bool flush, std::chrono::milliseconds linger) {
   if (closing_or_closed()) return;
   close_reason_ = std::move(why);
   closing_.store(true);
@@ -640,7 +650,8 @@ void Connection::BeginClose(Status why, bool flush) {
   // Send what is queued (the Error frame), then FIN, then wait for the peer's FIN; close_linger
   // bounds the whole goodbye.
   state_ = State::kDraining;
-  linger_timer_.expires_after(config_.limits.close_linger);
+  linger_timer_.expires_after(linger.count() >= 0 ? std::min(linger, config_.limits.close_linger)
+                                                 : config_.limits.close_linger);
   linger_timer_.async_wait([self = shared_from_this()](const boost::system::error_code& ec) {
     if (!ec && self->state_ == State::kDraining) self->FinishClose();
   });

@@ -51,6 +51,8 @@ struct ConnectionCallbacks {
   std::function<Status(const v1::Envelope&)> on_message;
   // The connection is closed; was_open tells whether on_open ran.
   std::function<void(const Status& why, bool was_open)> on_close;
+  // A heartbeat or heartbeat ack arrived after the handshake (optional; never throws).
+  std::function<void()> on_heartbeat;
 };
 
 class Connection : public std::enable_shared_from_this<Connection> {
@@ -112,8 +114,11 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void Open();
 
   // Strand-only counterparts of the public calls.
-  void FailNow(v1::StatusCode code, Status why);
-  void BeginClose(Status why, bool flush);
+  // `linger`: how long the goodbye may take (negative: limits.close_linger).
+  void FailNow(v1::StatusCode code, Status why,
+               std::chrono::milliseconds linger = std::chrono::milliseconds(-1));
+  void BeginClose(Status why, bool flush,
+                  std::chrono::milliseconds linger = std::chrono::milliseconds(-1));
   void FinishClose();
   // Queues a frame built on the strand; `bypass_limits` for the final Error frame.
   Status SendNow(const v1::Envelope& envelope, bool bypass_limits);

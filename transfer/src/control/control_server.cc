@@ -144,6 +144,7 @@ void ControlServer::Impl::OnAccept(const boost::system::error_code& ec, tcp::soc
     handler->OnMessage(id, envelope);
     return OkStatus();
   };
+  callbacks.on_heartbeat = [this, id] { handler->OnHeartbeat(id); };
   callbacks.on_close = [this, id](const Status& why, bool was_open) {
     // Forget the connection first, so that Send(id) from OnDisconnect (or after it) is NotFound.
     std::shared_ptr<internal::Connection> keep;

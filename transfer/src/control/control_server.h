@@ -59,6 +59,8 @@ class ControlHandler {
   virtual void OnConnect(ConnectionId id, const ConnectionInfo& info) {}
   // One validated message (never an auth message or a heartbeat).
   virtual void OnMessage(ConnectionId id, const v1::Envelope& envelope) = 0;
+  // A heartbeat or heartbeat ack arrived: the peer is alive (the idle timeout restarts).
+  virtual void OnHeartbeat(ConnectionId id) {}
   // The connection is gone: called exactly once for each connection that got OnConnect, last.
   virtual void OnDisconnect(ConnectionId id, const Status& why) = 0;
 };

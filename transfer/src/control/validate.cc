@@ -195,6 +195,11 @@ Status ValidatePeerInfo(const v1::PeerInfo& peer, std::string_view path,
   if (!peer.has_layout()) return InvalidArgument(fmt::format("{} is missing", f("layout")));
   KVT_RETURN_IF_ERROR(ValidateLayout(peer.layout(), f("layout"), limits));
   KVT_RETURN_IF_ERROR(CheckId(f("host_id"), peer.host_id(), limits.max_name_bytes, false));
+  constexpr uint32_t kMaxFenceMs = 86'400'000;  // a day: anything longer is no promise at all
+  if (peer.fence_ms() > kMaxFenceMs) {
+    return Invalid(f("fence_ms"), std::to_string(peer.fence_ms()),
+                   fmt::format("must be <= {} (a day)", kMaxFenceMs));
+  }
 
   const uint64_t max_buffers = 2ull * peer.layout().num_layers();
   const uint64_t num_pages = peer.layout().num_pages();

@@ -448,7 +448,9 @@ void DecodeSide::OnPeerDisconnect(PeerHandle peer_id, const Status& why) {
   lost.host_id = p.info.host_id();
   lost.pid = p.info.pid();
   lost.process_start = p.info.process_start();
-  lost.give_up = Clock::now() + ctx_.options.peer_timeout;
+  const Clock::time_point now = Clock::now();
+  lost.give_up = now + ctx_.options.peer_timeout;
+  if (p.info.fence_ms() > 0) lost.fence_at = now + std::chrono::milliseconds(p.info.fence_ms());
   lost.backend_peer = std::exchange(p.backend_peer, std::nullopt);
   int failed = 0;
   for (const std::string& id : table_.AllIds()) {
@@ -462,8 +464,11 @@ void DecodeSide::OnPeerDisconnect(PeerHandle peer_id, const Status& why) {
   }
   KVT_LOG_WARN("xfer",
                "lost prefill peer '{}' at {} ({}); {} requests failed, {} keep their pages "
-               "quarantined until its process is known to be gone",
-               p.info.name(), p.address, why.ToString(), failed, lost.quarantined.size());
+               "quarantined until its process is known to be gone{}",
+               p.info.name(), p.address, why.ToString(), failed, lost.quarantined.size(),
+               p.info.fence_ms() > 0
+                   ? " or its fencing bound (" + std::to_string(p.info.fence_ms()) + " ms) passed"
+                   : std::string(" (it promised no fencing bound)"));
   // The liveness worker proves the process gone, releases the pages and frees the connection
   // (never from this thread: it is the connection's own io thread).
   lost_.push_back(std::move(lost));
@@ -471,15 +476,23 @@ void DecodeSide::OnPeerDisconnect(PeerHandle peer_id, const Status& why) {
 }
 
 // -------------------------------------------------------------------------- liveness worker --
-bool DecodeSide::PeerGone(const LostPeer& lost) const {
+DecodeSide::PeerFate DecodeSide::CheckPeer(const LostPeer& lost) const {
   const std::string& own_host = ctx_.local_info.host_id();
   if (!own_host.empty() && lost.host_id == own_host && lost.pid != 0) {
-    const ProcessLiveness liveness = CheckProcess(static_cast<pid_t>(lost.pid), lost.process_start);
-    if (liveness != ProcessLiveness::kUnknown) return liveness == ProcessLiveness::kGone;
+    switch (CheckProcess(static_cast<pid_t>(lost.pid), lost.process_start)) {
+      case ProcessLiveness::kGone:
+        return PeerFate::kGone;
+      case ProcessLiveness::kStopped:
+        return PeerFate::kStopped;
+      case ProcessLiveness::kRunning:
+        return PeerFate::kUnknown;
+      case ProcessLiveness::kUnknown:
+        break;
+    }
   }
   // Another host: a prefill engine closes its port only after it quiesced its writes and said
   // so, and a dead process's port refuses; either way no write of it lands any more.
-  return PortRefuses(lost.host, lost.port);
+  return PortRefuses(lost.host, lost.port) ? PeerFate::kGone : PeerFate::kUnknown;
 }
 
 void DecodeSide::LivenessLoop() {
@@ -511,18 +524,35 @@ void DecodeSide::LivenessLoop() {
       if (peer->client) peer->client->Close();
     }
     closed.clear();
-    std::vector<bool> gone(lost.size(), false);
+    std::vector<PeerFate> fate(lost.size(), PeerFate::kUnknown);
     for (size_t i = 0; i < lost.size(); ++i) {
-      gone[i] = lost[i].quarantined.empty() || PeerGone(lost[i]);
+      fate[i] = lost[i].quarantined.empty() ? PeerFate::kGone : CheckPeer(lost[i]);
     }
     lock.Lock();
     const auto now = Clock::now();
     for (size_t i = 0; i < lost.size(); ++i) {
-      const bool give_up = now >= lost[i].give_up;
-      if (!gone[i] && !give_up) continue;
-      if (gone[i]) {
+      auto it = std::find_if(lost_.begin(), lost_.end(),
+                             [&](const LostPeer& l) { return l.id == lost[i].id; });
+      if (it == lost_.end()) continue;
+      if (fate[i] == PeerFate::kStopped && it->fence_at != Clock::time_point::max()) {
+        // A stopped process keeps whatever it was doing for when it continues: its bound
+        // restarts from then, with the time it needs to notice the silence and stop.
+        it->fence_at = std::max(it->fence_at, now + kFenceTeardown);
+        continue;
+      }
+      const bool gone = fate[i] == PeerFate::kGone;
+      const bool fenced = now >= it->fence_at;
+      const bool give_up = it->fence_at == Clock::time_point::max() && now >= it->give_up;
+      if (!gone && !fenced && !give_up) continue;
+      if (gone || fenced) {
         for (const std::string& id : lost[i].quarantined) {
           if (DecodeRoom* room = RoomOfLocked(lost[i].id, id)) MarkReusableLocked(*room);
+        }
+        if (fenced && !gone && !lost[i].quarantined.empty()) {
+          KVT_LOG_INFO("xfer",
+                       "prefill peer {}:{}: its fencing bound passed; the pages of {} failed "
+                       "requests are free again",
+                       lost[i].host, lost[i].port, lost[i].quarantined.size());
         }
       } else {
         KVT_LOG_WARN("xfer",
@@ -530,9 +560,7 @@ void DecodeSide::LivenessLoop() {
                      "requests keep their pages quarantined until it acknowledges",
                      lost[i].host, lost[i].port, lost[i].quarantined.size());
       }
-      auto it = std::find_if(lost_.begin(), lost_.end(),
-                             [&](const LostPeer& l) { return l.id == lost[i].id; });
-      if (it != lost_.end()) lost_.erase(it);
+      lost_.erase(it);
     }
     if (!ctx_.stop) lost_cv_.WaitUntil(ctx_.mu, Clock::now() + kLivenessPeriod);
   }

@@ -1,13 +1,15 @@
 // The decode side of a transfer engine: it connects to prefill engines (hello, compatibility
 // check; one connection per address however many callers connect at once), sends each room's
 // TransferRequest, follows the prefill side's messages to the room's end, and decides when a
-// failed room's pages may be reused: when the prefill side said its writes are quiesced, or the
-// prefill process is known dead.
+// failed room's pages may be reused: when the prefill side said its writes are quiesced, when the
+// prefill process is known dead, or when the prefill side's fencing bound (PeerInfo.fence_ms) has
+// passed since the connection was lost.
 //
 // Lost peers are handled by one liveness worker thread (never a thread per peer): it proves the
 // peer's process gone (same host: no process with the peer's pid and start time; another host:
 // its control port refuses, which a prefill engine only lets happen after it quiesced its
-// writes), releases the quarantined pages then, and frees the peer's connection.
+// writes) or waits out its fencing bound (not counting time a same-host peer spends stopped),
+// releases the quarantined pages then, and frees the peer's connection.
 //
 // Thread contract: public methods may be called from any thread; peer messages arrive on each
 // connection's io thread; PollPass runs on the poller. Shared state is guarded by the context's
@@ -91,7 +93,10 @@ class DecodeSide final : public SideWithTable<DecodeRoom> {
     uint32_t pid = 0;
     uint64_t process_start = 0;
     std::vector<std::string> quarantined;  // failed rooms whose pages wait for a proof
-    Clock::time_point give_up;
+    // When the peer's fencing bound (PeerInfo.fence_ms after the connection closed) has passed:
+    // none of its writes can land any more. max(): the peer made no such promise.
+    Clock::time_point fence_at = Clock::time_point::max();
+    Clock::time_point give_up;  // without a fencing bound: when to stop looking
     std::optional<PeerId> backend_peer;  // two-sided backends: released at the first look
   };
 
@@ -101,8 +106,13 @@ class DecodeSide final : public SideWithTable<DecodeRoom> {
       KVT_EXCLUDES(ctx_.mu);
   void DropPeer(PeerHandle id) KVT_EXCLUDES(ctx_.mu);
   void LivenessLoop() KVT_EXCLUDES(ctx_.mu);
-  // Whether the lost peer's process is certainly gone (it can post no write any more).
-  bool PeerGone(const LostPeer& lost) const;
+  // What the liveness worker can tell of a lost peer's process.
+  enum class PeerFate {
+    kGone,     // certainly gone: it can post no write any more
+    kStopped,  // on this host and stopped: its fencing bound does not run while it cannot act
+    kUnknown,  // alive, unreachable, or on another host
+  };
+  PeerFate CheckPeer(const LostPeer& lost) const;
 
   DecodeRoom* RoomOfLocked(PeerHandle peer, const std::string& room) KVT_REQUIRES(ctx_.mu);
   bool FailLocked(DecodeRoom& room, Status why) KVT_REQUIRES(ctx_.mu);

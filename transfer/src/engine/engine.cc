@@ -53,6 +53,20 @@ class TransferEngine::Impl {
           "EngineOptions::hello_timeout = " + std::to_string(options.hello_timeout.count()) +
           " ms: must be > 0 (how long ConnectPeer waits for the hello's answer)");
     }
+    constexpr auto kMaxPeerTimeout = std::chrono::hours(23);
+    if (options.peer_timeout.count() <= 0 || options.peer_timeout > kMaxPeerTimeout) {
+      return InvalidArgument(
+          "EngineOptions::peer_timeout = " + std::to_string(options.peer_timeout.count()) +
+          " ms: must be in 1 ms .. 23 h (how long a silent peer is waited for before it is lost)");
+    }
+    if (options.heartbeat_interval.count() <= 0 ||
+        options.heartbeat_interval >= options.peer_timeout) {
+      return InvalidArgument(
+          "EngineOptions::heartbeat_interval = " +
+          std::to_string(options.heartbeat_interval.count()) + " ms: must be > 0 and below " +
+          "peer_timeout = " + std::to_string(options.peer_timeout.count()) +
+          " ms, or idle peers are declared lost (a third of peer_timeout or less is usual)");
+    }
     // The pool's guards decide what may be registered for transfer.
     KVT_ASSIGN_OR_RETURN(pool::ContiguousBufInfos infos, pool_->GetContiguousBufInfos());
     KVT_ASSIGN_OR_RETURN(ctx_.local_layout,
@@ -90,6 +104,10 @@ class TransferEngine::Impl {
     ctx_.local_info.set_host_id(ReadBootId("xfer"));
     ctx_.local_info.set_pid(static_cast<uint32_t>(getpid()));
     ctx_.local_info.set_process_start(engine::OwnProcessStart());
+    if (options.prefill) {
+      ctx_.local_info.set_fence_ms(static_cast<uint32_t>(
+          (options.peer_timeout + engine::kFenceTeardown).count()));
+    }
     ctx_.worker = std::make_unique<engine::Worker>(*ctx_.backend);
     if (options.prefill) {
       auto prefill = std::make_unique<engine::PrefillSide>(ctx_);

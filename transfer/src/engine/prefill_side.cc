@@ -42,6 +42,15 @@ StatusOr<bool> EventDone(cudaEvent_t event) {
 
 }  // namespace
 
+Status PrefillSide::SilenceStatus(const Session& session, Clock::time_point now) const {
+  const auto quiet = std::chrono::duration_cast<std::chrono::milliseconds>(now - session.last_heard);
+  return Unavailable("nothing heard from the decode peer '" + session.info.name() + "' for " +
+                     std::to_string(quiet.count()) + " ms (peer_timeout " +
+                     std::to_string(ctx_.options.peer_timeout.count()) +
+                     " ms): its writes are fenced and its requests failed; it reconnects for new "
+                     "requests");
+}
+
 PrefillSide::~PrefillSide() = default;
 
 Status PrefillSide::Start() {
@@ -131,6 +140,13 @@ EngineSide::PollResult PrefillSide::PollPass(Clock::time_point now) {
   AfterUnlock after;
   {
     MutexLock lock(ctx_.mu);
+    std::vector<ConnectionId> silent;
+    for (const auto& [conn, session] : sessions_) {
+      if (SilentLocked(session, now)) silent.push_back(conn);
+    }
+    for (ConnectionId conn : silent) {
+      EndSessionLocked(conn, SilenceStatus(sessions_.at(conn), now), after);
+    }
     bool writes_in_flight = false;
     bool running_write = false;  // a write in flight whose copy can run now
     for (const std::string& id : table_.ActiveIds()) {
@@ -240,6 +256,7 @@ void PrefillSide::OnConnect(ConnectionId id, const control::ConnectionInfo& info
 }
 
 void PrefillSide::OnMessage(ConnectionId conn, const v1::Envelope& envelope) {
+  if (envelope.body_case() != v1::Envelope::kHello) OnHeartbeat(conn);  // any frame says alive
   switch (envelope.body_case()) {
     case v1::Envelope::kHello:
       return OnHello(conn, envelope.hello());
@@ -268,31 +285,47 @@ void PrefillSide::OnDisconnect(ConnectionId conn, const Status& why) {
   AfterUnlock after;
   {
     MutexLock lock(ctx_.mu);
-    auto session = sessions_.find(conn);
-    if (session == sessions_.end()) return;
-    int failed = 0;
-    for (const std::string& id : table_.ActiveIds()) {
-      PrefillRoom* room = table_.Find(id);
-      if (room == nullptr || !room->have_request || room->conn != conn) continue;
-      TakeWritesLocked(*room, after);
-      table_.Fail(*room, Unavailable("the decode peer's control connection was lost (" +
-                                     why.ToString() + ")"));
-      FinishLocked(*room);
-      ++failed;
-    }
-    // The backend peer goes after the writes (tearing it down may take a while: never under
-    // the lock).
-    after.disconnects.push_back(session->second.backend_peer);
-    if (failed > 0) {
-      KVT_LOG_WARN("xfer", "decode peer '{}' disconnected ({}); {} requests failed",
-                   session->second.info.name(), why.ToString(), failed);
-    } else {
-      KVT_LOG_INFO("xfer", "decode peer '{}' disconnected ({})", session->second.info.name(),
-                   why.ToString());
-    }
-    sessions_.erase(session);
+    if (sessions_.count(conn) == 0) return;
+    EndSessionLocked(conn,
+                     Unavailable("the decode peer's control connection was lost (" +
+                                 why.ToString() + ")"),
+                     after);
   }
   Run(after);
+}
+
+void PrefillSide::OnHeartbeat(ConnectionId conn) {
+  MutexLock lock(ctx_.mu);
+  auto session = sessions_.find(conn);
+  if (session != sessions_.end()) session->second.last_heard = Clock::now();
+}
+
+void PrefillSide::EndSessionLocked(ConnectionId conn, const Status& why, AfterUnlock& after) {
+  auto session = sessions_.find(conn);
+  if (session == sessions_.end()) return;
+  // The endpoint closes first (forcibly): the writes released below then end at once, even
+  // toward a peer or a network that does not answer.
+  after.dead_peers.push_back(session->second.backend_peer);
+  int failed = 0;
+  for (const std::string& id : table_.ActiveIds()) {
+    PrefillRoom* room = table_.Find(id);
+    if (room == nullptr || !room->have_request || room->conn != conn) continue;
+    TakeWritesLocked(*room, after);
+    table_.Fail(*room, why);
+    FinishLocked(*room);
+    ++failed;
+  }
+  if (failed > 0) {
+    KVT_LOG_WARN("xfer", "decode peer '{}': {}; {} requests failed", session->second.info.name(),
+                 why.ToString(), failed);
+  } else {
+    KVT_LOG_INFO("xfer", "decode peer '{}': {}", session->second.info.name(), why.ToString());
+  }
+  sessions_.erase(session);
+  // A session ended for silence still has its connection (a closed one: NotFound, ignored).
+  after.messages.push_back([this, conn, why] {
+    if (server_) (void)server_->Disconnect(conn, why);
+  });
 }
 
 void PrefillSide::OnHello(ConnectionId conn, const v1::Hello& hello) {
@@ -473,6 +506,12 @@ void PrefillSide::AdvanceLocked(PrefillRoom& room, AfterUnlock& after) {
     room.source_ready = Clock::now();
   }
   if (ready_end > room.posted_end) {
+    // Checked right before every post: an engine that was paused (or starved) past its peer's
+    // silence never posts to it on waking, whatever its io threads have noticed so far.
+    const Clock::time_point now = Clock::now();
+    if (SilentLocked(session->second, now)) {
+      return EndSessionLocked(room.conn, SilenceStatus(session->second, now), after);
+    }
     if (!ctx_.waits_on_events) {
       // A CPU copy cannot wait on the GPU: the producer's event must have completed before the
       // layers are read. Never waited for here (the lock is held): the poller looks again.

@@ -67,12 +67,17 @@ class PrefillSide final : public SideWithTable<PrefillRoom>, public control::Con
   void OnMessage(control::ConnectionId id, const v1::Envelope& envelope) override
       KVT_EXCLUDES(ctx_.mu);
   void OnDisconnect(control::ConnectionId id, const Status& why) override KVT_EXCLUDES(ctx_.mu);
+  void OnHeartbeat(control::ConnectionId id) override KVT_EXCLUDES(ctx_.mu);
 
  private:
   struct Session {
     PeerId backend_peer = 0;
     v1::PeerInfo info;
     bool closing = false;  // the engine is shutting down: post nothing more
+    // The last frame (a heartbeat included) received from the peer. Nothing is posted to a peer
+    // not heard from for peer_timeout: it is fenced (FenceLocked), which is what lets the peer
+    // reuse the pages of its failed requests after PeerInfo.fence_ms.
+    Clock::time_point last_heard = Clock::now();
   };
 
   void OnHello(control::ConnectionId conn, const v1::Hello& hello) KVT_EXCLUDES(ctx_.mu);
@@ -80,6 +85,16 @@ class PrefillSide final : public SideWithTable<PrefillRoom>, public control::Con
       KVT_EXCLUDES(ctx_.mu);
   void OnAbort(control::ConnectionId conn, const v1::Abort& abort) KVT_EXCLUDES(ctx_.mu);
 
+  // Whether the session has gone unheard for peer_timeout (then nothing may be posted to it).
+  bool SilentLocked(const Session& session, Clock::time_point now) const KVT_REQUIRES(ctx_.mu) {
+    return now - session.last_heard > ctx_.options.peer_timeout;
+  }
+  Status SilenceStatus(const Session& session, Clock::time_point now) const
+      KVT_REQUIRES(ctx_.mu);
+  // Ends a session whose peer is lost or silent: its endpoint is closed forcibly first, then its
+  // rooms' writes released, its rooms failed and the connection closed. Erases the session.
+  void EndSessionLocked(control::ConnectionId conn, const Status& why, AfterUnlock& after)
+      KVT_REQUIRES(ctx_.mu);
   // Posts what can be posted and finishes the room when every write is visible.
   void AdvanceLocked(PrefillRoom& room, AfterUnlock& after) KVT_REQUIRES(ctx_.mu);
   StatusOr<WriteId> PostLayersLocked(PrefillRoom& room, const Session& session, int32_t ready_end,

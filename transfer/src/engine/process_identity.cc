@@ -55,6 +55,7 @@ ProcessLiveness CheckProcess(pid_t pid, uint64_t start) {
   }
   if (stat.start != start) return ProcessLiveness::kGone;  // the pid belongs to another process
   if (stat.state == 'Z' || stat.state == 'X' || stat.state == 'x') return ProcessLiveness::kGone;
+  if (stat.state == 'T' || stat.state == 't') return ProcessLiveness::kStopped;
   return ProcessLiveness::kRunning;
 }
 

@@ -14,6 +14,7 @@ uint64_t OwnProcessStart();
 
 enum class ProcessLiveness {
   kRunning,  // a live process with that pid and start time exists
+  kStopped,  // it exists but is stopped (SIGSTOP, a debugger): it runs again when continued
   kGone,     // none does (exited, a zombie that can do nothing more, or the pid was reused)
   kUnknown,  // /proc could not tell (then nothing is concluded)
 };

@@ -65,6 +65,13 @@ class Wakeup {
 class Worker;
 
 // What the engine's parts share. Immutable after Init except where annotated.
+// How long a prefill engine takes, at most, from noticing that it has not heard from a decode
+// peer for its peer timeout to having that peer's endpoint closed and its copies stopped (the
+// engine's worker closes the endpoint forcibly; copies stop between chunks). A prefill engine
+// promises its peers (PeerInfo.fence_ms) that none of its writes lands later than
+// peer_timeout + kFenceTeardown after the last frame it received from them.
+inline constexpr auto kFenceTeardown = std::chrono::milliseconds(2000);
+
 struct EngineContext {
   explicit EngineContext(const EngineOptions& o) : options(o) {}
 
@@ -90,10 +97,14 @@ struct EngineContext {
 };
 
 // Work that must not run under the engine's mutex, collected while it is held and done, in this
-// order, right after it is released: handles of completed writes freed, writes still in flight
+// order, right after it is released: endpoints of lost or fenced peers closed, handles of
+// completed writes freed, writes still in flight
 // released (cancelled and waited for), then messages sent (so a "quiesced" message never
 // overtakes the quiescing), then backend peers disconnected, then anything else.
 struct AfterUnlock {
+  // Peers lost or fenced: their endpoints close first (forcibly), so that their writes below end
+  // at once instead of waiting on a network or a process that may not answer.
+  std::vector<PeerId> dead_peers;
   std::vector<WriteId> frees;     // completed writes: freeing them never blocks
   std::vector<WriteId> releases;  // writes that may be in flight: releasing may block
   std::vector<std::function<void()>> messages;
@@ -101,15 +112,19 @@ struct AfterUnlock {
   std::vector<std::function<void()>> tasks;
   // Whether running it may block (then it goes to the engine's worker thread, never a control
   // io thread, the poller or a caller's thread).
-  bool may_block() const { return !releases.empty() || !disconnects.empty() || !tasks.empty(); }
+  bool may_block() const {
+    return !dead_peers.empty() || !releases.empty() || !disconnects.empty() || !tasks.empty();
+  }
   bool empty() const { return frees.empty() && !may_block() && messages.empty(); }
   // Runs everything (the caller does not hold the engine's mutex).
   void Run(Backend& backend) {
+    for (PeerId p : dead_peers) (void)backend.Disconnect(p, Backend::DisconnectMode::kPeerDead);
     for (WriteId w : frees) backend.Release(w);
     for (WriteId w : releases) backend.Release(w);
     for (auto& m : messages) m();
     for (PeerId p : disconnects) (void)backend.Disconnect(p, Backend::DisconnectMode::kPeerDead);
     for (auto& t : tasks) t();
+    dead_peers.clear();
     frees.clear();
     releases.clear();
     messages.clear();
