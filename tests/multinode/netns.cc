@@ -99,9 +99,14 @@ void OnTerminationSignal(int signal) {
   raise(signal);
 }
 
-std::string Join(const std::vector<std::string>& argv) {
-  std::string out;
-  for (const std::string& a : argv) out += (out.empty() ? "" : " ") + a;
+// The command line in quotes, for messages.
+std::string QuotedCommand(const std::vector<std::string>& argv) {
+  std::string out = "'";
+  for (const std::string& a : argv) {
+    if (out.size() > 1) out += ' ';
+    out += a;
+  }
+  out += '\'';
   return out;
 }
 
@@ -195,16 +200,16 @@ StatusOr<std::string> RunCommand(const std::vector<std::string>& argv,
   while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
   }
   if (timed_out) {
-    return Unavailable("'" + Join(argv) + "' did not finish within " +
-                       std::to_string(timeout.count()) + " ms: " + output);
+    return Unavailable(QuotedCommand(argv) + " did not finish within " + std::to_string(timeout.count()) +
+                       " ms: " + output);
   }
   if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
     const std::string how = WIFEXITED(status) ? "exited with " + std::to_string(WEXITSTATUS(status))
                                               : "was killed by a signal";
     if (WIFEXITED(status) && WEXITSTATUS(status) == 127 && output.empty()) {
-      return Unavailable("'" + Join(argv) + "': cannot execute " + argv[0]);
+      return Unavailable(QuotedCommand(argv) + ": cannot execute " + argv[0]);
     }
-    return Unavailable("'" + Join(argv) + "' " + how + ": " + output);
+    return Unavailable(QuotedCommand(argv) + " " + how + ": " + output);
   }
   return output;
 }
