@@ -510,8 +510,13 @@ class MultinodeFaultTest : public MultinodeTest {
   // decode agents, then reachable again (`heal`): the decode agents fail those rooms with a
   // reason within the peer timeout, p1's rooms are untouched, the pages come back, and new
   // rooms from p0 succeed byte-exact (no late write of a failed room lands in reused pages).
-  void PrefillUnreachable(const std::function<Status()>& fault,
-                          const std::function<Status()>& heal) {
+  //
+  // `stopped_here`: the fault stops p0's process on this host (SIGSTOP). The decode engines then
+  // do not count the time it spends stopped toward its fencing bound, so its failed rooms keep
+  // their pages, and the agents (which report a failed room final only once its pages may be
+  // reused) report none of them FAILED while it is stopped; they must once it continues.
+  void PrefillUnreachable(const std::function<Status()>& fault, const std::function<Status()>& heal,
+                          bool stopped_here = false) {
     KVT_ASSERT_OK(StartCluster(SlowPrefills()));
     const auto initial = FreePages();
     const auto affected = Concat(Flows("p0", "d0", "a", 3, 256), Flows("p0", "d1", "a", 3, 256));
@@ -519,7 +524,25 @@ class MultinodeFaultTest : public MultinodeTest {
     for (const Flow& f : Concat(affected, bystanders)) KVT_ASSERT_OK(Submit(f));
     std::this_thread::sleep_for(300ms);
     KVT_ASSERT_OK(fault());
-    const auto start = Clock::now();
+    auto start = Clock::now();
+    if (stopped_here) {
+      std::this_thread::sleep_for(peer_timeout_ + 1500ms);
+      for (const std::string& d : kDecodes) {
+        std::vector<std::string> rooms;
+        for (const Flow& f : affected) {
+          if (f.decode == d) rooms.push_back(f.room);
+        }
+        KVT_ASSERT_OK_AND_ASSIGN(auto reports, integration::Query(Rpc(d), rooms));
+        for (const v1::RequestReport& r : reports) {
+          EXPECT_NE(r.state(), v1::REQUEST_STATE_FAILED)
+              << "the pages of a room from a stopped prefill process were released while it "
+                 "was stopped: "
+              << Describe(r);
+        }
+      }
+      KVT_ASSERT_OK(heal());
+      start = Clock::now();
+    }
     auto reports = WaitDecodes(affected, peer_timeout_ + kMargin);
     const double noticed = Seconds(Clock::now() - start);
     EXPECT_TRUE(reports.ok())
@@ -529,11 +552,14 @@ class MultinodeFaultTest : public MultinodeTest {
         << "pages may be reused: " << reports.status().ToString();
     if (reports.ok()) {
       EXPECT_GT(ExpectSucceededOrFailedWithReason(*reports, Side::kDecode), 0);
-      std::cout << "the decode agents failed p0's rooms " << noticed << " s after the fault\n";
+      std::cout << "the decode agents failed p0's rooms " << noticed << " s after "
+                << (stopped_here ? "SIGCONT" : "the fault") << "\n";
       RecordProperty("seconds_to_fail", std::to_string(noticed));
     }
     ExpectBystandersVerified(bystanders);
-    KVT_ASSERT_OK(heal());
+    if (!stopped_here) {
+      KVT_ASSERT_OK(heal());
+    }
     ExpectPagesBack({"d0", "d1", "p0"}, initial, peer_timeout_ + kPagesBackMargin);
     const auto fresh = Concat(Flows("p0", "d0", "n", 3, 256), Flows("p0", "d1", "n", 3, 256));
     auto moved = RunVerified(fresh, 50, peer_timeout_ + kRequestTimeout);
@@ -549,7 +575,8 @@ TEST_F(MultinodeFaultTest, PrefillLinkDownThenUp) {
                      [this] { return network_->SetLink("p0", true); });
 }
 
-// The prefill agent is stopped mid-transfer (alive, silent) and continued.
+// The prefill agent is stopped mid-transfer (alive, silent) for longer than the peer timeout,
+// then continued.
 TEST_F(MultinodeFaultTest, PrefillSigstopThenSigcont) {
   PrefillUnreachable(
       [this] {
@@ -559,7 +586,8 @@ TEST_F(MultinodeFaultTest, PrefillSigstopThenSigcont) {
       [this] {
         agents_.at("p0").process->Signal(SIGCONT);
         return OkStatus();
-      });
+      },
+      /*stopped_here=*/true);
 }
 
 // The prefill agent is killed mid-transfer: its closed sockets tell at once and its death frees
