@@ -306,7 +306,11 @@ class LoadRun {
   StatusOr<RunResult> Run() {
     KVT_RETURN_IF_ERROR(Start());
     // One request per pair first (untimed): each decode agent connects to each prefill agent
-    // once, as a cluster does when it starts, before the timed load. Its failures count.
+    // once, as a cluster does when it starts, before the timed load. At most --prefill of them
+    // in flight, in pair order, so that a prefill agent takes about one new decode peer at a
+    // time: its engine answers the hellos of new peers one after another, and eight at once
+    // can outlast the 5 s handshake timeout of the last ones on a loaded machine. Its failures
+    // count.
     KVT_RETURN_IF_ERROR(Workload(/*warm=*/true));
     KVT_RETURN_IF_ERROR(Workload(/*warm=*/false));
     KVT_RETURN_IF_ERROR(Settle());
@@ -562,7 +566,7 @@ class LoadRun {
     const int pairs = r_.prefill * r_.decode;
     const int64_t requests = warm ? pairs : o_.requests;
     const int seconds = warm ? 0 : o_.seconds;
-    const int in_flight = warm ? pairs : o_.in_flight;
+    const int in_flight = warm ? r_.prefill : o_.in_flight;
     phase_ = warm ? "warm" : "timed";
     reqs_.clear();
     r_.succeeded = r_.verified = r_.retries = 0;
