@@ -135,8 +135,11 @@ class MultinodeTest : public ::testing::Test {
     const bool failed = HasFailure();
     if (failed && !dir_.empty()) std::cerr << "logs of the failed test:\n" << LogTails();
     for (auto& [name, agent] : agents_) agent.rpc.reset();
+    // Every agent told to stop at once, then each waited for (SIGKILL after a grace period).
     for (auto& [name, agent] : agents_) {
-      if (agent.process != nullptr) agent.process->Signal(SIGCONT);
+      if (agent.process == nullptr) continue;
+      agent.process->Signal(SIGCONT);
+      agent.process->Signal(SIGTERM);
     }
     agents_.clear();
     bootstrap_.reset();
