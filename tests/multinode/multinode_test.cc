@@ -6,8 +6,14 @@
 // Each decode agent is fed by both prefill agents. The workload moves 500 requests and checks
 // every byte, over UCX_TLS=tcp and over UCX's own choice of transports; each fault is a test of
 // its own: a link down and up again (no RST: only heartbeats can notice), SIGKILL and SIGSTOP of
-// a prefill and of a decode agent, a bootstrap restart, 1 % packet loss (nftables) with a
-// bandwidth cap (tc tbf) on a prefill node, and 1000 aborts in flight.
+// a prefill and of a decode agent, a bootstrap restart, 1 % packet loss (nftables) on a prefill
+// node, a bandwidth cap (tc tbf) on it, and 1000 aborts in flight. Speeds go to stdout and to
+// the test's properties, never into assertions.
+//
+// The engines listen on the nodes' addresses, which needs a cluster token (KVT_CLUSTER_TOKEN,
+// set here for every process). All nodes share one kernel, so a decode engine sees a prefill
+// process on "the same host": it can tell a stopped or dead peer from an unreachable one, which
+// separate machines cannot.
 //
 // Needs root; skips without it or when this machine cannot make network namespaces.
 #include <gtest/gtest.h>
