@@ -803,10 +803,10 @@ json RunJson(const RunResult& r) {
 std::string RunRow(const RunResult& r) {
   return fmt::format(
       "{:<8} {:>3}+{:<3} {:>8} {:>6} {:>8.0f} {:>7.3f} {:>8.1f} {:>8.1f} {:>8.1f} {:>8.1f} "
-      "{:>9.1f} {:>7.1f}",
+      "{:>9.1f} {:>7.1f} {:>8}",
       r.name, r.prefill, r.decode, r.requests, r.Failures(), r.RequestsPerSecond(), r.GBps(),
       Percentile(r.latency_ms, 0.5), Percentile(r.latency_ms, 0.9), Percentile(r.latency_ms, 0.99),
-      Percentile(r.latency_ms, 1.0), Percentile(r.agent_latency_ms, 0.5), r.wall_s);
+      Percentile(r.latency_ms, 1.0), Percentile(r.agent_latency_ms, 0.5), r.wall_s, r.retries);
 }
 
 // Exit code of the command: 0 all verified, 1 a failure, 128+signal when interrupted.
@@ -956,9 +956,9 @@ int RunLoad(const LoadOptions& o) {
 
   fmt::print("  backend {}, memory {}{}\n\n", backend, memory,
              o.ucx_tls.empty() ? "" : ", UCX_TLS " + o.ucx_tls);
-  fmt::print("{:<8} {:>7} {:>8} {:>6} {:>8} {:>7} {:>8} {:>8} {:>8} {:>8} {:>9} {:>7}\n", "run",
-             "agents", "requests", "failed", "req/s", "GB/s", "p50 ms", "p90 ms", "p99 ms",
-             "max ms", "agent p50", "wall s");
+  fmt::print("{:<8} {:>7} {:>8} {:>6} {:>8} {:>7} {:>8} {:>8} {:>8} {:>8} {:>9} {:>7} {:>8}\n",
+             "run", "agents", "requests", "failed", "req/s", "GB/s", "p50 ms", "p90 ms", "p99 ms",
+             "max ms", "agent p50", "wall s", "refused");
   for (const RunResult& r : results) fmt::print("{}\n", RunRow(r));
   if (ratio > 0) fmt::print("\nload / pair (requests/s, same requests): {:.3f}\n", ratio);
   for (const RunResult& r : results) {
@@ -992,8 +992,9 @@ int RunLoad(const LoadOptions& o) {
   fmt::print(
       "latency = prefill submit sent -> the decode agent's verified report seen by this driver "
       "(polled every {} ms); agent p50 = the decode agent's own submit -> final; GB/s = 1e9 bytes "
-      "of KV per second of wall time.\n",
-      o.poll_ms);
+      "of KV per second of wall time; refused = submits an agent refused for lack of free pages "
+      "(RESOURCE_EXHAUSTED), each sent again {} ms later.\n",
+      o.poll_ms, kRetryDelay.count());
   if (!o.json_path.empty()) {
     Status written = WriteJson(o.json_path, doc);
     if (!written.ok()) {
