@@ -59,14 +59,16 @@ constexpr uint16_t kBootstrapPort = 9000;
 constexpr auto kShortPeerTimeout = 3000ms;
 constexpr auto kEngineHeartbeat = 500ms;
 constexpr auto kDefaultPeerTimeout = 10000ms;
-// What a failure may take beyond the peer timeout: an agent reports a failed room final only
-// once its pages may be reused (the engine's fencing bound, about 2 s past the peer timeout),
-// plus slack for a loaded two-core machine.
-constexpr auto kMargin = 8s;
+// A decode agent reports a room from a silent prefill peer FAILED only once its pages may be
+// reused: the engine notices the silence after the peer timeout and frees the pages when the
+// peer's fencing bound (the peer timeout + kFenceExtra, promised in its hello) has passed since.
+constexpr auto kFenceExtra = 2s;
+// Slack on top of what the engines promise, for a loaded two-core machine.
+constexpr auto kMargin = 6s;
 // How long the pages of failed rooms may take to come back, beyond the peer timeout, once the
 // peer is reachable again (or known dead).
 constexpr auto kPagesBackMargin = 10s;
-constexpr auto kReadyTimeout = 30s;
+constexpr auto kReadyTimeout = 60s;  // agents start in about a second on an idle machine
 constexpr auto kRequestTimeout = 30s;
 // The whole test, set up and torn down; SIGALRM cleans up (netns.h) and ends the process.
 constexpr unsigned kWatchdogSeconds = 170;
@@ -402,6 +404,12 @@ class MultinodeTest : public ::testing::Test {
     return bytes;
   }
 
+  // How long a decode agent may take to report FAILED the rooms of a prefill peer gone silent:
+  // the silence noticed, then the fencing bound passed, then slack.
+  std::chrono::milliseconds SilentPrefillBound() const {
+    return 2 * peer_timeout_ + kFenceExtra + kMargin;
+  }
+
   std::chrono::milliseconds peer_timeout_ = kDefaultPeerTimeout;
   std::unique_ptr<Network> network_;
   std::string dir_;
@@ -554,13 +562,14 @@ class MultinodeFaultTest : public MultinodeTest {
       KVT_ASSERT_OK(heal());
       start = Clock::now();
     }
-    auto reports = WaitDecodes(affected, peer_timeout_ + kMargin);
+    auto reports = WaitDecodes(affected, SilentPrefillBound());
     const double noticed = Seconds(Clock::now() - start);
     EXPECT_TRUE(reports.ok())
         << "the rooms from the unreachable prefill are not reported final (FAILED) by the "
-           "decode agents within the peer timeout + "
-        << kMargin.count() << " s; the agent reports a failed room final only once its "
-        << "pages may be reused: " << reports.status().ToString();
+           "decode agents within twice the peer timeout + "
+        << (kFenceExtra + kMargin).count() << " s (noticed, then the fencing bound, then slack); "
+        << "the agent reports a failed room final only once its pages may be reused: "
+        << reports.status().ToString();
     if (reports.ok()) {
       EXPECT_GT(ExpectSucceededOrFailedWithReason(*reports, Side::kDecode), 0);
       std::cout << "the decode agents failed p0's rooms " << noticed << " s after "
@@ -612,7 +621,7 @@ TEST_F(MultinodeFaultTest, PrefillSigkillThenRestart) {
   std::this_thread::sleep_for(300ms);
   agents_.at("p0").process->Signal(SIGKILL);
   const auto start = Clock::now();
-  KVT_ASSERT_OK_AND_ASSIGN(auto reports, WaitDecodes(affected, kMargin));
+  KVT_ASSERT_OK_AND_ASSIGN(auto reports, WaitDecodes(affected, kMargin + 4s));
   std::cout << "the decode agents failed p0's rooms " << Seconds(Clock::now() - start)
             << " s after SIGKILL\n";
   EXPECT_GT(ExpectSucceededOrFailedWithReason(reports, Side::kDecode), 0);
@@ -672,7 +681,7 @@ TEST_F(MultinodeFaultTest, DecodeSigstopThenSigcont) {
   }
   ExpectBystandersVerified(bystanders);
   agents_.at("d0").process->Signal(SIGCONT);
-  auto decode_reports = WaitDecodes(affected, peer_timeout_ + kMargin);
+  auto decode_reports = WaitDecodes(affected, SilentPrefillBound());
   EXPECT_TRUE(decode_reports.ok()) << "the continued decode agent does not report its rooms final: "
                                    << decode_reports.status().ToString();
   if (decode_reports.ok()) ExpectSucceededOrFailedWithReason(*decode_reports, Side::kDecode);
