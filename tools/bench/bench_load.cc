@@ -394,12 +394,19 @@ class LoadRun {
       KVT_ASSIGN_OR_RETURN(ready,
                            tools::WaitReadyFile(dir_ + "/" + a.name + ".json", 120s, a.pid, stop));
       a.ready = json::parse(ready);
+    }
+    // Connected once every agent is up: an agent's RPC server closes a connection that stays
+    // quiet for a minute, and starting sixteen pools may take about that long. Heartbeats keep
+    // a connection open while the driver has nothing to ask that agent (the drain).
+    for (size_t i = 0; i < agents_.size(); ++i) {
+      AgentProcess& a = agents_[i];
       control::ControlClientOptions co;
       co.port = static_cast<uint16_t>(a.ready["rpc_port"].get<int>());
       co.client_id = "kvt-bench-load";
       co.cluster_token = control::ClusterTokenFromEnv();
       co.max_inbox_frames = 1u << 16;
-      co.limits.idle_timeout = 0ms;  // the driver may be quiet toward an agent for a while
+      co.limits.idle_timeout = 0ms;  // the agent may have nothing to say for a while
+      co.limits.heartbeat_interval = 5s;
       a.link = std::make_unique<Link>(static_cast<int>(i), &inbox_);
       KVT_ASSIGN_OR_RETURN(a.rpc, control::ControlClient::Connect(co, a.link.get()));
     }
