@@ -39,4 +39,9 @@ function(kvt_test name)
     list(APPEND props LABELS "${ARG_LABELS}")
   endif()
   gtest_discover_tests(${name} DISCOVERY_TIMEOUT 60 PROPERTIES ${props})
+  # The target kvt_host_tests builds every suite that needs no GPU and no root (what
+  # tools/ci/sanitize.sh runs).
+  if(NOT "gpu" IN_LIST ARG_LABELS AND NOT "multinode" IN_LIST ARG_LABELS)
+    set_property(GLOBAL APPEND PROPERTY KVT_HOST_TEST_TARGETS ${name})
+  endif()
 endfunction()
