@@ -8,6 +8,7 @@
 #         with threads of its own (progress threads, the Asio strand, the poster), in build-tsan.
 #         Suppressions: tools/ci/tsan.supp, each entry with its reason.
 #   tools/ci/sanitize.sh [asan|tsan]...     (default: both)
+# From scratch on 2 cores: asan about 9 minutes to build and 1.5 to run, tsan 3 and 1.
 # Environment: KVT_FUZZ_BUILD_DIR (the asan folder, default build-fuzz), KVT_TSAN_BUILD_DIR
 # (default build-tsan), KVT_JOBS (parallel build jobs, default: number of cores),
 # KVT_TEST_JOBS (parallel tests, default 2).
