@@ -185,9 +185,16 @@ class Agent::Impl {
       r.tokens = it->second.spec.tokens;
       StatusOr<transfer::RequestInfo> info = engine_->GetRequest(room);
       if (info.ok()) {
-        // Final in the engine but not yet finished here (verification, page release).
-        r.state = IsFinal(info->state) ? RequestState::kTransferring : info->state;
         r.bytes = info->bytes;
+        if (info->state == RequestState::kFailed) {
+          // Failed now, whatever still holds its pages (a lost peer's fencing bound).
+          r.state = RequestState::kFailed;
+          r.status = info->status;
+          r.pages_quarantined = !options_.prefill && !info->pages_reusable;
+        } else {
+          // A success is reported once verified and its pages are back.
+          r.state = IsFinal(info->state) ? RequestState::kTransferring : info->state;
+        }
       }
       return r;
     };

@@ -69,6 +69,7 @@ struct RequestReport {
   bool verified = false;  // decode: the pattern check ran and found no mismatch
   uint64_t mismatches = 0;
   std::string first_mismatch;  // where, when mismatches > 0
+  bool pages_quarantined = false;  // decode: failed, pages not reusable yet
 };
 
 struct AgentStats {

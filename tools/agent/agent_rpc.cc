@@ -247,6 +247,7 @@ void AgentRpc::OnMessage(control::ConnectionId id, const v1::Envelope& envelope)
         p->set_latency_us(r.latency_us);
         p->set_verified(r.verified);
         p->set_mismatches(r.mismatches);
+        p->set_pages_quarantined(r.pages_quarantined);
       }
       break;
     }

@@ -384,7 +384,7 @@ TEST(EngineFaultTest, SilentPeerIsFencedAndItsPagesComeBackAfterTheBound) {
   const double failed_ms = MsSince(paused);
   EXPECT_EQ(failed->state, RequestState::kFailed);
   EXPECT_EQ(failed->status.code(), StatusCode::kUnavailable) << failed->status;
-  EXPECT_LT(failed_ms, 600 + 1000) << "the silent peer's request failed late";
+  EXPECT_LT(failed_ms, 600 + 3000) << "the silent peer's request failed late";
   EXPECT_FALSE(failed->pages_reusable) << "pages reusable before the prefill side is fenced";
 
   // The prefill side fenced the session too; layers that become ready now are never posted.
