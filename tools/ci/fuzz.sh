@@ -32,7 +32,8 @@ command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
 # -O1 with line tables: what libFuzzer's docs suggest, and much quicker to compile than -O2 -g.
 CC=clang-14 CXX=clang++-14 cmake -S "$root" -B "$build" "${generator[@]}" "${launcher[@]}" \
   -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_FLAGS_RELEASE="-O1 -gline-tables-only" \
-  -DKVT_BUILD_FUZZERS=ON -DKVT_BUILD_TESTS=OFF -DKVT_BUILD_TOOLS=OFF >/dev/null
+  -DKVT_SANITIZE=address,undefined -DKVT_BUILD_FUZZERS=ON -DKVT_BUILD_TESTS=OFF \
+  -DKVT_BUILD_TOOLS=OFF >/dev/null
 cmake --build "$build" --target kvt_fuzzers -j "$jobs"
 
 work=$(mktemp -d)
