@@ -145,6 +145,35 @@ void RemoveNamespace(const std::string& ns) {
   (void)RunCommand({"ip", "netns", "del", ns}, 10s);
 }
 
+// Forks a child in its own process group that dies with this process (SIGKILL even reaches a
+// stopped one), with stdout and stderr on `out_fd` and stdin on /dev/null, and execs argv (PATH
+// searched). Returns the child's pid.
+StatusOr<pid_t> ForkInGroup(const std::vector<std::string>& argv, int out_fd) {
+  std::vector<char*> args;
+  for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  const pid_t parent = getpid();
+  const pid_t pid = fork();
+  if (pid < 0) return Unavailable(std::string("fork: ") + strerror(errno));
+  if (pid == 0) {
+    sigset_t none;
+    sigemptyset(&none);
+    pthread_sigmask(SIG_SETMASK, &none, nullptr);
+    setpgid(0, 0);
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (getppid() != parent) _exit(1);
+    dup2(out_fd, STDOUT_FILENO);
+    dup2(out_fd, STDERR_FILENO);
+    int devnull = open("/dev/null", O_RDONLY);
+    if (devnull >= 0) dup2(devnull, STDIN_FILENO);
+    execvp(args[0], args.data());
+    _exit(127);
+  }
+  // Also from the parent, so that a signal to the group cannot miss a child not yet scheduled.
+  setpgid(pid, pid);
+  return pid;
+}
+
 }  // namespace
 
 StatusOr<std::string> RunCommand(const std::vector<std::string>& argv,
@@ -152,28 +181,13 @@ StatusOr<std::string> RunCommand(const std::vector<std::string>& argv,
   if (argv.empty()) return InvalidArgument("no command");
   int out[2];
   if (pipe2(out, O_CLOEXEC) != 0) return Unavailable(std::string("pipe: ") + strerror(errno));
-  std::vector<char*> args;
-  for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-  args.push_back(nullptr);
-  const pid_t pid = fork();
-  if (pid < 0) {
+  StatusOr<pid_t> child = ForkInGroup(argv, out[1]);
+  if (!child.ok()) {
     close(out[0]);
     close(out[1]);
-    return Unavailable(std::string("fork: ") + strerror(errno));
+    return child.status();
   }
-  if (pid == 0) {
-    sigset_t none;
-    sigemptyset(&none);
-    pthread_sigmask(SIG_SETMASK, &none, nullptr);
-    setpgid(0, 0);
-    prctl(PR_SET_PDEATHSIG, SIGKILL);
-    dup2(out[1], STDOUT_FILENO);
-    dup2(out[1], STDERR_FILENO);
-    int devnull = open("/dev/null", O_RDONLY);
-    if (devnull >= 0) dup2(devnull, STDIN_FILENO);
-    execvp(args[0], args.data());
-    _exit(127);
-  }
+  const pid_t pid = *child;
   close(out[1]);
   std::string output;
   const auto until = Clock::now() + timeout;
@@ -249,36 +263,14 @@ StatusOr<std::unique_ptr<NodeProcess>> NodeProcess::Spawn(const std::string& ns,
                                                           const std::string& log_path) {
   std::vector<std::string> full = {"ip", "netns", "exec", ns};
   full.insert(full.end(), argv.begin(), argv.end());
-  std::vector<char*> args;
-  for (const std::string& a : full) args.push_back(const_cast<char*>(a.c_str()));
-  args.push_back(nullptr);
   const int log = open(log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
   if (log < 0) return Unavailable("cannot open " + log_path + ": " + strerror(errno));
-  const pid_t parent = getpid();
-  const pid_t pid = fork();
-  if (pid < 0) {
-    close(log);
-    return Unavailable(std::string("fork: ") + strerror(errno));
-  }
-  if (pid == 0) {
-    sigset_t none;
-    sigemptyset(&none);
-    pthread_sigmask(SIG_SETMASK, &none, nullptr);
-    setpgid(0, 0);
-    // SIGKILL even reaches a stopped process; the agents are started without
-    // --exit-with-parent so that this stays in force after exec.
-    prctl(PR_SET_PDEATHSIG, SIGKILL);
-    if (getppid() != parent) _exit(1);
-    dup2(log, STDOUT_FILENO);
-    dup2(log, STDERR_FILENO);
-    int devnull = open("/dev/null", O_RDONLY);
-    if (devnull >= 0) dup2(devnull, STDIN_FILENO);
-    execvp(args[0], args.data());
-    _exit(127);
-  }
+  // The agents are started without --exit-with-parent so that the child's SIGKILL-on-parent-
+  // death stays in force after exec.
+  StatusOr<pid_t> child = ForkInGroup(full, log);
   close(log);
-  // Also from the parent, so that a signal to the group cannot miss a child not yet scheduled.
-  setpgid(pid, pid);
+  if (!child.ok()) return child.status();
+  const pid_t pid = *child;
   RegisterGroup(pid);
   std::unique_ptr<NodeProcess> process(new NodeProcess());
   process->pid_ = pid;
