@@ -256,7 +256,8 @@ void PrefillSide::OnConnect(ConnectionId id, const control::ConnectionInfo& info
 }
 
 void PrefillSide::OnMessage(ConnectionId conn, const v1::Envelope& envelope) {
-  if (envelope.body_case() != v1::Envelope::kHello) OnHeartbeat(conn);  // any frame says alive
+  // Any frame says the peer is alive: the handlers of requests and aborts note it under the lock
+  // they take anyway; the rarer frames below note it here.
   switch (envelope.body_case()) {
     case v1::Envelope::kHello:
       return OnHello(conn, envelope.hello());
@@ -265,11 +266,13 @@ void PrefillSide::OnMessage(ConnectionId conn, const v1::Envelope& envelope) {
     case v1::Envelope::kAbort:
       return OnAbort(conn, envelope.abort());
     case v1::Envelope::kAbortAck:
+      OnHeartbeat(conn);
       // The decode side acknowledged an abort this engine sent; the room is already final here
       // and its writes were released before the abort went out.
       KVT_LOG_DEBUG("xfer", "abort of room '{}' acknowledged", envelope.abort_ack().room_id());
       return;
     case v1::Envelope::kError:
+      OnHeartbeat(conn);
       KVT_LOG_WARN("xfer", "connection {} reported: {}", conn,
                    control::StatusFromError(envelope.error()).ToString());
       return;
@@ -382,6 +385,7 @@ void PrefillSide::OnTransferRequest(ConnectionId conn, const v1::Envelope& envel
     if (session == sessions_.end()) {
       return reject(FailedPrecondition("send Hello before TransferRequest"));
     }
+    session->second.last_heard = Clock::now();
     if (session->second.closing) {
       return reject(Unavailable("the prefill engine '" + ctx_.options.name +
                                 "' is shutting down; send the room to another prefill engine"));
@@ -436,6 +440,9 @@ void PrefillSide::OnAbort(ConnectionId conn, const v1::Abort& abort) {
   AfterUnlock after;
   {
     MutexLock lock(ctx_.mu);
+    if (auto session = sessions_.find(conn); session != sessions_.end()) {
+      session->second.last_heard = Clock::now();
+    }
     PrefillRoom* room = table_.Find(abort.room_id());
     if (room != nullptr && room->have_request && room->conn == conn) {
       TakeWritesLocked(*room, after);
