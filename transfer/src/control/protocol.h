@@ -18,7 +18,9 @@ namespace kvt::control {
 // The version of the wire contract in proto/kvt/v1. Bump it only for a change an older peer
 // cannot ignore safely; peers with different versions refuse each other at Hello.
 // 2: TransferRequest carries its page list in dst_page_ids_le32.
-inline constexpr uint32_t kProtocolVersion = 2;
+// 3: Layout carries KV groups (draft models, latent buffers) and aux slots; TransferRequest
+//    names an aux slot and TransferDone carries its bytes.
+inline constexpr uint32_t kProtocolVersion = 3;
 
 // kvt::StatusCode <-> kvt.v1.StatusCode. Wire-only codes (UNAUTHENTICATED, ...) map to the
 // closest kvt code; UNSPECIFIED and unknown values map to kInternal.

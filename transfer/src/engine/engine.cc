@@ -83,6 +83,7 @@ class TransferEngine::Impl {
       const bool cuda = pool_->memory_kind() == pool::MemoryKind::kCuda;
       r.kind = cuda ? MemoryKind::kCuda : MemoryKind::kHost;
       r.device = cuda ? pool_->options().device : -1;
+      r.layer = static_cast<int32_t>(i % static_cast<size_t>(ctx_.num_layers()));
       regions.push_back(r);
     }
     ctx_.item_len = regions.empty() ? 0 : regions.front().item_len;

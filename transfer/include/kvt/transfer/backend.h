@@ -28,13 +28,17 @@ namespace kvt::transfer {
 
 enum class MemoryKind : uint8_t { kHost = 0, kCuda = 1 };
 
-// One local buffer to register: a pool's contiguous buffer (base, length, item_len).
+// One local buffer to register: a layout's KV buffer (base, length, item_len) and the transfer
+// layer it belongs to. Buffers are registered in the layout's buffer order (TransferLayout:
+// group by group, K of every layer then V, or one buffer per layer for latent groups), and a
+// peer's buffers correspond to ours index by index (the engines checked their layouts match).
 struct LocalRegion {
   uint64_t base = 0;
   uint64_t length = 0;
   uint64_t item_len = 0;
   MemoryKind kind = MemoryKind::kHost;
   int32_t device = -1;  // CUDA device ordinal for kCuda
+  int32_t layer = 0;    // transfer layer: a page write of layers [a, b) moves the buffers in it
 };
 
 // What a peer needs to write into one of our buffers; travels in the hello.
@@ -70,14 +74,16 @@ struct BackendCapabilities {
   bool notifies_completion = false;
 };
 
-// A page-indexed write: for every layer l in [layer_begin, layer_end), buffers l (K) and
-// num_layers + l (V), page src_pages[i] of ours goes to page dst_pages[i] of the peer's; whole
-// pages when `units` is empty, else each unit's bytes of every page. The engine validated the
-// pages against both sides' buffers (ValidatePlanSpec) before posting.
+// A page-indexed write: for every registered buffer whose layer lies in [layer_begin,
+// layer_end) (LocalRegion::layer; buffers of one layer in registration order, layers ascending),
+// page src_pages[i] of ours goes to page dst_pages[i] of the peer's; whole pages when `units` is
+// empty, else each unit's bytes of every page. Buffers may differ in item_len (a draft model's
+// pages hold other heads). The engine validated the pages against both sides' buffers
+// (ValidatePlanSpec) before posting.
 struct PageWrite {
   std::span<const int32_t> src_pages;
   std::span<const int32_t> dst_pages;
-  int32_t num_layers = 0;
+  int32_t num_layers = 0;  // transfer layers of the layout (the highest region layer + 1)
   int32_t layer_begin = 0;
   int32_t layer_end = 0;
   std::span<const PageUnit> units;
