@@ -43,6 +43,7 @@
 #include "kvt/pool/kv_pool.h"
 #include "kvt/transfer/backends.h"
 #include "kvt/transfer/control_options.h"
+#include "kvt/transfer/layout.h"
 
 namespace kvt::transfer {
 
@@ -137,8 +138,41 @@ struct EngineOptions {
   std::function<void(const std::string& room, size_t num_pages)> on_transfer_request;
 };
 
+// Options of one Send call (a chunk of a room's source pages).
+struct SendOptions {
+  // 0: the engine's default deadline. Counted from the room's first Send or request.
+  std::chrono::milliseconds deadline{0};
+  // false: more chunks follow (chunked prefill). Each chunk's pages follow the previous chunks'
+  // in token order and go to the next positions of the decode side's page list; each chunk has
+  // its own LayersReady count (LayersReady applies to the latest chunk), and the next chunk may
+  // be sent only once the previous one is ready up to its last layer.
+  bool last = true;
+  // The room's aux slot in this engine's layout (TransferLayout::aux); -1: none. Given with any
+  // chunk; its bytes are read once the last chunk's layers are all ready and written, so write
+  // them before the last LayersReady call.
+  int64_t aux_slot = -1;
+};
+
+// Options of one Receive call.
+struct ReceiveOptions {
+  std::chrono::milliseconds deadline{0};  // 0: the engine's default deadline
+  int32_t layer_begin = 0;                // transfer layers [layer_begin, layer_end)
+  int32_t layer_end = -1;                 // -1: every layer
+  // The aux slot of this engine's layout that receives the prefill slot's bytes; -1: none.
+  // Its bytes are written before the request becomes Success.
+  int64_t aux_slot = -1;
+};
+
 class TransferEngine {
  public:
+  // Registers the memory the layout describes (memory the caller owns and keeps alive and
+  // registered-size for the engine's life; never zeroed or written by registration) with the
+  // backend and, for prefill, starts listening. The layout is validated first (Validate()).
+  // options.tp_rank / tp_size are ignored: the layout's hold.
+  static StatusOr<std::unique_ptr<TransferEngine>> Create(
+      const EngineOptions& options, const TransferLayout& layout,
+      std::shared_ptr<Backend> backend = nullptr);
+
   // Registers the pool's buffers with the backend (the pool's guards refuse what they refuse:
   // slab-aliased or state-layer pools cannot be registered) and, for prefill, starts listening.
   // The pool must outlive the engine. `backend`: one made beforehand (e.g. to allocate the
@@ -165,6 +199,8 @@ class TransferEngine {
   Status Receive(const std::string& room, PeerHandle peer, std::vector<int32_t> dst_pages,
                  std::chrono::milliseconds deadline = std::chrono::milliseconds(0),
                  int32_t layer_begin = 0, int32_t layer_end = -1);
+  Status Receive(const std::string& room, PeerHandle peer, std::vector<int32_t> dst_pages,
+                 const ReceiveOptions& options);
 
   // ---- prefill side ---------------------------------------------------------------------------
   // Declares the room's source pages (token order). The transfer starts when the decode
@@ -174,6 +210,10 @@ class TransferEngine {
   // never comes thus ends too.
   Status Send(const std::string& room, std::vector<int32_t> src_pages,
               std::chrono::milliseconds deadline = std::chrono::milliseconds(0));
+  // The same with options: a chunk of a chunked prefill (options.last = false), an aux slot.
+  // A chunk that would take the room past the decode side's page count is refused (OutOfRange
+  // naming both counts) and changes nothing.
+  Status Send(const std::string& room, std::vector<int32_t> src_pages, const SendOptions& options);
   // Layers [0, layers_done) of the room are written in the pool; their pages may go out.
   // Monotone; values beyond the layer count are clamped.
   // CUDA pools: `ready` is an event the producer recorded on its compute stream after writing
@@ -196,6 +236,9 @@ class TransferEngine {
   Status Forget(const std::string& room);
 
   EngineStats stats() const;
+
+  // The layout this engine registered.
+  const TransferLayout& layout() const;
 
  private:
   class Impl;
