@@ -91,6 +91,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       if (key.ok()) {
         KVT_FUZZ_CHECK(key->offset <= key->allocation_bytes &&
                        region_length <= key->allocation_bytes - key->offset);
+        KVT_FUZZ_CHECK(key->allocation < key->allocations);
       }
       break;
     }

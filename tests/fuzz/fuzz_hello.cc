@@ -25,13 +25,18 @@ void ParseBackendParts(const transfer::PeerDescriptor& descriptor) {
     KVT_FUZZ_CHECK(split.worker_address.size() <= descriptor.address.size());
   } else if (descriptor.backend == "cuda_ipc") {
     (void)transfer::cuda_ipc::DecodeAddress(descriptor.address);
-    for (const transfer::RemoteRegion& region : descriptor.regions) {
-      StatusOr<transfer::cuda_ipc::RegionKey> key =
-          transfer::cuda_ipc::DecodeRegionKey(region.key, region.length);
-      if (!key.ok()) continue;
-      // The opened allocation must cover the whole buffer the peer describes.
-      KVT_FUZZ_CHECK(key->offset <= key->allocation_bytes &&
-                     region.length <= key->allocation_bytes - key->offset);
+    StatusOr<transfer::cuda_ipc::PeerKeys> keys =
+        transfer::cuda_ipc::DecodePeerKeys(descriptor.regions);
+    if (keys.ok()) {
+      KVT_FUZZ_CHECK(keys->allocation_of.size() == descriptor.regions.size() &&
+                     keys->offsets.size() == descriptor.regions.size());
+      for (size_t i = 0; i < descriptor.regions.size(); ++i) {
+        // Each buffer names an allocation the peer published, which covers the whole buffer.
+        KVT_FUZZ_CHECK(keys->allocation_of[i] < keys->allocations.size());
+        const uint64_t bytes = keys->allocations[keys->allocation_of[i]].bytes;
+        KVT_FUZZ_CHECK(keys->offsets[i] <= bytes &&
+                       descriptor.regions[i].length <= bytes - keys->offsets[i]);
+      }
     }
   } else if (descriptor.backend == "nccl") {
     StatusOr<transfer::nccl::ProcessAddress> peer =

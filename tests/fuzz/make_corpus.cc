@@ -186,6 +186,8 @@ void WriteHellos() {
                                .pci_bus_id = "0000:01:00.0",
                                .instance = 9};
   cuda_ipc::RegionKey key;
+  key.allocation = 0;
+  key.allocations = 1;
   key.offset = 0;
   key.allocation_bytes = uint64_t{65} * ct::kItemLen;
   Write("hello", "cuda_ipc",
@@ -221,6 +223,8 @@ void WriteBackendCodecs() {
                                .instance = 9};
   write(0, "cuda_ipc_address", cuda_ipc::EncodeAddress(ipc));
   cuda_ipc::RegionKey key;
+  key.allocation = 1;
+  key.allocations = 3;
   key.offset = 4096;
   key.allocation_bytes = 1 << 20;
   std::string length(8, '\0');

@@ -67,6 +67,8 @@ TEST(CudaIpcBackendTest, BackendNamesListCudaIpcAfterUcx) {
 RegionKey SampleKey() {
   RegionKey key;
   for (size_t i = 0; i < key.handle.size(); ++i) key.handle[i] = static_cast<char>(i * 37 + 1);
+  key.allocation = 2;
+  key.allocations = 3;
   key.offset = 4096;
   key.allocation_bytes = uint64_t{3} << 32;  // above 4 GiB: all eight bytes matter
   return key;
@@ -115,13 +117,13 @@ TEST(CudaIpcKeyTest, RefusesOtherMagicVersionAndHandleSize) {
   ASSERT_FALSE(magic.ok());
   EXPECT_THAT(magic.status().message(), HasSubstr("not a cuda_ipc buffer key"));
 
-  std::string v2 = good;
-  v2[4] = 2;
-  auto version = DecodeRegionKey(v2, 64);
+  std::string v3 = good;
+  v3[4] = 3;
+  auto version = DecodeRegionKey(v3, 64);
   ASSERT_FALSE(version.ok());
   EXPECT_EQ(version.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_THAT(version.status().message(), HasSubstr("version 2"));
-  EXPECT_THAT(version.status().message(), HasSubstr("reads version 1"));
+  EXPECT_THAT(version.status().message(), HasSubstr("version 3"));
+  EXPECT_THAT(version.status().message(), HasSubstr("reads version 2"));
 
   std::string handle = good;
   handle[5] = 32;

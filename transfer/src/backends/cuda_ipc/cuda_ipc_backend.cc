@@ -1,12 +1,16 @@
 // The cuda_ipc backend (see cuda_ipc_backend.h).
 //
-// Register: every buffer must be device memory of one GPU; the allocation holding it is found
-// with kvt::cuda::FindAllocation (the driver's cuMemGetAddressRange, looked up at run time) and
-// named by one cudaIpcGetMemHandle per distinct allocation; each buffer's
-// key carries (handle, offset in the allocation, allocation size).
+// Register: every buffer must be device memory of one GPU, often a sub-range of a larger
+// allocation (serving engines' caching allocators); the allocation holding it is found with
+// kvt::cuda::FindAllocation (the driver's cuMemGetAddressRange, looked up at run time), the
+// buffer must lie inside it, and each distinct allocation is exported once (cudaIpcGetMemHandle;
+// memory without a legacy IPC handle, such as VMM or cudaMallocAsync memory, is refused saying
+// what to allocate instead). Each buffer's key carries (allocation index and count, handle,
+// offset in the allocation, allocation size).
 //
 // Connect: a peer of this process is written through its own addresses; a peer in another
-// process of this host through a mapping of its allocation (cudaIpcOpenMemHandle), held in a
+// process of this host through a mapping of each of its allocations (cudaIpcOpenMemHandle, once
+// per allocation; a buffer is the mapping's base plus its offset), held in a
 // process-wide cache with one reference per connected peer, because CUDA maps an allocation
 // once per process and several peers (or engines) may name the same one.
 //
@@ -17,6 +21,7 @@
 // allocates nothing once warm: cudaMalloc and cudaFree synchronise the device.
 #include "backends/cuda_ipc/cuda_ipc_backend.h"
 
+#include <cuda.h>
 #include <cuda_runtime_api.h>
 #include <unistd.h>
 
@@ -122,6 +127,88 @@ Status WaitForEvent(cudaEvent_t event, Clock::duration limit, const std::string&
 using cuda::Allocation;
 using cuda::FindAllocation;
 
+// ---- Exporting an allocation --------------------------------------------------------------
+
+constexpr char kShareableMemoryAdvice[] =
+    "allocate the pool with plain cudaMalloc (for PyTorch: leave expandable_segments:True out of "
+    "PYTORCH_CUDA_ALLOC_CONF, so its caching allocator uses cudaMalloc), or use the ucx backend";
+
+using PointerGetAttributeFn = CUresult (*)(void*, CUpointer_attribute, CUdeviceptr);
+
+// The driver's cuPointerGetAttribute, found at run time (the library links the CUDA runtime
+// only); null when the driver lacks it.
+PointerGetAttributeFn PointerGetAttributeFunction() {
+  static const PointerGetAttributeFn function = []() -> PointerGetAttributeFn {
+    void* symbol = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+#if CUDART_VERSION >= 12050
+    const cudaError_t err = cudaGetDriverEntryPointByVersion("cuPointerGetAttribute", &symbol,
+                                                             12000, cudaEnableDefault, &found);
+#else
+    const cudaError_t err =
+        cudaGetDriverEntryPoint("cuPointerGetAttribute", &symbol, cudaEnableDefault, &found);
+#endif
+    if (err != cudaSuccess || found != cudaDriverEntryPointSuccess || symbol == nullptr) {
+      (void)cudaGetLastError();
+      KVT_LOG_DEBUG("ipc", "the CUDA driver does not provide cuPointerGetAttribute ({})",
+                    static_cast<int>(found));
+      return nullptr;
+    }
+    return reinterpret_cast<PointerGetAttributeFn>(symbol);
+  }();
+  return function;
+}
+
+// Why legacy CUDA IPC (cudaIpcGetMemHandle) cannot share the allocation at `address`: memory of
+// the virtual memory API (cuMemCreate + cuMemMap, which PyTorch's expandable segments use) or of
+// a stream-ordered pool (cudaMallocAsync) has no legacy IPC handle. Empty when it can, or when
+// the driver cannot tell (cudaIpcGetMemHandle then decides).
+std::string WhyNotLegacyIpcCapable(uint64_t address) {
+  const PointerGetAttributeFn get = PointerGetAttributeFunction();
+  if (get == nullptr) return "";
+  int capable = 0;  // zeroed in full: the driver writes a boolean
+  if (get(&capable, CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE,
+          static_cast<CUdeviceptr>(address)) != CUDA_SUCCESS) {
+    return "";
+  }
+  if (capable != 0) return "";
+  CUmemoryPool pool = nullptr;
+  if (get(&pool, CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE, static_cast<CUdeviceptr>(address)) ==
+          CUDA_SUCCESS &&
+      pool != nullptr) {
+    return "comes from a stream-ordered memory pool (cudaMallocAsync / cudaMemPool)";
+  }
+  return "is memory of the CUDA virtual memory API (cuMemCreate + cuMemMap, as PyTorch's "
+         "expandable_segments:True allocates)";
+}
+
+// The IPC handle of the whole allocation holding buffer `which`. The allocation's context is
+// current.
+StatusOr<cuda_ipc::IpcHandleBytes> ExportAllocation(const Allocation& alloc,
+                                                    const std::string& which) {
+  const std::string allocation = "the " + Num(alloc.bytes) + "-byte CUDA allocation [" +
+                                 Hex(alloc.base) + ", " + Hex(alloc.base + alloc.bytes) +
+                                 ") holding " + which;
+  const std::string why_not = WhyNotLegacyIpcCapable(alloc.base);
+  if (!why_not.empty()) {
+    return FailedPrecondition(allocation + " " + why_not +
+                              ", which CUDA IPC (cudaIpcGetMemHandle) cannot share; " +
+                              kShareableMemoryAdvice);
+  }
+  cudaIpcMemHandle_t handle;
+  const cudaError_t got = cudaIpcGetMemHandle(&handle, reinterpret_cast<void*>(alloc.base));
+  if (got != cudaSuccess) {
+    return FailedPrecondition(cuda::ToStatus(got, "cudaIpcGetMemHandle").message() +
+                              ": cannot share " + allocation +
+                              "; cuda_ipc shares cudaMalloc memory only (not VMM memory from "
+                              "cuMemCreate, cudaMallocAsync pools or managed memory): " +
+                              kShareableMemoryAdvice);
+  }
+  cuda_ipc::IpcHandleBytes bytes;
+  std::memcpy(bytes.data(), &handle, sizeof(handle));
+  return bytes;
+}
+
 // ---- Process-wide cache of opened peer allocations ----------------------------------------
 
 class MappingCache {
@@ -131,10 +218,10 @@ class MappingCache {
     return *cache;
   }
 
-  // Takes a reference on the mapping of the allocation `key` names, opening it (on `device`,
-  // which the caller made current) if this process has not yet. Returns its address here.
-  StatusOr<uint64_t> Acquire(const RegionKey& key, int device) {
-    const std::string id(key.handle.data(), key.handle.size());
+  // Takes a reference on the mapping of `allocation`, opening it (on `device`, which the caller
+  // made current) if this process has not yet. Returns its address here.
+  StatusOr<uint64_t> Acquire(const cuda_ipc::PeerAllocation& allocation, int device) {
+    const std::string id(allocation.handle.data(), allocation.handle.size());
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = mappings_.find(id);
     if (it != mappings_.end()) {
@@ -142,12 +229,12 @@ class MappingCache {
       return it->second.base;
     }
     cudaIpcMemHandle_t handle;
-    std::memcpy(&handle, key.handle.data(), sizeof(handle));
+    std::memcpy(&handle, allocation.handle.data(), sizeof(handle));
     void* mapped = nullptr;
     const cudaError_t err = cudaIpcOpenMemHandle(&mapped, handle, cudaIpcMemLazyEnablePeerAccess);
     if (err != cudaSuccess) {
       return Unavailable(cuda::ToStatus(err, "cudaIpcOpenMemHandle").message() +
-                         " (opening the peer's allocation of " + Num(key.allocation_bytes) +
+                         " (opening the peer's allocation of " + Num(allocation.bytes) +
                          " bytes on device " + std::to_string(device) +
                          "); the peer must be alive with its pool allocated, and its GPU "
                          "reachable from this one");
@@ -155,9 +242,9 @@ class MappingCache {
     const uint64_t base = reinterpret_cast<uint64_t>(mapped);
     // A key that claims more than the handle maps would let writes run past the mapping.
     StatusOr<Allocation> range = FindAllocation(base);
-    if (range.ok() && range->bytes < key.allocation_bytes) {
+    if (range.ok() && range->bytes < allocation.bytes) {
       if (cudaIpcCloseMemHandle(mapped) != cudaSuccess) (void)cudaGetLastError();
-      return InvalidArgument("the peer's key claims an allocation of " + Num(key.allocation_bytes) +
+      return InvalidArgument("the peer's key claims an allocation of " + Num(allocation.bytes) +
                              " bytes, but its handle maps " + Num(range->bytes) +
                              "; the peer's descriptor is inconsistent");
     }
@@ -167,7 +254,7 @@ class MappingCache {
     }
     mappings_.emplace(id, Mapping{base, device, 1});
     KVT_LOG_DEBUG("ipc", "opened a peer allocation of {} bytes at {} on device {}",
-                  key.allocation_bytes, Hex(base), device);
+                  allocation.bytes, Hex(base), device);
     return base;
   }
 
@@ -315,8 +402,10 @@ class CudaIpcBackend final : public Backend {
     DeviceGuard guard(device);
     KVT_RETURN_IF_ERROR(guard.status());
 
-    std::map<uint64_t, cuda_ipc::IpcHandleBytes> handles;  // by allocation base
-    std::vector<std::string> keys;
+    // One IPC handle per distinct allocation, indexed in order of first use.
+    std::map<uint64_t, uint32_t> allocation_index;  // by allocation base
+    std::vector<RegionKey> exported;                // by allocation index, without an offset
+    std::vector<RegionKey> keys;                    // by buffer
     for (size_t i = 0; i < regions.size(); ++i) {
       const LocalRegion& r = regions[i];
       const std::string which = "buffer " + Num(i) + " at " + Hex(r.base);
@@ -339,32 +428,29 @@ class CudaIpcBackend final : public Backend {
       StatusOr<Allocation> alloc = FindAllocation(r.base);
       if (!alloc.ok()) return alloc.status().WithContext("finding the allocation of " + which);
       if (r.base - alloc->base > alloc->bytes || r.length > alloc->bytes - (r.base - alloc->base)) {
-        return InvalidArgument(which + " (" + Num(r.length) +
-                               " bytes) runs past the end of its CUDA allocation [" +
-                               Hex(alloc->base) + ", +" + Num(alloc->bytes) +
-                               "); a registered buffer must lie inside one allocation");
+        return InvalidArgument(
+            "buffer " + Num(i) + " [" + Hex(r.base) + ", " + Hex(r.base + r.length) + ") of " +
+            Num(r.length) + " bytes runs past the end of its CUDA allocation [" + Hex(alloc->base) +
+            ", " + Hex(alloc->base + alloc->bytes) + ") of " + Num(alloc->bytes) +
+            " bytes (the one holding its start); a registered buffer must lie inside one "
+            "allocation "
+            "(split a buffer that spans allocations, or allocate the pool in one piece)");
       }
-      auto handle = handles.find(alloc->base);
-      if (handle == handles.end()) {
-        cudaIpcMemHandle_t h;
-        const cudaError_t got = cudaIpcGetMemHandle(&h, reinterpret_cast<void*>(alloc->base));
-        if (got != cudaSuccess) {
-          return FailedPrecondition(
-              cuda::ToStatus(got, "cudaIpcGetMemHandle").message() + ": cannot share the " +
-              Num(alloc->bytes) + "-byte allocation holding " + which +
-              "; cuda_ipc shares memory from cudaMalloc (not cudaMallocAsync pools, managed "
-              "memory or VMM allocations without an IPC handle type)");
-        }
-        cuda_ipc::IpcHandleBytes bytes;
-        std::memcpy(bytes.data(), &h, sizeof(h));
-        handle = handles.emplace(alloc->base, bytes).first;
+      auto index = allocation_index.find(alloc->base);
+      if (index == allocation_index.end()) {
+        KVT_ASSIGN_OR_RETURN(cuda_ipc::IpcHandleBytes handle, ExportAllocation(*alloc, which));
+        index = allocation_index.emplace(alloc->base, static_cast<uint32_t>(exported.size())).first;
+        RegionKey key;
+        key.allocation = index->second;
+        key.handle = handle;
+        key.allocation_bytes = alloc->bytes;
+        exported.push_back(key);
       }
-      RegionKey key;
-      key.handle = handle->second;
+      RegionKey key = exported[index->second];
       key.offset = r.base - alloc->base;
-      key.allocation_bytes = alloc->bytes;
-      keys.push_back(cuda_ipc::EncodeRegionKey(key));
+      keys.push_back(key);
     }
+    for (RegionKey& key : keys) key.allocations = static_cast<uint32_t>(exported.size());
 
     char pci[64] = {};
     KVT_CUDA_RETURN_IF_ERROR(cudaDeviceGetPCIBusId(pci, sizeof(pci) - 1, device));
@@ -386,13 +472,14 @@ class CudaIpcBackend final : public Backend {
     descriptor.backend = "cuda_ipc";
     descriptor.address = cuda_ipc::EncodeAddress(self);
     for (size_t i = 0; i < regions.size(); ++i) {
-      descriptor.regions.push_back(
-          RemoteRegion{regions[i].base, regions[i].length, regions[i].item_len, keys[i]});
+      descriptor.regions.push_back(RemoteRegion{regions[i].base, regions[i].length,
+                                                regions[i].item_len,
+                                                cuda_ipc::EncodeRegionKey(keys[i])});
     }
     local_.assign(regions.begin(), regions.end());
     device_ = device;
     KVT_LOG_DEBUG("ipc", "registered {} buffers in {} allocations on device {} ({})",
-                  regions.size(), handles.size(), device, self.pci_bus_id);
+                  regions.size(), exported.size(), device, self.pci_bus_id);
     return descriptor;
   }
 
@@ -403,13 +490,8 @@ class CudaIpcBackend final : public Backend {
     }
     StatusOr<ProcessAddress> address = cuda_ipc::DecodeAddress(descriptor.address);
     if (!address.ok()) return address.status().WithContext("the peer's cuda_ipc address");
-    std::vector<RegionKey> keys;
-    for (size_t i = 0; i < descriptor.regions.size(); ++i) {
-      StatusOr<RegionKey> key =
-          cuda_ipc::DecodeRegionKey(descriptor.regions[i].key, descriptor.regions[i].length);
-      if (!key.ok()) return key.status().WithContext("the peer's buffer " + Num(i));
-      keys.push_back(*key);
-    }
+    StatusOr<cuda_ipc::PeerKeys> keys = cuda_ipc::DecodePeerKeys(descriptor.regions);
+    if (!keys.ok()) return keys.status();
     if (!cuda_ipc::SameHost(*address, Self())) {
       return FailedPrecondition(
           "cuda_ipc reaches peers on the same host only, but the peer's "
@@ -442,26 +524,22 @@ class CudaIpcBackend final : public Backend {
       // CUDA refuses to open this process's own handles; the addresses are valid as they are.
       for (const RemoteRegion& r : descriptor.regions) peer.dst_bases.push_back(r.base);
     } else {
-      std::map<std::string, std::pair<uint64_t, uint64_t>> opened;  // handle -> (base, bytes)
-      for (size_t i = 0; i < keys.size(); ++i) {
-        const std::string id(keys[i].handle.data(), keys[i].handle.size());
-        auto it = opened.find(id);
-        if (it == opened.end()) {
-          StatusOr<uint64_t> base = MappingCache::Get().Acquire(keys[i], device_);
-          if (!base.ok()) {
-            ReleaseMappings(peer);
-            return base.status().WithContext("connecting to the peer's buffer " + Num(i));
-          }
-          peer.mapped.push_back(id);
-          it = opened.emplace(id, std::pair(*base, keys[i].allocation_bytes)).first;
-        } else if (it->second.second != keys[i].allocation_bytes) {
+      // Each allocation is opened once (through the process-wide cache); its buffers lie at
+      // offsets from where it is mapped here.
+      std::vector<uint64_t> mapped_base;  // by allocation index
+      for (size_t a = 0; a < keys->allocations.size(); ++a) {
+        const cuda_ipc::PeerAllocation& allocation = keys->allocations[a];
+        StatusOr<uint64_t> base = MappingCache::Get().Acquire(allocation, device_);
+        if (!base.ok()) {
           ReleaseMappings(peer);
-          return InvalidArgument("the peer's buffer " + Num(i) + " names an allocation of " +
-                                 Num(keys[i].allocation_bytes) + " bytes, an earlier buffer the " +
-                                 "same allocation with " + Num(it->second.second) +
-                                 " bytes; the peer's descriptor is inconsistent");
+          return base.status().WithContext("connecting to the peer's allocation " + Num(a) +
+                                           " of " + Num(keys->allocations.size()));
         }
-        peer.dst_bases.push_back(it->second.first + keys[i].offset);
+        peer.mapped.emplace_back(allocation.handle.data(), allocation.handle.size());
+        mapped_base.push_back(*base);
+      }
+      for (size_t i = 0; i < descriptor.regions.size(); ++i) {
+        peer.dst_bases.push_back(mapped_base[keys->allocation_of[i]] + keys->offsets[i]);
       }
     }
     const PeerId id = next_peer_++;

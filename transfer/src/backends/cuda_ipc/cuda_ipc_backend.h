@@ -3,6 +3,11 @@
 // process through the addresses themselves — with one page-copy kernel launch per write on a
 // private non-blocking stream. Host pools are not its business (ucx, loopback).
 //
+// Buffers may be sub-ranges of larger cudaMalloc allocations (as serving engines' caching
+// allocators hand them out): each allocation is exported once and opened once per process.
+// Memory without a legacy CUDA IPC handle (cuMemCreate/cuMemMap, cudaMallocAsync pools) is
+// refused at Register.
+//
 // Thread safety: every method may be called from any thread (one mutex per backend); the
 // process-wide cache of opened IPC mappings has its own mutex, always taken after a backend's.
 #pragma once
