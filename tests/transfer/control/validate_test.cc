@@ -97,6 +97,35 @@ v1::Envelope RegisterReply() {
   return e;
 }
 
+constexpr v1::KvShape KV = v1::KV_SHAPE_KEY_VALUE;
+constexpr v1::KvShape LATENT = v1::KV_SHAPE_LATENT;
+
+v1::PeerInfo* PeerInfoOf(v1::Envelope& e) { return e.mutable_hello()->mutable_peer(); }
+v1::Layout* PeerLayout(v1::Envelope& e) { return PeerInfoOf(e)->mutable_layout(); }
+
+// Replaces the hello's layout groups by valid groups of these shapes and layer counts (bf16,
+// 8 heads of 128, page_size 16; a latent group holds one head).
+void SetGroups(v1::Envelope& e, const std::vector<std::pair<v1::KvShape, uint32_t>>& groups) {
+  v1::Layout* layout = PeerLayout(e);
+  layout->clear_groups();
+  for (const auto& [shape, layers] : groups) {
+    v1::KvGroup* group = layout->add_groups();
+    group->set_shape(shape);
+    group->set_num_layers(layers);
+    group->set_head_num(shape == v1::KV_SHAPE_LATENT ? 1 : 8);
+    group->set_head_dim(128);
+    group->set_dtype(v1::DTYPE_BF16);
+    group->set_page_bytes(16ull * group->head_num() * 128 * 2);
+  }
+}
+
+void SetAux(v1::Envelope& e, const std::vector<uint64_t>& slot_bytes, uint64_t slots) {
+  v1::Layout* layout = PeerLayout(e);
+  layout->clear_aux_slot_bytes();
+  for (uint64_t bytes : slot_bytes) layout->add_aux_slot_bytes(bytes);
+  layout->set_aux_slots(slots);
+}
+
 struct Case {
   std::string name;
   std::function<v1::Envelope()> make;
@@ -239,6 +268,99 @@ INSTANTIATE_TEST_SUITE_P(
                e.mutable_hello()->mutable_peer()->mutable_buffers(1)->set_buffer_index(8);
              },
              "hello.peer.buffers[1].buffer_index = 8: must be < 2 * num_layers = 8"},
+        // Layout groups and aux slots (protocol 3). HELLO's peer has 4 layers and 8 buffers.
+        Case{"HelloGroupsOk", HELLO, [](v1::Envelope& e) { SetGroups(e, {{KV, 3}, {KV, 1}}); },
+             ""},
+        Case{"HelloTooManyGroups", HELLO,
+             [](v1::Envelope& e) {
+               SetGroups(e, std::vector<std::pair<v1::KvShape, uint32_t>>(17, {KV, 1}));
+               PeerLayout(e)->set_num_layers(17);
+             },
+             "hello.peer.layout.groups has 17 entries; the limit is 16"},
+        Case{"HelloGroupNoShape", HELLO,
+             [](v1::Envelope& e) { SetGroups(e, {{v1::KV_SHAPE_UNSPECIFIED, 4}}); },
+             "hello.peer.layout.groups[0].shape = UNSPECIFIED: must be set"},
+        Case{"HelloGroupUnknownShape", HELLO,
+             [](v1::Envelope& e) { SetGroups(e, {{static_cast<v1::KvShape>(9), 4}}); },
+             "hello.peer.layout.groups[0].shape = 9: not a known value"},
+        Case{"HelloGroupZeroLayers", HELLO,
+             [](v1::Envelope& e) { SetGroups(e, {{KV, 4}, {KV, 0}}); },
+             "hello.peer.layout.groups[1].num_layers = 0: must be in 1..4096"},
+        Case{"HelloGroupTooManyLayers", HELLO,
+             [](v1::Envelope& e) { SetGroups(e, {{KV, 5000}}); },
+             "hello.peer.layout.groups[0].num_layers = 5000: must be in 1..4096"},
+        Case{"HelloGroupZeroHeads", HELLO,
+             [](v1::Envelope& e) {
+               SetGroups(e, {{KV, 4}});
+               PeerLayout(e)->mutable_groups(0)->set_head_num(0);
+             },
+             "hello.peer.layout.groups[0].head_num = 0: must be in 1..65536"},
+        Case{"HelloGroupHeadDimTooBig", HELLO,
+             [](v1::Envelope& e) {
+               SetGroups(e, {{KV, 4}});
+               PeerLayout(e)->mutable_groups(0)->set_head_dim(70000);
+             },
+             "hello.peer.layout.groups[0].head_dim = 70000: must be in 1..65536"},
+        Case{"HelloGroupNoDtype", HELLO,
+             [](v1::Envelope& e) {
+               SetGroups(e, {{KV, 4}});
+               PeerLayout(e)->mutable_groups(0)->clear_dtype();
+             },
+             "hello.peer.layout.groups[0].dtype = UNSPECIFIED: must be set"},
+        Case{"HelloGroupUnknownDtype", HELLO,
+             [](v1::Envelope& e) {
+               SetGroups(e, {{KV, 4}});
+               PeerLayout(e)->mutable_groups(0)->set_dtype(static_cast<v1::DType>(42));
+             },
+             "hello.peer.layout.groups[0].dtype = 42: not a known value"},
+        Case{"HelloGroupNoPageBytes", HELLO,
+             [](v1::Envelope& e) {
+               SetGroups(e, {{KV, 4}});
+               PeerLayout(e)->mutable_groups(0)->set_page_bytes(0);
+             },
+             "hello.peer.layout.groups[0].page_bytes = 0: must be > 0"},
+        Case{"HelloGroupLayersDisagree", HELLO,
+             [](v1::Envelope& e) { SetGroups(e, {{KV, 3}, {KV, 2}}); },
+             "hello.peer.layout.num_layers = 4: the 2 groups hold 5 layers in all; num_layers "
+             "must be their sum"},
+        // Buffers: 2 per KEY_VALUE layer, 1 per LATENT layer.
+        Case{"HelloLatentGroupFewerBuffers", HELLO,
+             [](v1::Envelope& e) {
+               SetGroups(e, {{KV, 2}, {LATENT, 2}});  // 4 + 2 = 6 buffers, HELLO lists 8
+             },
+             "hello.peer.buffers has 8 entries; the limit is 6"},
+        Case{"HelloLatentGroupBuffersOk", HELLO,
+             [](v1::Envelope& e) {
+               SetGroups(e, {{KV, 2}, {LATENT, 2}});
+               PeerInfoOf(e)->mutable_buffers()->DeleteSubrange(6, 2);
+             },
+             ""},
+        Case{"HelloLatentGroupBufferIndexPastCount", HELLO,
+             [](v1::Envelope& e) {
+               SetGroups(e, {{LATENT, 4}});  // 4 buffers
+               PeerInfoOf(e)->mutable_buffers()->DeleteSubrange(4, 4);
+               PeerInfoOf(e)->mutable_buffers(3)->set_buffer_index(5);
+             },
+             "hello.peer.buffers[3].buffer_index = 5: must be < the layout's buffer count 4"},
+        Case{"HelloAuxOk", HELLO, [](v1::Envelope& e) { SetAux(e, {64, 4096}, 128); }, ""},
+        Case{"HelloTooManyAuxBuffers", HELLO,
+             [](v1::Envelope& e) { SetAux(e, std::vector<uint64_t>(65, 8), 16); },
+             "hello.peer.layout.aux_slot_bytes has 65 entries; the limit is 64"},
+        Case{"HelloAuxSlotEmpty", HELLO, [](v1::Envelope& e) { SetAux(e, {64, 0}, 16); },
+             "hello.peer.layout.aux_slot_bytes[1] = 0: must be in 1..16777216"},
+        Case{"HelloAuxSlotTooBig", HELLO,
+             [](v1::Envelope& e) { SetAux(e, {(16u << 20) + 1}, 16); },
+             "hello.peer.layout.aux_slot_bytes[0] = 16777217: must be in 1..16777216"},
+        Case{"HelloAuxBuffersWithoutSlots", HELLO, [](v1::Envelope& e) { SetAux(e, {64}, 0); },
+             "hello.peer.layout.aux_slots = 0: must be > 0: aux_slot_bytes lists 1 aux buffers"},
+        Case{"HelloAuxSlotsWithoutBuffers", HELLO, [](v1::Envelope& e) { SetAux(e, {}, 16); },
+             "hello.peer.layout.aux_slots = 16: must be 0 when aux_slot_bytes is empty"},
+        Case{"RegisterLayoutGroupsChecked", REG,
+             [](v1::Envelope& e) {
+               v1::Layout* layout = e.mutable_register_agent()->mutable_agent()->mutable_layout();
+               layout->add_groups()->set_shape(v1::KV_SHAPE_KEY_VALUE);
+             },
+             "register_agent.agent.layout.groups[0].num_layers = 0"},
         Case{"HelloBufferTooShort", HELLO,
              [](v1::Envelope& e) {
                e.mutable_hello()->mutable_peer()->mutable_buffers(2)->set_length(100);
@@ -444,9 +566,28 @@ TEST(CheckProtocolVersionTest, NamesBothVersions) {
   EXPECT_TRUE(CheckProtocolVersion(kProtocolVersion).ok());
   Status status = CheckProtocolVersion(kProtocolVersion + 1);
   EXPECT_EQ(status.code(), StatusCode::kFailedPrecondition);
-  EXPECT_THAT(status.message(), HasSubstr("peer speaks 3, this side speaks 2"));
-  // A version-1 peer (page lists as repeated varints only) is refused at hello.
-  EXPECT_THAT(CheckProtocolVersion(1).message(), HasSubstr("peer speaks 1, this side speaks 2"));
+  const std::string ours = std::to_string(kProtocolVersion);
+  EXPECT_THAT(status.message(), HasSubstr("peer speaks " + std::to_string(kProtocolVersion + 1) +
+                                          ", this side speaks " + ours));
+  // Older peers (version 1: page lists as repeated varints only; version 2: no layout groups or
+  // aux slots) are refused at hello.
+  EXPECT_THAT(CheckProtocolVersion(1).message(),
+              HasSubstr("peer speaks 1, this side speaks " + ours));
+  EXPECT_THAT(CheckProtocolVersion(2).message(),
+              HasSubstr("peer speaks 2, this side speaks " + ours));
+}
+
+TEST(LayoutBufferCountTest, TwoPerKeyValueLayerOnePerLatentLayer) {
+  v1::Layout layout = testing::MakeLayout(4);
+  EXPECT_EQ(LayoutBufferCount(layout), 8u);  // no groups: one KEY_VALUE group
+  layout.set_num_layers(64);
+  v1::KvGroup* target = layout.add_groups();
+  target->set_shape(v1::KV_SHAPE_LATENT);
+  target->set_num_layers(61);
+  v1::KvGroup* draft = layout.add_groups();
+  draft->set_shape(v1::KV_SHAPE_KEY_VALUE);
+  draft->set_num_layers(3);
+  EXPECT_EQ(LayoutBufferCount(layout), 61u + 2u * 3u);
 }
 
 TEST(PeerContextTest, ComesFromTheHello) {

@@ -14,7 +14,10 @@
 namespace kvt::control {
 namespace {
 
-constexpr size_t kMaxBackendTokenBytes = 4096;  // HelloAck.backend_token
+constexpr size_t kMaxBackendTokenBytes = 4096;      // HelloAck.backend_token
+constexpr size_t kMaxKvGroups = 16;                 // Layout.groups
+constexpr size_t kMaxAuxBuffers = 64;               // Layout.aux_slot_bytes
+constexpr uint64_t kMaxAuxSlotBytes = 16ull << 20;  // each Layout.aux_slot_bytes entry
 
 // Strings from the peer go into our error messages and logs: show a bounded, escaped prefix.
 std::string Shown(std::string_view value) {
@@ -154,6 +157,43 @@ Status ValidateLayout(const v1::Layout& layout, std::string_view path,
   }
   KVT_RETURN_IF_ERROR(
       CheckRange(f("total_kv_heads"), layout.total_kv_heads(), 0, limits.max_heads));
+
+  KVT_RETURN_IF_ERROR(CheckCount(f("groups"), layout.groups_size(), kMaxKvGroups));
+  uint64_t group_layers = 0;
+  for (int i = 0; i < layout.groups_size(); ++i) {
+    const v1::KvGroup& group = layout.groups(i);
+    auto g = [&](std::string_view name) { return fmt::format("{}.groups[{}].{}", path, i, name); };
+    KVT_RETURN_IF_ERROR(CheckEnum(g("shape"), group.shape(), v1::KvShape_IsValid, false));
+    KVT_RETURN_IF_ERROR(CheckRange(g("num_layers"), group.num_layers(), 1, limits.max_layers));
+    KVT_RETURN_IF_ERROR(CheckRange(g("head_num"), group.head_num(), 1, limits.max_heads));
+    KVT_RETURN_IF_ERROR(CheckRange(g("head_dim"), group.head_dim(), 1, limits.max_head_dim));
+    KVT_RETURN_IF_ERROR(CheckEnum(g("dtype"), group.dtype(), v1::DType_IsValid, false));
+    if (group.page_bytes() == 0) return Invalid(g("page_bytes"), "0", "must be > 0");
+    group_layers += group.num_layers();
+  }
+  if (layout.groups_size() > 0 && group_layers != layout.num_layers()) {
+    return Invalid(f("num_layers"), std::to_string(layout.num_layers()),
+                   fmt::format("the {} groups hold {} layers in all; num_layers must be their sum",
+                               layout.groups_size(), group_layers));
+  }
+
+  KVT_RETURN_IF_ERROR(
+      CheckCount(f("aux_slot_bytes"), layout.aux_slot_bytes_size(), kMaxAuxBuffers));
+  for (int i = 0; i < layout.aux_slot_bytes_size(); ++i) {
+    KVT_RETURN_IF_ERROR(CheckRange(fmt::format("{}.aux_slot_bytes[{}]", path, i),
+                                   layout.aux_slot_bytes(i), 1, kMaxAuxSlotBytes));
+  }
+  if (layout.aux_slot_bytes_size() == 0 && layout.aux_slots() != 0) {
+    return Invalid(f("aux_slots"), std::to_string(layout.aux_slots()),
+                   "must be 0 when aux_slot_bytes is empty (a layout without aux buffers has no "
+                   "aux slots)");
+  }
+  if (layout.aux_slot_bytes_size() != 0 && layout.aux_slots() == 0) {
+    return Invalid(f("aux_slots"), "0",
+                   fmt::format("must be > 0: aux_slot_bytes lists {} aux buffers, and each holds "
+                               "aux_slots slots",
+                               layout.aux_slot_bytes_size()));
+  }
   return OkStatus();
 }
 
@@ -201,7 +241,7 @@ Status ValidatePeerInfo(const v1::PeerInfo& peer, std::string_view path,
                    fmt::format("must be <= {} (a day)", kMaxFenceMs));
   }
 
-  const uint64_t max_buffers = 2ull * peer.layout().num_layers();
+  const uint64_t max_buffers = LayoutBufferCount(peer.layout());
   const uint64_t num_pages = peer.layout().num_pages();
   KVT_RETURN_IF_ERROR(CheckCount(f("buffers"), peer.buffers_size(), max_buffers));
   std::vector<bool> seen(max_buffers, false);
@@ -210,7 +250,11 @@ Status ValidatePeerInfo(const v1::PeerInfo& peer, std::string_view path,
     const std::string b = fmt::format("{}.buffers[{}]", path, i);
     if (buffer.buffer_index() >= max_buffers) {
       return Invalid(b + ".buffer_index", std::to_string(buffer.buffer_index()),
-                     fmt::format("must be < 2 * num_layers = {}", max_buffers));
+                     peer.layout().groups_size() == 0
+                         ? fmt::format("must be < 2 * num_layers = {}", max_buffers)
+                         : fmt::format("must be < the layout's buffer count {} (2 per "
+                                       "KEY_VALUE layer, 1 per LATENT layer, over its groups)",
+                                       max_buffers));
     }
     if (seen[buffer.buffer_index()]) {
       return Invalid(b + ".buffer_index", std::to_string(buffer.buffer_index()), "appears twice");
@@ -493,6 +537,15 @@ Status CheckProtocolVersion(uint32_t peer_version) {
       "protocol version mismatch: peer speaks {}, this side speaks {}; run the same kvt "
       "release on both sides",
       peer_version, kProtocolVersion));
+}
+
+uint64_t LayoutBufferCount(const v1::Layout& layout) {
+  if (layout.groups_size() == 0) return 2ull * layout.num_layers();
+  uint64_t buffers = 0;
+  for (const v1::KvGroup& group : layout.groups()) {
+    buffers += (group.shape() == v1::KV_SHAPE_LATENT ? 1ull : 2ull) * group.num_layers();
+  }
+  return buffers;
 }
 
 PeerContext PeerContextFrom(const v1::PeerInfo& peer) {

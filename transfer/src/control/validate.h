@@ -38,6 +38,12 @@ Status Validate(const v1::Envelope& envelope, const PeerContext& peer = {},
 // ("protocol version mismatch: peer speaks 2, this side speaks 1; ...").
 Status CheckProtocolVersion(uint32_t peer_version);
 
+// Buffers a layout describes, the length of PeerInfo.buffers when every buffer is registered:
+// over its groups, 2 per KEY_VALUE layer and 1 per LATENT layer; without groups 2 * num_layers
+// (one KEY_VALUE group). A shape this build does not know counts as KEY_VALUE (the bound stays
+// generous; Validate refuses such a layout anyway).
+uint64_t LayoutBufferCount(const v1::Layout& layout);
+
 // The PeerContext a (valid) PeerInfo describes.
 PeerContext PeerContextFrom(const v1::PeerInfo& peer);
 
