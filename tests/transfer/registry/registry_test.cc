@@ -1,10 +1,16 @@
 #include "kvt/transfer/registry.h"
 
+#include <arpa/inet.h>
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <ifaddrs.h>
+#include <netinet/in.h>
 
 #include <thread>
 #include <utility>
 #include <vector>
+
+#include "control/control_client.h"
 
 namespace kvt::transfer {
 namespace {
@@ -123,6 +129,149 @@ TEST(RegistryTest, EntriesComeBackFieldByField) {
   auto bare_found = (*server)->Lookup("bare", AgentRole::kPrefill, std::nullopt);
   ASSERT_EQ(bare_found.size(), 1u);
   EXPECT_FALSE(bare_found[0].layout.has_value());
+}
+
+// Groups and aux slots travel too.
+TEST(RegistryTest, LayoutGroupsAndAuxSlotsComeBack) {
+  auto server = RegistryServer::Create(FastRegistry());
+  ASSERT_TRUE(server.ok()) << server.status();
+  AgentEntry sent = Agent("mla-p", AgentRole::kPrefill, 0, 7200);
+  sent.layout->num_layers = 64;
+  sent.layout->groups = {AgentKvGroup{.shape = KvShape::kLatent,
+                                      .num_layers = 61,
+                                      .head_num = 1,
+                                      .head_dim = 576,
+                                      .dtype = DType::kBF16,
+                                      .page_bytes = 16 * 576 * 2},
+                         AgentKvGroup{.shape = KvShape::kKeyValue,
+                                      .num_layers = 3,
+                                      .head_num = 2,
+                                      .head_dim = 64,
+                                      .dtype = DType::kFP16,
+                                      .page_bytes = 16 * 2 * 64 * 2}};
+  sent.layout->aux_slot_bytes = {4, 4096, 7168};
+  sent.layout->aux_slots = 512;
+  auto client = RegistryClient::Start(ClientTo((*server)->port()), sent);
+  ASSERT_TRUE(client.ok()) << client.status();
+  auto remote = RegistryClient::Lookup(ClientTo((*server)->port()), "mla-p", AgentRole::kPrefill,
+                                       std::nullopt);
+  ASSERT_TRUE(remote.ok()) << remote.status();
+  const std::vector<AgentEntry> local = (*server)->Lookup("mla-p", AgentRole::kAny, 0u);
+  for (const std::vector<AgentEntry>* found : {&std::as_const(*remote), &local}) {
+    ASSERT_EQ(found->size(), 1u);
+    ASSERT_TRUE(found->front().layout.has_value());
+    EXPECT_EQ(*found->front().layout, *sent.layout);
+  }
+}
+
+// The engines' compatibility check, run on registry entries.
+TEST(RegistryTest, CheckLayoutCompatibleNamesEveryDifferenceWithBothValues) {
+  const AgentLayout decode = *Agent("d", AgentRole::kDecode, 0, 1).layout;
+  EXPECT_TRUE(CheckLayoutCompatible(decode, decode, "decode", "prefill").ok());
+  AgentLayout prefill = decode;
+  prefill.page_size = 32;
+  prefill.head_dim = 128;
+  const Status refused = CheckLayoutCompatible(decode, prefill, "decode", "prefill");
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.code(), StatusCode::kFailedPrecondition);
+  EXPECT_THAT(refused.message(), ::testing::HasSubstr("page_size decode=16 prefill=32"));
+  EXPECT_THAT(refused.message(), ::testing::HasSubstr("head_dim decode=64 prefill=128"));
+  AgentLayout uint8_pool = decode;
+  uint8_pool.dtype = DType::kUInt8;
+  EXPECT_EQ(CheckLayoutCompatible(uint8_pool, decode, "decode", "prefill").code(),
+            StatusCode::kInvalidArgument);
+}
+
+// Addresses no peer can connect to are refused on the agent's side already, naming the
+// address and --advertise.
+TEST(RegistryTest, RefusesUnroutableControlAddressesNamingTheFlag) {
+  auto server = RegistryServer::Create(FastRegistry());
+  ASSERT_TRUE(server.ok()) << server.status();
+  for (const std::string address : {"0.0.0.0:7000", "[::]:7000", ":7000", "10.0.0.5:0"}) {
+    AgentEntry entry = Agent("p", AgentRole::kPrefill, 0, 1);
+    entry.control_address = address;
+    auto client = RegistryClient::Start(ClientTo((*server)->port()), entry);
+    ASSERT_FALSE(client.ok()) << address << " was registered";
+    EXPECT_EQ(client.status().code(), StatusCode::kInvalidArgument) << address;
+    EXPECT_THAT(client.status().message(), ::testing::HasSubstr(address)) << address;
+    EXPECT_THAT(client.status().message(), ::testing::HasSubstr("--advertise HOST[:PORT]"))
+        << address;
+  }
+  // A decode engine accepts no connections: its entry says port 0.
+  AgentEntry decode = Agent("d", AgentRole::kDecode, 0, 0);
+  auto decode_client = RegistryClient::Start(ClientTo((*server)->port()), decode);
+  EXPECT_TRUE(decode_client.ok()) << decode_client.status();
+  EXPECT_EQ((*server)->size(), 1u);
+}
+
+// The registry judges for itself what a client skipped: a raw RegisterAgent with a wildcard.
+TEST(RegistryTest, RegistryItselfRefusesAWildcardAddress) {
+  auto server = RegistryServer::Create(FastRegistry());
+  ASSERT_TRUE(server.ok()) << server.status();
+  control::ControlClientOptions options;
+  options.port = (*server)->port();
+  options.role = v1::ROLE_PREFILL;
+  auto client = control::ControlClient::Connect(options);
+  ASSERT_TRUE(client.ok()) << client.status();
+  v1::Envelope request;
+  request.set_id(1);
+  v1::AgentInfo* agent = request.mutable_register_agent()->mutable_agent();
+  agent->set_name("raw");
+  agent->set_role(v1::ROLE_PREFILL);
+  agent->set_tp_size(1);
+  agent->set_control_address("0.0.0.0:7000");
+  ASSERT_TRUE((*client)->Send(request).ok());
+  auto reply = (*client)->Receive(2s);
+  ASSERT_TRUE(reply.ok()) << reply.status();
+  ASSERT_TRUE(reply->has_register_agent_reply());
+  EXPECT_EQ(reply->register_agent_reply().status(), v1::STATUS_CODE_INVALID_ARGUMENT);
+  EXPECT_THAT(reply->register_agent_reply().message(), ::testing::HasSubstr("0.0.0.0:7000"));
+  EXPECT_THAT(reply->register_agent_reply().message(), ::testing::HasSubstr("--advertise"));
+  EXPECT_EQ((*server)->size(), 0u);
+}
+
+// An IPv4 address of this host other than loopback; empty when it has none.
+std::string NonLoopbackAddress() {
+  ifaddrs* all = nullptr;
+  if (getifaddrs(&all) != 0) return "";
+  std::string found;
+  for (const ifaddrs* a = all; a != nullptr && found.empty(); a = a->ifa_next) {
+    if (a->ifa_addr == nullptr || a->ifa_addr->sa_family != AF_INET) continue;
+    const auto* in = reinterpret_cast<const sockaddr_in*>(a->ifa_addr);
+    if ((ntohl(in->sin_addr.s_addr) >> 24) == 127) continue;
+    char text[INET_ADDRSTRLEN] = {};
+    if (inet_ntop(AF_INET, &in->sin_addr, text, sizeof(text)) != nullptr) found = text;
+  }
+  freeifaddrs(all);
+  return found;
+}
+
+// A loopback address is fine from an agent that reached the registry over loopback (everyone
+// who finds it runs on that host), and refused from one that came over a real interface.
+TEST(RegistryTest, LoopbackAddressOnlyFromAgentsOnLoopback) {
+  const std::string external = NonLoopbackAddress();
+  if (external.empty()) GTEST_SKIP() << "this host has no IPv4 address besides loopback";
+  RegistryServerOptions options = FastRegistry();
+  options.server.bind_address = "0.0.0.0";
+  options.server.allow_remote_without_token = true;
+  auto server = RegistryServer::Create(options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto local = RegistryClient::Start(ClientTo((*server)->port()),
+                                     Agent("near", AgentRole::kPrefill, 0, 7000));
+  EXPECT_TRUE(local.ok()) << local.status();
+  RegistryClientOptions from_outside = ClientTo((*server)->port());
+  from_outside.host = external;
+  auto remote = RegistryClient::Start(from_outside, Agent("far", AgentRole::kPrefill, 0, 7000));
+  ASSERT_FALSE(remote.ok());
+  EXPECT_EQ(remote.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(remote.status().message(), ::testing::HasSubstr("127.0.0.1:7000"));
+  EXPECT_THAT(remote.status().message(), ::testing::HasSubstr("loopback"));
+  EXPECT_THAT(remote.status().message(), ::testing::HasSubstr(external));
+  EXPECT_THAT(remote.status().message(), ::testing::HasSubstr("--advertise HOST[:PORT]"));
+  AgentEntry advertised = Agent("far", AgentRole::kPrefill, 0, 7000);
+  advertised.control_address = external + ":7000";
+  auto fixed = RegistryClient::Start(from_outside, advertised);
+  EXPECT_TRUE(fixed.ok()) << fixed.status();
 }
 
 TEST(RegistryTest, EntriesExpireWhenHeartbeatsStop) {

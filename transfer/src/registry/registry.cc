@@ -1,5 +1,7 @@
 #include "kvt/transfer/registry.h"
 
+#include <arpa/inet.h>
+
 #include <atomic>
 #include <condition_variable>
 #include <map>
@@ -12,6 +14,7 @@
 #include "control/control_client.h"
 #include "control/control_server.h"
 #include "control/protocol.h"
+#include "engine/layout_codec.h"
 #include "kvt/common/log.h"
 
 namespace kvt::transfer {
@@ -55,6 +58,162 @@ std::string DescribeRole(v1::Role role) {
   return v1::Role_Name(role).empty() ? std::to_string(static_cast<int>(role)) : v1::Role_Name(role);
 }
 
+// A layout dtype the wire can carry (the pool dtypes), or InvalidArgument naming `field`.
+StatusOr<v1::DType> WireDType(DType dtype, const std::string& field) {
+  StatusOr<v1::DType> wire = control::ToProtoDType(dtype);
+  if (wire.ok()) return wire;
+  return InvalidArgument(field + " = " + std::string(DTypeName(dtype)) +
+                         " is no pool dtype; give the pool's element type (bf16, fp16, fp32, "
+                         "fp8_e4m3 or fp8_e5m2)");
+}
+
+StatusOr<v1::Layout> ToProto(const AgentLayout& l) {
+  v1::Layout out;
+  KVT_ASSIGN_OR_RETURN(v1::DType dtype, WireDType(l.dtype, "layout.dtype"));
+  out.set_num_layers(l.num_layers);
+  out.set_page_size(l.page_size);
+  out.set_dtype(dtype);
+  out.set_head_num(l.head_num);
+  out.set_head_dim(l.head_dim);
+  out.set_tp_rank(l.tp_rank);
+  out.set_tp_size(l.tp_size);
+  out.set_num_pages(l.num_pages);
+  out.set_num_tokens(l.num_tokens);
+  out.set_total_kv_heads(l.total_kv_heads);
+  for (size_t i = 0; i < l.groups.size(); ++i) {
+    const AgentKvGroup& g = l.groups[i];
+    v1::KvGroup* group = out.add_groups();
+    group->set_shape(g.shape == KvShape::kLatent ? v1::KV_SHAPE_LATENT : v1::KV_SHAPE_KEY_VALUE);
+    group->set_num_layers(g.num_layers);
+    group->set_head_num(g.head_num);
+    group->set_head_dim(g.head_dim);
+    KVT_ASSIGN_OR_RETURN(v1::DType group_dtype,
+                         WireDType(g.dtype, "layout.groups[" + std::to_string(i) + "].dtype"));
+    group->set_dtype(group_dtype);
+    group->set_page_bytes(g.page_bytes);
+  }
+  for (uint64_t bytes : l.aux_slot_bytes) out.add_aux_slot_bytes(bytes);
+  out.set_aux_slots(l.aux_slots);
+  return out;
+}
+
+// Layouts reaching this have passed the control plane's validation (valid dtypes and shapes).
+StatusOr<AgentLayout> FromProto(const v1::Layout& l) {
+  KVT_ASSIGN_OR_RETURN(DType dtype, control::FromProtoDType(l.dtype()));
+  AgentLayout layout{.num_layers = l.num_layers(),
+                     .page_size = l.page_size(),
+                     .dtype = dtype,
+                     .head_num = l.head_num(),
+                     .head_dim = l.head_dim(),
+                     .tp_rank = l.tp_rank(),
+                     .tp_size = l.tp_size(),
+                     .num_pages = l.num_pages(),
+                     .num_tokens = l.num_tokens(),
+                     .total_kv_heads = l.total_kv_heads()};
+  for (const v1::KvGroup& g : l.groups()) {
+    KVT_ASSIGN_OR_RETURN(DType group_dtype, control::FromProtoDType(g.dtype()));
+    layout.groups.push_back(AgentKvGroup{
+        .shape = g.shape() == v1::KV_SHAPE_LATENT ? KvShape::kLatent : KvShape::kKeyValue,
+        .num_layers = g.num_layers(),
+        .head_num = g.head_num(),
+        .head_dim = g.head_dim(),
+        .dtype = group_dtype,
+        .page_bytes = g.page_bytes()});
+  }
+  layout.aux_slot_bytes.assign(l.aux_slot_bytes().begin(), l.aux_slot_bytes().end());
+  layout.aux_slots = l.aux_slots();
+  return layout;
+}
+
+// ---- control addresses other hosts can reach ----
+//
+// The registry hands entries to agents on other hosts, which connect to control_address: an
+// address that means "this host" only to the agent itself would send them to their own host or
+// nowhere. Refused: a wildcard host (what a server binds to, no destination), an empty host,
+// port 0 on a prefill entry (a decode engine accepts no connections, so its entries say port 0),
+// and a loopback host unless the registrant reached the registry over loopback (then the
+// registry, and every peer that finds the entry through it, run on the agent's host). Host
+// names other than "localhost" are taken as given: resolving them here could block.
+
+struct SplitAddress {
+  std::string host;  // brackets of "[v6]" removed
+  std::string port;
+};
+
+SplitAddress Split(const std::string& address) {
+  const size_t colon = address.rfind(':');
+  if (colon == std::string::npos) return {address, ""};
+  SplitAddress out{address.substr(0, colon), address.substr(colon + 1)};
+  if (out.host.size() >= 2 && out.host.front() == '[' && out.host.back() == ']') {
+    out.host = out.host.substr(1, out.host.size() - 2);
+  }
+  return out;
+}
+
+bool IsWildcardHost(const std::string& host) {
+  in_addr v4{};
+  if (inet_pton(AF_INET, host.c_str(), &v4) == 1) return v4.s_addr == htonl(INADDR_ANY);
+  in6_addr v6{};
+  if (inet_pton(AF_INET6, host.c_str(), &v6) == 1) return IN6_IS_ADDR_UNSPECIFIED(&v6);
+  return false;
+}
+
+bool IsLoopbackHost(const std::string& host) {
+  if (host == "localhost") return true;
+  in_addr v4{};
+  if (inet_pton(AF_INET, host.c_str(), &v4) == 1) return (ntohl(v4.s_addr) >> 24) == 127;
+  in6_addr v6{};
+  if (inet_pton(AF_INET6, host.c_str(), &v6) == 1) {
+    if (IN6_IS_ADDR_LOOPBACK(&v6)) return true;
+    // ::ffff:127.x.y.z, as a dual-stack socket reports an IPv4 loopback peer.
+    return IN6_IS_ADDR_V4MAPPED(&v6) && v6.s6_addr[12] == 127;
+  }
+  return false;
+}
+
+constexpr const char* kAdvertiseHint =
+    "start kvt-agent with --advertise HOST[:PORT] naming an address its peers on other hosts "
+    "reach (or give AgentEntry::control_address such an address)";
+
+// OK when peers can connect to `agent`'s control address. `registrant` is where the agent
+// reached the registry from ("ip:port"); empty on the agent's own side, where the loopback rule
+// cannot be judged.
+Status CheckReachable(const v1::AgentInfo& agent, const std::string& registrant) {
+  const std::string& address = agent.control_address();
+  const std::string who = "agent '" + agent.name() + "' (" + DescribeRole(agent.role()) + ")";
+  const SplitAddress split = Split(address);
+  if (split.host.empty()) {
+    return InvalidArgument(who + " registers control_address '" + address + "' with no host; " +
+                           kAdvertiseHint);
+  }
+  if (IsWildcardHost(split.host)) {
+    return InvalidArgument(who + " registers control_address " + address + ": " + split.host +
+                           " is the wildcard a server listens on, not an address a peer can "
+                           "connect to; " +
+                           kAdvertiseHint);
+  }
+  char* end = nullptr;
+  const unsigned long port = std::strtoul(split.port.c_str(), &end, 10);
+  if (split.port.empty() || *end != '\0' || port > 65535) {
+    return InvalidArgument(who + " registers control_address '" + address + "': port '" +
+                           split.port + "' is not a number in 1..65535; " + kAdvertiseHint);
+  }
+  if (port == 0 && agent.role() != v1::ROLE_DECODE) {
+    return InvalidArgument(who + " registers control_address " + address +
+                           ": port 0 is no port a peer can connect to; register the port its "
+                           "engine's control server is bound to (kvt-agent: --advertise "
+                           "HOST[:PORT], PORT defaulting to the bound port)");
+  }
+  if (!registrant.empty() && IsLoopbackHost(split.host) &&
+      !IsLoopbackHost(Split(registrant).host)) {
+    return InvalidArgument(who + " registers control_address " + address +
+                           ", a loopback address, but reached this registry from " + registrant +
+                           ": peers on other hosts cannot connect to it; " + kAdvertiseHint +
+                           ", or --listen on such an address");
+  }
+  return OkStatus();
+}
+
 StatusOr<v1::AgentInfo> ToProto(const AgentEntry& entry) {
   v1::AgentInfo info;
   info.set_name(entry.name);
@@ -64,25 +223,9 @@ StatusOr<v1::AgentInfo> ToProto(const AgentEntry& entry) {
   info.set_control_address(entry.control_address);
   info.set_host_id(entry.host_id);
   if (entry.layout) {
-    const AgentLayout& l = *entry.layout;
-    StatusOr<v1::DType> dtype = control::ToProtoDType(l.dtype);
-    if (!dtype.ok()) {
-      return InvalidArgument("agent '" + entry.name +
-                             "': layout.dtype = " + std::string(DTypeName(l.dtype)) +
-                             " is no pool dtype; give the pool's element type (bf16, fp16, fp32, "
-                             "fp8_e4m3 or fp8_e5m2)");
-    }
-    v1::Layout* out = info.mutable_layout();
-    out->set_num_layers(l.num_layers);
-    out->set_page_size(l.page_size);
-    out->set_dtype(*dtype);
-    out->set_head_num(l.head_num);
-    out->set_head_dim(l.head_dim);
-    out->set_tp_rank(l.tp_rank);
-    out->set_tp_size(l.tp_size);
-    out->set_num_pages(l.num_pages);
-    out->set_num_tokens(l.num_tokens);
-    out->set_total_kv_heads(l.total_kv_heads);
+    StatusOr<v1::Layout> layout = ToProto(*entry.layout);
+    if (!layout.ok()) return layout.status().WithContext("agent '" + entry.name + "'");
+    *info.mutable_layout() = std::move(layout).value();
   }
   return info;
 }
@@ -97,18 +240,7 @@ StatusOr<AgentEntry> FromProto(const v1::AgentInfo& info) {
   entry.control_address = info.control_address();
   entry.host_id = info.host_id();
   if (info.has_layout()) {
-    const v1::Layout& l = info.layout();
-    KVT_ASSIGN_OR_RETURN(DType dtype, control::FromProtoDType(l.dtype()));
-    entry.layout = AgentLayout{.num_layers = l.num_layers(),
-                               .page_size = l.page_size(),
-                               .dtype = dtype,
-                               .head_num = l.head_num(),
-                               .head_dim = l.head_dim(),
-                               .tp_rank = l.tp_rank(),
-                               .tp_size = l.tp_size(),
-                               .num_pages = l.num_pages(),
-                               .num_tokens = l.num_tokens(),
-                               .total_kv_heads = l.total_kv_heads()};
+    KVT_ASSIGN_OR_RETURN(entry.layout, FromProto(info.layout()));
   }
   return entry;
 }
@@ -127,6 +259,15 @@ const char* AgentRoleName(AgentRole role) {
       return "tool";
   }
   return "unknown";
+}
+
+Status CheckLayoutCompatible(const AgentLayout& ours, const AgentLayout& theirs,
+                             std::string_view our_role, std::string_view their_role) {
+  StatusOr<v1::Layout> our_wire = ToProto(ours);
+  if (!our_wire.ok()) return our_wire.status().WithContext(std::string(our_role) + " agent");
+  StatusOr<v1::Layout> their_wire = ToProto(theirs);
+  if (!their_wire.ok()) return their_wire.status().WithContext(std::string(their_role) + " agent");
+  return CheckCompatible(*our_wire, *their_wire, our_role, their_role);
 }
 
 // ------------------------------------------------------------------------------- server ----
@@ -186,6 +327,7 @@ class RegistryServer::Impl : public control::ControlHandler {
       const v1::AgentInfo& agent = envelope.register_agent().agent();
       auto* r = reply.mutable_register_agent_reply();
       StatusOr<AgentEntry> converted = FromProto(agent);
+      Status reachable;
       if (agent.role() != v1::ROLE_PREFILL && agent.role() != v1::ROLE_DECODE) {
         r->set_status(v1::STATUS_CODE_INVALID_ARGUMENT);
         r->set_message("agent '" + agent.name() + "' registers with role " +
@@ -193,6 +335,10 @@ class RegistryServer::Impl : public control::ControlHandler {
       } else if (!converted.ok()) {
         r->set_status(v1::STATUS_CODE_INVALID_ARGUMENT);
         r->set_message("agent '" + agent.name() + "': " + converted.status().message());
+      } else if (reachable = CheckReachable(agent, RemoteAddress(conn)); !reachable.ok()) {
+        KVT_LOG_WARN("ctl", "refused a registration: {}", reachable.message());
+        r->set_status(control::ToProtoCode(reachable.code()));
+        r->set_message(reachable.message());
       } else {
         std::lock_guard<std::mutex> lock(mu_);
         Entry& entry = entries_[Key{agent.name(), agent.role(), agent.tp_rank()}];
@@ -223,9 +369,25 @@ class RegistryServer::Impl : public control::ControlHandler {
     (void)server_->Send(conn, reply);
   }
 
-  void OnDisconnect(control::ConnectionId, const Status&) override {}
+  void OnConnect(control::ConnectionId conn, const control::ConnectionInfo& info) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    remote_addresses_[conn] = info.remote_address;
+  }
+
+  void OnDisconnect(control::ConnectionId conn, const Status&) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    remote_addresses_.erase(conn);
+  }
 
  private:
+  // Where connection `conn` comes from, "ip:port" ("<unknown>" when the socket could not say:
+  // then a loopback control address is refused, as from any other host).
+  std::string RemoteAddress(control::ConnectionId conn) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = remote_addresses_.find(conn);
+    return it == remote_addresses_.end() ? std::string("<unknown>") : it->second;
+  }
+
   struct Entry {
     v1::AgentInfo info;  // as registered, for look-ups over the wire
     AgentEntry entry;    // the same, for RegistryServer::Lookup
@@ -248,8 +410,9 @@ class RegistryServer::Impl : public control::ControlHandler {
 
   const RegistryServerOptions options_;
   std::unique_ptr<control::ControlServer> server_;
-  mutable std::mutex mu_;  // guards entries_
+  mutable std::mutex mu_;  // guards entries_ and remote_addresses_
   mutable std::map<Key, Entry> entries_;
+  std::map<control::ConnectionId, std::string> remote_addresses_;  // of open connections
 };
 
 RegistryServer::RegistryServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -376,6 +539,8 @@ RegistryClient::~RegistryClient() = default;
 StatusOr<std::unique_ptr<RegistryClient>> RegistryClient::Start(
     const RegistryClientOptions& options, const AgentEntry& self) {
   KVT_ASSIGN_OR_RETURN(v1::AgentInfo info, ToProto(self));
+  // What can be judged here is refused before connecting; the registry judges loopback.
+  KVT_RETURN_IF_ERROR(CheckReachable(info, /*registrant=*/""));
   auto impl = std::make_unique<Impl>(options, std::move(info));
   KVT_RETURN_IF_ERROR(impl->Init());
   return std::unique_ptr<RegistryClient>(new RegistryClient(std::move(impl)));

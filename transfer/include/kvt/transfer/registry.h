@@ -19,11 +19,13 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "kvt/common/dtype.h"
 #include "kvt/common/status.h"
 #include "kvt/transfer/control_options.h"
+#include "kvt/transfer/layout.h"
 
 namespace kvt::transfer {
 
@@ -39,8 +41,21 @@ enum class AgentRole : uint8_t {
 // "any", "prefill", "decode", "tool".
 const char* AgentRoleName(AgentRole role);
 
-// A summary of an agent's pool layout (no memory descriptors: those travel in the engines'
-// hello). Registered entries carry it so that a peer can check compatibility before connecting.
+// One model's KV in an agent's layout: KvGroup without its buffers.
+struct AgentKvGroup {
+  KvShape shape = KvShape::kKeyValue;
+  uint32_t num_layers = 0;
+  uint32_t head_num = 0;  // KV heads held by this rank (kLatent: 1)
+  uint32_t head_dim = 0;  // elements per head (kLatent: the latent width)
+  DType dtype = DType::kBF16;
+  uint64_t page_bytes = 0;  // bytes of one page of one buffer
+
+  bool operator==(const AgentKvGroup&) const = default;
+};
+
+// A summary of an agent's layout (no memory descriptors: those travel in the engines' hello).
+// Registered entries carry it so that a peer can check compatibility before connecting
+// (CheckLayoutCompatible).
 struct AgentLayout {
   uint32_t num_layers = 0;  // layers with K/V buffers
   uint32_t page_size = 0;   // tokens per page
@@ -52,7 +67,24 @@ struct AgentLayout {
   uint64_t num_pages = 0;       // pages including the dummy page 0
   uint64_t num_tokens = 0;      // token slots (the pool's size)
   uint32_t total_kv_heads = 0;  // KV heads of the whole model before TP sharding; 0: not given
+  // The models whose KV moves, in buffer order (the target, then draft models); num_layers is
+  // the sum of their layers. Empty: one kKeyValue group of num_layers layers with head_num,
+  // head_dim and dtype (kvt's own pool). At most 16.
+  std::vector<AgentKvGroup> groups = {};
+  std::vector<uint64_t> aux_slot_bytes = {};  // bytes of one slot of each aux buffer; at most 64
+  uint64_t aux_slots = 0;  // slots in each aux buffer; > 0 iff aux_slot_bytes is set
+
+  bool operator==(const AgentLayout&) const = default;
 };
+
+// OK when pages can move between an agent with layout `ours` and a peer with `theirs` (the
+// engines' own hello check, run early: a decode agent calls it on the registry entry of the
+// prefill agent it is about to ask, so that an incompatible peer is refused before any request).
+// FailedPrecondition naming every differing field with both values otherwise, labelled by the
+// roles ("page_size decode=16 prefill=32"); InvalidArgument when a layout's dtype is no pool
+// dtype. `our_role` and `their_role` are "prefill" or "decode".
+Status CheckLayoutCompatible(const AgentLayout& ours, const AgentLayout& theirs,
+                             std::string_view our_role, std::string_view their_role);
 
 // One agent (one TP rank of a prefill or decode instance) as the registry knows it.
 struct AgentEntry {
@@ -60,7 +92,13 @@ struct AgentEntry {
   AgentRole role = AgentRole::kAny;  // kPrefill or kDecode to register
   uint32_t tp_rank = 0;              // < tp_size
   uint32_t tp_size = 1;
-  std::string control_address;        // "host:port" of its engine's control server
+  // "host:port" ("[v6]:port") where other hosts reach its engine's control server. The
+  // registry refuses an address no peer can connect to, naming it and kvt-agent's --advertise:
+  // a wildcard host (0.0.0.0, ::), an empty host, port 0 on a prefill entry (a decode engine
+  // accepts no connections: its entries carry port 0), and a loopback host (127.0.0.0/8, ::1,
+  // localhost) unless the agent itself reached the registry over loopback (then every peer that
+  // finds the entry runs on that host). Host names are taken as given.
+  std::string control_address;
   std::optional<AgentLayout> layout;  // its pool's layout, when it has one
   std::string host_id;                // identifies the machine; empty: not given
 };
@@ -103,8 +141,10 @@ struct RegistryClientOptions {
 class RegistryClient {
  public:
   // Registers `self` and keeps it registered until destroyed. InvalidArgument when `self`
-  // cannot be sent (a layout dtype that is no pool dtype); the registry refuses roles other than
-  // kPrefill and kDecode and entries out of its limits, naming the field and value.
+  // cannot be sent (a layout dtype that is no pool dtype) or names an address no peer can reach
+  // (a wildcard or empty host, port 0 on a prefill entry: see AgentEntry::control_address);
+  // the registry refuses those too, a loopback address reached from another host, roles other
+  // than kPrefill and kDecode and entries out of its limits, naming the field and value.
   static StatusOr<std::unique_ptr<RegistryClient>> Start(const RegistryClientOptions& options,
                                                          const AgentEntry& self);
   ~RegistryClient();
