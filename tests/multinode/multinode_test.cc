@@ -235,8 +235,12 @@ class MultinodeTest : public ::testing::Test {
                                 "--engine-heartbeat-ms", std::to_string(kEngineHeartbeat.count())});
         }
         if (agent.role == "prefill") {
+          // p1 listens on every interface and advertises none: its entry must carry the
+          // address of its interface toward the bootstrap (never 0.0.0.0), or no decode agent
+          // reaches it. p0 listens on its node's address, which it registers as given.
           command.extra.push_back("--listen");
-          command.extra.push_back(network_->node(name).address + ":0");
+          command.extra.push_back(name == "p1" ? std::string("0.0.0.0:0")
+                                               : network_->node(name).address + ":0");
         }
         agent.argv = command.Argv();
         agents_[name] = std::move(agent);

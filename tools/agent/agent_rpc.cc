@@ -29,13 +29,15 @@ constexpr auto kResolveTtl = std::chrono::seconds(2);
 }  // namespace
 
 AgentRpc::AgentRpc(Agent* agent, std::string name, bool prefill, uint32_t tp_rank, uint32_t tp_size,
-                   std::optional<transfer::RegistryClientOptions> registry)
+                   std::optional<transfer::RegistryClientOptions> registry,
+                   std::optional<transfer::AgentLayout> layout)
     : agent_(agent),
       name_(std::move(name)),
       prefill_(prefill),
       tp_rank_(tp_rank),
       tp_size_(tp_size),
-      registry_(std::move(registry)) {}
+      registry_(std::move(registry)),
+      layout_(std::move(layout)) {}
 
 AgentRpc::~AgentRpc() { Stop(); }
 
@@ -178,6 +180,18 @@ StatusOr<HostPort> AgentRpc::ResolvePrefill(const std::string& name) {
                     "); this decode agent is rank " + std::to_string(tp_rank_) +
                     " of tp_size=" + std::to_string(tp_size_) +
                     "; start that prefill rank or retry once it has registered");
+  }
+  if (layout_ && pick->layout) {
+    // Refused here, before a connection or a request reaches the prefill agent (and not
+    // cached: a restarted prefill agent may come back with another layout).
+    Status compatible =
+        transfer::CheckLayoutCompatible(*layout_, *pick->layout, "decode", "prefill");
+    if (!compatible.ok()) {
+      return Status(compatible.code(),
+                    "prefill agent '" + name + "' rank " + std::to_string(pick->tp_rank) + " at " +
+                        pick->control_address +
+                        " (as registered) cannot serve this decode agent: " + compatible.message());
+    }
   }
   KVT_ASSIGN_OR_RETURN(HostPort address, ParseHostPort(pick->control_address));
   std::lock_guard<std::mutex> lock(mu_);

@@ -1,6 +1,7 @@
 // AgentRpc: the driver-facing RPC of kvt-agent (SubmitRequest, QueryRequests, QueryStats over a
 // control connection). Decode agents resolve SubmitRequest.prefill_name through the bootstrap
-// registry (cached briefly): decode rank r reaches prefill rank r when the TP sizes match.
+// registry (cached briefly): decode rank r reaches prefill rank r when the TP sizes match, and
+// only when the prefill entry's layout is compatible with the decode agent's own.
 //
 // Submits run on a small pool of worker threads, never on the server's io thread: a decode
 // submit may block for seconds (a registry lookup, connecting to a prefill peer and waiting for
@@ -37,9 +38,13 @@ namespace kvt::tools {
 class AgentRpc : public control::ControlHandler {
  public:
   // `registry` is where prefill names are looked up (nullopt: only prefill_address works);
-  // `tp_rank` of `tp_size` is this agent's tensor-parallel shard.
+  // `tp_rank` of `tp_size` is this agent's tensor-parallel shard. `layout` is this agent's as
+  // registered: a decode agent refuses a prefill entry whose layout is incompatible with it
+  // (transfer::CheckLayoutCompatible) before any request goes to that prefill agent; nullopt or
+  // an entry without a layout leave the check to the engines' hello.
   AgentRpc(Agent* agent, std::string name, bool prefill, uint32_t tp_rank, uint32_t tp_size,
-           std::optional<transfer::RegistryClientOptions> registry);
+           std::optional<transfer::RegistryClientOptions> registry,
+           std::optional<transfer::AgentLayout> layout = std::nullopt);
   ~AgentRpc() override;
 
   AgentRpc(const AgentRpc&) = delete;
@@ -79,6 +84,7 @@ class AgentRpc : public control::ControlHandler {
   const uint32_t tp_rank_;
   const uint32_t tp_size_;
   const std::optional<transfer::RegistryClientOptions> registry_;
+  const std::optional<transfer::AgentLayout> layout_;
   control::ControlServer* server_ = nullptr;  // set by Serve before any message arrives
 
   std::mutex mu_;  // guards resolved_

@@ -9,6 +9,7 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 
+#include "advertise.h"
 #include "agent.h"
 #include "agent_rpc.h"
 #include "cli_util.h"
@@ -75,6 +76,7 @@ int main(int argc, char** argv) {
   std::string listen = "127.0.0.1:0";
   std::string rpc = "127.0.0.1:0";
   std::string bootstrap;
+  std::string advertise;
   std::string backend;  // empty: DefaultBackendFor(the device)
   std::string ucx_tls;
   std::string ucx_cuda_mode = "auto";
@@ -93,6 +95,11 @@ int main(int argc, char** argv) {
   app.add_option("--listen", listen, "engine control address (prefill), host:port");
   app.add_option("--rpc", rpc, "driver RPC address, host:port");
   app.add_option("--bootstrap", bootstrap, "bootstrap registry host:port (optional)");
+  app.add_option("--advertise", advertise,
+                 "HOST[:PORT] other hosts reach this agent's engine at, as registered with the "
+                 "bootstrap (PORT: the bound control port; decode agents give HOST only). "
+                 "Default: the --listen host, or with a wildcard --listen (0.0.0.0, ::) and on "
+                 "decode agents the address of the interface toward the bootstrap");
   app.add_option("--bootstrap-wait-s", bootstrap_wait_s,
                  "how long to keep retrying while the bootstrap cannot be reached at start "
                  "(0: try once)")
@@ -183,6 +190,18 @@ int main(int argc, char** argv) {
   StatusOr<tools::HostPort> bootstrap_at = tools::HostPort{};
   if (!bootstrap.empty()) bootstrap_at = tools::ParseHostPort(bootstrap);
   if (!bootstrap_at.ok()) return Fail(bootstrap_at.status().WithContext("--bootstrap"));
+  std::optional<tools::Advertise> advertise_as;
+  if (!advertise.empty()) {
+    auto parsed = tools::ParseAdvertise(advertise);
+    if (!parsed.ok()) return Fail(parsed.status());
+    if (!prefill && parsed->port) {
+      return Fail(InvalidArgument("--advertise " + advertise +
+                                  ": a decode agent's engine accepts no connections, so it "
+                                  "advertises no port; give --advertise " +
+                                  parsed->host));
+    }
+    advertise_as = *parsed;
+  }
   if (tokens < page_size) {
     return Fail(InvalidArgument("--tokens " + std::to_string(tokens) +
                                 " holds no whole page of --page-size " + std::to_string(page_size) +
@@ -219,10 +238,10 @@ int main(int argc, char** argv) {
   options.engine.cluster_token = token;
   options.engine.default_deadline = std::chrono::milliseconds(deadline_ms);
   if (engine_heartbeat_ms >= peer_timeout_ms) {
-    return Fail(InvalidArgument(
-        "--engine-heartbeat-ms " + std::to_string(engine_heartbeat_ms) +
-        " must be below --peer-timeout-ms " + std::to_string(peer_timeout_ms) +
-        ", or every idle peer is declared lost; a third of it or less is usual"));
+    return Fail(
+        InvalidArgument("--engine-heartbeat-ms " + std::to_string(engine_heartbeat_ms) +
+                        " must be below --peer-timeout-ms " + std::to_string(peer_timeout_ms) +
+                        ", or every idle peer is declared lost; a third of it or less is usual"));
   }
   options.engine.peer_timeout = std::chrono::milliseconds(peer_timeout_ms);
   options.engine.heartbeat_interval = std::chrono::milliseconds(engine_heartbeat_ms);
@@ -245,6 +264,7 @@ int main(int argc, char** argv) {
   if (!agent.ok()) return Fail(agent.status());
 
   std::optional<transfer::RegistryClientOptions> registry;
+  std::optional<transfer::AgentLayout> layout;  // checked against prefill entries (decode)
   std::unique_ptr<transfer::RegistryClient> registration;
   if (!bootstrap.empty()) {
     transfer::RegistryClientOptions r;
@@ -259,8 +279,15 @@ int main(int argc, char** argv) {
     self.role = r.role;
     self.tp_rank = tp_rank;
     self.tp_size = tp_size;
-    const uint16_t port = prefill ? (*agent)->engine_port() : 0;
-    self.control_address = listen_at->host + ":" + std::to_string(port);
+    auto control_address = tools::AdvertisedControlAddress(
+        tools::AdvertiseInputs{.prefill = prefill,
+                               .advertise = advertise_as,
+                               .listen_host = listen_at->host,
+                               .bound_port = prefill ? (*agent)->engine_port() : uint16_t{0},
+                               .registry_host = bootstrap_at->host,
+                               .registry_port = bootstrap_at->port});
+    if (!control_address.ok()) return Fail(control_address.status());
+    self.control_address = *control_address;
     self.layout = transfer::AgentLayout{
         .num_layers = static_cast<uint32_t>(layers),
         .page_size = static_cast<uint32_t>(page_size),
@@ -272,6 +299,9 @@ int main(int argc, char** argv) {
         .num_pages = static_cast<uint64_t>(tokens / page_size + 1),
         .num_tokens = static_cast<uint64_t>(tokens),
     };
+    layout = self.layout;
+    KVT_LOG_INFO("tool", "kvt-agent {} registers as {} with the bootstrap at {}", name,
+                 self.control_address, bootstrap);
     auto client = RegisterWithRetry(r, self, std::chrono::seconds(bootstrap_wait_s));
     if (!client.ok()) {
       if (client.status().code() == StatusCode::kAborted) return 0;  // stopped by a signal
@@ -280,7 +310,7 @@ int main(int argc, char** argv) {
     registration = std::move(client).value();
   }
 
-  tools::AgentRpc handler(agent->get(), name, prefill, tp_rank, tp_size, registry);
+  tools::AgentRpc handler(agent->get(), name, prefill, tp_rank, tp_size, registry, layout);
   control::ControlServerOptions rpc_options;
   rpc_options.bind_address = rpc_at->host;
   rpc_options.port = rpc_at->port;

@@ -14,11 +14,16 @@
 #include <nlohmann/json.hpp>
 #include <random>
 
+#include "advertise.h"
+#include "agent_rpc.h"
+#include "control/control_server.h"
 #include "device_spec.h"
 #include "kvt/kernels/cuda_util.h"
 #include "kvt/testing/run_tool.h"
+#include "kvt/transfer/registry.h"
 #include "page_list_arena.h"
 #include "pattern_id.h"
+#include "rpc_client.h"
 #include "tool_util.h"
 
 namespace kvt::tools {
@@ -196,6 +201,257 @@ TEST(AgentTest, HostPoolAgentStillRuns) {
   EXPECT_EQ((*agent)->pool().memory_kind(), pool::MemoryKind::kHost);
   EXPECT_EQ((*agent)->Stats().total_pages, 256 / 16);
   EXPECT_EQ((*agent)->Stats().free_pages, 256 / 16);
+}
+
+// ---- the address an agent advertises -------------------------------------------------------
+
+TEST(AdvertiseTest, ParsesHostWithAndWithoutPort) {
+  auto host = ParseAdvertise("10.0.0.5");
+  ASSERT_TRUE(host.ok()) << host.status();
+  EXPECT_EQ(host->host, "10.0.0.5");
+  EXPECT_FALSE(host->port.has_value());
+  auto named = ParseAdvertise("node-3:7000");
+  ASSERT_TRUE(named.ok()) << named.status();
+  EXPECT_EQ(named->host, "node-3");
+  EXPECT_EQ(named->port, 7000);
+  auto v6 = ParseAdvertise("[fd00::5]:7001");
+  ASSERT_TRUE(v6.ok()) << v6.status();
+  EXPECT_EQ(v6->host, "fd00::5");
+  EXPECT_EQ(v6->port, 7001);
+  auto bare_v6 = ParseAdvertise("fd00::5");
+  ASSERT_TRUE(bare_v6.ok()) << bare_v6.status();
+  EXPECT_EQ(bare_v6->host, "fd00::5");
+  EXPECT_FALSE(bare_v6->port.has_value());
+}
+
+TEST(AdvertiseTest, RefusesWildcardsEmptyHostsAndBadPortsNamingTheText) {
+  for (const std::string text : {"0.0.0.0", "0.0.0.0:7000", "::", "[::]:7000", ":7000", ""}) {
+    auto parsed = ParseAdvertise(text);
+    ASSERT_FALSE(parsed.ok()) << "'" << text << "' was accepted";
+    EXPECT_EQ(parsed.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_THAT(parsed.status().message(), HasSubstr("--advertise '" + text + "'"));
+    EXPECT_THAT(parsed.status().message(), HasSubstr("other hosts reach"));
+  }
+  for (const std::string text : {"10.0.0.5:0", "10.0.0.5:70000", "10.0.0.5:x", "10.0.0.5:"}) {
+    auto parsed = ParseAdvertise(text);
+    ASSERT_FALSE(parsed.ok()) << "'" << text << "' was accepted";
+    EXPECT_THAT(parsed.status().message(), HasSubstr("not a number in 1..65535"));
+  }
+}
+
+TEST(AdvertiseTest, AdvertiseOverridesTheListenAddressAndTheBoundPortIsTheDefault) {
+  AdvertiseInputs in{.prefill = true, .listen_host = "0.0.0.0", .bound_port = 7300};
+  in.advertise = Advertise{"10.1.2.3", std::nullopt};
+  EXPECT_EQ(*AdvertisedControlAddress(in), "10.1.2.3:7300");
+  in.advertise = Advertise{"10.1.2.3", 9000};
+  EXPECT_EQ(*AdvertisedControlAddress(in), "10.1.2.3:9000");
+  in.advertise = Advertise{"fd00::7", std::nullopt};
+  EXPECT_EQ(*AdvertisedControlAddress(in), "[fd00::7]:7300");
+  in.advertise.reset();
+  in.listen_host = "10.4.5.6";
+  EXPECT_EQ(*AdvertisedControlAddress(in), "10.4.5.6:7300");
+}
+
+// A wildcard listen address is never registered: the interface toward the registry is (on a
+// host whose registry is on loopback, the loopback address; tests/multinode checks real ones).
+TEST(AdvertiseTest, WildcardListenDerivesTheInterfaceTowardTheRegistry) {
+  for (const std::string wildcard : {"0.0.0.0", "::"}) {
+    AdvertiseInputs in{.prefill = true,
+                       .listen_host = wildcard,
+                       .bound_port = 7300,
+                       .registry_host = "127.0.0.1",
+                       .registry_port = 7400};
+    auto address = AdvertisedControlAddress(in);
+    ASSERT_TRUE(address.ok()) << address.status();
+    EXPECT_EQ(*address, "127.0.0.1:7300") << wildcard;
+  }
+  auto derived = OutgoingAddressToward("127.0.0.1", 9);
+  ASSERT_TRUE(derived.ok()) << derived.status();
+  EXPECT_FALSE(IsWildcardHost(*derived)) << *derived;
+  EXPECT_TRUE(IsWildcardHost("0.0.0.0") && IsWildcardHost("::") && IsWildcardHost(""));
+  EXPECT_FALSE(IsWildcardHost("127.0.0.1") || IsWildcardHost("node-3"));
+}
+
+TEST(AdvertiseTest, DecodeAgentsAdvertiseAHostAndNoPort) {
+  AdvertiseInputs in{.prefill = false,
+                     .listen_host = "127.0.0.1",
+                     .registry_host = "127.0.0.1",
+                     .registry_port = 7400};
+  EXPECT_EQ(*AdvertisedControlAddress(in), "127.0.0.1:0");
+  in.advertise = Advertise{"10.1.2.3", std::nullopt};
+  EXPECT_EQ(*AdvertisedControlAddress(in), "10.1.2.3:0");
+  in.advertise = Advertise{"10.1.2.3", 9000};
+  auto refused = AdvertisedControlAddress(in);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_THAT(refused.status().message(), HasSubstr("give --advertise 10.1.2.3"));
+}
+
+TEST(AdvertiseTest, UnresolvableRegistrySaysToGiveAdvertise) {
+  auto derived = OutgoingAddressToward("no-such-host.invalid", 7000);
+  ASSERT_FALSE(derived.ok());
+  EXPECT_EQ(derived.status().code(), StatusCode::kUnavailable);
+  EXPECT_THAT(derived.status().message(), HasSubstr("no-such-host.invalid"));
+  EXPECT_THAT(derived.status().message(), HasSubstr("--advertise HOST[:PORT]"));
+}
+
+// Starts kvt-agent (prefill) with `extra` flags against an in-process registry and returns the
+// control address its entry carries, and the engine port from its ready file.
+struct Registered {
+  std::string control_address;
+  uint16_t engine_port = 0;
+};
+
+StatusOr<Registered> RegisterPrefillAgent(const std::vector<std::string>& extra) {
+  // A wildcard --listen needs a cluster token; the agent and the registry share this one.
+  constexpr const char* kToken = "advertise-test-token-0123456789";
+  setenv("KVT_CLUSTER_TOKEN", kToken, 1);
+  struct Unset {
+    ~Unset() { unsetenv("KVT_CLUSTER_TOKEN"); }
+  } unset;
+  transfer::RegistryServerOptions options;
+  options.server.cluster_token = kToken;
+  options.heartbeat_interval = std::chrono::milliseconds(200);
+  KVT_ASSIGN_OR_RETURN(auto registry, transfer::RegistryServer::Create(options));
+  const std::string dir = ::testing::TempDir() + "/kvt-agent-advertise-" +
+                          std::to_string(getpid()) + "-" + std::to_string(registry->port());
+  std::filesystem::create_directories(dir);
+  const std::string ready = dir + "/ready.json";
+  std::vector<std::string> argv = {KVT_AGENT_PATH,
+                                   "--role",
+                                   "prefill",
+                                   "--name",
+                                   "advertised",
+                                   "--device",
+                                   "host",
+                                   "--backend",
+                                   "loopback",
+                                   "--layers",
+                                   "2",
+                                   "--heads",
+                                   "2",
+                                   "--head-dim",
+                                   "64",
+                                   "--tokens",
+                                   "256",
+                                   "--bootstrap",
+                                   "127.0.0.1:" + std::to_string(registry->port()),
+                                   "--ready-file",
+                                   ready,
+                                   "--exit-with-parent"};
+  argv.insert(argv.end(), extra.begin(), extra.end());
+  KVT_ASSIGN_OR_RETURN(auto child, ChildProcess::Spawn(argv, dir + "/agent.log"));
+  auto text = WaitReadyFile(ready, std::chrono::seconds(30), child.pid());
+  if (!text.ok()) return text.status().WithContext(LogTail(dir + "/agent.log", 20));
+  const nlohmann::json j = nlohmann::json::parse(*text, nullptr, false);
+  auto entries = registry->Lookup("advertised", transfer::AgentRole::kPrefill, std::nullopt);
+  child.Stop();
+  std::filesystem::remove_all(dir);
+  if (entries.size() != 1)
+    return Internal("expected one entry, found " + std::to_string(entries.size()));
+  return Registered{entries[0].control_address, j.value("engine_port", uint16_t{0})};
+}
+
+TEST(KvtAgentCliTest, AdvertiseIsWhatTheRegistryEntryCarries) {
+  auto host_only = RegisterPrefillAgent({"--advertise", "10.9.8.7"});
+  ASSERT_TRUE(host_only.ok()) << host_only.status();
+  ASSERT_NE(host_only->engine_port, 0);
+  EXPECT_EQ(host_only->control_address, "10.9.8.7:" + std::to_string(host_only->engine_port));
+  auto with_port = RegisterPrefillAgent({"--advertise", "node-7.example:7777"});
+  ASSERT_TRUE(with_port.ok()) << with_port.status();
+  EXPECT_EQ(with_port->control_address, "node-7.example:7777");
+}
+
+TEST(KvtAgentCliTest, WildcardListenIsNeverRegistered) {
+  auto registered = RegisterPrefillAgent({"--listen", "0.0.0.0:0"});
+  ASSERT_TRUE(registered.ok()) << registered.status();
+  EXPECT_THAT(registered->control_address, ::testing::Not(HasSubstr("0.0.0.0")));
+  // The registry is on loopback here, so the interface toward it is.
+  EXPECT_EQ(registered->control_address, "127.0.0.1:" + std::to_string(registered->engine_port));
+}
+
+TEST(KvtAgentCliTest, BadAdvertiseIsRefusedBeforeAnythingStarts) {
+  const ToolResult wildcard = RunTool(KVT_AGENT_PATH, "--advertise 0.0.0.0:7000");
+  EXPECT_EQ(wildcard.exit_code, 1) << wildcard.err;
+  EXPECT_THAT(wildcard.err, HasSubstr("--advertise '0.0.0.0:7000'"));
+  EXPECT_THAT(wildcard.err, HasSubstr("wildcard"));
+  const ToolResult decode_port = RunTool(KVT_AGENT_PATH, "--role decode --advertise 10.0.0.5:7000");
+  EXPECT_EQ(decode_port.exit_code, 1) << decode_port.err;
+  EXPECT_THAT(decode_port.err, HasSubstr("give --advertise 10.0.0.5"));
+}
+
+// ---- a decode agent checks the prefill entry's layout before any request --------------------
+
+// A control server that only counts connections: the stand-in for a prefill engine.
+class CountingHandler : public control::ControlHandler {
+ public:
+  void OnConnect(control::ConnectionId, const control::ConnectionInfo&) override { ++connects; }
+  void OnMessage(control::ConnectionId, const v1::Envelope&) override { ++messages; }
+  void OnDisconnect(control::ConnectionId, const Status&) override {}
+  std::atomic<int> connects{0};
+  std::atomic<int> messages{0};
+};
+
+transfer::AgentLayout LayoutOf(const AgentOptions& o) {
+  return transfer::AgentLayout{
+      .num_layers = static_cast<uint32_t>(o.pool.layer_num),
+      .page_size = static_cast<uint32_t>(o.pool.page_size),
+      .dtype = o.pool.dtype,
+      .head_num = static_cast<uint32_t>(o.pool.head_num),
+      .head_dim = static_cast<uint32_t>(o.pool.head_dim),
+      .tp_rank = 0,
+      .tp_size = 1,
+      .num_pages = static_cast<uint64_t>(o.pool.size / o.pool.page_size + 1),
+      .num_tokens = static_cast<uint64_t>(o.pool.size)};
+}
+
+TEST(AgentRpcTest, DecodeRefusesAnIncompatiblePrefillEntryBeforeAnyRequest) {
+  auto registry = transfer::RegistryServer::Create(transfer::RegistryServerOptions{});
+  ASSERT_TRUE(registry.ok()) << registry.status();
+  CountingHandler prefill_engine;
+  auto prefill_server =
+      control::ControlServer::Create(control::ControlServerOptions{}, &prefill_engine);
+  ASSERT_TRUE(prefill_server.ok()) << prefill_server.status();
+
+  const AgentOptions decode_options = SmallAgent(pool::MemoryKind::kHost, "loopback");
+  transfer::AgentEntry prefill;
+  prefill.name = "other-model";
+  prefill.role = transfer::AgentRole::kPrefill;
+  prefill.control_address = "127.0.0.1:" + std::to_string((*prefill_server)->port());
+  prefill.layout = LayoutOf(decode_options);
+  prefill.layout->page_size = 32;
+  prefill.layout->head_dim = 128;
+  prefill.layout->num_pages = 256 / 32 + 1;
+  transfer::RegistryClientOptions client;
+  client.port = (*registry)->port();
+  auto registration = transfer::RegistryClient::Start(client, prefill);
+  ASSERT_TRUE(registration.ok()) << registration.status();
+
+  auto agent = Agent::Create(decode_options);
+  ASSERT_TRUE(agent.ok()) << agent.status();
+  AgentRpc rpc(agent->get(), "decode-test", /*prefill=*/false, 0, 1, client,
+               LayoutOf(decode_options));
+  auto rpc_server = rpc.Serve(control::ControlServerOptions{});
+  ASSERT_TRUE(rpc_server.ok()) << rpc_server.status();
+  auto driver =
+      RpcClient::Connect("127.0.0.1", (*rpc_server)->port(), "driver", std::chrono::seconds(5));
+  ASSERT_TRUE(driver.ok()) << driver.status();
+  v1::Envelope submit;
+  submit.mutable_submit_request()->set_room_id("room-1");
+  submit.mutable_submit_request()->set_num_tokens(20);
+  submit.mutable_submit_request()->set_prefill_name("other-model");
+  auto reply = driver->Call(submit, std::chrono::seconds(10));
+  ASSERT_TRUE(reply.ok()) << reply.status();
+  ASSERT_TRUE(reply->has_submit_reply());
+  EXPECT_EQ(reply->submit_reply().status(), v1::STATUS_CODE_FAILED_PRECONDITION);
+  const std::string& message = reply->submit_reply().message();
+  EXPECT_THAT(message, HasSubstr("prefill agent 'other-model'"));
+  EXPECT_THAT(message, HasSubstr("page_size decode=16 prefill=32"));
+  EXPECT_THAT(message, HasSubstr("head_dim decode=64 prefill=128"));
+  // Nothing reached the prefill agent: no connection, no hello, no request.
+  EXPECT_EQ(prefill_engine.connects.load(), 0);
+  EXPECT_EQ(prefill_engine.messages.load(), 0);
+  EXPECT_EQ((*agent)->Stats().submitted, 0u);
+  rpc.Stop();
 }
 
 // ---- kvt-agent's command line --------------------------------------------------------------
