@@ -93,6 +93,69 @@ inline Status WaitFor(Backend& backend, WriteId id,
   return DeadlineExceeded("write did not finish in " + std::to_string(bound.count()) + " s");
 }
 
+// A layout of mixed structure, as a TransferLayout with a latent group and a draft model
+// flattens: a target model's K/V (2 layers, 256-byte pages), a latent group (one buffer per
+// layer, 2 layers, 96-byte pages) and a draft model's K/V (1 layer, 512-byte pages). Transfer
+// layers 0..4, 4 + 2 + 2 = 8 buffers of layers 0 1 0 1 2 3 4 4, each `pages` pages, held back to
+// back in one image per side.
+struct MixedLayout {
+  std::vector<int32_t> layers = {0, 1, 0, 1, 2, 3, 4, 4};
+  std::vector<uint64_t> items = {256, 256, 256, 256, 96, 96, 512, 512};
+  int32_t num_layers = 5;
+  int64_t pages = 24;
+
+  size_t buffers() const { return layers.size(); }
+  uint64_t BufferBytes(size_t b) const { return static_cast<uint64_t>(pages) * items[b]; }
+  uint64_t Offset(size_t b) const {
+    uint64_t offset = 0;
+    for (size_t i = 0; i < b; ++i) offset += BufferBytes(i);
+    return offset;
+  }
+  uint64_t ImageBytes() const { return Offset(buffers()); }
+  // The regions of an image at `base`, with their transfer layers.
+  std::vector<LocalRegion> Regions(uint64_t base, MemoryKind kind = MemoryKind::kHost,
+                                   int32_t device = -1) const {
+    std::vector<LocalRegion> regions;
+    for (size_t b = 0; b < buffers(); ++b) {
+      regions.push_back(
+          LocalRegion{base + Offset(b), BufferBytes(b), items[b], kind, device, layers[b]});
+    }
+    return regions;
+  }
+  // What the write must leave in `dst`, computed from the definition (every buffer whose layer
+  // is in the range, whole pages of its own size), independently of any backend's tables.
+  void Apply(const PageWrite& w, const std::vector<uint8_t>& src, std::vector<uint8_t>& dst) const {
+    for (size_t b = 0; b < buffers(); ++b) {
+      if (layers[b] < w.layer_begin || layers[b] >= w.layer_end) continue;
+      for (size_t i = 0; i < w.src_pages.size(); ++i) {
+        std::memcpy(dst.data() + Offset(b) + w.dst_pages[i] * items[b],
+                    src.data() + Offset(b) + w.src_pages[i] * items[b], items[b]);
+      }
+    }
+  }
+  // "" when the images are equal, else how many bytes differ and where the first one is.
+  std::string Mismatch(const std::vector<uint8_t>& want, const std::vector<uint8_t>& got) const {
+    if (want.size() != got.size()) {
+      return "sizes differ: " + std::to_string(want.size()) + " vs " + std::to_string(got.size());
+    }
+    size_t count = 0;
+    std::string first;
+    for (size_t i = 0; i < want.size(); ++i) {
+      if (want[i] == got[i]) continue;
+      if (count++ == 0) {
+        size_t b = 0;
+        while (b + 1 < buffers() && Offset(b + 1) <= i) ++b;
+        const uint64_t in = i - Offset(b);
+        first = "buffer " + std::to_string(b) + " (layer " + std::to_string(layers[b]) + ") page " +
+                std::to_string(in / items[b]) + " byte " + std::to_string(in % items[b]) +
+                ": expected " + std::to_string(want[i]) + ", got " + std::to_string(got[i]);
+      }
+    }
+    if (count == 0) return "";
+    return std::to_string(count) + " bytes differ; first at " + first;
+  }
+};
+
 // Registers host buffers of `buffer_bytes` each (items of `item` bytes) on both sides — the
 // sender's at src[b], the receiver's back to back from `dst` — and connects the sender to the
 // receiver. Returns the sender's peer id.

@@ -270,20 +270,24 @@ TEST(CudaIpcAddressTest, ThisProcessHasAStableIdentity) {
 
 // ---- The planner, run with the CPU kernel -------------------------------------------------
 
-// A host stand-in for a pool: 2L buffers of `pages` pages of `item` bytes.
+// A host stand-in for a pool: 2L buffers of `pages` pages of `item` bytes, K of every layer
+// then V (buffer b of transfer layer b % L).
 struct HostPool {
-  HostPool(int layers, uint64_t pages, uint64_t item, uint8_t fill) : item(item) {
+  HostPool(int layers, uint64_t pages, uint64_t item, uint8_t fill) : layers(layers), item(item) {
     buffers.assign(2 * static_cast<size_t>(layers), std::vector<uint8_t>(pages * item, fill));
   }
   void Randomize(std::mt19937& rng) {
     for (auto& b : buffers) testing::FillRandom(b, rng);
   }
-  std::vector<LocalRegion> Local() {
+  LocalBuffers Local() {
     std::vector<LocalRegion> out;
-    for (auto& b : buffers) {
-      out.push_back({reinterpret_cast<uint64_t>(b.data()), b.size(), item, MemoryKind::kCuda, 0});
+    for (size_t b = 0; b < buffers.size(); ++b) {
+      out.push_back({reinterpret_cast<uint64_t>(buffers[b].data()), buffers[b].size(), item,
+                     MemoryKind::kCuda, 0, static_cast<int32_t>(b % layers)});
     }
-    return out;
+    auto local = LocalBuffers::Create(out);
+    EXPECT_TRUE(local.ok()) << local.status();
+    return std::move(local).value();
   }
   std::vector<RemoteRegion> Remote() {
     std::vector<RemoteRegion> out;
@@ -296,6 +300,7 @@ struct HostPool {
     for (auto& b : buffers) out.push_back(reinterpret_cast<uint64_t>(b.data()));
     return out;
   }
+  int layers;
   uint64_t item;
   std::vector<std::vector<uint8_t>> buffers;
 };
@@ -476,10 +481,10 @@ TEST(CudaIpcProgramTest, RefusesPageWritesOutsideEitherSide) {
   expect(plan(ok_pages, two, kLayers, 0, 1), StatusCode::kInvalidArgument, "3 source pages but 2");
   expect(plan(ok_pages, ok_pages, 0, 0, 0), StatusCode::kInvalidArgument, "num_layers = 0");
   expect(plan(ok_pages, ok_pages, kLayers + 1, 0, 1), StatusCode::kInvalidArgument,
-         "8 buffers are registered");
+         "the registered buffers have 4 transfer layers");
   expect(plan(ok_pages, ok_pages, kLayers, 2, 1), StatusCode::kInvalidArgument, "[2, 1)");
   expect(plan(ok_pages, ok_pages, kLayers, 0, kLayers + 1), StatusCode::kInvalidArgument,
-         "not inside [0, 4]");
+         "[0, 5) is not inside the registered layers [0, 4]");
   expect(plan(negative, ok_pages, kLayers, 0, 1), StatusCode::kOutOfRange, "page -3");
   expect(plan(ok_pages, past_dst, kLayers, 0, 1), StatusCode::kOutOfRange,
          "writes page 16 of the peer's buffer 0, which holds 16 pages");
@@ -503,6 +508,66 @@ TEST(CudaIpcProgramTest, RefusesPageWritesOutsideEitherSide) {
   auto count = PlanPageWrite(w, local, fewer, fewer_bases);
   ASSERT_FALSE(count.ok());
   EXPECT_EQ(count.status().code(), StatusCode::kFailedPrecondition);
+}
+
+TEST(CudaIpcProgramTest, MixedLayoutMovesTheBuffersOfTheLayersByteExact) {
+  // Target K/V (256-byte pages), a latent group (96) and a draft model's K/V (512): one launch
+  // per page size present in a batch, every buffer of the batch's layers, nothing else.
+  const testing::MixedLayout layout;
+  std::mt19937 rng(31);
+  std::vector<uint8_t> src(layout.ImageBytes()), dst(layout.ImageBytes());
+  testing::FillRandom(src, rng);
+  testing::FillRandom(dst, rng);
+  std::vector<uint8_t> expected = dst;
+  auto local = LocalBuffers::Create(layout.Regions(reinterpret_cast<uint64_t>(src.data())));
+  ASSERT_TRUE(local.ok()) << local.status();
+  std::vector<RemoteRegion> remote;
+  std::vector<uint64_t> bases;
+  for (const LocalRegion& r : layout.Regions(reinterpret_cast<uint64_t>(dst.data()))) {
+    remote.push_back({r.base, r.length, r.item_len, ""});
+    bases.push_back(r.base);
+  }
+  const std::vector<int32_t> src_pages = DistinctPages(11, layout.pages, rng);
+  const std::vector<int32_t> dst_pages = DistinctPages(11, layout.pages, rng);
+  struct Batch {
+    int32_t begin, end;
+    size_t launches;
+    uint64_t bytes;
+  };
+  // [0, 3): K/V of layers 0, 1 (4 x 256) and the latent buffer of layer 2 (96);
+  // [3, 5): the latent buffer of layer 3 (96) and the draft's K/V of layer 4 (2 x 512).
+  for (const Batch& batch :
+       {Batch{0, 3, 2, 11 * (4 * 256 + 96)}, Batch{3, 5, 2, 11 * (96 + 1024)}}) {
+    PageWrite w;
+    w.src_pages = src_pages;
+    w.dst_pages = dst_pages;
+    w.num_layers = layout.num_layers;
+    w.layer_begin = batch.begin;
+    w.layer_end = batch.end;
+    auto program = PlanPageWrite(w, *local, remote, bases);
+    ASSERT_TRUE(program.ok()) << program.status();
+    EXPECT_EQ(program->launches.size(), batch.launches);
+    EXPECT_EQ(program->bytes, batch.bytes);
+    ASSERT_TRUE(Execute(*program).ok());
+    layout.Apply(w, src, expected);
+    EXPECT_EQ(layout.Mismatch(expected, dst), "")
+        << "layers [" << batch.begin << ", " << batch.end << ")";
+  }
+}
+
+TEST(CudaIpcProgramTest, RefusesRegionLayersThatSkipOrGoBack) {
+  const testing::MixedLayout layout;
+  std::vector<LocalRegion> regions = layout.Regions(0x10000);
+  regions[6].layer = 5;  // the draft's K names layer 5 before any buffer of layer 4
+  auto skipped = LocalBuffers::Create(regions);
+  ASSERT_FALSE(skipped.ok());
+  EXPECT_EQ(skipped.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(skipped.status().message(), HasSubstr("buffer 6 has transfer layer 5"));
+  regions = layout.Regions(0x10000);
+  regions[0].layer = 1;
+  auto first = LocalBuffers::Create(regions);
+  ASSERT_FALSE(first.ok());
+  EXPECT_THAT(first.status().message(), HasSubstr("buffer 0 has transfer layer 1; expected 0"));
 }
 
 TEST(CudaIpcProgramTest, CopyRunsOfOneLengthShareALaunchAndAreByteExact) {

@@ -377,6 +377,7 @@ class CudaIpcBackend final : public Backend {
             "); one cuda_ipc backend serves one GPU: give each device's pool its own backend");
       }
     }
+    KVT_ASSIGN_OR_RETURN(cuda_ipc::LocalBuffers local, cuda_ipc::LocalBuffers::Create(regions));
     const int device_count = cuda::DeviceCount().count;
     if (device >= device_count) {
       return InvalidArgument("buffers on device " + std::to_string(device) +
@@ -476,7 +477,7 @@ class CudaIpcBackend final : public Backend {
                                                 regions[i].item_len,
                                                 cuda_ipc::EncodeRegionKey(keys[i])});
     }
-    local_.assign(regions.begin(), regions.end());
+    local_ = std::move(local);
     device_ = device;
     KVT_LOG_DEBUG("ipc", "registered {} buffers in {} allocations on device {} ({})",
                   regions.size(), exported.size(), device, self.pci_bus_id);
@@ -905,7 +906,7 @@ class CudaIpcBackend final : public Backend {
   cuda::Stream stream_;         // the transfer stream (non-blocking) on device_; destroyed last
   cuda::Stream notify_stream_;  // completion host functions, behind each write's event
   cuda::Stream copy_stream_;    // uploads of the writes' tables
-  std::vector<LocalRegion> local_;
+  cuda_ipc::LocalBuffers local_;
   std::unordered_map<PeerId, Peer> peers_;
   std::unordered_map<WriteId, Write> writes_;
   std::vector<std::unique_ptr<Slot>> free_;      // recycled scratch

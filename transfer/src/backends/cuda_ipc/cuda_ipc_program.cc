@@ -69,7 +69,15 @@ kernels::PageCopyArgs LaunchArgs(const CopyProgram& program, const CopyLaunch& l
   return args;
 }
 
-StatusOr<CopyProgram> PlanPageWrite(const PageWrite& write, std::span<const LocalRegion> local,
+StatusOr<LocalBuffers> LocalBuffers::Create(std::span<const LocalRegion> regions) {
+  KVT_ASSIGN_OR_RETURN(LayerTable layers, LayerTable::Create(regions));
+  LocalBuffers buffers;
+  buffers.regions_.assign(regions.begin(), regions.end());
+  buffers.layers_ = std::move(layers);
+  return buffers;
+}
+
+StatusOr<CopyProgram> PlanPageWrite(const PageWrite& write, const LocalBuffers& local,
                                     std::span<const RemoteRegion> remote,
                                     std::span<const uint64_t> dst_bases) {
   KVT_RETURN_IF_ERROR(CheckSides(local, remote, dst_bases));
@@ -79,17 +87,8 @@ StatusOr<CopyProgram> PlanPageWrite(const PageWrite& write, std::span<const Loca
                            Num(write.dst_pages.size()) +
                            " destination pages; the lists pair up one to one");
   }
-  if (write.num_layers <= 0 || 2 * static_cast<uint64_t>(write.num_layers) > local.size()) {
-    return InvalidArgument("page write names num_layers = " + std::to_string(write.num_layers) +
-                           " (buffers l and num_layers + l) but " + Num(local.size()) +
-                           " buffers are registered; pass the pool's layer count");
-  }
-  if (write.layer_begin < 0 || write.layer_begin > write.layer_end ||
-      write.layer_end > write.num_layers) {
-    return InvalidArgument("page write layer range [" + std::to_string(write.layer_begin) + ", " +
-                           std::to_string(write.layer_end) + ") is not inside [0, " +
-                           std::to_string(write.num_layers) + "]");
-  }
+  KVT_RETURN_IF_ERROR(
+      local.layers().CheckRange(write.num_layers, write.layer_begin, write.layer_end));
   if (n > static_cast<size_t>(std::numeric_limits<int32_t>::max())) {
     return InvalidArgument("page write of " + Num(n) + " pages; at most 2^31 - 1 per write");
   }
@@ -105,12 +104,10 @@ StatusOr<CopyProgram> PlanPageWrite(const PageWrite& write, std::span<const Loca
                       "; page indices are >= 0");
   }
 
-  // Buffers l (K) and num_layers + l (V) of every layer in the batch.
-  std::vector<uint32_t> buffers;
-  for (int32_t l = write.layer_begin; l < write.layer_end; ++l) {
-    buffers.push_back(static_cast<uint32_t>(l));
-    buffers.push_back(static_cast<uint32_t>(write.num_layers + l));
-  }
+  // The buffers of the batch's layers, layers ascending (the registration's layer table).
+  const std::span<const uint32_t> batch =
+      local.layers().Buffers(write.layer_begin, write.layer_end);
+  std::vector<uint32_t> buffers(batch.begin(), batch.end());
   for (uint32_t b : buffers) {
     const uint64_t src_item = local[b].item_len;
     const uint64_t dst_item = remote[b].item_len;

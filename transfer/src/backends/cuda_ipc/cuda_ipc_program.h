@@ -2,8 +2,11 @@
 // tables the kernel reads (source and destination base tables, page index lists), laid out in
 // one block that is staged to the device with a single copy, and the launches that read them.
 //
-// A page write (PageWrite) becomes one launch per distinct (source, destination) page size among
-// its buffers (one for a uniform pool) and per unit (units empty: whole pages, one launch). A
+// A page write (PageWrite) of layers [a, b) moves the registered buffers of those transfer layers
+// (LocalRegion::layer, looked up in the LayerTable that LocalBuffers builds once at Register). It
+// becomes one launch per distinct (source, destination) page size among its buffers (one for a
+// uniform pool, one per model for a layout with draft or latent groups) and per unit (units
+// empty: whole pages, one launch). A
 // write of copy runs becomes one launch per distinct run length, each run one "buffer" of a
 // single page whose bases are the run's own addresses.
 //
@@ -17,6 +20,7 @@
 #include <span>
 #include <vector>
 
+#include "backends/common/layer_table.h"
 #include "kvt/common/status.h"
 #include "kvt/kernels/kernels.h"
 #include "kvt/transfer/backend.h"
@@ -48,14 +52,37 @@ struct CopyProgram {
   size_t table_bytes() const { return tables.size() * sizeof(uint64_t); }
 };
 
+// The registered buffers as the planner reads them: the regions and the table of which of them
+// each transfer layer moves, built once from their layers. A value type.
+class LocalBuffers {
+ public:
+  LocalBuffers() = default;  // nothing registered
+  // InvalidArgument (from LayerTable) when the regions' layers are not 0..n-1 in the layout's
+  // order, naming the buffer and its layer.
+  static StatusOr<LocalBuffers> Create(std::span<const LocalRegion> regions);
+
+  bool empty() const { return regions_.empty(); }
+  size_t size() const { return regions_.size(); }
+  const LocalRegion& operator[](size_t i) const { return regions_[i]; }
+  std::span<const LocalRegion> regions() const { return regions_; }
+  operator std::span<const LocalRegion>() const { return regions_; }  // NOLINT: a view of them
+  const LayerTable& layers() const { return layers_; }
+
+ private:
+  std::vector<LocalRegion> regions_;
+  LayerTable layers_;
+};
+
 // The kernel arguments of `launch` when the program's tables live at `tables_address` (device
 // memory for PageCopyCuda, the program's own vector for PageCopyCpu).
 kernels::PageCopyArgs LaunchArgs(const CopyProgram& program, const CopyLaunch& launch,
                                  uint64_t tables_address);
 
-// Plans a page write. `local` are our buffers, `remote` the peer's as published, `dst_bases`
-// where each peer buffer is reachable from this process (same count as `remote`).
-StatusOr<CopyProgram> PlanPageWrite(const PageWrite& write, std::span<const LocalRegion> local,
+// Plans a page write. `local` are our buffers, `remote` the peer's as published (index by index
+// the same structure), `dst_bases` where each peer buffer is reachable from this process (same
+// count as `remote`). The write's num_layers must be the registered layer count and its range
+// inside [0, num_layers].
+StatusOr<CopyProgram> PlanPageWrite(const PageWrite& write, const LocalBuffers& local,
                                     std::span<const RemoteRegion> remote,
                                     std::span<const uint64_t> dst_bases);
 

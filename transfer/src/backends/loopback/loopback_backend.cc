@@ -3,6 +3,7 @@
 // the backend conformance suite, and optionally delays completion to exercise in-flight paths.
 #include "backends/loopback/loopback_backend.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -13,6 +14,7 @@
 #include <thread>
 #include <unordered_map>
 
+#include "backends/common/layer_table.h"
 #include "backends/common/run_check.h"
 #include "kvt/kernels/cuda_util.h"
 #include "kvt/kernels/kernels.h"
@@ -96,6 +98,7 @@ class LoopbackBackend final : public Backend {
         return InvalidArgument("buffer " + std::to_string(i) + " has a null base or zero length");
       }
     }
+    KVT_ASSIGN_OR_RETURN(LayerTable layers, LayerTable::Create(regions));
     PeerDescriptor descriptor;
     descriptor.backend = "loopback";
     descriptor.address = address_;
@@ -105,6 +108,7 @@ class LoopbackBackend final : public Backend {
     }
     std::lock_guard<std::mutex> lock(mutex_);
     local_.assign(regions.begin(), regions.end());
+    layers_ = std::move(layers);
     for (const LocalRegion& r : regions) {
       descriptor.regions.push_back(RemoteRegion{r.base, r.length, r.item_len, {}});
     }
@@ -159,29 +163,45 @@ class LoopbackBackend final : public Backend {
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = peers_.find(peer);
     if (it == peers_.end()) return NotFound("no loopback peer " + std::to_string(peer));
-    const size_t buffers = local_.size();
-    if (pages.num_layers <= 0 || static_cast<size_t>(pages.num_layers) * 2 != buffers ||
-        pages.layer_begin < 0 || pages.layer_begin >= pages.layer_end ||
-        pages.layer_end > pages.num_layers || pages.src_pages.size() != pages.dst_pages.size()) {
-      return InvalidArgument(
-          "page write of layers [" + std::to_string(pages.layer_begin) + ", " +
-          std::to_string(pages.layer_end) + ") of " + std::to_string(pages.num_layers) + " with " +
-          std::to_string(pages.src_pages.size()) + " / " + std::to_string(pages.dst_pages.size()) +
-          " pages does not fit " + std::to_string(buffers) + " registered buffers");
+    KVT_RETURN_IF_ERROR(layers_.CheckRange(pages.num_layers, pages.layer_begin, pages.layer_end));
+    if (pages.src_pages.size() != pages.dst_pages.size()) {
+      return InvalidArgument("page write with " + std::to_string(pages.src_pages.size()) +
+                             " source pages but " + std::to_string(pages.dst_pages.size()) +
+                             " destination pages; the lists pair up one to one");
     }
-    // Express the write as runs too, so the range checks are the same as PostWrite's.
+    const std::span<const uint32_t> buffers = layers_.Buffers(pages.layer_begin, pages.layer_end);
+    // Express the write as runs too, so the range checks are the same as PostWrite's. Each
+    // buffer has its own page bytes on either side.
     std::vector<CopyRun> runs;
-    const PageUnit whole{0, 0, local_.front().item_len};
-    const std::span<const PageUnit> units =
-        pages.units.empty() ? std::span<const PageUnit>(&whole, 1) : pages.units;
-    for (int32_t l = pages.layer_begin; l < pages.layer_end; ++l) {
-      for (uint32_t b : {static_cast<uint32_t>(l), static_cast<uint32_t>(pages.num_layers + l)}) {
-        for (size_t i = 0; i < pages.src_pages.size(); ++i) {
-          for (const PageUnit& u : units) {
-            runs.push_back(CopyRun{
-                b, pages.src_pages[i] * local_[b].item_len + u.src_offset,
-                pages.dst_pages[i] * it->second.regions[b].item_len + u.dst_offset, u.bytes});
+    for (uint32_t b : buffers) {
+      const uint64_t src_item = local_[b].item_len;
+      const uint64_t dst_item = it->second.regions[b].item_len;
+      if (pages.units.empty() && src_item != dst_item) {
+        return InvalidArgument("whole-page write of buffer " + std::to_string(b) +
+                               " between pages of " + std::to_string(src_item) +
+                               " bytes here and " + std::to_string(dst_item) +
+                               " bytes at the peer; pass units for pools of different layouts");
+      }
+      const PageUnit whole{0, 0, src_item};
+      const std::span<const PageUnit> units =
+          pages.units.empty() ? std::span<const PageUnit>(&whole, 1) : pages.units;
+      for (size_t i = 0; i < pages.src_pages.size(); ++i) {
+        if (pages.src_pages[i] < 0 || pages.dst_pages[i] < 0) {
+          return OutOfRange("page write names page " +
+                            std::to_string(std::min(pages.src_pages[i], pages.dst_pages[i])) +
+                            " (pair " + std::to_string(i) + "); page indices are >= 0");
+        }
+        for (const PageUnit& u : units) {
+          if (u.bytes > src_item || u.src_offset > src_item - u.bytes || u.bytes > dst_item ||
+              u.dst_offset > dst_item - u.bytes) {
+            return OutOfRange("unit [" + std::to_string(u.src_offset) + " -> " +
+                              std::to_string(u.dst_offset) + ", +" + std::to_string(u.bytes) +
+                              ") does not fit the pages of buffer " + std::to_string(b) + " (" +
+                              std::to_string(src_item) + " bytes here, " +
+                              std::to_string(dst_item) + " at the peer)");
           }
+          runs.push_back(CopyRun{b, pages.src_pages[i] * src_item + u.src_offset,
+                                 pages.dst_pages[i] * dst_item + u.dst_offset, u.bytes});
         }
       }
     }
@@ -196,10 +216,8 @@ class LoopbackBackend final : public Backend {
     write.runs = std::move(runs);
     write.pages = PageJob{{pages.src_pages.begin(), pages.src_pages.end()},
                           {pages.dst_pages.begin(), pages.dst_pages.end()},
-                          pages.num_layers,
-                          pages.layer_begin,
-                          pages.layer_end,
-                          {units.begin(), units.end()}};
+                          {buffers.begin(), buffers.end()},
+                          {pages.units.begin(), pages.units.end()}};
     write.ready_at = Clock::now() + delay_;
     write.status = InProgress();
     if (delay_.count() == 0) Complete(write);
@@ -242,10 +260,8 @@ class LoopbackBackend final : public Backend {
   struct PageJob {
     std::vector<int32_t> src_pages;
     std::vector<int32_t> dst_pages;
-    int32_t num_layers = 0;
-    int32_t layer_begin = 0;
-    int32_t layer_end = 0;
-    std::vector<PageUnit> units;
+    std::vector<uint32_t> buffers;  // in move order (LayerTable::Buffers)
+    std::vector<PageUnit> units;    // empty: whole pages
   };
   struct Write {
     PeerId peer = 0;
@@ -289,29 +305,30 @@ class LoopbackBackend final : public Backend {
     write.status = OkStatus();
   }
 
-  // One gather/scatter (CPU reference of the kernel) per unit over every buffer of the batch.
+  // One gather/scatter (CPU reference of the kernel) per buffer and unit: buffers differ in
+  // page bytes (a draft model's or a latent group's pages).
   Status CopyPages(const PageJob& job, const Target& target) const {
-    std::vector<uint64_t> src_bases, dst_bases;
-    for (int32_t l = job.layer_begin; l < job.layer_end; ++l) {
-      for (int32_t b : {l, job.num_layers + l}) {
-        src_bases.push_back(local_[b].base);
-        dst_bases.push_back(target.regions[b].base);
+    for (uint32_t b : job.buffers) {
+      const uint64_t src_base = local_[b].base;
+      const uint64_t dst_base = target.regions[b].base;
+      const PageUnit whole{0, 0, local_[b].item_len};
+      const std::span<const PageUnit> units =
+          job.units.empty() ? std::span<const PageUnit>(&whole, 1) : job.units;
+      for (const PageUnit& unit : units) {
+        kernels::PageCopyArgs args;
+        args.src_bases = &src_base;
+        args.dst_bases = &dst_base;
+        args.num_buffers = 1;
+        args.src_pages = job.src_pages.data();
+        args.dst_pages = job.dst_pages.data();
+        args.num_pages = static_cast<int64_t>(job.src_pages.size());
+        args.src_page_stride = static_cast<int64_t>(local_[b].item_len);
+        args.dst_page_stride = static_cast<int64_t>(target.regions[b].item_len);
+        args.src_offset = static_cast<int64_t>(unit.src_offset);
+        args.dst_offset = static_cast<int64_t>(unit.dst_offset);
+        args.bytes = static_cast<int64_t>(unit.bytes);
+        KVT_RETURN_IF_ERROR(kernels::PageCopyCpu(args));
       }
-    }
-    for (const PageUnit& unit : job.units) {
-      kernels::PageCopyArgs args;
-      args.src_bases = src_bases.data();
-      args.dst_bases = dst_bases.data();
-      args.num_buffers = static_cast<int32_t>(src_bases.size());
-      args.src_pages = job.src_pages.data();
-      args.dst_pages = job.dst_pages.data();
-      args.num_pages = static_cast<int64_t>(job.src_pages.size());
-      args.src_page_stride = static_cast<int64_t>(local_.front().item_len);
-      args.dst_page_stride = static_cast<int64_t>(target.regions.front().item_len);
-      args.src_offset = static_cast<int64_t>(unit.src_offset);
-      args.dst_offset = static_cast<int64_t>(unit.dst_offset);
-      args.bytes = static_cast<int64_t>(unit.bytes);
-      KVT_RETURN_IF_ERROR(kernels::PageCopyCpu(args));
     }
     return OkStatus();
   }
@@ -325,6 +342,7 @@ class LoopbackBackend final : public Backend {
 
   std::mutex mutex_;  // guards everything below
   std::vector<LocalRegion> local_;
+  LayerTable layers_;  // which of local_ a page write of layers [a, b) moves
   std::unordered_map<PeerId, Peer> peers_;
   std::unordered_map<WriteId, Write> writes_;
   PeerId next_peer_ = 1;
