@@ -361,10 +361,12 @@ TEST_P(EngineTest, BadRequestsAreRefusedAndOthersUnaffected) {
   EXPECT_EQ(prefill_->LayersReady("unknown", 1).code(), StatusCode::kNotFound);
   EXPECT_EQ(decode_->GetRequest("unknown").status().code(), StatusCode::kNotFound);
 
-  // Page-count mismatch between the sides fails that room on both, not the next one.
+  // Page-count mismatch between the sides (the prefill side's pages came first) fails that
+  // room on both, not the next one. (A Send past a known request's count is refused instead:
+  // EngineLayoutTest.ChunksAreCheckedAgainstTheDecodeRequest.)
   std::vector<int32_t> two = {1, 2}, three = {4, 5, 6};
-  ASSERT_TRUE(decode_->Receive("mismatch", peer, two).ok());
   ASSERT_TRUE(prefill_->Send("mismatch", three).ok());
+  ASSERT_TRUE(decode_->Receive("mismatch", peer, two).ok());
   auto info = decode_->WaitRequest("mismatch", 5s);
   EXPECT_EQ(info->state, RequestState::kFailed);
   EXPECT_EQ(info->status.code(), StatusCode::kInvalidArgument) << info->status;

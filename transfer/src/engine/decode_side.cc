@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstring>
 
 #include "control/protocol.h"
 #include "engine/layout_codec.h"
@@ -191,10 +192,40 @@ void DecodeSide::DropPeer(PeerHandle id) {
   }
 }
 
+Status DecodeSide::StoreAuxLocked(const DecodeRoom& room, const v1::TransferDone& done) {
+  if (room.aux_slot < 0) {
+    if (done.aux_size() == 0) return OkStatus();
+    return DataLoss("room '" + room.id + "': the prefill side sent aux data for " +
+                    std::to_string(done.aux_size()) +
+                    " buffers, but the request named no aux slot");
+  }
+  const std::vector<BufferInfo>& aux = ctx_.layout.aux;
+  if (static_cast<size_t>(done.aux_size()) != aux.size()) {
+    return DataLoss("room '" + room.id + "': the prefill side sent aux data for " +
+                    std::to_string(done.aux_size()) + " buffers; this layout has " +
+                    std::to_string(aux.size()) + " (the prefill Send gave no aux_slot?)");
+  }
+  for (size_t i = 0; i < aux.size(); ++i) {
+    if (done.aux(static_cast<int>(i)).size() != aux[i].item_len) {
+      return DataLoss("room '" + room.id + "': aux buffer " + std::to_string(i) + " came with " +
+                      std::to_string(done.aux(static_cast<int>(i)).size()) +
+                      " bytes; its slots hold " + std::to_string(aux[i].item_len));
+    }
+  }
+  // Host memory (the layout checked it): written before the room is reported done.
+  for (size_t i = 0; i < aux.size(); ++i) {
+    const std::string& bytes = done.aux(static_cast<int>(i));
+    std::memcpy(reinterpret_cast<void*>(aux[i].ptr +
+                                        static_cast<uint64_t>(room.aux_slot) * aux[i].item_len),
+                bytes.data(), bytes.size());
+  }
+  return OkStatus();
+}
+
 // --------------------------------------------------------------------------------- requests --
 Status DecodeSide::Receive(const std::string& room_id, PeerHandle peer_id,
                            std::vector<int32_t> dst_pages, std::chrono::milliseconds deadline,
-                           int32_t layer_begin, int32_t layer_end) {
+                           int32_t layer_begin, int32_t layer_end, int64_t aux_slot) {
   if (deadline.count() <= 0) deadline = ctx_.options.default_deadline;
   MutexLock lock(ctx_.mu);
   auto peer = peers_.find(peer_id);
@@ -214,7 +245,9 @@ Status DecodeSide::Receive(const std::string& room_id, PeerHandle peer_id,
   req->mutable_layers()->set_end(static_cast<uint32_t>(layer_end));
   req->set_deadline_ms(static_cast<uint32_t>(deadline.count()));
   req->set_backend(std::string(ctx_.backend->Name()));
+  if (aux_slot >= 0) req->set_aux_slot(static_cast<uint32_t>(aux_slot));
   DecodeRoom& room = table_.Open(room_id, deadline);
+  room.aux_slot = aux_slot;
   room.peer = peer_id;
   room.layer_begin = layer_begin;
   room.layer_end = layer_end;
@@ -366,7 +399,11 @@ void DecodeSide::OnPeerMessage(PeerHandle peer_id, const v1::Envelope& envelope)
       if (DecodeRoom* room = RoomOfLocked(peer_id, done.room_id())) {
         // The prefill side sends done only after its writes are visible or quiesced.
         room->bytes = done.bytes();
-        if (done.status() == v1::STATUS_CODE_OK) {
+        Status aux = done.status() == v1::STATUS_CODE_OK ? StoreAuxLocked(*room, done)
+                                                         : OkStatus();
+        if (!aux.ok()) {
+          FailLocked(*room, aux);
+        } else if (done.status() == v1::STATUS_CODE_OK) {
           SucceedLocked(*room);
         } else {
           FailLocked(*room, Status(control::FromProtoCode(done.status()),

@@ -32,6 +32,7 @@ namespace kvt::transfer::engine {
 struct DecodeRoom : RoomCore {
   PeerHandle peer = 0;
   std::vector<int32_t> dst_pages;
+  int64_t aux_slot = -1;  // the slot the prefill side's aux bytes go to; -1: none
 };
 
 class DecodeSide final : public SideWithTable<DecodeRoom> {
@@ -44,8 +45,8 @@ class DecodeSide final : public SideWithTable<DecodeRoom> {
 
   StatusOr<PeerHandle> ConnectPeer(const std::string& host, uint16_t port) KVT_EXCLUDES(ctx_.mu);
   Status Receive(const std::string& room, PeerHandle peer, std::vector<int32_t> dst_pages,
-                 std::chrono::milliseconds deadline, int32_t layer_begin, int32_t layer_end)
-      KVT_EXCLUDES(ctx_.mu);
+                 std::chrono::milliseconds deadline, int32_t layer_begin, int32_t layer_end,
+                 int64_t aux_slot) KVT_EXCLUDES(ctx_.mu);
 
   Status Abort(const std::string& room, const std::string& reason) override KVT_EXCLUDES(ctx_.mu);
   PollResult PollPass(Clock::time_point now) override KVT_EXCLUDES(ctx_.mu);
@@ -117,6 +118,10 @@ class DecodeSide final : public SideWithTable<DecodeRoom> {
   DecodeRoom* RoomOfLocked(PeerHandle peer, const std::string& room) KVT_REQUIRES(ctx_.mu);
   bool FailLocked(DecodeRoom& room, Status why) KVT_REQUIRES(ctx_.mu);
   void SucceedLocked(DecodeRoom& room) KVT_REQUIRES(ctx_.mu);
+  // Writes the aux bytes of a successful TransferDone into the room's slot; an error when they
+  // do not match the layout's aux buffers (then nothing is written).
+  Status StoreAuxLocked(const DecodeRoom& room, const v1::TransferDone& done)
+      KVT_REQUIRES(ctx_.mu);
   void OnFinalLocked(DecodeRoom& room) KVT_REQUIRES(ctx_.mu);
   void MarkReusableLocked(DecodeRoom& room) KVT_REQUIRES(ctx_.mu);
   // Fails the room and asks the prefill side to stop (it acknowledges once its writes are

@@ -33,8 +33,9 @@ const char* RequestStateName(RequestState state) {
 
 class TransferEngine::Impl {
  public:
-  Impl(const EngineOptions& options, pool::KvPool* pool, std::shared_ptr<Backend> backend)
-      : ctx_(options), pool_(pool) {
+  Impl(const EngineOptions& options, TransferLayout layout, std::shared_ptr<Backend> backend)
+      : ctx_(options) {
+    ctx_.layout = std::move(layout);
     ctx_.backend = std::move(backend);
   }
 
@@ -42,7 +43,6 @@ class TransferEngine::Impl {
 
   Status Init() {
     const EngineOptions& options = ctx_.options;
-    if (pool_ == nullptr) return InvalidArgument("the engine needs a pool (got null)");
     if (options.control_busy_poll.count() < 0) {
       return InvalidArgument("EngineOptions::control_busy_poll = " +
                              std::to_string(options.control_busy_poll.count()) +
@@ -67,33 +67,29 @@ class TransferEngine::Impl {
           "peer_timeout = " + std::to_string(options.peer_timeout.count()) +
           " ms, or idle peers are declared lost (a third of peer_timeout or less is usual)");
     }
-    // The pool's guards decide what may be registered for transfer.
-    KVT_ASSIGN_OR_RETURN(pool::ContiguousBufInfos infos, pool_->GetContiguousBufInfos());
-    KVT_ASSIGN_OR_RETURN(ctx_.local_layout,
-                         LayoutFromPool(*pool_, options.tp_rank, options.tp_size));
+    KVT_ASSIGN_OR_RETURN(ctx_.local_layout, LayoutToProto(ctx_.layout));
+    ctx_.buffers = ctx_.layout.Flatten();
     if (!ctx_.backend) {
       KVT_ASSIGN_OR_RETURN(ctx_.backend, CreateBackend(options.backend));
     }
+    const bool cuda = ctx_.layout.device >= 0;
     std::vector<LocalRegion> regions;
-    for (size_t i = 0; i < infos.data_ptrs.size(); ++i) {
+    for (const TransferLayout::FlatBuffer& b : ctx_.buffers) {
       LocalRegion r;
-      r.base = infos.data_ptrs[i];
-      r.length = static_cast<uint64_t>(infos.data_lens[i]);
-      r.item_len = static_cast<uint64_t>(infos.item_lens[i]);
-      const bool cuda = pool_->memory_kind() == pool::MemoryKind::kCuda;
+      r.base = b.info.ptr;
+      r.length = b.info.length;
+      r.item_len = b.info.item_len;
       r.kind = cuda ? MemoryKind::kCuda : MemoryKind::kHost;
-      r.device = cuda ? pool_->options().device : -1;
-      r.layer = static_cast<int32_t>(i % static_cast<size_t>(ctx_.num_layers()));
+      r.device = cuda ? ctx_.layout.device : -1;
+      r.layer = b.layer;
       regions.push_back(r);
     }
-    ctx_.item_len = regions.empty() ? 0 : regions.front().item_len;
-    ctx_.buffer_len = regions.empty() ? 0 : regions.front().length;
     KVT_ASSIGN_OR_RETURN(PeerDescriptor descriptor, ctx_.backend->Register(regions));
     const BackendCapabilities caps = ctx_.backend->Capabilities();
     // Device backends take page lists (one gather/scatter launch per layer batch) and wait for
     // the producer's event on the GPU; the others copy on the CPU once it has completed.
     ctx_.page_writes = caps.page_writes;
-    ctx_.waits_on_events = caps.page_writes && pool_->memory_kind() == pool::MemoryKind::kCuda;
+    ctx_.waits_on_events = caps.page_writes && cuda;
     ctx_.notified = caps.notifies_completion;
     if (ctx_.notified) {
       // Never blocks (a CUDA host function may call it).
@@ -123,9 +119,9 @@ class TransferEngine::Impl {
     }
     poller_ = std::make_unique<engine::Poller>(ctx_, *side_);
     poller_->Start();
-    KVT_LOG_INFO("xfer", "{} engine '{}' up: backend {}, {} buffers of {} bytes per page{}",
+    KVT_LOG_INFO("xfer", "{} engine '{}' up: backend {}, {} buffers ({}){}",
                  options.prefill ? "prefill" : "decode", options.name, ctx_.backend->Name(),
-                 regions.size(), ctx_.item_len,
+                 regions.size(), ctx_.layout.Describe(),
                  prefill_ ? ", control port " + std::to_string(prefill_->port()) : "");
     return OkStatus();
   }
@@ -153,7 +149,10 @@ class TransferEngine::Impl {
   }
 
   Status Receive(const std::string& room, PeerHandle peer, std::vector<int32_t> dst_pages,
-                 std::chrono::milliseconds deadline, int32_t layer_begin, int32_t layer_end) {
+                 const ReceiveOptions& options) {
+    const std::chrono::milliseconds deadline = options.deadline;
+    int32_t layer_begin = options.layer_begin;
+    int32_t layer_end = options.layer_end;
     if (decode_ == nullptr) {
       return FailedPrecondition("Receive is for decode engines; this engine is prefill");
     }
@@ -167,11 +166,14 @@ class TransferEngine::Impl {
                              std::to_string(num_layers) + ")");
     }
     KVT_RETURN_IF_ERROR(CheckOwnPages(dst_pages, "destination"));
-    return decode_->Receive(room, peer, std::move(dst_pages), deadline, layer_begin, layer_end);
+    KVT_RETURN_IF_ERROR(CheckAuxSlot(options.aux_slot, room));
+    return decode_->Receive(room, peer, std::move(dst_pages), deadline, layer_begin, layer_end,
+                            options.aux_slot);
   }
 
   Status Send(const std::string& room, std::vector<int32_t> src_pages,
-              std::chrono::milliseconds deadline) {
+              const SendOptions& options) {
+    const std::chrono::milliseconds deadline = options.deadline;
     if (prefill_ == nullptr) {
       return FailedPrecondition("Send is for prefill engines; this engine is decode");
     }
@@ -182,8 +184,11 @@ class TransferEngine::Impl {
                              room + "' is negative; pass 0 for the engine's default deadline");
     }
     KVT_RETURN_IF_ERROR(CheckOwnPages(src_pages, "source"));
-    return prefill_->Send(room, std::move(src_pages), deadline);
+    KVT_RETURN_IF_ERROR(CheckAuxSlot(options.aux_slot, room));
+    return prefill_->Send(room, std::move(src_pages), options);
   }
+
+  const TransferLayout& layout() const { return ctx_.layout; }
 
   Status LayersReady(const std::string& room, int32_t layers_done, cudaEvent_t ready) {
     if (prefill_ == nullptr) {
@@ -201,6 +206,21 @@ class TransferEngine::Impl {
   }
 
  private:
+  Status CheckAuxSlot(int64_t slot, const std::string& room) const {
+    if (slot == -1) return OkStatus();
+    const uint64_t slots = ctx_.layout.num_aux_slots();
+    if (slots == 0) {
+      return InvalidArgument("room '" + room + "' names aux slot " + std::to_string(slot) +
+                             " but this engine's layout has no aux buffers; pass -1, or "
+                             "register aux buffers in the layout");
+    }
+    if (slot < 0 || static_cast<uint64_t>(slot) >= slots) {
+      return OutOfRange("room '" + room + "': aux slot " + std::to_string(slot) +
+                        " is outside [0, " + std::to_string(slots) + ") (-1: no aux data)");
+    }
+    return OkStatus();
+  }
+
   Status CheckOwnPages(const std::vector<int32_t>& pages, const char* side) const {
     const uint64_t num_pages = ctx_.local_layout.num_pages();
     for (size_t i = 0; i < pages.size(); ++i) {
@@ -215,7 +235,6 @@ class TransferEngine::Impl {
 
   // Destroyed last (declared first): the sides and the poller use it.
   engine::EngineContext ctx_;
-  pool::KvPool* const pool_;
   std::unique_ptr<engine::EngineSide> side_;
   engine::PrefillSide* prefill_ = nullptr;
   engine::DecodeSide* decode_ = nullptr;
@@ -230,7 +249,19 @@ TransferEngine::~TransferEngine() = default;
 StatusOr<std::unique_ptr<TransferEngine>> TransferEngine::Create(const EngineOptions& options,
                                                                  pool::KvPool* pool,
                                                                  std::shared_ptr<Backend> backend) {
-  auto impl = std::make_unique<Impl>(options, pool, std::move(backend));
+  if (pool == nullptr) return InvalidArgument("the engine needs a pool (got null)");
+  KVT_ASSIGN_OR_RETURN(TransferLayout layout,
+                       TransferLayout::FromPool(*pool, options.tp_rank, options.tp_size));
+  auto impl = std::make_unique<Impl>(options, std::move(layout), std::move(backend));
+  KVT_RETURN_IF_ERROR(impl->Init());
+  return std::unique_ptr<TransferEngine>(new TransferEngine(std::move(impl)));
+}
+
+StatusOr<std::unique_ptr<TransferEngine>> TransferEngine::Create(const EngineOptions& options,
+                                                                 const TransferLayout& layout,
+                                                                 std::shared_ptr<Backend> backend) {
+  KVT_RETURN_IF_ERROR(layout.Validate());
+  auto impl = std::make_unique<Impl>(options, layout, std::move(backend));
   KVT_RETURN_IF_ERROR(impl->Init());
   return std::unique_ptr<TransferEngine>(new TransferEngine(std::move(impl)));
 }
@@ -243,12 +274,27 @@ StatusOr<PeerHandle> TransferEngine::ConnectPeer(const std::string& host, uint16
 Status TransferEngine::Receive(const std::string& room, PeerHandle peer,
                                std::vector<int32_t> dst_pages, std::chrono::milliseconds deadline,
                                int32_t layer_begin, int32_t layer_end) {
-  return impl_->Receive(room, peer, std::move(dst_pages), deadline, layer_begin, layer_end);
+  ReceiveOptions options;
+  options.deadline = deadline;
+  options.layer_begin = layer_begin;
+  options.layer_end = layer_end;
+  return impl_->Receive(room, peer, std::move(dst_pages), options);
+}
+Status TransferEngine::Receive(const std::string& room, PeerHandle peer,
+                               std::vector<int32_t> dst_pages, const ReceiveOptions& options) {
+  return impl_->Receive(room, peer, std::move(dst_pages), options);
 }
 Status TransferEngine::Send(const std::string& room, std::vector<int32_t> src_pages,
                             std::chrono::milliseconds deadline) {
-  return impl_->Send(room, std::move(src_pages), deadline);
+  SendOptions options;
+  options.deadline = deadline;
+  return impl_->Send(room, std::move(src_pages), options);
 }
+Status TransferEngine::Send(const std::string& room, std::vector<int32_t> src_pages,
+                            const SendOptions& options) {
+  return impl_->Send(room, std::move(src_pages), options);
+}
+const TransferLayout& TransferEngine::layout() const { return impl_->layout(); }
 Status TransferEngine::LayersReady(const std::string& room, int32_t layers_done,
                                    cudaEvent_t ready) {
   return impl_->LayersReady(room, layers_done, ready);

@@ -7,13 +7,14 @@
 #include <string_view>
 
 #include "kvt/common/status.h"
-#include "kvt/pool/kv_pool.h"
+#include "kvt/transfer/layout.h"
 #include "kvt/transfer/backend.h"
 #include "kvt/v1/peer.pb.h"
 
 namespace kvt::transfer {
 
-StatusOr<v1::Layout> LayoutFromPool(const pool::KvPool& pool, uint32_t tp_rank, uint32_t tp_size);
+// The wire form of a layout: its model description (no pointers), groups always listed.
+StatusOr<v1::Layout> LayoutToProto(const TransferLayout& layout);
 
 v1::PeerInfo MakePeerInfo(const std::string& name, bool prefill, const v1::Layout& layout,
                           const PeerDescriptor& descriptor, std::span<const LocalRegion> regions);
@@ -24,6 +25,9 @@ StatusOr<PeerDescriptor> DescriptorFromPeerInfo(const v1::PeerInfo& info, std::s
 
 // OK when pages can move between the two layouts; FailedPrecondition naming every field that
 // differs with both values otherwise, e.g. "layout mismatch: page_size prefill=16 decode=32".
+// Compared: page size, dtype, head_dim, the KV groups one by one (shape, layers, heads, head_dim,
+// dtype, page bytes; a layout without groups is one key_value group of its top-level fields),
+// the aux slot bytes, and the TP placement.
 // With equal TP sizes the ranks must be equal too (decode rank r holds the shard of prefill
 // rank r); a pair of other ranks is refused naming both ranks and sizes.
 Status CheckCompatible(const v1::Layout& ours, const v1::Layout& theirs, std::string_view our_role,

@@ -1,14 +1,28 @@
 #include "kvt/transfer/plan.h"
 
 #include <algorithm>
+#include <limits>
 #include <string>
 
 namespace kvt::transfer {
 namespace {
 
-Status CheckPages(std::span<const int32_t> pages, uint64_t item_len, uint64_t buffer_len,
-                  const char* side) {
-  const uint64_t num_pages = item_len == 0 ? 0 : buffer_len / item_len;
+// Every buffer of the spec: PlanSpec::buffers, or the uniform 2L K-then-V buffers it stands for.
+std::vector<PlanBuffer> BuffersOf(const PlanSpec& spec) {
+  if (!spec.buffers.empty()) return {spec.buffers.begin(), spec.buffers.end()};
+  std::vector<PlanBuffer> buffers;
+  const int32_t layers = std::max(0, spec.num_layers);
+  buffers.reserve(2 * static_cast<size_t>(layers));
+  for (int kv = 0; kv < 2; ++kv) {
+    for (int32_t l = 0; l < layers; ++l) {
+      buffers.push_back(PlanBuffer{l, spec.src_item_len, spec.dst_item_len, spec.src_buffer_len,
+                                   spec.dst_buffer_len});
+    }
+  }
+  return buffers;
+}
+
+Status CheckPages(std::span<const int32_t> pages, uint64_t num_pages, const char* side) {
   for (size_t i = 0; i < pages.size(); ++i) {
     const int32_t p = pages[i];
     if (p < 1 || static_cast<uint64_t>(p) >= num_pages) {
@@ -18,6 +32,10 @@ Status CheckPages(std::span<const int32_t> pages, uint64_t item_len, uint64_t bu
     }
   }
   return OkStatus();
+}
+
+bool InRange(const PlanSpec& spec, const PlanBuffer& b) {
+  return b.layer >= spec.layer_begin && b.layer < spec.layer_end;
 }
 
 }  // namespace
@@ -43,56 +61,73 @@ Status ValidatePlanSpec(const PlanSpec& spec) {
         "layer range [" + std::to_string(spec.layer_begin) + ", " + std::to_string(spec.layer_end) +
         ") is not a non-empty range inside [0, " + std::to_string(spec.num_layers) + ")");
   }
-  if (spec.src_item_len == 0 || spec.dst_item_len == 0) {
-    return InvalidArgument("item lengths must be positive (src " +
-                           std::to_string(spec.src_item_len) + ", dst " +
-                           std::to_string(spec.dst_item_len) + ")");
-  }
+  const std::vector<PlanBuffer> buffers = BuffersOf(spec);
   const bool whole_pages = spec.units.empty();
-  if (whole_pages && spec.src_item_len != spec.dst_item_len) {
-    return InvalidArgument("whole-page transfer needs equal page sizes, but the source item is " +
-                           std::to_string(spec.src_item_len) + " bytes and the destination " +
-                           std::to_string(spec.dst_item_len) +
-                           "; give units (offset and bytes) to move part of each page");
-  }
-  const PageUnit whole{0, 0, spec.src_item_len};
-  const std::span<const PageUnit> units =
-      whole_pages ? std::span<const PageUnit>(&whole, 1) : spec.units;
-  for (size_t u = 0; u < units.size(); ++u) {
-    const PageUnit& unit = units[u];
-    if (unit.bytes == 0 || unit.src_offset + unit.bytes > spec.src_item_len ||
-        unit.dst_offset + unit.bytes > spec.dst_item_len) {
-      return InvalidArgument(
-          "unit " + std::to_string(u) + " of " + std::to_string(unit.bytes) +
-          " bytes at source offset " + std::to_string(unit.src_offset) + " / destination offset " +
-          std::to_string(unit.dst_offset) + " is empty or does not fit items of " +
-          std::to_string(spec.src_item_len) + " / " + std::to_string(spec.dst_item_len) + " bytes");
+  uint64_t src_pages = std::numeric_limits<uint64_t>::max();
+  uint64_t dst_pages = src_pages;
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    const PlanBuffer& b = buffers[i];
+    if (b.layer < 0 || b.layer >= spec.num_layers) {
+      return InvalidArgument("buffer " + std::to_string(i) + " belongs to layer " +
+                             std::to_string(b.layer) + ", outside [0, " +
+                             std::to_string(spec.num_layers) + ")");
     }
+    if (!InRange(spec, b)) continue;
+    if (b.src_item_len == 0 || b.dst_item_len == 0) {
+      return InvalidArgument("item lengths of buffer " + std::to_string(i) +
+                             " must be positive (src " + std::to_string(b.src_item_len) +
+                             ", dst " + std::to_string(b.dst_item_len) + ")");
+    }
+    if (whole_pages && b.src_item_len != b.dst_item_len) {
+      return InvalidArgument(
+          "whole-page transfer needs equal page sizes, but buffer " + std::to_string(i) +
+          " has source items of " + std::to_string(b.src_item_len) + " bytes and destination " +
+          "items of " + std::to_string(b.dst_item_len) +
+          "; give units (offset and bytes) to move part of each page");
+    }
+    for (size_t u = 0; u < spec.units.size(); ++u) {
+      const PageUnit& unit = spec.units[u];
+      if (unit.bytes == 0 || unit.src_offset + unit.bytes > b.src_item_len ||
+          unit.dst_offset + unit.bytes > b.dst_item_len) {
+        return InvalidArgument(
+            "unit " + std::to_string(u) + " of " + std::to_string(unit.bytes) +
+            " bytes at source offset " + std::to_string(unit.src_offset) +
+            " / destination offset " + std::to_string(unit.dst_offset) +
+            " is empty or does not fit the items of buffer " + std::to_string(i) + " (" +
+            std::to_string(b.src_item_len) + " / " + std::to_string(b.dst_item_len) + " bytes)");
+      }
+    }
+    src_pages = std::min(src_pages, b.src_len / b.src_item_len);
+    dst_pages = std::min(dst_pages, b.dst_len / b.dst_item_len);
   }
-  KVT_RETURN_IF_ERROR(CheckPages(spec.src_pages, spec.src_item_len, spec.src_buffer_len, "source"));
-  KVT_RETURN_IF_ERROR(
-      CheckPages(spec.dst_pages, spec.dst_item_len, spec.dst_buffer_len, "destination"));
-
+  if (src_pages == std::numeric_limits<uint64_t>::max()) {
+    return InvalidArgument("no buffer belongs to layers [" + std::to_string(spec.layer_begin) +
+                           ", " + std::to_string(spec.layer_end) + ")");
+  }
+  KVT_RETURN_IF_ERROR(CheckPages(spec.src_pages, src_pages, "source"));
+  KVT_RETURN_IF_ERROR(CheckPages(spec.dst_pages, dst_pages, "destination"));
   return OkStatus();
 }
 
 uint64_t PlanBytes(const PlanSpec& spec) {
-  uint64_t per_page = 0;
-  if (spec.units.empty()) {
-    per_page = spec.src_item_len;
+  uint64_t unit_bytes = 0;
+  for (const PageUnit& unit : spec.units) unit_bytes += unit.bytes;
+  uint64_t per_page = 0;  // bytes of one page over every buffer of the layer range
+  if (spec.buffers.empty()) {
+    per_page = (spec.units.empty() ? spec.src_item_len : unit_bytes) * 2 *
+               static_cast<uint64_t>(std::max(0, spec.layer_end - spec.layer_begin));
   } else {
-    for (const PageUnit& unit : spec.units) per_page += unit.bytes;
+    for (const PlanBuffer& b : spec.buffers) {
+      if (InRange(spec, b)) per_page += spec.units.empty() ? b.src_item_len : unit_bytes;
+    }
   }
-  return per_page * spec.src_pages.size() * 2 *
-         static_cast<uint64_t>(std::max(0, spec.layer_end - spec.layer_begin));
+  return per_page * spec.src_pages.size();
 }
 
 StatusOr<Plan> BuildPlan(const PlanSpec& spec, std::vector<CopyRun> storage) {
   KVT_RETURN_IF_ERROR(ValidatePlanSpec(spec));
+  const std::vector<PlanBuffer> buffers = BuffersOf(spec);
   const bool whole_pages = spec.units.empty();
-  const PageUnit whole{0, 0, spec.src_item_len};
-  const std::span<const PageUnit> units =
-      whole_pages ? std::span<const PageUnit>(&whole, 1) : spec.units;
 
   // Page pairs that are consecutive on both sides form one segment; only whole pages coalesce
   // because a partial unit leaves gaps between consecutive pages.
@@ -113,24 +148,37 @@ StatusOr<Plan> BuildPlan(const PlanSpec& spec, std::vector<CopyRun> storage) {
     segments.push_back({s, d, 1});
   }
 
+  // The buffers of each layer of the range, in index order.
+  const size_t layers = static_cast<size_t>(spec.layer_end - spec.layer_begin);
+  std::vector<std::vector<uint32_t>> by_layer(layers);
+  size_t in_range = 0;
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    if (!InRange(spec, buffers[i])) continue;
+    by_layer[static_cast<size_t>(buffers[i].layer - spec.layer_begin)].push_back(
+        static_cast<uint32_t>(i));
+    ++in_range;
+  }
+
   Plan plan;
   plan.runs = std::move(storage);
   plan.runs.clear();
   plan.layer_begin = spec.layer_begin;
   plan.layer_end = spec.layer_end;
-  const size_t layers = static_cast<size_t>(spec.layer_end - spec.layer_begin);
-  plan.runs.reserve(layers * 2 * segments.size() * units.size());
+  plan.runs.reserve(in_range * segments.size() * std::max<size_t>(1, spec.units.size()));
   plan.layer_begin_index.reserve(layers + 1);
-  for (int32_t layer = spec.layer_begin; layer < spec.layer_end; ++layer) {
+  for (size_t l = 0; l < layers; ++l) {
     plan.layer_begin_index.push_back(plan.runs.size());
-    for (int kv = 0; kv < 2; ++kv) {
-      const uint32_t buffer = static_cast<uint32_t>(kv * spec.num_layers + layer);
+    for (const uint32_t buffer : by_layer[l]) {
+      const PlanBuffer& b = buffers[buffer];
+      const PageUnit whole{0, 0, b.src_item_len};
+      const std::span<const PageUnit> units =
+          whole_pages ? std::span<const PageUnit>(&whole, 1) : spec.units;
       for (const Segment& seg : segments) {
         for (const PageUnit& unit : units) {
           CopyRun run;
           run.buffer = buffer;
-          run.src_offset = seg.src_page * spec.src_item_len + unit.src_offset;
-          run.dst_offset = seg.dst_page * spec.dst_item_len + unit.dst_offset;
+          run.src_offset = seg.src_page * b.src_item_len + unit.src_offset;
+          run.dst_offset = seg.dst_page * b.dst_item_len + unit.dst_offset;
           run.bytes = seg.count * unit.bytes;  // count > 1 only for whole pages
           plan.total_bytes += run.bytes;
           plan.runs.push_back(run);

@@ -67,7 +67,8 @@ Status PrefillSide::Start() {
 
 // ------------------------------------------------------------------------------- user calls --
 Status PrefillSide::Send(const std::string& room_id, std::vector<int32_t> src_pages,
-                         std::chrono::milliseconds deadline) {
+                         const SendOptions& options) {
+  const std::chrono::milliseconds deadline = options.deadline;
   AfterUnlock after;
   {
     MutexLock lock(ctx_.mu);
@@ -76,15 +77,50 @@ Status PrefillSide::Send(const std::string& room_id, std::vector<int32_t> src_pa
       room = &table_.Open(room_id, deadline.count() > 0 ? deadline : ctx_.options.default_deadline);
       if (table_.active_size() == 1 && server_) server_->Wake();
     } else {
-      if (room->have_src || IsFinal(room->state)) {
-        return AlreadyExists("room '" + room_id + "' already has source pages (state " +
-                             RequestStateName(room->state) + ")");
+      if (IsFinal(room->state)) {
+        return AlreadyExists("room '" + room_id + "' is already " +
+                             RequestStateName(room->state) + "; it takes no more pages");
+      }
+      if (room->last_chunk) {
+        return AlreadyExists("room '" + room_id + "' already has all its source pages (" +
+                             std::to_string(room->src_pages.size()) +
+                             "; its last chunk was sent)");
+      }
+      if (!room->chunks.empty()) {
+        const SourceChunk& previous = room->chunks.back();
+        if (previous.layers_ready < ctx_.num_layers()) {
+          return FailedPrecondition(
+              "room '" + room_id + "': chunk " + std::to_string(room->chunks.size() - 1) +
+              " is ready up to layer " + std::to_string(previous.layers_ready) + " of " +
+              std::to_string(ctx_.num_layers()) + "; call LayersReady(room, " +
+              std::to_string(ctx_.num_layers()) + ") for it before sending the next chunk");
+        }
+      }
+      if (room->have_request &&
+          room->src_pages.size() + src_pages.size() > room->dst_pages.size()) {
+        return OutOfRange("room '" + room_id + "': a chunk of " +
+                          std::to_string(src_pages.size()) + " pages after " +
+                          std::to_string(room->src_pages.size()) + " would make " +
+                          std::to_string(room->src_pages.size() + src_pages.size()) +
+                          " source pages, but the decode side asked for " +
+                          std::to_string(room->dst_pages.size()) +
+                          "; the chunk was not taken (abort the room or send fewer pages)");
+      }
+      if (options.aux_slot >= 0 && room->aux_slot >= 0 && options.aux_slot != room->aux_slot) {
+        return InvalidArgument("room '" + room_id + "' has aux slot " +
+                               std::to_string(room->aux_slot) + " already; a chunk named " +
+                               std::to_string(options.aux_slot));
       }
       // The decode side's request came first; the earlier of the two deadlines holds.
       if (deadline.count() > 0) room->deadline = std::min(room->deadline, Clock::now() + deadline);
     }
-    room->have_src = true;
-    room->src_pages = std::move(src_pages);
+    SourceChunk chunk;
+    chunk.offset = room->src_pages.size();
+    chunk.count = src_pages.size();
+    room->src_pages.insert(room->src_pages.end(), src_pages.begin(), src_pages.end());
+    room->chunks.push_back(chunk);
+    room->last_chunk = options.last;
+    if (options.aux_slot >= 0) room->aux_slot = options.aux_slot;
     AdvanceLocked(*room, after);
   }
   Run(after);
@@ -99,9 +135,16 @@ Status PrefillSide::LayersReady(const std::string& room_id, int32_t layers_done,
     MutexLock lock(ctx_.mu);
     PrefillRoom* room = table_.Find(room_id);
     if (room == nullptr) return NotFound("no room '" + room_id + "'; call Send first");
+    if (room->chunks.empty()) {
+      return FailedPrecondition("room '" + room_id +
+                                "' has no source pages yet (only the decode side's request); "
+                                "call Send first");
+    }
+    // The latest chunk's layers.
+    SourceChunk& chunk = room->chunks.back();
     const int32_t clamped = std::clamp(layers_done, 0, ctx_.num_layers());
-    if (clamped > room->layers_ready && ready != nullptr) room->ready = ready;
-    room->layers_ready = std::max(room->layers_ready, clamped);
+    if (clamped > chunk.layers_ready && ready != nullptr) chunk.ready = ready;
+    chunk.layers_ready = std::max(chunk.layers_ready, clamped);
     AdvanceLocked(*room, after);
   }
   Run(after);
@@ -165,8 +208,13 @@ EngineSide::PollResult PrefillSide::PollPass(Clock::time_point now) {
       }
       result.next = std::min(result.next, room->deadline);
       // Layers waiting for their producer's event before a CPU-copying backend may read them.
-      if (!ctx_.waits_on_events && room->ready != nullptr && room->planned &&
-          std::min(room->layers_ready, room->layer_end) > room->posted_end) {
+      const bool waits_for_event =
+          !ctx_.waits_on_events &&
+          std::any_of(room->chunks.begin(), room->chunks.end(), [&](const SourceChunk& c) {
+            return c.ready != nullptr && c.planned &&
+                   std::min(c.layers_ready, room->layer_end) > c.posted_end;
+          });
+      if (waits_for_event) {
         AdvanceLocked(*room, after);
         if (!IsFinal(room->state)) result.next = std::min(result.next, now + kEventPoll);
       }
@@ -362,11 +410,22 @@ void PrefillSide::OnHello(ConnectionId conn, const v1::Hello& hello) {
     }
     ack.mutable_hello_ack()->set_backend_token(*token);
   }
+  // Both sides' buffers for the plans: the layouts matched, so buffer i is the same tensor of
+  // the same layer on both sides.
+  std::vector<PlanBuffer> buffers;
+  buffers.reserve(ctx_.buffers.size());
+  for (size_t i = 0; i < ctx_.buffers.size(); ++i) {
+    const v1::MemoryDescriptor& remote = hello.peer().buffers(static_cast<int>(i));
+    buffers.push_back(PlanBuffer{ctx_.buffers[i].layer, ctx_.buffers[i].info.item_len,
+                                 remote.item_len(), ctx_.buffers[i].info.length,
+                                 remote.length()});
+  }
   {
     MutexLock lock(ctx_.mu);
     Session& session = sessions_[conn];
     session.backend_peer = *backend_peer;
     session.info = hello.peer();
+    session.buffers = std::move(buffers);
   }
   SendTo(conn, ack);
   KVT_LOG_INFO("xfer", "decode peer '{}' connected", hello.peer().name());
@@ -427,6 +486,7 @@ void PrefillSide::OnTransferRequest(ConnectionId conn, const v1::Envelope& envel
     for (const v1::PageSlice& s : req.slices()) {
       room->units.push_back(PageUnit{s.src_offset(), s.dst_offset(), s.bytes()});
     }
+    if (req.has_aux_slot()) room->dst_aux_slot = req.aux_slot();
     AdvanceLocked(*room, after);
   }
   Run(after);
@@ -460,7 +520,7 @@ void PrefillSide::OnAbort(ConnectionId conn, const v1::Abort& abort) {
 
 // ----------------------------------------------------------------------- room state machine --
 void PrefillSide::AdvanceLocked(PrefillRoom& room, AfterUnlock& after) {
-  if (IsFinal(room.state) || !room.have_src || !room.have_request) return;
+  if (IsFinal(room.state) || !room.have_src() || !room.have_request) return;
   auto session = sessions_.find(room.conn);
   if (session == sessions_.end()) {
     TakeWritesLocked(room, after);
@@ -469,50 +529,37 @@ void PrefillSide::AdvanceLocked(PrefillRoom& room, AfterUnlock& after) {
     return;
   }
   if (session->second.closing) return;  // Shutdown fails the room
-  if (!room.planned) {
-    if (room.src_pages.size() != room.dst_pages.size()) {
-      return FailAndReportLocked(
-          room,
-          InvalidArgument("room '" + room.id + "': the decode side asked for " +
-                          std::to_string(room.dst_pages.size()) +
-                          " pages but the prefill side has " +
-                          std::to_string(room.src_pages.size())),
-          after);
-    }
-    const v1::MemoryDescriptor& remote0 = session->second.info.buffers(0);
-    PlanSpec spec;
-    spec.src_pages = room.src_pages;
-    spec.dst_pages = room.dst_pages;
-    spec.num_layers = ctx_.num_layers();
-    spec.layer_begin = room.layer_begin;
-    spec.layer_end = room.layer_end;
-    spec.src_item_len = ctx_.item_len;
-    spec.dst_item_len = remote0.item_len();
-    spec.src_buffer_len = ctx_.buffer_len;
-    spec.dst_buffer_len = remote0.length();
-    spec.units = room.units;
-    if (ctx_.page_writes) {
-      // The backend takes the page lists themselves; validate them as a plan would.
-      Status valid = ValidatePlanSpec(spec);
-      if (!valid.ok())
-        return FailAndReportLocked(room, valid.WithContext("room '" + room.id + "'"), after);
-    } else {
-      StatusOr<Plan> plan = BuildPlan(spec, TakeSpareRunsLocked());
-      if (!plan.ok()) {
-        return FailAndReportLocked(room, plan.status().WithContext("room '" + room.id + "'"),
-                                   after);
-      }
-      room.plan = std::move(plan).value();
-    }
-    room.planned = true;
-    room.posted_end = room.layer_begin;
-    table_.Advance(room, RequestState::kWaitingForInput);
+  const size_t want = room.dst_pages.size();
+  const size_t have = room.src_pages.size();
+  if (have > want || (room.last_chunk && have != want)) {
+    return FailAndReportLocked(
+        room,
+        InvalidArgument("room '" + room.id + "': the decode side asked for " +
+                        std::to_string(want) + " pages but the prefill side has " +
+                        std::to_string(have) +
+                        (room.chunks.size() > 1
+                             ? " in " + std::to_string(room.chunks.size()) + " chunks"
+                             : std::string()) +
+                        (room.last_chunk ? "" : " before its last chunk")),
+        after);
   }
-  const int32_t ready_end = std::min(room.layers_ready, room.layer_end);
-  if (ready_end == room.layer_end && room.source_ready == Clock::time_point()) {
+  table_.Advance(room, RequestState::kWaitingForInput);
+  if (room.source_ready == Clock::time_point() && room.last_chunk &&
+      std::all_of(room.chunks.begin(), room.chunks.end(), [&](const SourceChunk& c) {
+        return c.layers_ready >= room.layer_end;
+      })) {
     room.source_ready = Clock::now();
   }
-  if (ready_end > room.posted_end) {
+  bool posted = false;
+  for (SourceChunk& chunk : room.chunks) {
+    if (!chunk.planned) {
+      Status planned = PlanChunkLocked(room, chunk, session->second);
+      if (!planned.ok()) {
+        return FailAndReportLocked(room, planned.WithContext("room '" + room.id + "'"), after);
+      }
+    }
+    const int32_t ready_end = std::min(chunk.layers_ready, room.layer_end);
+    if (ready_end <= chunk.posted_end) continue;
     // Checked right before every post: an engine that was paused (or starved) past its peer's
     // silence never posts to it on waking, whatever its io threads have noticed so far.
     const Clock::time_point now = Clock::now();
@@ -522,34 +569,41 @@ void PrefillSide::AdvanceLocked(PrefillRoom& room, AfterUnlock& after) {
     if (!ctx_.waits_on_events) {
       // A CPU copy cannot wait on the GPU: the producer's event must have completed before the
       // layers are read. Never waited for here (the lock is held): the poller looks again.
-      StatusOr<bool> done = EventDone(room.ready);
+      StatusOr<bool> done = EventDone(chunk.ready);
       if (!done.ok()) {
         return FailAndReportLocked(room, done.status().WithContext("room '" + room.id + "'"),
                                    after);
       }
-      if (!*done) return;
+      if (!*done) continue;
     }
     uint64_t bytes = 0;
     size_t num_runs = 0;
-    StatusOr<WriteId> write = PostLayersLocked(room, session->second, ready_end, &bytes, &num_runs);
+    StatusOr<WriteId> write =
+        PostLayersLocked(room, chunk, session->second, ready_end, &bytes, &num_runs);
     if (!write.ok()) {
       return FailAndReportLocked(
           room, write.status().WithContext("posting layers of room '" + room.id + "'"), after);
     }
-    room.writes.push_back(PostedWrite{*write, ctx_.waits_on_events ? room.ready : nullptr});
+    room.writes.push_back(PostedWrite{*write, ctx_.waits_on_events ? chunk.ready : nullptr});
     room.last_post = Clock::now();
     if (room.first_post == Clock::time_point()) room.first_post = room.last_post;
     room.bytes += bytes;
-    room.posted_end = ready_end;
-    room.layers_posted = room.posted_end - room.layer_begin;
+    chunk.posted_end = ready_end;
     ++ctx_.stats.writes_posted;
     ctx_.stats.runs_posted += num_runs;
+    posted = true;
+  }
+  if (posted) {
+    // Layers posted for every page declared so far.
+    int32_t posted_end = room.layer_end;
+    for (const SourceChunk& chunk : room.chunks) posted_end = std::min(posted_end, chunk.posted_end);
+    room.layers_posted = posted_end - room.layer_begin;
     table_.Advance(room, RequestState::kTransferring);
-    if (room.posted_end < room.layer_end) {
+    if (!AllPostedLocked(room)) {
       v1::Envelope progress;
       progress.mutable_layer_progress()->set_room_id(room.id);
       progress.mutable_layer_progress()->set_layers_done(
-          static_cast<uint32_t>(room.posted_end - room.layer_begin));
+          static_cast<uint32_t>(room.layers_posted));
       progress.mutable_layer_progress()->set_bytes_done(room.bytes);
       SendTo(room.conn, progress);
     }
@@ -557,39 +611,87 @@ void PrefillSide::AdvanceLocked(PrefillRoom& room, AfterUnlock& after) {
   CheckWritesLocked(room, after);
 }
 
-StatusOr<WriteId> PrefillSide::PostLayersLocked(PrefillRoom& room, const Session& session,
-                                                int32_t ready_end, uint64_t* bytes,
-                                                size_t* num_runs) {
+Status PrefillSide::PlanChunkLocked(PrefillRoom& room, SourceChunk& chunk,
+                                    const Session& session) {
+  PlanSpec spec;
+  spec.src_pages = std::span<const int32_t>(room.src_pages).subspan(chunk.offset, chunk.count);
+  spec.dst_pages = std::span<const int32_t>(room.dst_pages).subspan(chunk.offset, chunk.count);
+  spec.num_layers = ctx_.num_layers();
+  spec.layer_begin = room.layer_begin;
+  spec.layer_end = room.layer_end;
+  spec.units = room.units;
+  spec.buffers = session.buffers;
+  if (ctx_.page_writes) {
+    // The backend takes the page lists themselves; validate them as a plan would.
+    KVT_RETURN_IF_ERROR(ValidatePlanSpec(spec));
+  } else {
+    KVT_ASSIGN_OR_RETURN(Plan plan, BuildPlan(spec, TakeSpareRunsLocked()));
+    chunk.plan = std::move(plan);
+  }
+  chunk.planned = true;
+  chunk.posted_end = room.layer_begin;
+  return OkStatus();
+}
+
+StatusOr<WriteId> PrefillSide::PostLayersLocked(PrefillRoom& room, SourceChunk& chunk,
+                                                const Session& session, int32_t ready_end,
+                                                uint64_t* bytes, size_t* num_runs) {
   if (ctx_.page_writes) {
     PageWrite write;
-    write.src_pages = room.src_pages;
-    write.dst_pages = room.dst_pages;
+    write.src_pages = std::span<const int32_t>(room.src_pages).subspan(chunk.offset, chunk.count);
+    write.dst_pages = std::span<const int32_t>(room.dst_pages).subspan(chunk.offset, chunk.count);
     write.num_layers = ctx_.num_layers();
-    write.layer_begin = room.posted_end;
+    write.layer_begin = chunk.posted_end;
     write.layer_end = ready_end;
     write.units = room.units;
     PlanSpec spec;
-    spec.src_pages = room.src_pages;
-    spec.layer_begin = room.posted_end;
+    spec.src_pages = write.src_pages;
+    spec.num_layers = ctx_.num_layers();
+    spec.layer_begin = chunk.posted_end;
     spec.layer_end = ready_end;
-    spec.src_item_len = ctx_.item_len;
     spec.units = room.units;
+    spec.buffers = session.buffers;
     write.bytes = PlanBytes(spec);
     // Backends that wait on the GPU take the event; for the others it has completed already.
-    write.ready = ctx_.waits_on_events ? room.ready : nullptr;
+    write.ready = ctx_.waits_on_events ? chunk.ready : nullptr;
     *bytes = write.bytes;
     *num_runs = 0;
     return ctx_.backend->PostPages(session.backend_peer, write);
   }
-  std::span<const CopyRun> runs = room.plan->Layers(room.posted_end, ready_end);
+  std::span<const CopyRun> runs = chunk.plan->Layers(chunk.posted_end, ready_end);
   *bytes = 0;
   for (const CopyRun& r : runs) *bytes += r.bytes;
   *num_runs = runs.size();
   return ctx_.backend->PostWrite(session.backend_peer, runs);
 }
 
+bool PrefillSide::AllPostedLocked(const PrefillRoom& room) const {
+  if (!room.last_chunk || room.src_pages.size() != room.dst_pages.size()) return false;
+  return std::all_of(room.chunks.begin(), room.chunks.end(), [&](const SourceChunk& c) {
+    return c.planned && c.posted_end == room.layer_end;
+  });
+}
+
+Status PrefillSide::ReadAuxLocked(PrefillRoom& room) {
+  if (!room.dst_aux_slot) return OkStatus();
+  if (room.aux_slot < 0) {
+    return FailedPrecondition("room '" + room.id + "': the decode side asked for aux data (into " +
+                              "its slot " + std::to_string(*room.dst_aux_slot) +
+                              ") but the prefill side's Send named no aux slot; pass "
+                              "SendOptions::aux_slot");
+  }
+  // Host memory the producer wrote before its last LayersReady call (the layout checked it).
+  room.aux.clear();
+  for (const BufferInfo& aux : ctx_.layout.aux) {
+    const char* slot = reinterpret_cast<const char*>(
+        aux.ptr + static_cast<uint64_t>(room.aux_slot) * aux.item_len);
+    room.aux.emplace_back(slot, aux.item_len);
+  }
+  return OkStatus();
+}
+
 void PrefillSide::CheckWritesLocked(PrefillRoom& room, AfterUnlock& after) {
-  if (IsFinal(room.state) || !room.planned) return;
+  if (IsFinal(room.state)) return;
   while (!room.writes.empty()) {
     const WriteId write = room.writes.front().id;
     Status st = ctx_.backend->Check(write);
@@ -601,7 +703,10 @@ void PrefillSide::CheckWritesLocked(PrefillRoom& room, AfterUnlock& after) {
     room.writes.erase(room.writes.begin());
     room.last_progress = Clock::now();
   }
-  if (room.posted_end == room.layer_end) {
+  if (AllPostedLocked(room)) {
+    // The KV is visible at the peer; the aux bytes go with the done message.
+    Status aux = ReadAuxLocked(room);
+    if (!aux.ok()) return FailAndReportLocked(room, aux, after);
     room.status = OkStatus();
     table_.Advance(room, RequestState::kSuccess);
     FinishLocked(room);
@@ -635,6 +740,9 @@ void PrefillSide::QueueDoneLocked(const PrefillRoom& room, AfterUnlock& after) {
   d->set_status(control::ToProtoCode(room.status.code()));
   if (!room.status.ok()) d->set_message(room.status.message().substr(0, 4000));
   d->set_bytes(room.bytes);
+  if (room.status.ok()) {
+    for (const std::string& bytes : room.aux) d->add_aux(bytes);
+  }
   const ConnectionId conn = room.conn;
   after.messages.push_back([this, conn, done] { SendTo(conn, done); });
 }
@@ -642,9 +750,11 @@ void PrefillSide::QueueDoneLocked(const PrefillRoom& room, AfterUnlock& after) {
 void PrefillSide::FinishLocked(PrefillRoom& room) {
   if (!IsFinal(room.state)) return;
   // The backend copied the runs when they were posted: the storage can serve the next plan.
-  if (room.plan) {
-    RecycleRunsLocked(std::move(room.plan->runs));
-    room.plan.reset();
+  for (SourceChunk& chunk : room.chunks) {
+    if (chunk.plan) {
+      RecycleRunsLocked(std::move(chunk.plan->runs));
+      chunk.plan.reset();
+    }
   }
 }
 

@@ -26,22 +26,36 @@ struct PostedWrite {
   cudaEvent_t ready = nullptr;
 };
 
-struct PrefillRoom : RoomCore {
-  bool have_src = false;
-  std::vector<int32_t> src_pages;
+// One Send call's pages: the whole source of a room, or one chunk of a chunked prefill. Each
+// chunk has its own readiness (LayersReady counts layers of the latest chunk) and posts its
+// layer batches on its own; it goes to the decode pages at the same positions.
+struct SourceChunk {
+  size_t offset = 0;  // position of its first page in the room's page lists
+  size_t count = 0;
   int32_t layers_ready = 0;
+  cudaEvent_t ready = nullptr;  // the producer's event covering layers [0, layers_ready)
+  bool planned = false;         // its spec was validated (and, for run backends, planned)
+  std::optional<Plan> plan;
+  int32_t posted_end = 0;  // layers [layer_begin, posted_end) posted
+};
+
+struct PrefillRoom : RoomCore {
+  std::vector<int32_t> src_pages;  // every chunk's pages, in token order
+  std::vector<SourceChunk> chunks;
+  bool last_chunk = false;  // the last chunk was sent: src_pages is complete
+  int64_t aux_slot = -1;    // this side's aux slot (SendOptions::aux_slot); -1: none
   bool have_request = false;
   control::ConnectionId conn = 0;
   std::vector<int32_t> dst_pages;
   std::vector<PageUnit> units;
-  cudaEvent_t ready = nullptr;  // the producer's event covering layers [0, layers_ready)
-  bool planned = false;         // the spec was validated (and, for run backends, planned)
-  std::optional<Plan> plan;
-  int32_t posted_end = 0;  // layers [layer_begin, posted_end) posted
+  std::optional<uint32_t> dst_aux_slot;  // the decode side asked for aux data
+  std::vector<std::string> aux;          // the aux slot's bytes, read once the KV is complete
   std::vector<PostedWrite> writes;
   // When the last of its writes completed: a producer that is still making progress (a layerwise
   // forward) is worth watching without sleeping.
   Clock::time_point last_progress;
+
+  bool have_src() const { return !chunks.empty(); }
 };
 
 class PrefillSide final : public SideWithTable<PrefillRoom>, public control::ControlHandler {
@@ -53,8 +67,8 @@ class PrefillSide final : public SideWithTable<PrefillRoom>, public control::Con
   Status Start();
   uint16_t port() const { return server_ ? server_->port() : 0; }
 
-  Status Send(const std::string& room, std::vector<int32_t> src_pages,
-              std::chrono::milliseconds deadline) KVT_EXCLUDES(ctx_.mu);
+  Status Send(const std::string& room, std::vector<int32_t> src_pages, const SendOptions& options)
+      KVT_EXCLUDES(ctx_.mu);
   Status LayersReady(const std::string& room, int32_t layers_done, cudaEvent_t ready)
       KVT_EXCLUDES(ctx_.mu);
 
@@ -78,6 +92,8 @@ class PrefillSide final : public SideWithTable<PrefillRoom>, public control::Con
     // not heard from for peer_timeout: it is fenced (FenceLocked), which is what lets the peer
     // reuse the pages of its failed requests after PeerInfo.fence_ms.
     Clock::time_point last_heard = Clock::now();
+    // Both sides' buffers, by index: what a plan of this session's requests needs.
+    std::vector<PlanBuffer> buffers;
   };
 
   void OnHello(control::ConnectionId conn, const v1::Hello& hello) KVT_EXCLUDES(ctx_.mu);
@@ -97,8 +113,18 @@ class PrefillSide final : public SideWithTable<PrefillRoom>, public control::Con
       KVT_REQUIRES(ctx_.mu);
   // Posts what can be posted and finishes the room when every write is visible.
   void AdvanceLocked(PrefillRoom& room, AfterUnlock& after) KVT_REQUIRES(ctx_.mu);
-  StatusOr<WriteId> PostLayersLocked(PrefillRoom& room, const Session& session, int32_t ready_end,
-                                     uint64_t* bytes, size_t* num_runs) KVT_REQUIRES(ctx_.mu);
+  // Validates (and for run backends plans) a chunk once both halves are known; an error fails
+  // the room.
+  Status PlanChunkLocked(PrefillRoom& room, SourceChunk& chunk, const Session& session)
+      KVT_REQUIRES(ctx_.mu);
+  StatusOr<WriteId> PostLayersLocked(PrefillRoom& room, SourceChunk& chunk, const Session& session,
+                                     int32_t ready_end, uint64_t* bytes, size_t* num_runs)
+      KVT_REQUIRES(ctx_.mu);
+  // Whether every page of the room is declared and every layer of it posted.
+  bool AllPostedLocked(const PrefillRoom& room) const KVT_REQUIRES(ctx_.mu);
+  // Reads the room's aux slot for its TransferDone; an error when the decode side asked for aux
+  // data the prefill side did not name.
+  Status ReadAuxLocked(PrefillRoom& room) KVT_REQUIRES(ctx_.mu);
   void CheckWritesLocked(PrefillRoom& room, AfterUnlock& after) KVT_REQUIRES(ctx_.mu);
   // Fails the room: its writes are released after the lock (cancelled and waited for), and only
   // then is the decode side told (TransferDone with the reason), so that the message proves

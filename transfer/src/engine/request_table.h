@@ -77,10 +77,10 @@ struct EngineContext {
 
   const EngineOptions options;
   std::shared_ptr<Backend> backend;
+  TransferLayout layout;                         // what this engine registered
+  std::vector<TransferLayout::FlatBuffer> buffers;  // its KV buffers, in buffer order
   v1::Layout local_layout;
   v1::PeerInfo local_info;
-  uint64_t item_len = 0;
-  uint64_t buffer_len = 0;
   bool page_writes = false;      // the backend takes page lists (PostPages)
   bool notified = false;         // the backend calls the completion notifier
   bool waits_on_events = false;  // the backend waits for a producer's event on the GPU

@@ -1,7 +1,9 @@
 // Transfer plans: which bytes of which pool buffers go where for one request.
 //
-// A pool registered for transfer exposes 2L buffers (K of layers 0..L-1, then V), and page p of
-// buffer b starts at base[b] + p * item_len[b] (the pool's contiguous-buffer infos). A plan turns
+// A layout registered for transfer exposes its buffers (for one model: 2L, K of layers 0..L-1
+// then V; with draft models or latent buffers, PlanSpec::buffers says which layer each belongs
+// to), and page p of buffer b starts at base[b] + p * item_len[b] (the contiguous-buffer infos).
+// A plan turns
 // a request's source and destination page lists into copy runs (buffer, src offset, dst offset,
 // bytes), coalescing pages that are consecutive on BOTH sides into one run, ordered layer by
 // layer so that the runs of a layer batch [a, b) are one contiguous slice.
@@ -39,6 +41,17 @@ struct PageUnit {
   uint64_t bytes = 0;
 };
 
+// One buffer of both sides (the same index in both layouts) for plans of layouts that are not
+// the uniform 2L K-then-V case: the transfer layer it belongs to and its page bytes and length
+// on each side.
+struct PlanBuffer {
+  int32_t layer = 0;
+  uint64_t src_item_len = 0;
+  uint64_t dst_item_len = 0;
+  uint64_t src_len = 0;
+  uint64_t dst_len = 0;
+};
+
 struct PlanSpec {
   std::span<const int32_t> src_pages;  // the request's pages in the source pool, token order
   std::span<const int32_t> dst_pages;  // the same count, in the destination pool
@@ -53,6 +66,11 @@ struct PlanSpec {
   // equal); otherwise each unit's bytes at src_offset of every source page go to dst_offset of
   // the matching destination page (pools of different TP sizes: a head range of each token).
   std::span<const PageUnit> units;
+  // Every buffer, by index, when the layouts are not 2L buffers of one page size (draft
+  // models, latent buffers): then each buffer's own item lengths and lengths hold, and
+  // src/dst_item_len and src/dst_buffer_len are ignored. Empty: buffers l (K) and
+  // num_layers + l (V) of layer l, with the item and buffer lengths above.
+  std::span<const PlanBuffer> buffers;
 };
 
 struct Plan {
@@ -72,7 +90,7 @@ struct Plan {
 // buffers, layer range inside [0, L], units inside the items (whole pages need equal items).
 Status ValidatePlanSpec(const PlanSpec& spec);
 
-// Bytes the spec moves: pages x 2 buffers per layer x layers x bytes per page (or per units).
+// Bytes the spec moves: pages x the bytes per page (or per units) of every buffer of the layers.
 uint64_t PlanBytes(const PlanSpec& spec);
 
 // Validates the spec (ValidatePlanSpec) and builds the plan. The runs are written into
