@@ -73,7 +73,7 @@ asan() {
 tsan() {
   local build=${KVT_TSAN_BUILD_DIR:-$root/build-tsan} start=$SECONDS
   configure "$build" -DKVT_SANITIZE=thread -DKVT_BUILD_TESTS=ON -DKVT_BUILD_TOOLS=OFF
-  cmake --build "$build" -j "$jobs" --target engine_test engine_tp_test engine_fault_test \
+  cmake --build "$build" -j "$jobs" --target engine_test engine_tp_test engine_fault_test engine_layout_test \
     transfer_control_test transfer_control_server_test
   echo "sanitize: tsan build took $((SECONDS - start)) s"
   # UCX's memory hooks (libucm) patch mmap/munmap/brk in the loaded libraries' relocation tables
