@@ -445,11 +445,13 @@ StatusOr<RawSide> MakeRawSide(const SideConfig& c, const pool::KvPool& pool, uin
   for (size_t i = 0; i < infos.data_ptrs.size(); ++i) {
     regions.push_back({infos.data_ptrs[i], static_cast<uint64_t>(infos.data_lens[i]),
                        static_cast<uint64_t>(infos.item_lens[i])});
+    regions.back().layer = static_cast<int32_t>(i % static_cast<size_t>(c.layers));  // K, then V
   }
   raw.contiguous_index = static_cast<uint32_t>(regions.size());
   regions.push_back({reinterpret_cast<uint64_t>(contiguous),
                      static_cast<uint64_t>(c.contiguous_bytes),
                      static_cast<uint64_t>(c.contiguous_bytes)});
+  regions.back().layer = c.layers;  // a transfer layer of its own: no page write of KV moves it
   KVT_ASSIGN_OR_RETURN(raw.descriptor, raw.backend->Register(regions));
   return raw;
 }

@@ -40,7 +40,7 @@ class GpuPool {
   std::vector<LocalRegion> Regions() const {
     std::vector<LocalRegion> regions;
     for (int b = 0; b < 2 * layers_; ++b) {
-      regions.push_back({Base(b), buffer_bytes(), item_, MemoryKind::kCuda, device_});
+      regions.push_back({Base(b), buffer_bytes(), item_, MemoryKind::kCuda, device_, b % layers_});
     }
     return regions;
   }

@@ -46,7 +46,7 @@ class DevicePool {
     std::vector<LocalRegion> regions;
     for (int32_t b = 0; b < 2 * layers_; ++b) {
       regions.push_back(LocalRegion{reinterpret_cast<uint64_t>(memory_.data()) + b * BufferBytes(),
-                                    BufferBytes(), item_, MemoryKind::kCuda, 0});
+                                    BufferBytes(), item_, MemoryKind::kCuda, 0, b % layers_});
     }
     return regions;
   }

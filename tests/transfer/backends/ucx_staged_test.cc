@@ -335,8 +335,8 @@ TEST(StagingCredits, RandomAckOrderKeepsTheBound) {
 std::vector<LocalRegion> FakeCudaRegions(int layers) {
   std::vector<LocalRegion> regions;
   for (int b = 0; b < 2 * layers; ++b) {
-    regions.push_back(
-        LocalRegion{0x7f0000000000ull + b * (1ull << 20), 1 << 20, 4096, MemoryKind::kCuda, 0});
+    regions.push_back(LocalRegion{0x7f0000000000ull + b * (1ull << 20), 1 << 20, 4096,
+                                  MemoryKind::kCuda, 0, b % layers});
   }
   return regions;
 }
@@ -405,9 +405,10 @@ struct HostPool {
   }
   std::vector<LocalRegion> Regions() {
     std::vector<LocalRegion> regions;
-    for (auto& b : buffers) {
-      regions.push_back(
-          LocalRegion{reinterpret_cast<uint64_t>(b.data()), b.size(), item, MemoryKind::kHost, -1});
+    for (size_t b = 0; b < buffers.size(); ++b) {
+      regions.push_back(LocalRegion{reinterpret_cast<uint64_t>(buffers[b].data()),
+                                    buffers[b].size(), item, MemoryKind::kHost, -1,
+                                    static_cast<int32_t>(b % static_cast<size_t>(layers))});
     }
     return regions;
   }

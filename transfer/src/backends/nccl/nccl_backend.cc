@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "backends/common/layer_table.h"
 #include "backends/common/run_check.h"
 #include "backends/nccl/nccl_api.h"
 #include "backends/nccl/nccl_pair.h"
@@ -135,6 +136,10 @@ class NcclBackend final : public Backend {
                                "; the nccl backend needs one page size per pool");
       }
     }
+    // Sends address buffer l (K) and num_layers + l (V) of a layer: refuse other layouts here
+    // rather than move the wrong buffers.
+    KVT_ASSIGN_OR_RETURN(LayerTable layers, LayerTable::Create(regions));
+    KVT_RETURN_IF_ERROR(layers.CheckKeyValueOrder("the nccl backend"));
     {
       std::lock_guard<std::mutex> lock(mutex_);
       if (registration_ != nullptr && registration_->device != device && !pairs_.empty()) {

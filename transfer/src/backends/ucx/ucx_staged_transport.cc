@@ -10,6 +10,7 @@
 #include <limits>
 #include <utility>
 
+#include "backends/common/layer_table.h"
 #include "backends/ucx/ucx_peer_check.h"
 #include "backends/ucx/ucx_util.h"
 #include "kvt/common/log.h"
@@ -161,6 +162,10 @@ Status StagedTransport::Attach(std::span<const LocalRegion> regions,
     }
     min_length = std::min(min_length, regions[i].length);
   }
+  // Chunks address buffer l (K) and num_layers + l (V) of a layer: refuse other layouts here
+  // rather than move the wrong buffers.
+  KVT_ASSIGN_OR_RETURN(LayerTable layers, LayerTable::Create(regions));
+  KVT_RETURN_IF_ERROR(layers.CheckKeyValueOrder("ucx staging"));
   // Slots stay 4 KiB multiples so that every payload (and its 256-byte segments) is aligned.
   const uint64_t slot_bytes = (options.slot_bytes + 4095) / 4096 * 4096;
   const PageUnit whole{0, 0, regions[0].item_len};
