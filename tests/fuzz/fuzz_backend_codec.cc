@@ -11,6 +11,7 @@
 #include <string_view>
 
 #include "backends/common/host_identity.h"
+#include "backends/common/layer_table.h"
 #include "backends/cuda_ipc/cuda_ipc_codec.h"
 #include "backends/nccl/nccl_protocol.h"
 #include "backends/ucx/ucx_peer_check.h"
@@ -55,20 +56,43 @@ void DecodeNcclChunkHeader(std::span<const uint8_t> bytes) {
   (void)nccl::CheckChunkFits(*header, layout);
 }
 
+// The staged receiver's pool: K/V of layers 0..3 (buffers 0..7) and a latent group of layers
+// 4 and 5 with 256-byte pages (buffers 8, 9), every buffer kPages pages.
+ucx_staging::ChunkLimits UcxLimits() {
+  std::vector<int32_t> layers = {0, 1, 2, 3, 0, 1, 2, 3, kLayers, kLayers + 1};
+  ucx_staging::ChunkLimits limits;
+  limits.layers = LayerTable::FromLayers(layers).value();
+  for (int32_t layer : layers) {
+    const uint64_t item = layer < kLayers ? fuzz::kLocalItemLen : 256;
+    limits.item_len.push_back(item);
+    limits.buffer_len.push_back(kPages * item);
+  }
+  return limits;
+}
+
 void DecodeUcxChunk(std::span<const uint8_t> bytes) {
-  const ucx_staging::ChunkLimits limits{.num_layers = kLayers,
-                                        .item_len = fuzz::kLocalItemLen,
-                                        .buffer_len = kPages * fuzz::kLocalItemLen};
+  static const ucx_staging::ChunkLimits limits = UcxLimits();
   StatusOr<ucx_staging::DecodedChunk> chunk = ucx_staging::DecodeChunk(bytes, limits);
   if (!chunk.ok()) return;
   // What the receiver then copies out of the payload into its pool must lie inside both.
-  KVT_FUZZ_CHECK(chunk->header.layer_begin >= 0 &&
-                 chunk->header.layer_begin < chunk->header.layer_end &&
-                 chunk->header.layer_end <= kLayers);
+  const ucx_staging::ChunkHeader& h = chunk->header;
+  KVT_FUZZ_CHECK(h.layer_begin >= 0 && h.layer_begin < h.layer_end &&
+                 h.layer_end <= limits.layers.num_layers());
+  const std::span<const uint32_t> buffers = limits.layers.Buffers(h.layer_begin, h.layer_end);
+  KVT_FUZZ_CHECK(buffers.size() == h.num_buffers);
   for (int32_t page : chunk->dst_pages) {
     KVT_FUZZ_CHECK(page >= 1 && static_cast<uint64_t>(page) < kPages);
   }
-  KVT_FUZZ_CHECK(chunk->header.payload_bytes == bytes.size());
+  for (const ucx_staging::ChunkUnit& unit : chunk->layout.units) {
+    uint64_t end = unit.payload_offset;
+    for (uint32_t b : buffers) {
+      const uint64_t bytes = unit.whole_page ? limits.item_len[b] : unit.bytes;
+      KVT_FUZZ_CHECK(unit.whole_page || unit.dst_offset + unit.bytes <= limits.item_len[b]);
+      end += bytes * h.num_pages;
+    }
+    KVT_FUZZ_CHECK(end <= bytes.size());
+  }
+  KVT_FUZZ_CHECK(h.payload_bytes == bytes.size());
 }
 
 }  // namespace

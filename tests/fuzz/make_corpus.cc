@@ -259,24 +259,34 @@ void WriteBackendCodecs() {
                   ack_bytes);
   write(5, "nccl_ack", Bytes(ack_bytes));
 
+  // Staged chunks for fuzz_backend_codec's receiving pool (K/V of layers 0..3, latent layers 4
+  // and 5 with 256-byte pages): one unit of layer 1's K and V, and whole pages of the latent
+  // layers [4, 6).
   const PageUnit unit{.src_offset = 0, .dst_offset = 64, .bytes = 64};
-  const ucx_staging::PayloadLayout layout = ucx_staging::LayoutPayload(1, 2, {&unit, 1});
-  std::vector<uint8_t> payload(layout.payload_bytes);
-  ucx_staging::ChunkHeader chunk{.sender = 1,
-                                 .link = 2,
-                                 .write = 3,
-                                 .chunk = 0,
-                                 .chunk_count = 1,
-                                 .num_layers = 4,
-                                 .layer_begin = 1,
-                                 .layer_end = 2,
-                                 .num_pages = 2,
-                                 .num_units = 1,
-                                 .payload_bytes = layout.payload_bytes};
   const std::vector<int32_t> pages = {3, 64};
-  if (ucx_staging::EncodeChunkPrefix(chunk, pages, {&unit, 1}, payload).ok()) {
-    write(6, "ucx_chunk", Bytes(payload));
-  }
+  auto write_chunk = [&](const char* name, std::span<const PageUnit> units, int32_t begin,
+                         int32_t end, std::vector<uint64_t> page_bytes) {
+    const ucx_staging::PayloadLayout layout = ucx_staging::LayoutPayload(2, units, page_bytes);
+    std::vector<uint8_t> payload(layout.payload_bytes);
+    ucx_staging::ChunkHeader chunk{.sender = 1,
+                                   .link = 2,
+                                   .write = 3,
+                                   .chunk = 0,
+                                   .chunk_count = 1,
+                                   .num_layers = 6,
+                                   .layer_begin = begin,
+                                   .layer_end = end,
+                                   .num_pages = 2,
+                                   .num_units = static_cast<uint32_t>(units.size()),
+                                   .num_buffers = static_cast<uint32_t>(page_bytes.size()),
+                                   .payload_bytes = layout.payload_bytes};
+    if (ucx_staging::EncodeChunkPrefix(chunk, pages, units, page_bytes, payload).ok()) {
+      write(6, name, Bytes(payload));
+    }
+  };
+  const uint64_t item = 16 * 8 * 128 * 2;  // fuzz::kLocalItemLen (fuzz_common.h)
+  write_chunk("ucx_chunk", {&unit, 1}, 1, 2, {item, item});
+  write_chunk("ucx_chunk_whole_latent", {}, 4, 6, {256, 256});
   write(7, "ucx_hello", Bytes(ucx_staging::Encode(ucx_staging::Hello{.sender = 1, .link = 2})));
   write(7, "ucx_hello_ack",
         Bytes(ucx_staging::Encode(

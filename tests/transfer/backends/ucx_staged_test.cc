@@ -4,8 +4,10 @@
 // (UcxTestHooks), which exercises everything but the CUDA copier.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
 #include <numeric>
@@ -15,6 +17,7 @@
 #include <vector>
 
 #include "backend_test_util.h"
+#include "backends/common/layer_table.h"
 #include "backends/ucx/ucx_backend.h"
 #include "backends/ucx/ucx_staged_protocol.h"
 #include "kvt/kernels/cuda_util.h"
@@ -25,65 +28,127 @@ namespace kvt::transfer {
 namespace {
 
 using testing::DistinctPages;
+using testing::MixedLayout;
 using ucx_staging::ChunkPlan;
 using ucx_staging::CreditWindow;
 using ucx_staging::PayloadBytes;
 using ucx_staging::PlanChunks;
 
+// A pool's layer table and page bytes by buffer index.
+struct Pool {
+  LayerTable table;
+  std::vector<uint64_t> items;
+  std::vector<int32_t> layers;
+};
+
+Pool MakePool(std::vector<int32_t> layers, std::vector<uint64_t> items) {
+  Pool pool;
+  auto table = LayerTable::FromLayers(layers);
+  EXPECT_TRUE(table.ok()) << table.status();
+  pool.table = *table;
+  pool.items = std::move(items);
+  pool.layers = std::move(layers);
+  return pool;
+}
+
+// K of layers 0..n-1 then V, every page `item` bytes.
+Pool KeyValuePool(int32_t n, uint64_t item) {
+  std::vector<int32_t> layers;
+  for (int kv = 0; kv < 2; ++kv) {
+    for (int32_t l = 0; l < n; ++l) layers.push_back(l);
+  }
+  return MakePool(layers, std::vector<uint64_t>(layers.size(), item));
+}
+
+Pool MixedPool() {
+  const MixedLayout mixed;
+  return MakePool(mixed.layers, mixed.items);
+}
+
+// A random valid layout: groups of K/V (2 buffers a layer) or latent (1 a layer) buffers, each
+// group with its own page bytes.
+Pool RandomPool(std::mt19937& rng) {
+  std::vector<int32_t> layers;
+  std::vector<uint64_t> items;
+  int32_t next = 0;
+  const int groups = 1 + static_cast<int>(rng() % 3);
+  for (int g = 0; g < groups; ++g) {
+    const int32_t n = 1 + static_cast<int32_t>(rng() % 12);
+    const uint64_t item = 16 * (1 + rng() % 256);
+    const int copies = rng() % 2 == 0 ? 2 : 1;
+    for (int c = 0; c < copies; ++c) {
+      for (int32_t l = 0; l < n; ++l) {
+        layers.push_back(next + l);
+        items.push_back(item);
+      }
+    }
+    next += n;
+  }
+  return MakePool(layers, items);
+}
+
+uint64_t ChunkPayload(const Pool& pool, int32_t begin, int32_t end, int64_t pages,
+                      std::span<const PageUnit> units) {
+  return PayloadBytes(pages, units,
+                      ucx_staging::ChunkPageBytes(pool.table, pool.items, begin, end));
+}
+
 // ---- chunk plan ---------------------------------------------------------------------------------
 
 // Every (buffer, page position) of the write lies in exactly one chunk and no payload exceeds the
-// slot, over many random shapes (whole pages and units, slots from tight to roomy).
+// slot, over many random layouts (draft and latent groups of other page bytes) and shapes (whole
+// pages and units, slots from tight to roomy).
 TEST(StagingPlan, ChunksFitTheSlotAndCoverEveryBufferPageOnce) {
   std::mt19937 rng(11);
   for (int trial = 0; trial < 300; ++trial) {
-    const int32_t num_layers = 1 + static_cast<int32_t>(rng() % 40);
+    const Pool pool =
+        trial % 3 == 0 ? KeyValuePool(1 + static_cast<int32_t>(rng() % 40), 4096) : RandomPool(rng);
+    const int32_t num_layers = pool.table.num_layers();
     const int32_t begin = static_cast<int32_t>(rng() % num_layers);
     const int32_t end = begin + 1 + static_cast<int32_t>(rng() % (num_layers - begin));
     const int64_t pages = static_cast<int64_t>(rng() % 300);
-    const uint64_t item = 16 * (1 + rng() % 512);
+    const uint64_t smallest = *std::min_element(pool.items.begin(), pool.items.end());
     std::vector<PageUnit> units;
-    if (rng() % 2 == 0) {
-      units.push_back({0, 0, item});
-    } else {
+    if (rng() % 2 == 1) {
       const int n = 1 + static_cast<int>(rng() % 4);
-      for (int u = 0; u < n; ++u) units.push_back({0, 0, 1 + rng() % item});
+      for (int u = 0; u < n; ++u) units.push_back({0, 0, 1 + rng() % smallest});
     }
-    const uint64_t slot = PayloadBytes(1, 1, units) + rng() % (256 * 1024);
-    auto plan = PlanChunks(begin, end, pages, units, slot);
+    uint64_t slot = 0;
+    for (int32_t l = begin; l < end; ++l)
+      slot = std::max(slot, ChunkPayload(pool, l, l + 1, 1, units));
+    slot += rng() % (256 * 1024);
+    auto plan = PlanChunks(begin, end, pages, units, pool.table, pool.items, slot);
     ASSERT_TRUE(plan.ok()) << plan.status();
-    std::map<std::pair<int32_t, int64_t>, int> seen;  // (buffer, page position) -> times
+    std::map<std::pair<uint32_t, int64_t>, int> seen;  // (buffer, page position) -> times
     for (uint32_t c = 0; c < plan->count(); ++c) {
       const ucx_staging::Chunk chunk = plan->Get(c);
       ASSERT_LT(chunk.layer_begin, chunk.layer_end);
       ASSERT_LT(chunk.page_begin, chunk.page_end);
-      EXPECT_LE(PayloadBytes(chunk.layer_end - chunk.layer_begin, chunk.page_end - chunk.page_begin,
-                             units),
+      EXPECT_LE(ChunkPayload(pool, chunk.layer_begin, chunk.layer_end,
+                             chunk.page_end - chunk.page_begin, units),
                 slot)
           << "trial " << trial << " chunk " << c;
-      for (int32_t l = chunk.layer_begin; l < chunk.layer_end; ++l) {
-        for (int64_t p = chunk.page_begin; p < chunk.page_end; ++p) {
-          ++seen[{l, p}];               // K
-          ++seen[{num_layers + l, p}];  // V
-        }
+      for (uint32_t b : pool.table.Buffers(chunk.layer_begin, chunk.layer_end)) {
+        for (int64_t p = chunk.page_begin; p < chunk.page_end; ++p) ++seen[{b, p}];
       }
     }
-    ASSERT_EQ(seen.size(), static_cast<size_t>(2 * (end - begin) * pages)) << "trial " << trial;
+    size_t expected = 0;
+    for (int32_t layer : pool.layers) expected += layer >= begin && layer < end ? pages : 0;
+    ASSERT_EQ(seen.size(), expected) << "trial " << trial;
     for (const auto& [key, times] : seen) {
       EXPECT_EQ(times, 1) << "buffer " << key.first << " page " << key.second;
-      const int32_t layer = key.first < num_layers ? key.first : key.first - num_layers;
-      EXPECT_GE(layer, begin);
-      EXPECT_LT(layer, end);
+      EXPECT_GE(pool.layers[key.first], begin);
+      EXPECT_LT(pool.layers[key.first], end);
       EXPECT_LT(key.second, pages);
     }
   }
 }
 
 TEST(StagingPlan, BalancesChunksAndSplitsLayersOnlyWhenAPageOfAllLayersDoesNotFit) {
-  const std::vector<PageUnit> whole = {{0, 0, 4096}};
+  const Pool kv4 = KeyValuePool(4, 4096);
   // Room for 90 pages of 4 layers: 100 pages become two chunks of 50.
-  const uint64_t slot = PayloadBytes(4, 90, whole);
-  auto plan = PlanChunks(0, 4, 100, whole, slot);
+  const uint64_t slot = ChunkPayload(kv4, 0, 4, 90, {});
+  auto plan = PlanChunks(0, 4, 100, {}, kv4.table, kv4.items, slot);
   ASSERT_TRUE(plan.ok()) << plan.status();
   EXPECT_EQ(plan->count(), 2u);
   EXPECT_EQ(plan->pages_per_chunk, 50);
@@ -91,7 +156,8 @@ TEST(StagingPlan, BalancesChunksAndSplitsLayersOnlyWhenAPageOfAllLayersDoesNotFi
 
   // One page of 32 layers (256 KiB of K and V) does not fit 100 KiB: layers are split, one page
   // a chunk, and the groups are even.
-  auto split = PlanChunks(0, 32, 3, whole, 100 * 1024);
+  const Pool kv32 = KeyValuePool(32, 4096);
+  auto split = PlanChunks(0, 32, 3, {}, kv32.table, kv32.items, 100 * 1024);
   ASSERT_TRUE(split.ok()) << split.status();
   EXPECT_EQ(split->pages_per_chunk, 1);
   EXPECT_LT(split->layers_per_chunk, 32);
@@ -99,139 +165,247 @@ TEST(StagingPlan, BalancesChunksAndSplitsLayersOnlyWhenAPageOfAllLayersDoesNotFi
   EXPECT_EQ(split->count(), static_cast<uint32_t>(split->layer_groups * 3));
 }
 
+// The heaviest layers bound the chunk: in the mixed layout layer 4 (two 512-byte buffers) weighs
+// twice layer 0 (two of 256) and ten times layer 2 (one of 96), and a slot sized for two pages of
+// layers [0, 2) holds one of layer 4 only.
+TEST(StagingPlan, MixedPageBytesSizeChunksByTheirHeaviestLayers) {
+  const Pool mixed = MixedPool();
+  EXPECT_EQ(ucx_staging::ChunkPageBytes(mixed.table, mixed.items, 0, 5),
+            (std::vector<uint64_t>{256, 256, 256, 256, 96, 96, 512, 512}));
+  EXPECT_EQ(ucx_staging::ChunkPageBytes(mixed.table, mixed.items, 1, 3),
+            (std::vector<uint64_t>{256, 256, 96}));
+  const uint64_t one_of_layer4 = ChunkPayload(mixed, 4, 5, 1, {});
+  EXPECT_EQ(one_of_layer4,
+            ucx_staging::LayoutPayload(1, {}, std::vector<uint64_t>{512, 512}).payload_bytes);
+  auto plan = PlanChunks(0, 5, 10, {}, mixed.table, mixed.items, one_of_layer4 + 256);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  for (uint32_t c = 0; c < plan->count(); ++c) {
+    const ucx_staging::Chunk chunk = plan->Get(c);
+    EXPECT_LE(ChunkPayload(mixed, chunk.layer_begin, chunk.layer_end,
+                           chunk.page_end - chunk.page_begin, {}),
+              one_of_layer4 + 256);
+  }
+  auto tight = PlanChunks(0, 5, 10, {}, mixed.table, mixed.items, one_of_layer4 - 1);
+  ASSERT_FALSE(tight.ok());
+  EXPECT_EQ(tight.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(tight.status().message().find("transfer layer 4"), std::string::npos) << tight.status();
+  // Units: the same bytes for every buffer, so the layers with most buffers weigh most.
+  const std::vector<PageUnit> unit = {{0, 0, 64}};
+  EXPECT_EQ(ChunkPayload(mixed, 2, 4, 3, unit),
+            ucx_staging::LayoutPayload(3, unit, std::vector<uint64_t>{96, 96}).payload_bytes);
+}
+
 TEST(StagingPlan, RefusesASlotTooSmallForOnePageAndMalformedWrites) {
-  const std::vector<PageUnit> whole = {{0, 0, 1 << 20}};
-  auto small = PlanChunks(0, 2, 4, whole, 1 << 20);
+  const Pool big = KeyValuePool(2, 1 << 20);
+  auto small = PlanChunks(0, 2, 4, {}, big.table, big.items, 1 << 20);
   ASSERT_FALSE(small.ok());
   EXPECT_EQ(small.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(small.status().message().find("ucx staging_slot_bytes"), std::string::npos);
 
-  EXPECT_EQ(PlanChunks(2, 2, 4, whole, 8 << 20).status().code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(PlanChunks(0, 1, 4, {}, 8 << 20).status().code(), StatusCode::kInvalidArgument);
+  const Pool kv = KeyValuePool(3, 4096);
+  auto empty_range = PlanChunks(2, 2, 4, {}, kv.table, kv.items, 8 << 20);
+  EXPECT_EQ(empty_range.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(empty_range.status().message().find("[2, 2)"), std::string::npos);
+  auto outside = PlanChunks(0, 4, 4, {}, kv.table, kv.items, 8 << 20);
+  EXPECT_EQ(outside.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(outside.status().message().find("[0, 4)"), std::string::npos);
+  const std::vector<uint64_t> short_items = {4096};
+  auto counts = PlanChunks(0, 1, 4, {}, kv.table, short_items, 8 << 20);
+  EXPECT_EQ(counts.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(counts.status().message().find("1 page sizes for a pool of 6"), std::string::npos);
   const std::vector<PageUnit> empty_unit = {{0, 0, 0}};
-  EXPECT_EQ(PlanChunks(0, 1, 4, empty_unit, 8 << 20).status().code(), StatusCode::kInvalidArgument);
+  auto empty = PlanChunks(0, 1, 4, empty_unit, kv.table, kv.items, 8 << 20);
+  EXPECT_EQ(empty.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(empty.status().message().find("unit 0 has 0 bytes"), std::string::npos);
 
-  auto none = PlanChunks(0, 3, 0, whole, 8 << 20);
+  auto none = PlanChunks(0, 3, 0, {}, kv.table, kv.items, 8 << 20);
   ASSERT_TRUE(none.ok());
   EXPECT_EQ(none->count(), 0u);
 }
 
-// ---- chunk wire format
-// ----------------------------------------------------------------------------
+// ---- chunk wire format --------------------------------------------------------------------------
 
 struct EncodedChunk {
   ucx_staging::ChunkHeader header;
   std::vector<int32_t> pages;
   std::vector<PageUnit> units;
+  std::vector<uint64_t> page_bytes;
   std::vector<uint8_t> payload;
 };
 
-EncodedChunk MakeChunk() {
+// A chunk of layers [1, 4) of the mixed layout (buffers 1 3 4 5: 256, 256, 96, 96 bytes a
+// page): with units, or of whole pages.
+EncodedChunk MakeChunk(bool whole_pages = false) {
+  const Pool mixed = MixedPool();
   EncodedChunk c;
   c.pages = {3, 9, 4, 17};
-  c.units = {{0, 64, 128}, {256, 0, 32}};
+  if (!whole_pages) c.units = {{0, 64, 16}, {256, 0, 32}};
+  c.page_bytes = ucx_staging::ChunkPageBytes(mixed.table, mixed.items, 1, 4);
   c.header.sender = 0x1122334455667788ull;
   c.header.link = 7;
   c.header.write = 42;
   c.header.chunk = 2;
   c.header.chunk_count = 5;
-  c.header.num_layers = 6;
+  c.header.num_layers = 5;
   c.header.layer_begin = 1;
   c.header.layer_end = 4;
   c.header.num_pages = 4;
-  c.header.num_units = 2;
-  c.header.payload_bytes = PayloadBytes(3, 4, c.units);
+  c.header.num_units = static_cast<uint32_t>(c.units.size());
+  c.header.num_buffers = static_cast<uint32_t>(c.page_bytes.size());
+  c.header.payload_bytes = PayloadBytes(4, c.units, c.page_bytes);
   c.payload.assign(c.header.payload_bytes, 0xAB);
-  EXPECT_TRUE(ucx_staging::EncodeChunkPrefix(c.header, c.pages, c.units, c.payload).ok());
+  EXPECT_TRUE(
+      ucx_staging::EncodeChunkPrefix(c.header, c.pages, c.units, c.page_bytes, c.payload).ok());
   return c;
 }
 
-const ucx_staging::ChunkLimits kLimits{6, 512, 512 * 32};
+// The receiver's pool: the mixed layout, 24 pages a buffer.
+ucx_staging::ChunkLimits MixedLimits() {
+  const MixedLayout mixed;
+  const Pool pool = MixedPool();
+  ucx_staging::ChunkLimits limits;
+  limits.layers = pool.table;
+  limits.item_len = pool.items;
+  for (size_t b = 0; b < mixed.buffers(); ++b) limits.buffer_len.push_back(mixed.BufferBytes(b));
+  return limits;
+}
 
 TEST(StagingWire, ChunkHeadersRoundTrip) {
-  EncodedChunk c = MakeChunk();
-  auto decoded = ucx_staging::DecodeChunk(c.payload, kLimits);
-  ASSERT_TRUE(decoded.ok()) << decoded.status();
-  EXPECT_EQ(decoded->header, c.header);
-  EXPECT_EQ(decoded->dst_pages, c.pages);
-  const ucx_staging::PayloadLayout layout = ucx_staging::LayoutPayload(3, 4, c.units);
-  ASSERT_EQ(decoded->layout.units.size(), 2u);
-  for (size_t u = 0; u < 2; ++u) {
-    EXPECT_EQ(decoded->layout.units[u].dst_offset, c.units[u].dst_offset);
-    EXPECT_EQ(decoded->layout.units[u].bytes, c.units[u].bytes);
-    EXPECT_EQ(decoded->layout.units[u].payload_offset, layout.units[u].payload_offset);
-    EXPECT_EQ(decoded->layout.units[u].payload_offset % ucx_staging::kPayloadAlign, 0u);
+  for (bool whole : {false, true}) {
+    EncodedChunk c = MakeChunk(whole);
+    auto decoded = ucx_staging::DecodeChunk(c.payload, MixedLimits());
+    ASSERT_TRUE(decoded.ok()) << decoded.status();
+    EXPECT_EQ(decoded->header, c.header);
+    EXPECT_EQ(decoded->dst_pages, c.pages);
+    const ucx_staging::PayloadLayout layout = ucx_staging::LayoutPayload(4, c.units, c.page_bytes);
+    ASSERT_EQ(decoded->layout.units.size(), whole ? 1u : 2u);
+    for (size_t u = 0; u < decoded->layout.units.size(); ++u) {
+      EXPECT_EQ(decoded->layout.units[u].whole_page, whole);
+      if (!whole) {
+        EXPECT_EQ(decoded->layout.units[u].dst_offset, c.units[u].dst_offset);
+        EXPECT_EQ(decoded->layout.units[u].bytes, c.units[u].bytes);
+      }
+      EXPECT_EQ(decoded->layout.units[u].payload_offset, layout.units[u].payload_offset);
+      EXPECT_EQ(decoded->layout.units[u].payload_offset % ucx_staging::kPayloadAlign, 0u);
+    }
+    EXPECT_EQ(decoded->layout.data_offset, layout.data_offset);
+    if (whole) {
+      // One segment: 4 pages of each buffer's own page bytes.
+      EXPECT_EQ(layout.payload_bytes, layout.data_offset + 4 * (256 + 256 + 96 + 96));
+    } else {
+      // The second unit's segment follows the first one's 4 buffers x 4 pages x 16 bytes,
+      // rounded up to the alignment.
+      EXPECT_GE(layout.units[1].payload_offset, layout.units[0].payload_offset + 4 * 4 * 16);
+      EXPECT_EQ(layout.payload_bytes, layout.units[1].payload_offset + 4 * 4 * 32);
+    }
   }
-  EXPECT_EQ(decoded->layout.data_offset, layout.data_offset);
-  // The second unit's segment follows the first one's K and V (3 layers x 4 pages x 128 bytes
-  // each), rounded up to the alignment.
-  EXPECT_GE(layout.units[1].payload_offset, layout.units[0].payload_offset + 2 * 3 * 4 * 128);
 }
 
 TEST(StagingWire, EncodeRefusesAHeaderThatDisagreesWithItsLists) {
   EncodedChunk c = MakeChunk();
   ucx_staging::ChunkHeader h = c.header;
   h.num_pages = 3;
-  EXPECT_EQ(ucx_staging::EncodeChunkPrefix(h, c.pages, c.units, c.payload).code(),
+  EXPECT_EQ(ucx_staging::EncodeChunkPrefix(h, c.pages, c.units, c.page_bytes, c.payload).code(),
             StatusCode::kInvalidArgument);
   h = c.header;
+  h.num_buffers = 3;
+  Status buffers = ucx_staging::EncodeChunkPrefix(h, c.pages, c.units, c.page_bytes, c.payload);
+  EXPECT_EQ(buffers.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(buffers.message().find("3 buffers"), std::string::npos) << buffers;
+  h = c.header;
   h.payload_bytes += 1;
-  EXPECT_EQ(ucx_staging::EncodeChunkPrefix(h, c.pages, c.units, c.payload).code(),
+  EXPECT_EQ(ucx_staging::EncodeChunkPrefix(h, c.pages, c.units, c.page_bytes, c.payload).code(),
             StatusCode::kInvalidArgument);
   std::vector<uint8_t> tiny(16);
-  EXPECT_EQ(ucx_staging::EncodeChunkPrefix(c.header, c.pages, c.units, tiny).code(),
+  EXPECT_EQ(ucx_staging::EncodeChunkPrefix(c.header, c.pages, c.units, c.page_bytes, tiny).code(),
             StatusCode::kInvalidArgument);
 }
 
-// Each corruption of a valid payload is refused with the code and a message naming what is wrong.
+// Each corruption of a valid payload is refused with the code and a message naming the field and
+// the value.
 TEST(StagingWire, MalformedChunksAreRefused) {
   struct Case {
     const char* name;
+    bool whole;
     std::function<void(std::vector<uint8_t>&)> corrupt;
     StatusCode code;
     const char* says;
   };
   auto put32 = [](std::vector<uint8_t>& p, size_t at, uint32_t v) { std::memcpy(&p[at], &v, 4); };
   auto put64 = [](std::vector<uint8_t>& p, size_t at, uint64_t v) { std::memcpy(&p[at], &v, 8); };
-  const size_t units_at = 64 + 4 * 4;
+  const size_t pages_at = ucx_staging::kChunkHeaderBytes;
+  const size_t units_at = pages_at + 4 * 4;
   const std::vector<Case> cases = {
-      {"truncated header", [](auto& p) { p.resize(40); }, StatusCode::kDataLoss, "shorter"},
-      {"bad magic", [&](auto& p) { put32(p, 0, 0xdeadbeef); }, StatusCode::kDataLoss, "magic"},
-      {"bad version", [](auto& p) { p[4] = 99; }, StatusCode::kDataLoss, "version"},
-      {"chunk beyond count", [&](auto& p) { put32(p, 32, 5); }, StatusCode::kDataLoss, "chunk 5"},
-      {"no units",
+      {"truncated header", false, [](auto& p) { p.resize(40); }, StatusCode::kDataLoss, "shorter"},
+      {"bad magic", false, [&](auto& p) { put32(p, 0, 0xdeadbeef); }, StatusCode::kDataLoss,
+       "magic 3735928559"},
+      {"version 1", false, [](auto& p) { p[4] = 1; }, StatusCode::kDataLoss,
+       "chunk wire version 1"},
+      {"reserved", false, [&](auto& p) { put32(p, 68, 9); }, StatusCode::kDataLoss,
+       "reserved field is 9"},
+      {"chunk beyond count", false, [&](auto& p) { put32(p, 32, 5); }, StatusCode::kDataLoss,
+       "chunk = 5"},
+      {"too many units", false,
        [](auto& p) {
-         p[6] = 0;
-         p[7] = 0;
+         p[6] = 0xff;
+         p[7] = 0x7f;
        },
-       StatusCode::kDataLoss, "units"},
-      {"too many pages", [&](auto& p) { put32(p, 52, 1u << 30); }, StatusCode::kDataLoss, "pages"},
-      {"other pool", [&](auto& p) { put32(p, 40, 7); }, StatusCode::kOutOfRange, "layers"},
-      {"layers outside", [&](auto& p) { put32(p, 48, 9); }, StatusCode::kOutOfRange, "layer range"},
-      {"empty layers", [&](auto& p) { put32(p, 48, 1); }, StatusCode::kOutOfRange, "layer range"},
-      {"page 0", [&](auto& p) { put32(p, 64 + 4, 0); }, StatusCode::kOutOfRange, "page 0"},
-      {"page past the pool", [&](auto& p) { put32(p, 64 + 8, 32); }, StatusCode::kOutOfRange,
-       "page 32"},
-      {"negative page", [&](auto& p) { put32(p, 64, 0xffffffffu); }, StatusCode::kOutOfRange,
-       "page -1"},
-      {"unit past the page", [&](auto& p) { put64(p, units_at, 400); }, StatusCode::kOutOfRange,
-       "unit 0"},
-      {"empty unit", [&](auto& p) { put64(p, units_at + 24, 0); }, StatusCode::kOutOfRange,
-       "unit 1"},
-      {"payload bytes lie", [&](auto& p) { put64(p, 56, p.size() + 1); }, StatusCode::kDataLoss,
-       "bytes"},
-      {"short payload", [](auto& p) { p.pop_back(); }, StatusCode::kDataLoss, "arrived"},
-      {"long payload", [](auto& p) { p.push_back(0); }, StatusCode::kDataLoss, "arrived"},
+       StatusCode::kDataLoss, "num_units = 32767"},
+      {"too many pages", false, [&](auto& p) { put32(p, 52, 1u << 30); }, StatusCode::kDataLoss,
+       "num_pages = 1073741824"},
+      {"no pages", false, [&](auto& p) { put32(p, 52, 0); }, StatusCode::kDataLoss,
+       "num_pages = 0"},
+      {"other pool", false, [&](auto& p) { put32(p, 40, 7); }, StatusCode::kOutOfRange,
+       "num_layers = 7"},
+      {"layers outside", false, [&](auto& p) { put32(p, 48, 9); }, StatusCode::kOutOfRange,
+       "layer range [1, 9)"},
+      {"empty layers", false, [&](auto& p) { put32(p, 48, 1); }, StatusCode::kOutOfRange,
+       "layer range [1, 1)"},
+      {"buffer count", false, [&](auto& p) { put32(p, 64, 6); }, StatusCode::kOutOfRange,
+       "num_buffers = 6"},
+      {"K/V buffer count", true, [&](auto& p) { put32(p, 64, 6); }, StatusCode::kOutOfRange,
+       "hold 4 buffers"},
+      {"page 0", false, [&](auto& p) { put32(p, pages_at + 4, 0); }, StatusCode::kOutOfRange,
+       "page 0"},
+      {"page past the pool", false, [&](auto& p) { put32(p, pages_at + 8, 24); },
+       StatusCode::kOutOfRange, "page 24"},
+      {"negative page", false, [&](auto& p) { put32(p, pages_at, 0xffffffffu); },
+       StatusCode::kOutOfRange, "page -1"},
+      // 100 bytes at offset 0 fit the 256-byte pages but not the 96-byte latent ones.
+      {"unit past a latent page", false, [&](auto& p) { put64(p, units_at + 8, 100); },
+       StatusCode::kOutOfRange, "buffer 4 (96 bytes)"},
+      {"empty unit", false, [&](auto& p) { put64(p, units_at + 24, 0); }, StatusCode::kDataLoss,
+       "unit 1 has 0 bytes"},
+      {"payload bytes lie", false, [&](auto& p) { put64(p, 56, p.size() + 1); },
+       StatusCode::kDataLoss, "payload_bytes"},
+      {"short payload", false, [](auto& p) { p.pop_back(); }, StatusCode::kDataLoss, "arrived"},
+      {"long payload", true, [](auto& p) { p.push_back(0); }, StatusCode::kDataLoss, "arrived"},
   };
   for (const Case& c : cases) {
-    std::vector<uint8_t> payload = MakeChunk().payload;
+    std::vector<uint8_t> payload = MakeChunk(c.whole).payload;
     c.corrupt(payload);
-    auto decoded = ucx_staging::DecodeChunk(payload, kLimits);
+    auto decoded = ucx_staging::DecodeChunk(payload, MixedLimits());
     ASSERT_FALSE(decoded.ok()) << c.name;
     EXPECT_EQ(decoded.status().code(), c.code) << c.name << ": " << decoded.status();
     EXPECT_NE(decoded.status().message().find(c.says), std::string::npos)
         << c.name << ": " << decoded.status();
   }
+}
+
+// A receiver whose pool has other page bytes for the same layers (a draft model of another
+// head count) refuses whole-page chunks: their layout over its page bytes disagrees.
+TEST(StagingWire, WholePageChunksForOtherPageBytesAreRefused) {
+  EncodedChunk c = MakeChunk(/*whole_pages=*/true);
+  ucx_staging::ChunkLimits limits = MixedLimits();
+  limits.item_len[4] = 128;
+  limits.buffer_len[4] = 128 * 24;
+  auto decoded = ucx_staging::DecodeChunk(c.payload, limits);
+  ASSERT_FALSE(decoded.ok());
+  EXPECT_EQ(decoded.status().code(), StatusCode::kDataLoss);
+  EXPECT_NE(
+      decoded.status().message().find("payload_bytes = " + std::to_string(c.header.payload_bytes)),
+      std::string::npos)
+      << decoded.status();
 }
 
 TEST(StagingWire, ControlMessagesRoundTripAndRefuseMalformedBytes) {
@@ -727,6 +901,80 @@ TEST_P(StagedHostProtocol, ReceiverDropsChunksOfAPeerItDisconnected) {
   for (const auto& b : dst_.buffers) {
     EXPECT_TRUE(std::all_of(b.begin(), b.end(), [](uint8_t v) { return v == 0xEE; }));
   }
+}
+
+// A mixed layout (K/V of 256-byte pages, latent buffers of 96, a draft model's K/V of 512:
+// layers 0 1 0 1 2 3 4 4) moves byte-exact over layer batches that cross groups, through slots
+// small enough that chunks split layers and pages; pages outside the writes stay untouched.
+TEST_P(StagedHostProtocol, MixedLayoutsMoveEveryBufferOfTheLayersByteExact) {
+  const MixedLayout mixed;
+  UcxTestHooks hooks;
+  hooks.stage_host_memory = true;
+  auto a = CreateUcxBackendForTest(Options(3, 4096), hooks);
+  ASSERT_TRUE(a.ok()) << a.status();
+  auto b = CreateUcxBackendForTest(Options(2, 4096), hooks);
+  ASSERT_TRUE(b.ok()) << b.status();
+  sender_ = std::move(a).value();
+  receiver_ = std::move(b).value();
+  std::vector<uint8_t> src(mixed.ImageBytes());
+  std::vector<uint8_t> dst(mixed.ImageBytes(), 0xEE);
+  std::mt19937 rng(41);
+  for (uint8_t& byte : src) byte = static_cast<uint8_t>(rng());
+  std::vector<uint8_t> expected = dst;
+  auto sd = sender_->Register(mixed.Regions(reinterpret_cast<uint64_t>(src.data())));
+  ASSERT_TRUE(sd.ok()) << sd.status();
+  auto rd = receiver_->Register(mixed.Regions(reinterpret_cast<uint64_t>(dst.data())));
+  ASSERT_TRUE(rd.ok()) << rd.status();
+  auto peer = sender_->Connect(*rd);
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  const std::vector<std::pair<int32_t, int32_t>> batches = {{0, 2}, {2, 3}, {3, 5}, {1, 4}};
+  for (auto [begin, end] : batches) {
+    const std::vector<int32_t> src_pages = DistinctPages(9, mixed.pages, rng);
+    const std::vector<int32_t> dst_pages = DistinctPages(9, mixed.pages, rng);
+    PageWrite w;
+    w.src_pages = src_pages;
+    w.dst_pages = dst_pages;
+    w.num_layers = mixed.num_layers;
+    w.layer_begin = begin;
+    w.layer_end = end;
+    auto id = sender_->PostPages(*peer, w);
+    ASSERT_TRUE(id.ok()) << id.status();
+    ASSERT_TRUE(WaitFor(*sender_, *id).ok()) << sender_->Check(*id);
+    sender_->Release(*id);
+    mixed.Apply(w, src, expected);
+    ASSERT_EQ(mixed.Mismatch(expected, dst), "") << "layers [" << begin << ", " << end << ")";
+  }
+  // The whole layout at once, one page: a chunk holds all eight buffers of their own sizes.
+  const std::vector<int32_t> one = {5};
+  const std::vector<int32_t> to = {23};
+  PageWrite all;
+  all.src_pages = one;
+  all.dst_pages = to;
+  all.num_layers = mixed.num_layers;
+  all.layer_begin = 0;
+  all.layer_end = mixed.num_layers;
+  auto id = sender_->PostPages(*peer, all);
+  ASSERT_TRUE(id.ok()) << id.status();
+  ASSERT_TRUE(WaitFor(*sender_, *id).ok()) << sender_->Check(*id);
+  sender_->Release(*id);
+  mixed.Apply(all, src, expected);
+  EXPECT_EQ(mixed.Mismatch(expected, dst), "");
+
+  // A write naming another layer count, or pages past the smallest buffer, is refused naming it.
+  PageWrite wrong = all;
+  wrong.num_layers = 4;
+  auto refused = sender_->PostPages(*peer, wrong);
+  EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("num_layers = 4"), std::string::npos)
+      << refused.status();
+  const std::vector<int32_t> past = {static_cast<int32_t>(mixed.pages)};
+  PageWrite outside = all;
+  outside.src_pages = past;
+  auto out = sender_->PostPages(*peer, outside);
+  EXPECT_EQ(out.status().code(), StatusCode::kOutOfRange) << out.status();
+  EXPECT_EQ(mixed.Mismatch(expected, dst), "");
+  sender_.reset();
+  receiver_.reset();
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, StagedHostProtocol,

@@ -2,8 +2,10 @@
 
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "backends/common/layer_table.h"
 #include "kvt/common/log.h"
 #include "kvt/kernels/kernels.h"
 
@@ -35,39 +37,61 @@ class DeviceGuard {
   Status status_;
 };
 
-Status CheckRegions(std::span<const LocalRegion> regions, const char* who) {
-  if (regions.empty() || regions.size() % 2 != 0) {
-    return InvalidArgument(std::string(who) + ": a staged pool registers 2L buffers (K then V), " +
-                           "got " + std::to_string(regions.size()));
+// The pool as the copiers address it: buffer addresses and page bytes in LayerTable order, so
+// that the buffers of layers [a, b) are one contiguous slice of both.
+struct OrderedPool {
+  LayerTable layers;
+  std::vector<uint64_t> bases;
+  std::vector<uint64_t> item_len;
+
+  // Where the buffers of layers [begin, end) start in the ordered tables, and how many.
+  size_t First(int32_t begin) const { return layers.Buffers(0, begin).size(); }
+};
+
+StatusOr<OrderedPool> OrderPool(std::span<const LocalRegion> regions, const char* who) {
+  if (regions.empty()) {
+    return InvalidArgument(std::string(who) + ": no buffers; register the layout's buffers");
   }
-  for (size_t i = 1; i < regions.size(); ++i) {
-    if (regions[i].item_len != regions[0].item_len) {
-      return Unimplemented(std::string(who) + ": buffer " + std::to_string(i) + " has pages of " +
-                           std::to_string(regions[i].item_len) + " bytes and buffer 0 of " +
-                           std::to_string(regions[0].item_len) +
-                           "; staging needs one page size for every buffer");
+  for (size_t i = 0; i < regions.size(); ++i) {
+    if (regions[i].item_len == 0) {
+      return InvalidArgument(std::string(who) + ": buffer " + std::to_string(i) +
+                             " has pages of 0 bytes; give every buffer its page bytes");
     }
   }
-  return OkStatus();
+  OrderedPool pool;
+  KVT_ASSIGN_OR_RETURN(pool.layers, LayerTable::Create(regions));
+  const std::span<const uint32_t> order = pool.layers.Buffers(0, pool.layers.num_layers());
+  for (uint32_t b : order) {
+    pool.bases.push_back(regions[b].base);
+    pool.item_len.push_back(regions[b].item_len);
+  }
+  return pool;
 }
 
-// The waits of a chunk's units: one pack/unpack launch per (unit, K or V), each over the
-// chunk's layers, which are contiguous in the base table (K of l at l, V of l at L + l).
+// The launches of a chunk: one pack/unpack per (unit, run of consecutive buffers of equal page
+// bytes), each over the chunk's pages. A unit's segment holds the chunk's buffers one after
+// another in layer order, `pages * bytes` each (ucx_staged_protocol.h), which is the kernel's
+// buffer-major staging layout within a run. `launch` gets the arguments, the unit, the run's
+// offset in the payload and the run's first index in the ordered tables.
 template <typename Launch>
-Status ForEachLaunch(const CopierChunk& chunk, uint64_t item_len, Launch&& launch) {
-  const int32_t layers = chunk.layer_end - chunk.layer_begin;
+Status ForEachLaunch(const CopierChunk& chunk, const OrderedPool& pool, Launch&& launch) {
+  const size_t first = pool.First(chunk.layer_begin);
+  const size_t end = first + pool.layers.Buffers(chunk.layer_begin, chunk.layer_end).size();
   const int64_t pages = static_cast<int64_t>(chunk.pages.size());
   for (const ChunkUnit& unit : chunk.units) {
-    for (int kv = 0; kv < 2; ++kv) {
+    uint64_t offset = unit.payload_offset;
+    for (size_t i = first; i < end;) {
+      size_t j = i + 1;
+      while (j < end && pool.item_len[j] == pool.item_len[i]) ++j;
+      const uint64_t bytes = unit.whole_page ? pool.item_len[i] : unit.bytes;
       kernels::PackArgs args;
-      args.num_buffers = layers;
+      args.num_buffers = static_cast<int32_t>(j - i);
       args.num_pages = pages;
-      args.page_stride = static_cast<int64_t>(item_len);
-      args.bytes = static_cast<int64_t>(unit.bytes);
-      const uint64_t segment =
-          unit.payload_offset + static_cast<uint64_t>(kv) * layers * pages * unit.bytes;
-      const size_t first_base = static_cast<size_t>(kv) * chunk.num_layers + chunk.layer_begin;
-      KVT_RETURN_IF_ERROR(launch(args, unit, segment, first_base));
+      args.page_stride = static_cast<int64_t>(pool.item_len[i]);
+      args.bytes = static_cast<int64_t>(bytes);
+      KVT_RETURN_IF_ERROR(launch(args, unit, offset, i));
+      offset += static_cast<uint64_t>(j - i) * static_cast<uint64_t>(pages) * bytes;
+      i = j;
     }
   }
   return OkStatus();
@@ -77,8 +101,8 @@ Status ForEachLaunch(const CopierChunk& chunk, uint64_t item_len, Launch&& launc
 
 class CudaCopier final : public StagingCopier {
  public:
-  CudaCopier(int device, const SlotMemory& slots, uint64_t item_len)
-      : device_(device), slots_(slots), item_len_(item_len) {}
+  CudaCopier(int device, const SlotMemory& slots, OrderedPool pool)
+      : device_(device), slots_(slots), pool_(std::move(pool)) {}
 
   ~CudaCopier() override {
     DeviceGuard guard(device_);
@@ -103,12 +127,11 @@ class CudaCopier final : public StagingCopier {
             "receive slots");
   }
 
-  Status Init(std::span<const LocalRegion> regions, bool* host_registration_failed) {
+  Status Init(bool* host_registration_failed) {
     DeviceGuard guard(device_);
     KVT_RETURN_IF_ERROR(guard.status());
     res_ = std::make_unique<Resources>();
-    std::vector<uint64_t> bases;
-    for (const LocalRegion& r : regions) bases.push_back(r.base);
+    const std::vector<uint64_t>& bases = pool_.bases;  // uploaded in layer order
     KVT_ASSIGN_OR_RETURN(res_->bases, cuda::DeviceBuffer::Allocate(bases.size() * 8, device_));
     KVT_RETURN_IF_ERROR(cuda::Copy(res_->bases.data(), bases.data(), bases.size() * 8));
 
@@ -215,7 +238,7 @@ class CudaCopier final : public StagingCopier {
     cuda::DeviceBuffer staging;  // the payload, copied from the pinned receive slot
   };
   struct Resources {
-    cuda::DeviceBuffer bases;  // the pool's 2L buffer addresses
+    cuda::DeviceBuffer bases;  // the pool's buffer addresses in layer order (OrderedPool)
     std::vector<SendSlot> send;
     std::vector<RecvSlot> recv;
     cuda::Stream gate;
@@ -246,7 +269,7 @@ class CudaCopier final : public StagingCopier {
     uint8_t* payload = send_dev_ + static_cast<size_t>(slot) * slots_.slot_bytes;
     const auto* bases = res_->bases.as<const uint64_t>();
     KVT_RETURN_IF_ERROR(ForEachLaunch(
-        chunk, item_len_,
+        chunk, pool_,
         [&](kernels::PackArgs& args, const ChunkUnit& unit, uint64_t segment, size_t first_base) {
           args.bases = bases + first_base;
           args.pages = s.dev_pages.as<const int32_t>();
@@ -274,7 +297,7 @@ class CudaCopier final : public StagingCopier {
     const auto* pages = reinterpret_cast<const int32_t*>(staging + chunk.pages_offset);
     const auto* bases = res_->bases.as<const uint64_t>();
     KVT_RETURN_IF_ERROR(ForEachLaunch(
-        chunk, item_len_,
+        chunk, pool_,
         [&](kernels::PackArgs& args, const ChunkUnit& unit, uint64_t segment, size_t first_base) {
           args.bases = bases + first_base;
           args.pages = pages;
@@ -288,7 +311,7 @@ class CudaCopier final : public StagingCopier {
 
   const int device_;
   const SlotMemory slots_;
-  const uint64_t item_len_;
+  const OrderedPool pool_;
   bool registered_send_ = false;
   bool registered_recv_ = false;
   uint8_t* send_dev_ = nullptr;      // device view of the send slots (mapped pinned memory)
@@ -301,15 +324,12 @@ class CudaCopier final : public StagingCopier {
 
 class HostCopier final : public StagingCopier {
  public:
-  HostCopier(std::span<const LocalRegion> regions, const SlotMemory& slots,
-             std::chrono::microseconds delay)
+  HostCopier(OrderedPool pool, const SlotMemory& slots, std::chrono::microseconds delay)
       : slots_(slots),
-        item_len_(regions.empty() ? 0 : regions[0].item_len),
+        pool_(std::move(pool)),
         delay_(delay),
         gather_started_(slots.slots),
-        scatter_started_(slots.slots) {
-    for (const LocalRegion& r : regions) bases_.push_back(r.base);
-  }
+        scatter_started_(slots.slots) {}
 
   std::string_view Name() const override { return "host"; }
 
@@ -323,9 +343,9 @@ class HostCopier final : public StagingCopier {
   Status StartGather(uint32_t slot, const CopierChunk& chunk, cudaEvent_t) override {
     uint8_t* payload = slots_.send_base + static_cast<size_t>(slot) * slots_.slot_bytes;
     KVT_RETURN_IF_ERROR(ForEachLaunch(
-        chunk, item_len_,
+        chunk, pool_,
         [&](kernels::PackArgs& args, const ChunkUnit& unit, uint64_t segment, size_t first_base) {
-          args.bases = bases_.data() + first_base;
+          args.bases = pool_.bases.data() + first_base;
           args.pages = chunk.pages.data();
           args.offset = static_cast<int64_t>(unit.src_offset);
           args.staging = payload + segment;
@@ -342,9 +362,9 @@ class HostCopier final : public StagingCopier {
   Status StartScatter(uint32_t slot, const CopierChunk& chunk) override {
     uint8_t* payload = slots_.recv_base + static_cast<size_t>(slot) * slots_.slot_bytes;
     KVT_RETURN_IF_ERROR(ForEachLaunch(
-        chunk, item_len_,
+        chunk, pool_,
         [&](kernels::PackArgs& args, const ChunkUnit& unit, uint64_t segment, size_t first_base) {
-          args.bases = bases_.data() + first_base;
+          args.bases = pool_.bases.data() + first_base;
           args.pages = chunk.pages.data();
           args.offset = static_cast<int64_t>(unit.dst_offset);
           args.staging = payload + segment;
@@ -360,9 +380,8 @@ class HostCopier final : public StagingCopier {
 
  private:
   const SlotMemory slots_;
-  const uint64_t item_len_;
+  const OrderedPool pool_;
   const std::chrono::microseconds delay_;
-  std::vector<uint64_t> bases_;
   std::vector<Clock::time_point> gather_started_;
   std::vector<Clock::time_point> scatter_started_;
 };
@@ -374,7 +393,7 @@ StatusOr<std::unique_ptr<StagingCopier>> CreateCudaCopier(int device,
                                                           const SlotMemory& slots,
                                                           bool* host_registration_failed) {
   *host_registration_failed = false;
-  KVT_RETURN_IF_ERROR(CheckRegions(regions, "CUDA staging"));
+  KVT_ASSIGN_OR_RETURN(OrderedPool pool, OrderPool(regions, "CUDA staging"));
   for (size_t i = 0; i < regions.size(); ++i) {
     if (regions[i].kind != MemoryKind::kCuda || regions[i].device != device) {
       return InvalidArgument("CUDA staging: buffer " + std::to_string(i) + " is not CUDA memory " +
@@ -382,17 +401,19 @@ StatusOr<std::unique_ptr<StagingCopier>> CreateCudaCopier(int device,
                              "; a staged pool lives on one device");
     }
   }
-  auto copier = std::make_unique<CudaCopier>(device, slots, regions[0].item_len);
+  auto copier = std::make_unique<CudaCopier>(device, slots, std::move(pool));
   KVT_RETURN_IF_ERROR(
-      copier->Init(regions, host_registration_failed)
+      copier->Init(host_registration_failed)
           .WithContext("setting up CUDA staging on device " + std::to_string(device)));
   return std::unique_ptr<StagingCopier>(std::move(copier));
 }
 
-std::unique_ptr<StagingCopier> CreateHostCopier(std::span<const LocalRegion> regions,
-                                                const SlotMemory& slots,
-                                                std::chrono::microseconds delay) {
-  return std::make_unique<HostCopier>(regions, slots, delay);
+StatusOr<std::unique_ptr<StagingCopier>> CreateHostCopier(std::span<const LocalRegion> regions,
+                                                          const SlotMemory& slots,
+                                                          std::chrono::microseconds delay) {
+  KVT_ASSIGN_OR_RETURN(OrderedPool pool, OrderPool(regions, "host staging"));
+  return std::unique_ptr<StagingCopier>(
+      std::make_unique<HostCopier>(std::move(pool), slots, delay));
 }
 
 }  // namespace kvt::transfer::ucx_staging

@@ -36,10 +36,9 @@ struct SlotMemory {
   bool pinned = false;
 };
 
-// One chunk as a copier sees it: layers of the pool (K buffer l and V buffer num_layers + l),
-// the page ids on this side, and where each unit's segment sits in the slot's payload.
+// One chunk as a copier sees it: transfer layers of the pool (their buffers in LayerTable
+// order), the page ids on this side, and where each unit's segment sits in the slot's payload.
 struct CopierChunk {
-  int32_t num_layers = 0;
   int32_t layer_begin = 0;
   int32_t layer_end = 0;
   std::span<const int32_t> pages;  // gather: source pages; scatter: destination pages
@@ -82,7 +81,8 @@ class StagingCopier {
   StagingCopier() = default;
 };
 
-// CUDA pools on `device`: `regions` are the pool's 2L buffers (all the same item_len). Sets
+// CUDA pools on `device`: `regions` are the pool's buffers with their transfer layers (a valid
+// LayerTable) and page bytes, which may differ between buffers. Sets
 // *host_registration_failed when cudaHostRegister refused the slot memory (the caller may retry
 // with cudaHostAlloc memory and pinned = true).
 StatusOr<std::unique_ptr<StagingCopier>> CreateCudaCopier(int device,
@@ -92,8 +92,8 @@ StatusOr<std::unique_ptr<StagingCopier>> CreateCudaCopier(int device,
 
 // Host pools (tests of the staged protocol without a GPU): PackCpu / UnpackCpu at start; a
 // gather or scatter reports done `delay` after it started, so tests can hold chunks in flight.
-std::unique_ptr<StagingCopier> CreateHostCopier(std::span<const LocalRegion> regions,
-                                                const SlotMemory& slots,
-                                                std::chrono::microseconds delay);
+StatusOr<std::unique_ptr<StagingCopier>> CreateHostCopier(std::span<const LocalRegion> regions,
+                                                          const SlotMemory& slots,
+                                                          std::chrono::microseconds delay);
 
 }  // namespace kvt::transfer::ucx_staging

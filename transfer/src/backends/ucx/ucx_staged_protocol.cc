@@ -65,27 +65,45 @@ StatusCode CodeFromWire(uint32_t raw) {
 
 // ---- chunk plan -------------------------------------------------------------------------------
 
-PayloadLayout LayoutPayload(int32_t layers, int64_t pages, std::span<const PageUnit> units) {
+PayloadLayout LayoutPayload(int64_t pages, std::span<const PageUnit> units,
+                            std::span<const uint64_t> page_bytes) {
   PayloadLayout layout;
-  const uint64_t l = static_cast<uint64_t>(std::max(layers, 0));
   const uint64_t p = static_cast<uint64_t>(std::max<int64_t>(pages, 0));
   const uint64_t prefix = SatAdd(SatAdd(kChunkHeaderBytes, SatMul(4, p)),
                                  SatMul(16, static_cast<uint64_t>(units.size())));
   uint64_t offset = AlignUp(prefix, kPayloadAlign);
   layout.data_offset = offset;
+  if (units.empty()) {
+    uint64_t per_page = 0;  // one page of every buffer, each its own page bytes
+    for (uint64_t bytes : page_bytes) per_page = SatAdd(per_page, bytes);
+    layout.units.push_back(ChunkUnit{0, 0, 0, /*whole_page=*/true, offset});
+    layout.payload_bytes = SatAdd(offset, SatMul(p, per_page));
+    return layout;
+  }
+  const uint64_t buffers = static_cast<uint64_t>(page_bytes.size());
   layout.units.reserve(units.size());
   for (size_t u = 0; u < units.size(); ++u) {
     if (u > 0) offset = AlignUp(offset, kPayloadAlign);
-    layout.units.push_back(
-        ChunkUnit{units[u].src_offset, units[u].dst_offset, units[u].bytes, offset});
-    offset = SatAdd(offset, SatMul(SatMul(2 * l, p), units[u].bytes));
+    layout.units.push_back(ChunkUnit{units[u].src_offset, units[u].dst_offset, units[u].bytes,
+                                     /*whole_page=*/false, offset});
+    offset = SatAdd(offset, SatMul(p, SatMul(buffers, units[u].bytes)));
   }
   layout.payload_bytes = offset;
   return layout;
 }
 
-uint64_t PayloadBytes(int32_t layers, int64_t pages, std::span<const PageUnit> units) {
-  return LayoutPayload(layers, pages, units).payload_bytes;
+uint64_t PayloadBytes(int64_t pages, std::span<const PageUnit> units,
+                      std::span<const uint64_t> page_bytes) {
+  return LayoutPayload(pages, units, page_bytes).payload_bytes;
+}
+
+std::vector<uint64_t> ChunkPageBytes(const LayerTable& table, std::span<const uint64_t> item_len,
+                                     int32_t begin, int32_t end) {
+  std::vector<uint64_t> bytes;
+  const std::span<const uint32_t> buffers = table.Buffers(begin, end);
+  bytes.reserve(buffers.size());
+  for (uint32_t b : buffers) bytes.push_back(item_len[b]);
+  return bytes;
 }
 
 Chunk ChunkPlan::Get(uint32_t index) const {
@@ -100,30 +118,70 @@ Chunk ChunkPlan::Get(uint32_t index) const {
 }
 
 StatusOr<ChunkPlan> PlanChunks(int32_t layer_begin, int32_t layer_end, int64_t num_pages,
-                               std::span<const PageUnit> units, uint64_t slot_bytes) {
-  if (layer_begin < 0 || layer_end <= layer_begin) {
+                               std::span<const PageUnit> units, const LayerTable& table,
+                               std::span<const uint64_t> item_len, uint64_t slot_bytes) {
+  if (layer_begin < 0 || layer_end <= layer_begin || layer_end > table.num_layers()) {
     return InvalidArgument("staged write: layer range [" + std::to_string(layer_begin) + ", " +
-                           std::to_string(layer_end) + ") is empty or negative");
+                           std::to_string(layer_end) + ") is empty or outside the pool's " +
+                           std::to_string(table.num_layers()) +
+                           " transfer layers; pass a non-empty range inside [0, " +
+                           std::to_string(table.num_layers()) + "]");
+  }
+  if (item_len.size() != table.num_buffers()) {
+    return InvalidArgument("staged write: " + std::to_string(item_len.size()) +
+                           " page sizes for a pool of " + std::to_string(table.num_buffers()) +
+                           " buffers; pass one per registered buffer");
   }
   if (num_pages < 0) {
-    return InvalidArgument("staged write: " + std::to_string(num_pages) + " pages");
+    return InvalidArgument("staged write: " + std::to_string(num_pages) +
+                           " pages; pass a page list of 0 or more pages");
   }
-  if (units.empty() || units.size() > kMaxUnits) {
+  if (units.size() > kMaxUnits) {
     return InvalidArgument("staged write: " + std::to_string(units.size()) +
-                           " units per page; give 1 to " + std::to_string(kMaxUnits));
+                           " units per page; give at most " + std::to_string(kMaxUnits) +
+                           " (none: whole pages)");
   }
   for (size_t u = 0; u < units.size(); ++u) {
     if (units[u].bytes == 0) {
-      return InvalidArgument("staged write: unit " + std::to_string(u) + " has 0 bytes");
+      return InvalidArgument("staged write: unit " + std::to_string(u) +
+                             " has 0 bytes; give every unit at least one byte");
     }
   }
   const int32_t layers = layer_end - layer_begin;
-  auto fits = [&](int32_t g, int64_t p) { return PayloadBytes(g, p, units) <= slot_bytes; };
+  // What a window of layers weighs in a payload: the sum of its buffers' page bytes (whole
+  // pages) or its buffer count (units, the same bytes for every buffer). The payload grows with
+  // the weight, so the heaviest window of g layers bounds every chunk of at most g layers.
+  std::vector<uint64_t> prefix(static_cast<size_t>(layers) + 1, 0);
+  for (int32_t l = layer_begin; l < layer_end; ++l) {
+    uint64_t weight = 0;
+    for (uint32_t b : table.Buffers(l, l + 1)) weight += units.empty() ? item_len[b] : 1;
+    prefix[static_cast<size_t>(l - layer_begin) + 1] =
+        prefix[static_cast<size_t>(l - layer_begin)] + weight;
+  }
+  auto heaviest = [&](int32_t g) {
+    int32_t best = layer_begin;
+    uint64_t best_weight = 0;
+    for (int32_t s = 0; s + g <= layers; ++s) {
+      const uint64_t w = prefix[static_cast<size_t>(s + g)] - prefix[static_cast<size_t>(s)];
+      if (w > best_weight || s == 0) {
+        best_weight = w;
+        best = layer_begin + s;
+      }
+    }
+    return best;
+  };
+  auto payload = [&](int32_t first, int32_t g, int64_t p) {
+    return PayloadBytes(p, units, ChunkPageBytes(table, item_len, first, first + g));
+  };
+  auto fits = [&](int32_t g, int64_t p) { return payload(heaviest(g), g, p) <= slot_bytes; };
   if (!fits(1, 1)) {
+    const int32_t layer = heaviest(1);
     return InvalidArgument("a staging slot of " + std::to_string(slot_bytes) +
-                           " bytes cannot hold one page of one " + "layer's K and V (" +
-                           std::to_string(PayloadBytes(1, 1, units)) +
-                           " bytes with the chunk header); raise ucx staging_slot_bytes");
+                           " bytes cannot hold one page of transfer layer " +
+                           std::to_string(layer) + " (" + std::to_string(payload(layer, 1, 1)) +
+                           " bytes of its " +
+                           std::to_string(table.Buffers(layer, layer + 1).size()) +
+                           " buffers with the chunk header); raise ucx staging_slot_bytes");
   }
   ChunkPlan plan;
   plan.layer_begin = layer_begin;
@@ -179,19 +237,24 @@ StatusOr<ChunkPlan> PlanChunks(int32_t layer_begin, int32_t layer_end, int64_t n
 //
 // Header fields: 0 magic u32, 4 version u16, 6 num_units u16, 8 sender, 16 link, 24 write,
 // 32 chunk u32, 36 chunk_count u32, 40 num_layers i32, 44 layer_begin i32, 48 layer_end i32,
-// 52 num_pages u32, 56 payload_bytes u64.
+// 52 num_pages u32, 56 payload_bytes u64, 64 num_buffers u32, 68 reserved u32 (zero).
 
 Status EncodeChunkPrefix(const ChunkHeader& h, std::span<const int32_t> dst_pages,
-                         std::span<const PageUnit> units, std::span<uint8_t> payload) {
-  if (h.num_pages != dst_pages.size() || h.num_units != units.size() || units.empty() ||
-      units.size() > kMaxUnits || dst_pages.size() > static_cast<size_t>(kMaxChunkPages)) {
-    return InvalidArgument("chunk header names " + std::to_string(h.num_pages) + " pages and " +
-                           std::to_string(h.num_units) + " units but " +
-                           std::to_string(dst_pages.size()) + " and " +
-                           std::to_string(units.size()) + " were given");
+                         std::span<const PageUnit> units, std::span<const uint64_t> page_bytes,
+                         std::span<uint8_t> payload) {
+  if (h.num_pages != dst_pages.size() || h.num_units != units.size() ||
+      h.num_buffers != page_bytes.size() || page_bytes.empty() || units.size() > kMaxUnits ||
+      dst_pages.empty() || dst_pages.size() > static_cast<size_t>(kMaxChunkPages)) {
+    return InvalidArgument("chunk header names " + std::to_string(h.num_pages) + " pages, " +
+                           std::to_string(h.num_units) + " units and " +
+                           std::to_string(h.num_buffers) + " buffers but " +
+                           std::to_string(dst_pages.size()) + ", " + std::to_string(units.size()) +
+                           " and " + std::to_string(page_bytes.size()) + " were given (1.." +
+                           std::to_string(kMaxChunkPages) + " pages, 0.." +
+                           std::to_string(kMaxUnits) + " units, 1 or more buffers)");
   }
   const PayloadLayout layout =
-      LayoutPayload(h.layer_end - h.layer_begin, static_cast<int64_t>(dst_pages.size()), units);
+      LayoutPayload(static_cast<int64_t>(dst_pages.size()), units, page_bytes);
   if (h.payload_bytes != layout.payload_bytes) {
     return InvalidArgument("chunk header says " + std::to_string(h.payload_bytes) +
                            " payload bytes; the layout needs " +
@@ -216,6 +279,7 @@ Status EncodeChunkPrefix(const ChunkHeader& h, std::span<const int32_t> dst_page
   Put<int32_t>(out, 48, h.layer_end);
   Put<uint32_t>(out, 52, h.num_pages);
   Put<uint64_t>(out, 56, h.payload_bytes);
+  Put<uint32_t>(out, 64, h.num_buffers);
   if (!dst_pages.empty()) {
     std::memcpy(out + kChunkHeaderBytes, dst_pages.data(), dst_pages.size() * sizeof(int32_t));
   }
@@ -231,13 +295,17 @@ StatusOr<DecodedChunk> DecodeChunk(std::span<const uint8_t> payload, const Chunk
   if (payload.size() < kChunkHeaderBytes) {
     return DataLoss("chunk payload of " + std::to_string(payload.size()) +
                     " bytes is shorter than its header (" + std::to_string(kChunkHeaderBytes) +
-                    ")");
+                    "); the sender speaks another staging protocol");
   }
   const uint8_t* in = payload.data();
-  if (Get<uint32_t>(in, 0) != kChunkMagic) return DataLoss("chunk payload has a bad magic");
+  if (Get<uint32_t>(in, 0) != kChunkMagic) {
+    return DataLoss("chunk payload has magic " + std::to_string(Get<uint32_t>(in, 0)) +
+                    "; expected " + std::to_string(kChunkMagic));
+  }
   if (Get<uint16_t>(in, 4) != kWireVersion) {
     return DataLoss("chunk wire version " + std::to_string(Get<uint16_t>(in, 4)) +
-                    "; this build speaks " + std::to_string(kWireVersion));
+                    "; this build speaks " + std::to_string(kWireVersion) +
+                    ": run the same kvt version on both sides");
   }
   DecodedChunk chunk;
   ChunkHeader& h = chunk.header;
@@ -252,24 +320,40 @@ StatusOr<DecodedChunk> DecodeChunk(std::span<const uint8_t> payload, const Chunk
   h.layer_end = Get<int32_t>(in, 48);
   h.num_pages = Get<uint32_t>(in, 52);
   h.payload_bytes = Get<uint64_t>(in, 56);
+  h.num_buffers = Get<uint32_t>(in, 64);
+  if (Get<uint32_t>(in, 68) != 0) {
+    return DataLoss("chunk header reserved field is " + std::to_string(Get<uint32_t>(in, 68)) +
+                    "; expected 0");
+  }
   if (h.chunk >= h.chunk_count) {
-    return DataLoss("chunk " + std::to_string(h.chunk) + " of a write of " +
-                    std::to_string(h.chunk_count) + " chunks");
+    return DataLoss("chunk header chunk = " + std::to_string(h.chunk) + " of chunk_count = " +
+                    std::to_string(h.chunk_count) + "; expected chunk < chunk_count");
   }
-  if (h.num_units == 0 || h.num_units > kMaxUnits || h.num_pages == 0 ||
-      h.num_pages > static_cast<uint64_t>(kMaxChunkPages)) {
-    return DataLoss("chunk names " + std::to_string(h.num_pages) + " pages and " +
-                    std::to_string(h.num_units) + " units; allowed 1.." +
-                    std::to_string(kMaxChunkPages) + " and 1.." + std::to_string(kMaxUnits));
+  if (h.num_units > kMaxUnits) {
+    return DataLoss("chunk header num_units = " + std::to_string(h.num_units) +
+                    "; allowed 0 (whole pages) to " + std::to_string(kMaxUnits));
   }
-  if (h.num_layers != limits.num_layers) {
-    return OutOfRange("chunk is for a pool of " + std::to_string(h.num_layers) +
-                      " layers; this pool has " + std::to_string(limits.num_layers));
+  if (h.num_pages == 0 || h.num_pages > static_cast<uint64_t>(kMaxChunkPages)) {
+    return DataLoss("chunk header num_pages = " + std::to_string(h.num_pages) + "; allowed 1.." +
+                    std::to_string(kMaxChunkPages));
   }
-  if (h.layer_begin < 0 || h.layer_end <= h.layer_begin || h.layer_end > limits.num_layers) {
-    return OutOfRange("chunk layer range [" + std::to_string(h.layer_begin) + ", " +
-                      std::to_string(h.layer_end) + ") is not inside [0, " +
-                      std::to_string(limits.num_layers) + ")");
+  const int32_t pool_layers = limits.layers.num_layers();
+  if (h.num_layers != pool_layers) {
+    return OutOfRange("chunk header num_layers = " + std::to_string(h.num_layers) +
+                      " but this pool has " + std::to_string(pool_layers) +
+                      " transfer layers; both sides must register the same layout");
+  }
+  if (h.layer_begin < 0 || h.layer_end <= h.layer_begin || h.layer_end > pool_layers) {
+    return OutOfRange("chunk header layer range [" + std::to_string(h.layer_begin) + ", " +
+                      std::to_string(h.layer_end) + ") is not a non-empty range inside [0, " +
+                      std::to_string(pool_layers) + "]");
+  }
+  const std::span<const uint32_t> buffers = limits.layers.Buffers(h.layer_begin, h.layer_end);
+  if (h.num_buffers != buffers.size()) {
+    return OutOfRange("chunk header num_buffers = " + std::to_string(h.num_buffers) +
+                      " but layers [" + std::to_string(h.layer_begin) + ", " +
+                      std::to_string(h.layer_end) + ") hold " + std::to_string(buffers.size()) +
+                      " buffers here; both sides must register the same layout");
   }
   const size_t units_at = kChunkHeaderBytes + size_t{h.num_pages} * sizeof(int32_t);
   const size_t prefix = units_at + 16 * size_t{h.num_units};
@@ -280,31 +364,47 @@ StatusOr<DecodedChunk> DecodeChunk(std::span<const uint8_t> payload, const Chunk
   chunk.dst_pages.resize(h.num_pages);
   std::memcpy(chunk.dst_pages.data(), in + kChunkHeaderBytes,
               size_t{h.num_pages} * sizeof(int32_t));
+  std::vector<uint64_t> page_bytes;
+  page_bytes.reserve(buffers.size());
+  uint64_t pool_pages = std::numeric_limits<uint64_t>::max();
+  for (uint32_t b : buffers) {
+    const uint64_t item = limits.item_len[b];
+    page_bytes.push_back(item);
+    pool_pages = std::min(pool_pages, item == 0 ? 0 : limits.buffer_len[b] / item);
+  }
   std::vector<PageUnit> units(h.num_units);
   for (size_t u = 0; u < units.size(); ++u) {
     units[u].dst_offset = Get<uint64_t>(in, units_at + 16 * u);
     units[u].bytes = Get<uint64_t>(in, units_at + 16 * u + 8);
-    if (units[u].bytes == 0 || units[u].dst_offset > limits.item_len ||
-        units[u].bytes > limits.item_len - units[u].dst_offset) {
-      return OutOfRange("chunk unit " + std::to_string(u) + " of " +
-                        std::to_string(units[u].bytes) + " bytes at offset " +
-                        std::to_string(units[u].dst_offset) + " does not fit a page of " +
-                        std::to_string(limits.item_len) + " bytes");
+    if (units[u].bytes == 0) {
+      return DataLoss("chunk unit " + std::to_string(u) + " has 0 bytes");
+    }
+    for (size_t i = 0; i < buffers.size(); ++i) {
+      if (units[u].dst_offset > page_bytes[i] ||
+          units[u].bytes > page_bytes[i] - units[u].dst_offset) {
+        return OutOfRange("chunk unit " + std::to_string(u) + " of " +
+                          std::to_string(units[u].bytes) + " bytes at offset " +
+                          std::to_string(units[u].dst_offset) + " does not fit a page of buffer " +
+                          std::to_string(buffers[i]) + " (" + std::to_string(page_bytes[i]) +
+                          " bytes)");
+      }
     }
   }
-  const uint64_t pool_pages = limits.item_len == 0 ? 0 : limits.buffer_len / limits.item_len;
   for (size_t i = 0; i < chunk.dst_pages.size(); ++i) {
     const int32_t p = chunk.dst_pages[i];
     if (p < 1 || static_cast<uint64_t>(p) >= pool_pages) {
       return OutOfRange("chunk page " + std::to_string(p) + " at position " + std::to_string(i) +
-                        " is outside [1, " + std::to_string(pool_pages) + ")");
+                        " is outside [1, " + std::to_string(pool_pages) +
+                        ") of the pages every buffer of layers [" + std::to_string(h.layer_begin) +
+                        ", " + std::to_string(h.layer_end) + ") holds");
     }
   }
-  chunk.layout = LayoutPayload(h.layer_end - h.layer_begin, h.num_pages, units);
+  chunk.layout = LayoutPayload(h.num_pages, units, page_bytes);
   if (h.payload_bytes != chunk.layout.payload_bytes || payload.size() != h.payload_bytes) {
-    return DataLoss("chunk header says " + std::to_string(h.payload_bytes) + " bytes, its layout " +
+    return DataLoss("chunk header payload_bytes = " + std::to_string(h.payload_bytes) +
+                    ", its layout over this pool's page bytes " +
                     std::to_string(chunk.layout.payload_bytes) + ", and " +
-                    std::to_string(payload.size()) + " arrived");
+                    std::to_string(payload.size()) + " bytes arrived; all three must agree");
   }
   return chunk;
 }

@@ -5,16 +5,22 @@
 //
 // Staging moves a page write (backend.h PageWrite) as a sequence of chunks. A chunk is a
 // rectangle of the write: layers [layer_begin, layer_end) of the layer batch times pages
-// [page_begin, page_end) of the page list, for every unit of every page. Its payload is
+// [page_begin, page_end) of the page list, for every unit of every page of every buffer of
+// those layers (LayerTable order: layers ascending, registration order within a layer; buffers
+// may differ in page bytes). Its payload is
 //
-//   [0, 64)                   ChunkHeader (fields below, little-endian)
-//   [64, 64 + 4 * pages)      destination page ids, int32
-//   [.., + 16 * units)        units: destination offset in the page (u64), bytes (u64)
-//   data_offset (256-aligned) one segment per unit, each 256-aligned, buffer-major within:
-//                             K of the chunk's layers, then V, each `pages * bytes` long
+//   [0, 72)                   ChunkHeader (fields below, little-endian)
+//   [72, 72 + 4 * pages)      destination page ids, int32
+//   [.., + 16 * units)        units: destination offset in the page (u64), bytes (u64); none
+//                             for a whole-page chunk
+//   data_offset (256-aligned) one segment per unit (one for whole pages), each 256-aligned,
+//                             buffer-major within: the chunk's buffers in layer order, each
+//                             `pages * bytes` long, bytes the unit's or (whole pages) the
+//                             buffer's own page bytes
 //
-// so a receiver needs nothing but the payload (and its own pool) to scatter it, and refuses a
-// payload whose header does not describe exactly its bytes or names pages outside its pool.
+// so a receiver needs nothing but the payload and its own pool (whose buffers, layers and page
+// bytes the engines checked equal to the sender's) to scatter it, and refuses a payload whose
+// header does not describe exactly its bytes or names pages outside its pool.
 //
 // Pure functions and plain values, no UCX or CUDA calls: thread-safe. CreditWindow is a value;
 // its owner serialises access.
@@ -30,14 +36,16 @@
 #include <utility>
 #include <vector>
 
+#include "backends/common/layer_table.h"
 #include "kvt/common/status.h"
 #include "kvt/transfer/plan.h"
 
 namespace kvt::transfer::ucx_staging {
 
 inline constexpr uint32_t kChunkMagic = 0x4354564b;  // "KVTC"
-inline constexpr uint16_t kWireVersion = 1;
-inline constexpr uint64_t kChunkHeaderBytes = 64;
+// 2: buffers by transfer layer with their own page bytes (1 addressed K l and V L + l).
+inline constexpr uint16_t kWireVersion = 2;
+inline constexpr uint64_t kChunkHeaderBytes = 72;
 inline constexpr uint64_t kPayloadAlign = 256;
 // Caps that keep per-chunk metadata bounded (device index buffers are sized from them).
 inline constexpr int64_t kMaxChunkPages = 16384;
@@ -51,21 +59,28 @@ inline constexpr uint64_t kMinSlotBytes = 4096;
 struct ChunkUnit {
   uint64_t src_offset = 0;      // in the source page (sender only)
   uint64_t dst_offset = 0;      // in the destination page
-  uint64_t bytes = 0;           // per (buffer, page)
-  uint64_t payload_offset = 0;  // of this unit's segment; V follows K at + layers*pages*bytes
+  uint64_t bytes = 0;           // per (buffer, page); 0 with whole_page
+  bool whole_page = false;      // every buffer's whole page (its own page bytes)
+  uint64_t payload_offset = 0;  // of this unit's segment: the chunk's buffers one after another
 };
 
-// Bytes of a payload holding `layers` layers x `pages` pages of these units (saturates at
-// UINT64_MAX instead of overflowing).
-uint64_t PayloadBytes(int32_t layers, int64_t pages, std::span<const PageUnit> units);
-
-// Where each unit's segment starts in such a payload, and where the data begins.
+// Where each unit's segment starts in the payload of a chunk of `pages` pages of buffers whose
+// page bytes (in layer order) are `page_bytes`, with these units (empty: whole pages), and
+// where the data begins. Sizes saturate at UINT64_MAX instead of overflowing.
 struct PayloadLayout {
   uint64_t data_offset = 0;
   uint64_t payload_bytes = 0;
   std::vector<ChunkUnit> units;
 };
-PayloadLayout LayoutPayload(int32_t layers, int64_t pages, std::span<const PageUnit> units);
+PayloadLayout LayoutPayload(int64_t pages, std::span<const PageUnit> units,
+                            std::span<const uint64_t> page_bytes);
+uint64_t PayloadBytes(int64_t pages, std::span<const PageUnit> units,
+                      std::span<const uint64_t> page_bytes);
+
+// The page bytes of the buffers of layers [begin, end) in layer order, from every buffer's page
+// bytes by index; the range must pass table.CheckRange.
+std::vector<uint64_t> ChunkPageBytes(const LayerTable& table, std::span<const uint64_t> item_len,
+                                     int32_t begin, int32_t end);
 
 struct Chunk {
   int32_t layer_begin = 0;  // absolute layer ids
@@ -90,12 +105,16 @@ struct ChunkPlan {
   Chunk Get(uint32_t index) const;
 };
 
-// Plans the chunks of a write of `num_pages` pages over layers [layer_begin, layer_end) with
-// these units (whole pages: one unit of the item length) so that every payload fits
-// `slot_bytes`. InvalidArgument when no payload of one page of one layer fits, or when the
-// arguments are malformed (empty layer range, no units, more than kMaxUnits units, ...).
+// Plans the chunks of a write of `num_pages` pages over layers [layer_begin, layer_end) of
+// `table`, whose buffers have `item_len` page bytes (by buffer index), with these units
+// (empty: whole pages), so that every payload fits `slot_bytes`: any layers_per_chunk
+// consecutive layers of the range, with their own buffers and page bytes, fit with
+// pages_per_chunk pages. InvalidArgument when one page of some layer does not fit (naming the
+// layer and the bytes), or when the arguments are malformed (a range outside the table, a
+// table and item_len of different buffer counts, more than kMaxUnits units, an empty unit, ...).
 StatusOr<ChunkPlan> PlanChunks(int32_t layer_begin, int32_t layer_end, int64_t num_pages,
-                               std::span<const PageUnit> units, uint64_t slot_bytes);
+                               std::span<const PageUnit> units, const LayerTable& table,
+                               std::span<const uint64_t> item_len, uint64_t slot_bytes);
 
 // ---- chunk wire format ------------------------------------------------------------------------
 
@@ -105,27 +124,31 @@ struct ChunkHeader {
   uint64_t write = 0;
   uint32_t chunk = 0;
   uint32_t chunk_count = 0;
-  int32_t num_layers = 0;  // L: buffers l (K) and L + l (V)
+  int32_t num_layers = 0;  // transfer layers of the sender's pool (the receiver's must match)
   int32_t layer_begin = 0;
   int32_t layer_end = 0;
   uint32_t num_pages = 0;
-  uint32_t num_units = 0;
+  uint32_t num_units = 0;    // 0: whole pages
+  uint32_t num_buffers = 0;  // buffers of layers [layer_begin, layer_end) at the sender
   uint64_t payload_bytes = 0;
 
   friend bool operator==(const ChunkHeader&, const ChunkHeader&) = default;
 };
 
-// Writes the header, the destination pages and the units into the front of `payload` (which
-// must hold at least the layout's data_offset bytes). header.num_pages/num_units/payload_bytes
-// must agree with the spans and the layout; InvalidArgument otherwise.
+// Writes the header, the destination pages and the units (empty: whole pages) into the front
+// of `payload` (which must hold at least the layout's data_offset bytes); `page_bytes` are the
+// chunk's buffers' page bytes in layer order. header.num_pages/num_units/num_buffers/
+// payload_bytes must agree with the spans and the layout; InvalidArgument otherwise.
 Status EncodeChunkPrefix(const ChunkHeader& header, std::span<const int32_t> dst_pages,
-                         std::span<const PageUnit> units, std::span<uint8_t> payload);
+                         std::span<const PageUnit> units, std::span<const uint64_t> page_bytes,
+                         std::span<uint8_t> payload);
 
-// What the receiver's pool allows.
+// What the receiver's pool allows: its layer table and, by buffer index, each buffer's page
+// bytes and length (item_len and buffer_len hold one entry per buffer of the table).
 struct ChunkLimits {
-  int32_t num_layers = 0;   // its L
-  uint64_t item_len = 0;    // bytes of one page of one buffer
-  uint64_t buffer_len = 0;  // bytes of its smallest buffer
+  LayerTable layers;
+  std::vector<uint64_t> item_len;
+  std::vector<uint64_t> buffer_len;
 };
 
 struct DecodedChunk {
@@ -135,10 +158,12 @@ struct DecodedChunk {
   PayloadLayout layout;  // units carry dst_offset, bytes and payload_offset (src_offset 0)
 };
 
-// Parses and checks a received payload: magic, version, counts within the caps, a layer range
-// inside [0, limits.num_layers), pages in [1, pages of the pool), units inside an item, and a
-// payload_bytes that equals both the layout and payload.size(). DataLoss for a payload that
-// does not describe itself consistently, OutOfRange for pages or units outside the pool.
+// Parses and checks a received payload: magic, version, reserved bytes zero, counts within the
+// caps, the pool's layer count, a layer range inside it holding num_buffers buffers here, pages
+// in [1, pages of every buffer of the chunk), units inside every such buffer's page, and a
+// payload_bytes that equals both the layout (from this pool's page bytes) and payload.size().
+// DataLoss for a payload that does not describe itself consistently, OutOfRange for layers,
+// buffers, pages or units outside the pool; each names the field and its value.
 StatusOr<DecodedChunk> DecodeChunk(std::span<const uint8_t> payload, const ChunkLimits& limits);
 
 // ---- control messages (UCX active-message headers) --------------------------------------------

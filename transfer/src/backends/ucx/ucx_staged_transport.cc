@@ -144,36 +144,37 @@ Status StagedTransport::Attach(std::span<const LocalRegion> regions,
     return InvalidArgument("ucx staging_slot_bytes is " + std::to_string(options.slot_bytes) +
                            "; give " + std::to_string(kMinSlotBytes) + " bytes to 4 GiB");
   }
-  if (regions.empty() || regions.size() % 2 != 0) {
-    return InvalidArgument("a staged pool registers 2L buffers (K of every layer, then V); got " +
-                           std::to_string(regions.size()));
+  if (regions.empty()) {
+    return InvalidArgument("a staged pool registers the layout's buffers; got none");
   }
-  uint64_t min_length = std::numeric_limits<uint64_t>::max();
+  ChunkLimits limits;
   for (size_t i = 0; i < regions.size(); ++i) {
-    if (regions[i].item_len != regions[0].item_len || regions[i].item_len == 0) {
-      return Unimplemented("staging needs one page size for every buffer, but buffer " +
-                           std::to_string(i) + " has pages of " +
-                           std::to_string(regions[i].item_len) + " bytes and buffer 0 of " +
-                           std::to_string(regions[0].item_len));
+    if (regions[i].item_len == 0) {
+      return InvalidArgument("staged buffer " + std::to_string(i) +
+                             " has pages of 0 bytes; give every buffer its page bytes");
     }
     if (regions[i].kind != regions[0].kind || regions[i].device != regions[0].device) {
       return InvalidArgument("staging needs every buffer in one memory (host, or one CUDA " +
                              std::string("device); buffer ") + std::to_string(i) + " differs");
     }
-    min_length = std::min(min_length, regions[i].length);
+    limits.item_len.push_back(regions[i].item_len);
+    limits.buffer_len.push_back(regions[i].length);
   }
-  // Chunks address buffer l (K) and num_layers + l (V) of a layer: refuse other layouts here
-  // rather than move the wrong buffers.
-  KVT_ASSIGN_OR_RETURN(LayerTable layers, LayerTable::Create(regions));
-  KVT_RETURN_IF_ERROR(layers.CheckKeyValueOrder("ucx staging"));
+  // Chunks carry the buffers of their layers in LayerTable order, each with its own page bytes.
+  KVT_ASSIGN_OR_RETURN(limits.layers, LayerTable::Create(regions));
   // Slots stay 4 KiB multiples so that every payload (and its 256-byte segments) is aligned.
   const uint64_t slot_bytes = (options.slot_bytes + 4095) / 4096 * 4096;
-  const PageUnit whole{0, 0, regions[0].item_len};
-  if (PayloadBytes(1, 1, {&whole, 1}) > slot_bytes) {
-    return InvalidArgument("ucx staging_slot_bytes " + std::to_string(slot_bytes) +
-                           " cannot hold one page of one layer's K and V (" +
-                           std::to_string(PayloadBytes(1, 1, {&whole, 1})) +
-                           " bytes with the chunk header); raise it");
+  for (int32_t l = 0; l < limits.layers.num_layers(); ++l) {
+    const std::vector<uint64_t> page_bytes =
+        ChunkPageBytes(limits.layers, limits.item_len, l, l + 1);
+    const uint64_t one_page = PayloadBytes(1, {}, page_bytes);
+    if (one_page > slot_bytes) {
+      return InvalidArgument("ucx staging_slot_bytes " + std::to_string(slot_bytes) +
+                             " cannot hold one page of transfer layer " + std::to_string(l) + " (" +
+                             std::to_string(one_page) + " bytes of its " +
+                             std::to_string(page_bytes.size()) +
+                             " buffers with the chunk header); raise it");
+    }
   }
   const size_t area = static_cast<size_t>(options.slots) * slot_bytes;
 
@@ -210,7 +211,12 @@ Status StagedTransport::Attach(std::span<const LocalRegion> regions,
 
   SlotMemory memory{send_base_, recv_base_, options.slots, slot_bytes, false};
   if (options.host_copier) {
-    copier_ = CreateHostCopier(regions, memory, options.host_copy_delay);
+    auto copier = CreateHostCopier(regions, memory, options.host_copy_delay);
+    if (!copier.ok()) {
+      FreeSlotMemory();
+      return copier.status();
+    }
+    copier_ = std::move(copier).value();
   } else {
     bool registration_failed = false;
     auto copier = CreateCudaCopier(regions[0].device, regions, memory, &registration_failed);
@@ -249,7 +255,7 @@ Status StagedTransport::Attach(std::span<const LocalRegion> regions,
                  std::strerror(errno));
   }
   local_.assign(regions.begin(), regions.end());
-  limits_ = ChunkLimits{static_cast<int32_t>(regions.size() / 2), regions[0].item_len, min_length};
+  limits_ = std::move(limits);
   send_.assign(options.slots, SendSlot{});
   recv_.assign(options.slots, RecvSlot{});
   KVT_LOG_DEBUG("ucx", "staging attached: {} copier, {} slots of {} bytes each way",
@@ -380,42 +386,39 @@ Status StagedTransport::PostPages(WriteId id, PeerId link, const PageWrite& w) {
   if (pit == peers_.end()) return NotFound("no staged UCX peer " + std::to_string(link));
   Peer& peer = pit->second;
   if (!peer.error.ok()) return peer.error;
-  if (static_cast<size_t>(w.num_layers) * 2 != local_.size() ||
-      peer.regions.size() != local_.size()) {
-    return InvalidArgument("page write over " + std::to_string(w.num_layers) +
-                           " layers, but the pools register " + std::to_string(local_.size()) +
-                           " (here) and " + std::to_string(peer.regions.size()) +
-                           " (peer) buffers; expected 2 per layer");
+  if (peer.regions.size() != local_.size()) {
+    return InvalidArgument("the peer registered " + std::to_string(peer.regions.size()) +
+                           " staged buffers and this side " + std::to_string(local_.size()) +
+                           "; both sides must register the same layout");
   }
-  uint64_t dst_len = std::numeric_limits<uint64_t>::max();
-  for (const RemoteRegion& r : peer.regions) dst_len = std::min(dst_len, r.length);
+  KVT_RETURN_IF_ERROR(limits_.layers.CheckRange(w.num_layers, w.layer_begin, w.layer_end));
+  // Pages and units against every buffer of the range, each with its own page bytes and length
+  // on both sides.
+  std::vector<PlanBuffer> buffers(local_.size());
+  for (size_t b = 0; b < local_.size(); ++b) {
+    buffers[b] = PlanBuffer{local_[b].layer, local_[b].item_len, peer.regions[b].item_len,
+                            local_[b].length, peer.regions[b].length};
+  }
   PlanSpec spec;
   spec.src_pages = w.src_pages;
   spec.dst_pages = w.dst_pages;
   spec.num_layers = w.num_layers;
   spec.layer_begin = w.layer_begin;
   spec.layer_end = w.layer_end;
-  spec.src_item_len = limits_.item_len;
-  spec.dst_item_len = peer.regions[0].item_len;
-  spec.src_buffer_len = limits_.buffer_len;
-  spec.dst_buffer_len = dst_len;
   spec.units = w.units;
+  spec.buffers = buffers;
   KVT_RETURN_IF_ERROR(ValidatePlanSpec(spec));
 
   Write write;
   write.link = link;
   write.src_pages.assign(w.src_pages.begin(), w.src_pages.end());
   write.dst_pages.assign(w.dst_pages.begin(), w.dst_pages.end());
-  if (w.units.empty()) {
-    write.units.push_back(PageUnit{0, 0, limits_.item_len});
-  } else {
-    write.units.assign(w.units.begin(), w.units.end());
-  }
+  write.units.assign(w.units.begin(), w.units.end());  // empty: whole pages
   write.num_layers = w.num_layers;
   const uint64_t slot = std::min(slot_bytes_, peer.remote.slot_bytes);
-  KVT_ASSIGN_OR_RETURN(write.plan,
-                       PlanChunks(w.layer_begin, w.layer_end,
-                                  static_cast<int64_t>(write.src_pages.size()), write.units, slot));
+  KVT_ASSIGN_OR_RETURN(write.plan, PlanChunks(w.layer_begin, w.layer_end,
+                                              static_cast<int64_t>(write.src_pages.size()),
+                                              write.units, limits_.layers, limits_.item_len, slot));
   KVT_RETURN_IF_ERROR(copier_->Gate(w.ready, write.gate).WithContext("waiting for `ready`"));
   write.status = write.plan.count() == 0 ? OkStatus() : InProgress();
   const bool queue = write.plan.count() > 0;
@@ -585,9 +588,10 @@ void StagedTransport::StartChunk(uint32_t i, WriteId id, Write& write, Peer& pee
   const uint32_t index = write.next_chunk++;
   if (write.next_chunk >= write.plan.count()) pending_.erase(id);
   const Chunk chunk = write.plan.Get(index);
-  const int32_t layers = chunk.layer_end - chunk.layer_begin;
   const int64_t pages = chunk.page_end - chunk.page_begin;
-  const PayloadLayout layout = LayoutPayload(layers, pages, write.units);
+  const std::vector<uint64_t> page_bytes =
+      ChunkPageBytes(limits_.layers, limits_.item_len, chunk.layer_begin, chunk.layer_end);
+  const PayloadLayout layout = LayoutPayload(pages, write.units, page_bytes);
   ChunkHeader header;
   header.sender = instance_;
   header.link = write.link;
@@ -599,11 +603,12 @@ void StagedTransport::StartChunk(uint32_t i, WriteId id, Write& write, Peer& pee
   header.layer_end = chunk.layer_end;
   header.num_pages = static_cast<uint32_t>(pages);
   header.num_units = static_cast<uint32_t>(write.units.size());
+  header.num_buffers = static_cast<uint32_t>(page_bytes.size());
   header.payload_bytes = layout.payload_bytes;
   const auto dst = std::span<const int32_t>(write.dst_pages).subspan(chunk.page_begin, pages);
   const auto src = std::span<const int32_t>(write.src_pages).subspan(chunk.page_begin, pages);
-  Status encoded =
-      EncodeChunkPrefix(header, dst, write.units, std::span<uint8_t>(SendPayload(i), slot_bytes_));
+  Status encoded = EncodeChunkPrefix(header, dst, write.units, page_bytes,
+                                     std::span<uint8_t>(SendPayload(i), slot_bytes_));
   if (!encoded.ok()) {
     FailWrite(id, write, encoded.WithContext(ChunkName(id, index)));
     return;
@@ -613,7 +618,6 @@ void StagedTransport::StartChunk(uint32_t i, WriteId id, Write& write, Peer& pee
     return;
   }
   CopierChunk cc;
-  cc.num_layers = write.num_layers;
   cc.layer_begin = chunk.layer_begin;
   cc.layer_end = chunk.layer_end;
   cc.pages = src;
@@ -832,7 +836,6 @@ void StagedTransport::Landed(uint32_t i) {
   }
   r.chunk = std::move(decoded).value();
   CopierChunk cc;
-  cc.num_layers = r.chunk.header.num_layers;
   cc.layer_begin = r.chunk.header.layer_begin;
   cc.layer_end = r.chunk.header.layer_end;
   cc.pages = r.chunk.dst_pages;

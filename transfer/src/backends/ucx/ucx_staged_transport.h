@@ -89,7 +89,8 @@ class StagedTransport {
   void DrainCompletions();
 
   // ---- the local pool -------------------------------------------------------------------------
-  // Allocates the slots and the copier for these 2L buffers (replacing an idle earlier pool).
+  // Allocates the slots and the copier for these buffers (a valid LayerTable; page bytes may
+  // differ between buffers), replacing an idle earlier pool.
   Status Attach(std::span<const LocalRegion> regions, const StagingOptions& options);
   // Frees them; FailedPrecondition while chunks are in flight either way.
   Status Detach();
