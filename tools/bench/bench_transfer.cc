@@ -35,6 +35,12 @@
 // (CLOCK_MONOTONIC, shared by both processes), and the parent compares the last layer's stamp
 // with the moment the decode engine saw the request done.
 //
+// Memory (--memory): kvt's own KvPool on both sides (pool), or what a serving engine brings
+// (external): one allocation per side (one cudaMalloc, or plain page-aligned host memory)
+// carved into the pool's 2L buffers at 256-byte-aligned offsets, registered through
+// TransferLayout::FromBufInfos. Fills, verification and ceilings use whichever buffer infos
+// are in use (KvMemory).
+//
 // Hand-written here (no library does it): the length-prefixed JSON framing on the socketpair
 // between parent and child, and the PeerDescriptor <-> JSON (hex) encoding.
 #include <fcntl.h>
@@ -74,6 +80,7 @@
 #include "kvt/kernels/kernels.h"
 #include "kvt/pool/kv_pool.h"
 #include "kvt/pool/page_allocator.h"
+#include "kvt/pool/pool_layout.h"
 #include "kvt/pool/pool_options.h"
 #include "kvt/transfer/backend.h"
 #include "kvt/transfer/backends.h"
@@ -109,8 +116,9 @@ struct TransferOptions {
   int heads = 8;
   int head_dim = 128;
   std::string dtype = "bf16";
-  std::string pool_bytes;  // per side; empty: 1GiB on host, two requests + a page on CUDA
-  int timeout_s = 30;      // per request, and per reply of the peer
+  std::string pool_bytes;       // per side; empty: 1GiB on host, two requests + a page on CUDA
+  std::string memory = "pool";  // "pool": kvt's KvPool; "external": the bench's own allocation
+  int timeout_s = 30;           // per request, and per reply of the peer
   uint32_t seed = 1;
   bool verify = false;
   // CUDA pools.
@@ -281,6 +289,7 @@ struct SideConfig {
   int64_t control_busy_poll_us = 0;
   int page_tokens = 0;
   int64_t pool_tokens = 0;
+  std::string memory = "pool";  // TransferOptions::memory
   int layers = 0, heads = 0, head_dim = 0;
   std::string dtype;
   int64_t contiguous_bytes = 0;  // the raw-backend ceiling's region
@@ -304,6 +313,7 @@ struct SideConfig {
             {"control_busy_poll_us", control_busy_poll_us},
             {"page_tokens", page_tokens},
             {"pool_tokens", pool_tokens},
+            {"memory", memory},
             {"layers", layers},
             {"heads", heads},
             {"head_dim", head_dim},
@@ -330,6 +340,7 @@ struct SideConfig {
       c.control_busy_poll_us = j.value("control_busy_poll_us", int64_t{0});
       c.page_tokens = j.at("page_tokens");
       c.pool_tokens = j.at("pool_tokens");
+      c.memory = j.at("memory");
       c.layers = j.at("layers");
       c.heads = j.at("heads");
       c.head_dim = j.at("head_dim");
@@ -370,10 +381,8 @@ struct SideConfig {
   }
 };
 
-// `allocator`: where the pool's buffers come from (the engine backend's, so that UCX's
-// shared-memory transports can write into them directly); null: the pool's own mmap.
-StatusOr<std::unique_ptr<pool::KvPool>> MakePool(
-    const SideConfig& c, std::shared_ptr<pool::HostAllocator> allocator = nullptr) {
+// The pool this configuration describes (also the shape of the external memory).
+StatusOr<pool::PoolOptions> PoolOptionsFor(const SideConfig& c) {
   KVT_ASSIGN_OR_RETURN(DType dtype, ParseDType(c.dtype));
   pool::PoolOptions p;
   p.size = c.pool_tokens;
@@ -386,8 +395,16 @@ StatusOr<std::unique_ptr<pool::KvPool>> MakePool(
   if (c.cuda) {
     p.memory = pool::MemoryKind::kCuda;
     p.device = c.device;
-    return pool::KvPool::Create(p);
   }
+  return p;
+}
+
+// `allocator`: where the pool's buffers come from (the engine backend's, so that UCX's
+// shared-memory transports can write into them directly); null: the pool's own mmap.
+StatusOr<std::unique_ptr<pool::KvPool>> MakePool(
+    const SideConfig& c, std::shared_ptr<pool::HostAllocator> allocator = nullptr) {
+  KVT_ASSIGN_OR_RETURN(pool::PoolOptions p, PoolOptionsFor(c));
+  if (c.cuda) return pool::KvPool::Create(p);
   p.pin_host_memory = false;  // host path only; pinning would need a CUDA device
   // A serving pool has been written long before a transfer; without this the first requests
   // would time first-touch page faults instead of copies.
@@ -395,6 +412,103 @@ StatusOr<std::unique_ptr<pool::KvPool>> MakePool(
   p.host_allocator = std::move(allocator);
   return pool::KvPool::Create(p);
 }
+
+// The K/V buffers one side moves: kvt's own KvPool (--memory pool), or memory this side
+// allocates itself and describes with TransferLayout::FromBufInfos, as a serving engine
+// registers the tensors of its own caching allocator (--memory external). Both give buffer
+// infos in the pool's order and sizes (K of every layer, then V; page p of buffer i at
+// data_ptrs[i] + p * item_lens[i]; page 0 the dummy page), so the fills, verification and
+// ceilings work on either. Owns the memory; engines made by CreateEngine must be destroyed
+// before it. Not thread-safe to construct; const access from any thread.
+class KvMemory {
+ public:
+  // `backend`: the engine's backend; host pools take their buffers from its allocator, external
+  // host memory deliberately does not (engines bring plain memory).
+  static StatusOr<std::unique_ptr<KvMemory>> Create(const SideConfig& c,
+                                                    const std::shared_ptr<Backend>& backend) {
+    auto m = std::unique_ptr<KvMemory>(new KvMemory());
+    if (c.memory == "pool") {
+      KVT_ASSIGN_OR_RETURN(m->pool_,
+                           MakePool(c, c.cuda ? nullptr : transfer::BackendHostAllocator(backend)));
+      KVT_ASSIGN_OR_RETURN(m->infos_, m->pool_->GetContiguousBufInfos());
+      m->num_pages_ = m->pool_->layout().num_pages();
+      return m;
+    }
+    if (c.memory != "external") {
+      return InvalidArgument("--memory is '" + c.memory + "'; use pool or external");
+    }
+    KVT_RETURN_IF_ERROR(m->AllocateExternal(c));
+    return m;
+  }
+
+  // Usable page ids are 1..num_pages().
+  int64_t num_pages() const { return num_pages_; }
+  const pool::ContiguousBufInfos& infos() const { return infos_; }
+
+  // An engine over these buffers: through the pool (its guards) or through the layout.
+  StatusOr<std::unique_ptr<transfer::TransferEngine>> CreateEngine(
+      const transfer::EngineOptions& e, std::shared_ptr<Backend> backend) {
+    if (pool_ != nullptr) return transfer::TransferEngine::Create(e, pool_.get(), backend);
+    return transfer::TransferEngine::Create(e, layout_, backend);
+  }
+
+ private:
+  // Between buffers of the one allocation: a gap, then the next 256-byte boundary, as a caching
+  // allocator places tensors (no buffer starts where the previous one ends or on a page).
+  static constexpr uint64_t kAlignment = 256;
+  static constexpr uint64_t kGap = 512;
+
+  KvMemory() = default;
+
+  // One allocation (one cudaMalloc, or page-aligned host memory) carved into the 2L buffers the
+  // pool would have: same lengths, same page bytes.
+  Status AllocateExternal(const SideConfig& c) {
+    KVT_ASSIGN_OR_RETURN(pool::PoolOptions p, PoolOptionsFor(c));
+    KVT_ASSIGN_OR_RETURN(pool::PoolLayout shape, pool::PoolLayout::Compute(p));
+    KVT_ASSIGN_OR_RETURN(infos_.data_lens, shape.DataLens());
+    KVT_ASSIGN_OR_RETURN(infos_.item_lens, shape.ItemLens());
+    KVT_ASSIGN_OR_RETURN(std::vector<int64_t> unit_lens, shape.UnitLens());
+    std::vector<uint64_t> offsets;
+    uint64_t end = 0;
+    for (int64_t len : infos_.data_lens) {
+      const uint64_t start =
+          offsets.empty() ? 0 : (end + kGap + kAlignment - 1) / kAlignment * kAlignment;
+      offsets.push_back(start);
+      end = start + static_cast<uint64_t>(len);
+    }
+    uint8_t* base = nullptr;
+    if (c.cuda) {
+      KVT_ASSIGN_OR_RETURN(device_, cuda::DeviceBuffer::Allocate(end, c.device));
+      BENCH_CUDA(cudaMemset(device_.data(), 0, end));  // the pool zeroes its memory too
+      base = device_.as<uint8_t>();
+    } else {
+      // Written once, as the pool prefaults its host memory: no first-touch faults in the timing.
+      KVT_ASSIGN_OR_RETURN(host_, AllocTouched(static_cast<int64_t>(end), 0));
+      base = host_.get();
+    }
+    for (uint64_t offset : offsets) {
+      infos_.data_ptrs.push_back(reinterpret_cast<uint64_t>(base + offset));
+    }
+    transfer::TransferLayout::BufInfoOptions b;
+    b.page_size = static_cast<uint32_t>(c.page_tokens);
+    b.dtype = p.dtype;
+    b.head_num = static_cast<uint32_t>(c.heads);
+    b.head_dim = static_cast<uint32_t>(c.head_dim);
+    b.device = c.cuda ? c.device : -1;
+    b.unit_lens = unit_lens;
+    KVT_ASSIGN_OR_RETURN(layout_, transfer::TransferLayout::FromBufInfos(
+                                      infos_.data_ptrs, infos_.data_lens, infos_.item_lens, b));
+    num_pages_ = shape.num_pages();
+    return OkStatus();
+  }
+
+  std::unique_ptr<pool::KvPool> pool_;  // --memory pool
+  cuda::DeviceBuffer device_;           // --memory external on CUDA: one cudaMalloc
+  HostSlab host_;                       // --memory external on the host
+  transfer::TransferLayout layout_;     // --memory external
+  pool::ContiguousBufInfos infos_;
+  int64_t num_pages_ = 0;
+};
 
 // A raw backend with the pool's 2L buffers plus one contiguous region (index 2L), registered in
 // the same order on both sides so run buffer indices mean the same thing.
@@ -426,7 +540,8 @@ struct RawSide {
   uint32_t contiguous_index = 0;
 };
 
-StatusOr<RawSide> MakeRawSide(const SideConfig& c, const pool::KvPool& pool, uint8_t fill) {
+StatusOr<RawSide> MakeRawSide(const SideConfig& c, const pool::ContiguousBufInfos& infos,
+                              uint8_t fill) {
   RawSide raw;
   KVT_ASSIGN_OR_RETURN(raw.backend, c.CreateBackend());
   // The ceiling is a put into memory the backend reaches best, as the pools' memory is.
@@ -440,7 +555,6 @@ StatusOr<RawSide> MakeRawSide(const SideConfig& c, const pool::KvPool& pool, uin
     KVT_ASSIGN_OR_RETURN(raw.contiguous, AllocTouched(c.contiguous_bytes, fill));
     contiguous = raw.contiguous.get();
   }
-  KVT_ASSIGN_OR_RETURN(pool::ContiguousBufInfos infos, pool.GetContiguousBufInfos());
   std::vector<transfer::LocalRegion> regions;
   for (size_t i = 0; i < infos.data_ptrs.size(); ++i) {
     regions.push_back({infos.data_ptrs[i], static_cast<uint64_t>(infos.data_lens[i]),
@@ -569,11 +683,10 @@ class PrefillPeer {
   Status Setup() {
     if (config_.cuda) BENCH_CUDA(cudaSetDevice(config_.device));
     KVT_ASSIGN_OR_RETURN(std::shared_ptr<Backend> backend, config_.CreateBackend());
-    KVT_ASSIGN_OR_RETURN(
-        pool_, MakePool(config_, config_.cuda ? nullptr : transfer::BackendHostAllocator(backend)));
-    KVT_ASSIGN_OR_RETURN(infos_, pool_->GetContiguousBufInfos());
+    KVT_ASSIGN_OR_RETURN(memory_, KvMemory::Create(config_, backend));
+    infos_ = memory_->infos();
     row_bytes_ = config_.RowBytes();
-    num_pages_ = pool_->layout().num_pages();
+    num_pages_ = memory_->num_pages();
     permutation_.resize(static_cast<size_t>(num_pages_));
     std::iota(permutation_.begin(), permutation_.end(), 1);
     rng_.seed(config_.seed * 7919u + 17u);
@@ -581,7 +694,7 @@ class PrefillPeer {
     if (config_.cuda) {
       KVT_RETURN_IF_ERROR(SetupGpu());
     } else {
-      KVT_ASSIGN_OR_RETURN(raw_, MakeRawSide(config_, *pool_, 0x5A));
+      KVT_ASSIGN_OR_RETURN(raw_, MakeRawSide(config_, infos_, 0x5A));
     }
 
     transfer::EngineOptions e;
@@ -598,7 +711,7 @@ class PrefillPeer {
     e.on_transfer_request = [this](const std::string& room, size_t num_pages) {
       OnTransferRequest(room, num_pages);
     };
-    KVT_ASSIGN_OR_RETURN(engine_, transfer::TransferEngine::Create(e, pool_.get(), backend));
+    KVT_ASSIGN_OR_RETURN(engine_, memory_->CreateEngine(e, backend));
     if (config_.cuda) forward_thread_ = std::thread([this] { ForwardLoop(); });
     return OkStatus();
   }
@@ -1017,7 +1130,7 @@ class PrefillPeer {
   const int fd_;
   SideConfig config_;
   // Destroyed in reverse order: engine and raw backend before the memory they registered.
-  std::unique_ptr<pool::KvPool> pool_;
+  std::unique_ptr<KvMemory> memory_;
   pool::ContiguousBufInfos infos_;
   RawSide raw_;
   // CUDA pools: tables and streams for the pattern fills and the forward, the decode pool's IPC
@@ -1176,11 +1289,9 @@ class DecodeSide {
     auto d = std::unique_ptr<DecodeSide>(new DecodeSide(c));
     if (c.cuda) BENCH_CUDA(cudaSetDevice(c.device));
     KVT_ASSIGN_OR_RETURN(std::shared_ptr<Backend> backend, c.CreateBackend());
-    KVT_ASSIGN_OR_RETURN(d->pool_,
-                         MakePool(c, c.cuda ? nullptr : transfer::BackendHostAllocator(backend)));
-    KVT_ASSIGN_OR_RETURN(d->infos_, d->pool_->GetContiguousBufInfos());
-    KVT_ASSIGN_OR_RETURN(d->allocator_,
-                         pool::PageAllocator::Create(d->pool_->layout().num_pages()));
+    KVT_ASSIGN_OR_RETURN(d->memory_, KvMemory::Create(c, backend));
+    d->infos_ = d->memory_->infos();
+    KVT_ASSIGN_OR_RETURN(d->allocator_, pool::PageAllocator::Create(d->memory_->num_pages()));
     // Random pages: take all, shuffle, give back in that order; the allocator is LIFO, so later
     // allocations come out in the shuffled order.
     KVT_ASSIGN_OR_RETURN(std::vector<int32_t> all,
@@ -1193,7 +1304,7 @@ class DecodeSide {
       KVT_RETURN_IF_ERROR(UploadTable(d->d_bases_, d->infos_.data_ptrs, c.device));
       KVT_ASSIGN_OR_RETURN(d->stream_, cuda::Stream::Create(c.device));
     } else {
-      KVT_ASSIGN_OR_RETURN(d->raw_, MakeRawSide(c, *d->pool_, 0xC3));
+      KVT_ASSIGN_OR_RETURN(d->raw_, MakeRawSide(c, d->infos_, 0xC3));
       KVT_ASSIGN_OR_RETURN(PeerDescriptor peer, DescriptorFromJson(peer_raw));
       (void)peer;  // the child connects to us (it writes); ours goes to it in "connect"
     }
@@ -1203,7 +1314,7 @@ class DecodeSide {
     e.prefill = false;
     e.default_deadline = std::chrono::seconds(c.timeout_s);
     e.control_busy_poll = std::chrono::microseconds(c.control_busy_poll_us);
-    KVT_ASSIGN_OR_RETURN(d->engine_, transfer::TransferEngine::Create(e, d->pool_.get(), backend));
+    KVT_ASSIGN_OR_RETURN(d->engine_, d->memory_->CreateEngine(e, backend));
     KVT_ASSIGN_OR_RETURN(d->peer_, d->engine_->ConnectPeer("127.0.0.1", port));
     return d;
   }
@@ -1329,7 +1440,7 @@ class DecodeSide {
   }
 
   const SideConfig config_;
-  std::unique_ptr<pool::KvPool> pool_;
+  std::unique_ptr<KvMemory> memory_;
   pool::ContiguousBufInfos infos_;
   std::unique_ptr<pool::PageAllocator> allocator_;
   RawSide raw_;
@@ -1358,6 +1469,7 @@ SideConfig BaseSideConfig(const TransferOptions& o, int pt, int64_t pool_tokens,
   c.control_busy_poll_us = o.control_busy_poll_us;
   c.page_tokens = pt;
   c.pool_tokens = pool_tokens;
+  c.memory = o.memory;
   c.layers = o.layers;
   c.heads = o.heads;
   c.head_dim = o.head_dim;
@@ -2104,6 +2216,7 @@ json CommonConfig(const TransferOptions& o, DType dtype, int64_t row_bytes, int6
                   int64_t tokens) {
   const char* env_tls = std::getenv("UCX_TLS");
   return json{{"backend", o.backend},
+              {"memory", o.memory},
               {"ucx_tls", o.ucx_tls.empty() ? "(UCX default)" : o.ucx_tls},
               {"env_UCX_TLS", env_tls ? env_tls : ""},
               {"layers", o.layers},
@@ -2163,6 +2276,7 @@ Status RunTransferGpu(const TransferOptions& o, int device) {
   json doc;
   doc["tool"] = "kvt-bench transfer";
   doc["mode"] = ipc ? "cuda_ipc" : "ucx_staged";
+  doc["memory"] = o.memory;
   doc["date_utc"] = NowUtc();
   doc["command"] = CommandLine();
   doc["machine"] = DescribeMachine(true);
@@ -2171,7 +2285,6 @@ Status RunTransferGpu(const TransferOptions& o, int device) {
   doc["config"] = CommonConfig(o, dtype, row_bytes, per_token_bytes, tokens);
   doc["config"].update(
       json{{"device", fmt::format("cuda:{}", device)},
-           {"memory", "cuda"},
            {"ucx_cuda_mode", o.ucx_cuda_mode},
            {"ucx_staging_slots", o.ucx_staging_slots},
            {"ucx_staging_slot_bytes", o.ucx_staging_slot_bytes},
@@ -2203,11 +2316,11 @@ Status RunTransferGpu(const TransferOptions& o, int device) {
       "between consecutive layers' stamps where the poller saw both layers pending before they "
       "completed (it starts once the whole forward is enqueued). GB/s = 1e9 bytes/s.";
   fmt::print(
-      "kvt-bench transfer ({}), backend {}{} on {} (cuda:{}), {} buffers x {} B per token ({} KiB "
-      "per token), {} tokens = {:.0f} MiB per request, {} iters\n",
+      "kvt-bench transfer ({}), backend {}{} on {} (cuda:{}), memory {}, {} buffers x {} B per "
+      "token ({} KiB per token), {} tokens = {:.0f} MiB per request, {} iters\n",
       doc["date_utc"].get<std::string>(), o.backend,
       ipc ? "" : " (CUDA mode " + o.ucx_cuda_mode + ")",
-      doc["machine"].value("gpu", std::string("?")), device, 2 * o.layers, row_bytes,
+      doc["machine"].value("gpu", std::string("?")), device, o.memory, 2 * o.layers, row_bytes,
       per_token_bytes / 1024, tokens, static_cast<double>(tokens * per_token_bytes) / (1 << 20),
       o.iters);
 
@@ -2324,6 +2437,12 @@ Status RunTransfer(const TransferOptions& options) {
   if (options.backend != "ucx" && options.backend != "loopback" && options.backend != "cuda_ipc") {
     return InvalidArgument("--backend is '" + options.backend + "'; use ucx, loopback or cuda_ipc");
   }
+  if (options.memory != "pool" && options.memory != "external") {
+    return InvalidArgument("--memory is '" + options.memory +
+                           "'; use pool (kvt's KvPool) or external (one allocation per side "
+                           "carved into the K/V buffers, registered through "
+                           "TransferLayout::FromBufInfos)");
+  }
   if (options.backend != "ucx" && !options.ucx_tls.empty()) {
     return InvalidArgument("--ucx-tls only applies to --backend ucx");
   }
@@ -2360,6 +2479,7 @@ Status RunTransfer(const TransferOptions& options) {
 
   json doc;
   doc["tool"] = "kvt-bench transfer";
+  doc["memory"] = o.memory;
   doc["date_utc"] = NowUtc();
   doc["command"] = CommandLine();
   doc["machine"] = DescribeMachine(false);
@@ -2377,12 +2497,12 @@ Status RunTransfer(const TransferOptions& options) {
       "this size as one write (no engine, no control plane). memcpy: one thread, contiguous, "
       "median. GB/s = 1e9 bytes/s.";
   fmt::print(
-      "kvt-bench transfer ({}), backend {}{}, {} buffers x {} B per token ({} KiB per token), "
-      "{} tokens = {:.0f} MiB per request, {} iters\n",
+      "kvt-bench transfer ({}), backend {}{}, memory {}, {} buffers x {} B per token ({} KiB per "
+      "token), {} tokens = {:.0f} MiB per request, {} iters\n",
       doc["date_utc"].get<std::string>(), o.backend,
       o.backend == "ucx" ? " tls " + (o.ucx_tls.empty() ? std::string("(UCX default)") : o.ucx_tls)
                          : "",
-      2 * o.layers, row_bytes, per_token_bytes / 1024, o.tokens,
+      o.memory, 2 * o.layers, row_bytes, per_token_bytes / 1024, o.tokens,
       static_cast<double>(o.tokens * per_token_bytes) / (1 << 20), o.iters);
 
   json results = json::array();
@@ -2492,6 +2612,15 @@ void AddTransferCommand(CLI::App& app, int& exit_code) {
   cmd->add_option("--pool", opts->pool_bytes,
                   "pool bytes per side, at least two requests (default 1GiB on host pools, two "
                   "requests + a page on CUDA pools)");
+  cmd->add_option("--memory", opts->memory,
+                  "where each side's K/V buffers come from: pool (kvt's KvPool; host pools take "
+                  "their memory from the backend's allocator, so UCX's shared-memory transports "
+                  "write into it directly) or external (what a serving engine brings: one "
+                  "allocation per side carved into the 2 x layers buffers of the pool's sizes at "
+                  "256-byte-aligned offsets with gaps, one cudaMalloc on CUDA, plain page-aligned "
+                  "host memory on the host, not the backend's allocator; registered through "
+                  "TransferLayout::FromBufInfos)")
+      ->capture_default_str();
   cmd->add_option("--timeout", opts->timeout_s, "seconds per request and per peer reply")
       ->capture_default_str();
   cmd->add_option("--seed", opts->seed, "random page choice")->capture_default_str();

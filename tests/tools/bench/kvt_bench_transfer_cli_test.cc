@@ -1,0 +1,85 @@
+// Runs the built `kvt-bench transfer` on tiny host pools over UCX (two processes): with
+// --memory external (each side's K/V buffers carved out of one plain allocation, registered
+// through TransferLayout::FromBufInfos) and with kvt's own pool, every page size verifies and the
+// JSON says which memory was used; a bad --memory is refused naming the value.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "kvt/testing/run_tool.h"
+#include "tool_util.h"
+
+namespace {
+
+using kvt::testing::RunTool;
+using kvt::testing::ToolResult;
+using ::testing::HasSubstr;
+
+constexpr char kTiny[] =
+    "transfer --backend ucx --layers 2 --heads 1 --head-dim 32 --page-tokens 1,16 --tokens 64 "
+    "--iters 2 --warmup 1 --latency-requests 5 --inflight 2 --pipelined-requests 4 --pool 1MiB "
+    "--verify --timeout 20";
+
+// A binary beside this test (binaries copied into one folder), else where a build folder keeps
+// it, else the path baked in.
+const std::string& Bench() {
+  static const std::string path = [] {
+    auto found = kvt::tools::FindTool("kvt-bench",
+                                      {"kvt-bench", "../../tools/bench/kvt-bench", KVT_BENCH_PATH});
+    return found.ok() ? *found : std::string(KVT_BENCH_PATH);
+  }();
+  return path;
+}
+
+nlohmann::json ReadJson(const std::string& path) {
+  std::ifstream in(path);
+  return nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+}
+
+class KvtBenchTransferTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    dir_ = ::testing::TempDir() + "/kvt-bench-transfer-cli-" + std::to_string(getpid());
+    std::filesystem::create_directories(dir_);
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+  std::string dir_;
+};
+
+TEST_P(KvtBenchTransferTest, TinyHostRunVerifiesAndNamesItsMemory) {
+  const std::string memory = GetParam();
+  const std::string json = dir_ + "/transfer-" + memory + ".json";
+  const ToolResult r =
+      RunTool(Bench(), std::string(kTiny) + " --memory " + memory + " --json " + json);
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_THAT(r.out, HasSubstr("memory " + memory));
+  const nlohmann::json j = ReadJson(json);
+  ASSERT_FALSE(j.is_discarded()) << "no JSON at " << json;
+  EXPECT_EQ(j.value("memory", ""), memory);
+  EXPECT_EQ(j["config"].value("memory", ""), memory);
+  ASSERT_EQ(j["results"].size(), 2u) << j["results"].dump();
+  for (const nlohmann::json& result : j["results"]) {
+    EXPECT_FALSE(result.contains("error")) << result.dump();
+    EXPECT_EQ(result.value("verified_mismatches", -1), 0) << result.dump();
+    EXPECT_GT(result["kvt"].value("gbps_p50_request", 0.0), 0.0) << result.dump();
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Memory, KvtBenchTransferTest, ::testing::Values("external", "pool"),
+                         [](const ::testing::TestParamInfo<std::string>& info) {
+                           return info.param;
+                         });
+
+TEST(KvtBenchTransferFlags, BadMemoryIsRefusedNamingTheValue) {
+  const ToolResult r = RunTool(Bench(), "transfer --memory torch");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_THAT(r.err, HasSubstr("--memory is 'torch'; use pool"));
+  EXPECT_THAT(r.err, HasSubstr("external"));
+}
+
+}  // namespace
