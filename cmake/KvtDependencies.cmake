@@ -5,6 +5,13 @@ set(KVT_CUDA_TOOLKIT_MIN_VERSION 12.0)
 set(KVT_BOOST_MIN_VERSION 1.74)
 find_package(Threads REQUIRED)
 find_package(CUDAToolkit ${KVT_CUDA_TOOLKIT_MIN_VERSION} REQUIRED)
+# The CUDA runtime kvt::kernels links: static into static libraries (one copy in the program),
+# shared for shared libraries (several shared objects must not each carry their own copy).
+if(BUILD_SHARED_LIBS)
+  set(KVT_CUDA_RUNTIME CUDA::cudart)
+else()
+  set(KVT_CUDA_RUNTIME CUDA::cudart_static)
+endif()
 
 # NCCL ships inside the CUDA toolkit's folders on our machines; a system NCCL works too.
 find_path(KVT_NCCL_INCLUDE_DIR nccl.h

@@ -1,8 +1,8 @@
-# kvt_library(<name> SOURCES ... DEPS ...): a static library kvt_<name>, alias kvt::<name>,
-# public headers in <dir>/include.
+# kvt_library(<name> SOURCES ... DEPS ...): a library kvt_<name> (static, or shared with
+# BUILD_SHARED_LIBS=ON), alias kvt::<name>, public headers in <dir>/include.
 function(kvt_library name)
   cmake_parse_arguments(ARG "" "" "SOURCES;PUBLIC_DEPS;PRIVATE_DEPS" ${ARGN})
-  add_library(kvt_${name} STATIC ${ARG_SOURCES})
+  add_library(kvt_${name} ${ARG_SOURCES})
   add_library(kvt::${name} ALIAS kvt_${name})
   set_target_properties(kvt_${name} PROPERTIES EXPORT_NAME ${name})
   target_include_directories(kvt_${name}
