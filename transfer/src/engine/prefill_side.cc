@@ -274,10 +274,13 @@ void PrefillSide::Shutdown() {
   if (ctx_.worker) ctx_.worker->Drain();
   // Every write is quiesced and no request is acted on any more: say so to every peer, which
   // may then reuse the pages of every room of the session (even one whose request is still on
-  // the way).
+  // the way). Rooms that ended on other threads just before have their TransferDones sent
+  // first (bounded: sending only queues a frame).
   std::vector<ConnectionId> conns;
   {
     MutexLock lock(ctx_.mu);
+    const Clock::time_point until = Clock::now() + std::chrono::seconds(2);
+    while (pending_dones_ > 0 && Clock::now() < until) dones_cv_.WaitUntil(ctx_.mu, until);
     for (const auto& [conn, session] : sessions_) conns.push_back(conn);
   }
   v1::Envelope goodbye;
@@ -744,7 +747,13 @@ void PrefillSide::QueueDoneLocked(const PrefillRoom& room, AfterUnlock& after) {
     for (const std::string& bytes : room.aux) d->add_aux(bytes);
   }
   const ConnectionId conn = room.conn;
-  after.messages.push_back([this, conn, done] { SendTo(conn, done); });
+  ++pending_dones_;
+  after.messages.push_back([this, conn, done] {
+    SendTo(conn, done);
+    MutexLock lock(ctx_.mu);
+    --pending_dones_;
+    dones_cv_.NotifyAll();
+  });
 }
 
 void PrefillSide::FinishLocked(PrefillRoom& room) {

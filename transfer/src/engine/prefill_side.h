@@ -150,6 +150,11 @@ class PrefillSide final : public SideWithTable<PrefillRoom>, public control::Con
   // steady state).
   std::vector<std::vector<CopyRun>> spare_runs_ KVT_GUARDED_BY(ctx_.mu);
   Clock::time_point last_sweep_ KVT_GUARDED_BY(ctx_.mu) = Clock::now();
+  // TransferDones decided under the lock but not yet handed to their connection (they are sent
+  // after it is released): Shutdown waits for them, so that its Goodbye never overtakes the
+  // TransferDone of a room that ended on another thread.
+  int pending_dones_ KVT_GUARDED_BY(ctx_.mu) = 0;
+  CondVar dones_cv_;
 };
 
 }  // namespace kvt::transfer::engine
