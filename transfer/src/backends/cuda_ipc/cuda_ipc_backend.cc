@@ -440,6 +440,17 @@ class CudaIpcBackend final : public Backend {
       auto index = allocation_index.find(alloc->base);
       if (index == allocation_index.end()) {
         KVT_ASSIGN_OR_RETURN(cuda_ipc::IpcHandleBytes handle, ExportAllocation(*alloc, which));
+        // A peer that maps an allocation of other than whole 2 MiB granules writes small
+        // scattered pages into it several times slower (docs/performance.md, "External
+        // memory"); caching allocators (PyTorch's) hand out whole granules, kvt's pool too.
+        constexpr uint64_t kGranule = uint64_t{2} << 20;
+        if (alloc->bytes % kGranule != 0) {
+          KVT_LOG_WARN("cuda_ipc",
+                       "{} lies in a CUDA allocation of {} bytes, not a multiple of 2 MiB: peers "
+                       "write into it through CUDA IPC several times slower; allocate whole "
+                       "2 MiB granules (round the cudaMalloc size up)",
+                       which, alloc->bytes);
+        }
         index = allocation_index.emplace(alloc->base, static_cast<uint32_t>(exported.size())).first;
         RegionKey key;
         key.allocation = index->second;
