@@ -14,25 +14,16 @@
 #include "kvt/testing/gpu.h"
 #include "kvt/transfer/engine.h"
 #include "kvt/transfer/layout.h"
+#include "layout_test_util.h"
 
 namespace kvt::transfer {
 namespace {
 
 using namespace std::chrono_literals;
+using testing::GroupSpec;
+using testing::PatternByte;
 
-struct GroupSpec {
-  KvShape shape;
-  uint32_t layers, heads, head_dim;
-};
 
-uint8_t PatternByte(uint64_t seed, size_t buffer, size_t position, uint64_t offset) {
-  uint64_t x = seed * 0x9E3779B97F4A7C15ull ^ (buffer + 1) * 0xC2B2AE3D27D4EB4Full ^
-               (position + 1) * 0x165667B19E3779F9ull ^ (offset + 1) * 0x27D4EB2F165667C5ull;
-  x ^= x >> 29;
-  x *= 0xBF58476D1CE4E5B9ull;
-  x ^= x >> 32;
-  return static_cast<uint8_t>(x);
-}
 
 // One cudaMalloc holding every buffer of the layout at 256-byte aligned offsets with gaps.
 class CarvedMemory {

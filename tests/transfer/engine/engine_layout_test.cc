@@ -14,11 +14,14 @@
 #include "engine_test_util.h"
 #include "kvt/transfer/engine.h"
 #include "kvt/transfer/layout.h"
+#include "layout_test_util.h"
 
 namespace kvt::transfer {
 namespace {
 
 using namespace std::chrono_literals;
+using testing::GroupSpec;
+using testing::PatternByte;
 using ::testing::HasSubstr;
 
 // Host memory from malloc or from an anonymous mmap, freed at the end of the test.
@@ -54,13 +57,6 @@ class HostBlock {
   void* ptr_ = nullptr;
 };
 
-// A model's description for the tests: groups of (shape, layers, heads, head_dim), bf16.
-struct GroupSpec {
-  KvShape shape = KvShape::kKeyValue;
-  uint32_t layers = 2;
-  uint32_t heads = 2;
-  uint32_t head_dim = 16;
-};
 
 // An engine's memory: one block per buffer (so buffers never overlap), the layout over them.
 class EngineMemory {
@@ -98,14 +94,6 @@ class EngineMemory {
   std::vector<std::unique_ptr<HostBlock>> aux_blocks;
 };
 
-uint8_t PatternByte(uint64_t seed, size_t buffer, size_t position, uint64_t offset) {
-  uint64_t x = seed * 0x9E3779B97F4A7C15ull ^ (buffer + 1) * 0xC2B2AE3D27D4EB4Full ^
-               (position + 1) * 0x165667B19E3779F9ull ^ (offset + 1) * 0x27D4EB2F165667C5ull;
-  x ^= x >> 29;
-  x *= 0xBF58476D1CE4E5B9ull;
-  x ^= x >> 32;
-  return static_cast<uint8_t>(x);
-}
 
 // Writes the pattern of request `seed` into `pages` of the buffers of layers [first, last).
 void FillPages(const EngineMemory& m, uint64_t seed, const std::vector<int32_t>& pages,

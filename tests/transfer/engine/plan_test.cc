@@ -127,6 +127,58 @@ TEST(PlanTest, RefusesBadInput) {
   EXPECT_EQ(BuildPlan(unit).status().code(), StatusCode::kInvalidArgument);
 }
 
+// Layouts of several groups: each buffer's own layer and page bytes; runs layer by layer, the
+// buffers of one layer in index order.
+TEST(PlanTest, BuffersOfMixedLayersAndPageBytes) {
+  // Layers 0 1 0 1 (a K/V target of 2 layers, 100-byte pages), then a latent layer 2 (40 bytes)
+  // and a K/V draft layer 3 (64 bytes).
+  const std::vector<PlanBuffer> buffers = {
+      {0, 100, 100, 1600, 1600}, {1, 100, 100, 1600, 1600}, {0, 100, 100, 1600, 1600},
+      {1, 100, 100, 1600, 1600}, {2, 40, 40, 400, 800},     {3, 64, 64, 1024, 1024},
+      {3, 64, 64, 1024, 1024}};
+  std::vector<int32_t> src = {1, 2, 9};
+  std::vector<int32_t> dst = {3, 4, 5};
+  PlanSpec spec;
+  spec.src_pages = src;
+  spec.dst_pages = dst;
+  spec.num_layers = 4;
+  spec.layer_begin = 1;
+  spec.layer_end = 4;
+  spec.buffers = buffers;
+  auto plan = BuildPlan(spec);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  // Layer 1: buffers 1, 3; layer 2: buffer 4; layer 3: buffers 5, 6. Pages 1,2 -> 3,4 coalesce.
+  std::vector<uint32_t> order;
+  for (const CopyRun& r : plan->runs) order.push_back(r.buffer);
+  EXPECT_EQ(order, (std::vector<uint32_t>{1, 1, 3, 3, 4, 4, 5, 5, 6, 6}));
+  EXPECT_EQ(plan->Layers(2, 3).size(), 2u);
+  EXPECT_EQ(plan->runs[4], (CopyRun{4, 40, 120, 80}));
+  EXPECT_EQ(plan->runs[5], (CopyRun{4, 360, 200, 40}));
+  const uint64_t bytes = 3 * (100 + 100 + 40 + 64 + 64);
+  EXPECT_EQ(plan->total_bytes, bytes);
+  EXPECT_EQ(PlanBytes(spec), bytes);
+  // The latent buffer holds the fewest pages of the layers planned (400 / 40 = 10): page 9 fits,
+  // page 10 does not.
+  std::vector<int32_t> past = {1, 2, 10};
+  spec.src_pages = past;
+  auto refused = BuildPlan(spec);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kOutOfRange);
+  EXPECT_NE(refused.status().message().find("source page 10 at position 2 is outside [1, 10)"),
+            std::string::npos)
+      << refused.status();
+  // Whole pages of different sizes on the two sides are refused naming the buffer.
+  std::vector<PlanBuffer> uneven = buffers;
+  uneven[5].dst_item_len = 32;
+  spec.src_pages = src;
+  spec.buffers = uneven;
+  auto mismatch = BuildPlan(spec);
+  ASSERT_FALSE(mismatch.ok());
+  EXPECT_NE(mismatch.status().message().find("buffer 5 has source items of 64 bytes"),
+            std::string::npos)
+      << mismatch.status();
+}
+
 TEST(PlanTest, EmptyRequestHasNoRuns) {
   std::vector<int32_t> none;
   auto plan = BuildPlan(Spec(none, none));
