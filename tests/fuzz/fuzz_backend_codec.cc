@@ -5,10 +5,13 @@
 // on.
 //
 // Input: byte 0 picks the decoder (modulo the count below); the rest is what it decodes.
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <span>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 #include "backends/common/host_identity.h"
 #include "backends/common/layer_table.h"
@@ -42,19 +45,6 @@ enum Decoder : uint8_t {
   kUcxPackedKey,
   kDecoderCount,
 };
-
-void DecodeNcclChunkHeader(std::span<const uint8_t> bytes) {
-  constexpr uint64_t kCapacity = 1 << 20;
-  StatusOr<nccl::ChunkHeader> header =
-      nccl::DecodeChunkHeader(bytes, /*expected_step=*/1, kCapacity);
-  if (!header.ok()) return;
-  KVT_FUZZ_CHECK(nccl::HeaderPayloadBytes(*header) <= kCapacity);
-  nccl::ReceiverLayout layout;
-  layout.num_layers = kLayers;
-  layout.item_len = fuzz::kLocalItemLen;
-  layout.buffer_bytes.assign(2 * kLayers, kPages * fuzz::kLocalItemLen);
-  (void)nccl::CheckChunkFits(*header, layout);
-}
 
 // The staged receiver's pool: K/V of layers 0..3 (buffers 0..7) and a latent group of layers
 // 4 and 5 with 256-byte pages (buffers 8, 9), every buffer kPages pages.
@@ -93,6 +83,60 @@ void DecodeUcxChunk(std::span<const uint8_t> bytes) {
     KVT_FUZZ_CHECK(end <= bytes.size());
   }
   KVT_FUZZ_CHECK(h.payload_bytes == bytes.size());
+}
+
+// The nccl receiver's pool: the staged receiver's (UcxLimits), K/V of layers 0..3 and a latent
+// group of layers 4 and 5 with 256-byte pages.
+nccl::ReceiverLayout NcclLayout() {
+  ucx_staging::ChunkLimits limits = UcxLimits();
+  nccl::ReceiverLayout layout;
+  layout.layers = std::move(limits.layers);
+  layout.item_len = std::move(limits.item_len);
+  layout.buffer_len = std::move(limits.buffer_len);
+  return layout;
+}
+
+void DecodeNcclChunkHeader(std::span<const uint8_t> bytes) {
+  constexpr uint64_t kCapacity = 1 << 20;
+  static const nccl::ReceiverLayout layout = NcclLayout();
+  StatusOr<nccl::ChunkHeader> header =
+      nccl::DecodeChunkHeader(bytes, /*expected_step=*/1, kCapacity);
+  if (!header.ok()) return;
+  KVT_FUZZ_CHECK(header->payload_bytes <= kCapacity);
+  if (header->kind != nccl::HeaderKind::kChunk) return;
+  KVT_FUZZ_CHECK(header->whole_pages == header->units.empty());
+  if (!nccl::CheckChunkFits(*header, layout).ok()) return;
+  // What the receiver then unpacks must lie inside the payload it received (exactly filling
+  // it) and inside every buffer of its pool.
+  const nccl::ChunkHeader& h = *header;
+  KVT_FUZZ_CHECK(h.layer_begin >= 0 && h.layer_begin < h.layer_end &&
+                 h.layer_end <= layout.layers.num_layers());
+  const std::span<const uint32_t> buffers = layout.layers.Buffers(h.layer_begin, h.layer_end);
+  KVT_FUZZ_CHECK(buffers.size() == h.num_buffers);
+  const std::vector<uint64_t> page_bytes =
+      nccl::ChunkPageBytes(layout.layers, layout.item_len, h.layer_begin, h.layer_end);
+  const std::vector<uint64_t> bases(page_bytes.size(), 0);
+  std::vector<uint8_t> payload(h.payload_bytes);
+  uint64_t end = 0;
+  for (const kernels::PackArgs& args :
+       nccl::ChunkStagingArgs(bases.data(), page_bytes, h.dst_pages.data(),
+                              static_cast<int64_t>(h.dst_pages.size()), h.units, payload.data())) {
+    KVT_FUZZ_CHECK(args.offset >= 0 && args.bytes > 0 &&
+                   args.offset + args.bytes <= args.page_stride);
+    end = std::max(
+        end, static_cast<uint64_t>(static_cast<uint8_t*>(args.staging) - payload.data()) +
+                 static_cast<uint64_t>(args.num_buffers) * static_cast<uint64_t>(args.num_pages) *
+                     static_cast<uint64_t>(args.bytes));
+    for (int32_t i = 0; i < args.num_buffers; ++i) {
+      const uint32_t b = buffers[static_cast<size_t>(args.bases - bases.data()) + i];
+      for (int32_t page : h.dst_pages) {
+        KVT_FUZZ_CHECK(page >= 0 && static_cast<uint64_t>(page) * layout.item_len[b] +
+                                            static_cast<uint64_t>(args.offset + args.bytes) <=
+                                        layout.buffer_len[b]);
+      }
+    }
+  }
+  KVT_FUZZ_CHECK(end == h.payload_bytes);
 }
 
 }  // namespace

@@ -238,22 +238,32 @@ void WriteBackendCodecs() {
   token.idle_tick_ms = 50;
   token.nonce = 0xabc;
   write(3, "nccl_token", nccl::EncodeToken(token));
-  nccl::ChunkHeader header;
-  header.kind = nccl::HeaderKind::kChunk;
-  header.step = 1;
-  header.write_id = 5;
-  header.chunk_count = 1;
-  header.num_layers = 4;
-  header.layer_begin = 0;
-  header.layer_end = 1;
-  header.units = {{.offset = 0, .bytes = 256}};
-  header.dst_pages = {1, 2};
-  header.payload_bytes = nccl::HeaderPayloadBytes(header);
-  std::vector<uint8_t> header_bytes(nccl::kHeaderBytes);
-  nccl::EncodeChunkHeader(header, header_bytes);
-  // The header's zero tail is left out: libFuzzer keeps inputs short, the decoder sees a short
-  // buffer, and the mutator has to grow it back.
-  write(4, "nccl_chunk_header", Bytes(header_bytes).substr(0, 256));
+  // nccl chunk headers for fuzz_backend_codec's receiving pool (K/V of layers 0..3, latent
+  // layers 4 and 5 with 256-byte pages): one unit of layer 0's K and V, and whole pages of the
+  // latent layers [4, 6).
+  auto write_header = [&](const char* name, int32_t begin, int32_t end,
+                          std::vector<nccl::UnitSpan> units, uint64_t payload_bytes) {
+    nccl::ChunkHeader header;
+    header.kind = nccl::HeaderKind::kChunk;
+    header.step = 1;
+    header.write_id = 5;
+    header.chunk_count = 1;
+    header.num_layers = 6;
+    header.layer_begin = begin;
+    header.layer_end = end;
+    header.num_buffers = 2;
+    header.whole_pages = units.empty();
+    header.units = std::move(units);
+    header.dst_pages = {1, 2};
+    header.payload_bytes = payload_bytes;
+    std::vector<uint8_t> header_bytes(nccl::kHeaderBytes);
+    nccl::EncodeChunkHeader(header, header_bytes);
+    // The header's zero tail is left out: libFuzzer keeps inputs short, the decoder sees a short
+    // buffer, and the mutator has to grow it back.
+    write(4, name, Bytes(header_bytes).substr(0, 256));
+  };
+  write_header("nccl_chunk_header", 0, 1, {{.offset = 0, .bytes = 256}}, 256 * 2 * 2);
+  write_header("nccl_chunk_header_whole_latent", 4, 6, {}, (256 + 256) * 2);
   std::vector<uint8_t> ack_bytes(nccl::kAckBytes);
   nccl::EncodeAck({.step = 1, .code = StatusCode::kDataLoss, .write_id = 5, .message = "bad"},
                   ack_bytes);

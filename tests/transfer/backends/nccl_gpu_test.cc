@@ -23,6 +23,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <numeric>
 #include <random>
 #include <span>
@@ -114,9 +115,9 @@ using testing::Channel;
 // commands ("verify" + image, "disconnect", "exit").
 class Child : public testing::ChildProcess {
  public:
-  Status Start() {
-    return ChildProcess::Start(kChildEnv, "NcclChild.DISABLED_Decode",
-                               "," + std::to_string(kChildDevice));
+  // `test`: the hidden child test whose pool the child registers.
+  Status Start(const char* test = "NcclChild.DISABLED_Decode") {
+    return ChildProcess::Start(kChildEnv, test, "," + std::to_string(kChildDevice));
   }
 
   StatusOr<PeerDescriptor> Hello() {
@@ -145,20 +146,45 @@ class Child : public testing::ChildProcess {
   StatusOr<int> Stop() { return ChildProcess::Stop(std::chrono::seconds(60)); }
 };
 
-// The hidden child: runs only when started by Child::Start.
-TEST(NcclChild, DISABLED_Decode) {
-  const char* spec = std::getenv(kChildEnv);
-  if (spec == nullptr) GTEST_SKIP() << "runs only as the child of the two-process tests";
-  int in = -1, out = -1, device = -1;
-  ASSERT_EQ(std::sscanf(spec, "%d,%d,%d", &in, &out, &device), 3);
-  Channel channel(in, out);
-  KVT_ASSERT_OK(cuda::ToStatus(cudaSetDevice(device), "cudaSetDevice"));
-  GpuPool pool;
-  KVT_ASSERT_OK(pool.Init(device));
-  KVT_ASSERT_OK(pool.Upload(std::vector<uint8_t>(GpuPool::bytes(), kPoison)));
+// The mixed layout of backend_test_util.h (a K/V group of 256-byte pages, a latent group of
+// 96-byte pages, a draft model's K/V of 512-byte pages; transfer layers 0..4) as one device
+// allocation per side, the buffers back to back.
+class MixedGpuPool {
+ public:
+  Status Init(int device) {
+    KVT_ASSIGN_OR_RETURN(memory_, cuda::DeviceBuffer::Allocate(layout_.ImageBytes(), device));
+    device_ = device;
+    return OkStatus();
+  }
+  std::vector<LocalRegion> Regions() const {
+    return layout_.Regions(reinterpret_cast<uint64_t>(memory_.data()), MemoryKind::kCuda, device_);
+  }
+  Status Upload(const std::vector<uint8_t>& image) {
+    return cuda::Copy(memory_.data(), image.data(), image.size());
+  }
+  StatusOr<std::vector<uint8_t>> Download() const {
+    std::vector<uint8_t> image(layout_.ImageBytes());
+    KVT_RETURN_IF_ERROR(cuda::Copy(image.data(), memory_.data(), image.size()));
+    return image;
+  }
+  const testing::MixedLayout& layout() const { return layout_; }
+
+ private:
+  testing::MixedLayout layout_;
+  cuda::DeviceBuffer memory_;
+  int device_ = 0;
+};
+
+// The decode side once its pool holds the poison: publishes its descriptor (the hello), Accepts
+// the parent's token, then answers commands ("verify" + image, "disconnect", "exit"). `mismatch`
+// describes how the pool differs from an image ("" when equal).
+void ServeAsChild(Channel& channel, std::span<const LocalRegion> regions,
+                  const std::function<StatusOr<std::vector<uint8_t>>()>& download,
+                  const std::function<std::string(const std::vector<uint8_t>&,
+                                                  const std::vector<uint8_t>&)>& mismatch) {
   auto backend = NewBackend();
   ASSERT_TRUE(backend.ok()) << backend.status();
-  auto descriptor = (*backend)->Register(pool.Regions());
+  auto descriptor = (*backend)->Register(regions);
   ASSERT_TRUE(descriptor.ok()) << descriptor.status();
   KVT_ASSERT_OK(channel.Send(testing::EncodeDescriptor(*descriptor)));
   auto ack = channel.Receive(std::chrono::seconds(120));
@@ -174,11 +200,10 @@ TEST(NcclChild, DISABLED_Decode) {
     if (*command == "verify") {
       auto expected = channel.Receive(std::chrono::seconds(60));
       ASSERT_TRUE(expected.ok()) << expected.status();
-      auto actual = pool.Download();
+      auto actual = download();
       ASSERT_TRUE(actual.ok()) << actual.status();
-      KVT_ASSERT_OK(
-          channel.Send(DescribeMismatch(std::vector<uint8_t>(expected->begin(), expected->end()),
-                                        *actual, GpuPool::buffer_bytes(), kItem)));
+      KVT_ASSERT_OK(channel.Send(
+          mismatch(std::vector<uint8_t>(expected->begin(), expected->end()), *actual)));
     } else if (*command == "disconnect") {
       const auto start = Clock::now();
       Status status = (*backend)->Disconnect(*peer, Backend::DisconnectMode::kGraceful);
@@ -190,6 +215,41 @@ TEST(NcclChild, DISABLED_Decode) {
       break;
     }
   }
+}
+
+// The hidden children: run only when started by Child::Start, with the pool of their name.
+TEST(NcclChild, DISABLED_Decode) {
+  const char* spec = std::getenv(kChildEnv);
+  if (spec == nullptr) GTEST_SKIP() << "runs only as the child of the two-process tests";
+  int in = -1, out = -1, device = -1;
+  ASSERT_EQ(std::sscanf(spec, "%d,%d,%d", &in, &out, &device), 3);
+  Channel channel(in, out);
+  KVT_ASSERT_OK(cuda::ToStatus(cudaSetDevice(device), "cudaSetDevice"));
+  GpuPool pool;
+  KVT_ASSERT_OK(pool.Init(device));
+  KVT_ASSERT_OK(pool.Upload(std::vector<uint8_t>(GpuPool::bytes(), kPoison)));
+  ServeAsChild(
+      channel, pool.Regions(), [&] { return pool.Download(); },
+      [](const std::vector<uint8_t>& want, const std::vector<uint8_t>& got) {
+        return DescribeMismatch(want, got, GpuPool::buffer_bytes(), kItem);
+      });
+}
+
+TEST(NcclChild, DISABLED_DecodeMixed) {
+  const char* spec = std::getenv(kChildEnv);
+  if (spec == nullptr) GTEST_SKIP() << "runs only as the child of the two-process tests";
+  int in = -1, out = -1, device = -1;
+  ASSERT_EQ(std::sscanf(spec, "%d,%d,%d", &in, &out, &device), 3);
+  Channel channel(in, out);
+  KVT_ASSERT_OK(cuda::ToStatus(cudaSetDevice(device), "cudaSetDevice"));
+  MixedGpuPool pool;
+  KVT_ASSERT_OK(pool.Init(device));
+  KVT_ASSERT_OK(pool.Upload(std::vector<uint8_t>(pool.layout().ImageBytes(), kPoison)));
+  ServeAsChild(
+      channel, pool.Regions(), [&] { return pool.Download(); },
+      [&](const std::vector<uint8_t>& want, const std::vector<uint8_t>& got) {
+        return pool.layout().Mismatch(want, got);
+      });
 }
 
 class NcclTwoProcesses : public ::testing::Test {
@@ -478,6 +538,106 @@ TEST_F(NcclTwoProcesses, DisconnectAsPeerDeadAbortsWritesInFlight) {
 
 // ---- One process (one GPU suffices) ---------------------------------------------------------
 
+// The mixed layout over two GPUs: every buffer of each layer batch moves with its own page
+// bytes (K/V, latent and draft groups), whole pages and units, through slots that hold a few
+// pages of the heaviest layer; the child's whole pool matches byte for byte, poison elsewhere.
+TEST(NcclTwoProcessesMixed, MixedLayoutMovesEveryBufferOfTheLayersByteExact) {
+  KVT_SKIP_WITHOUT_GPUS(2, "NCCL cannot put two ranks on one GPU");
+  signal(SIGPIPE, SIG_IGN);
+  KVT_ASSERT_OK(cuda::ToStatus(cudaSetDevice(kParentDevice), "cudaSetDevice"));
+  nccl::NcclTuning tuning = TestTuning();
+  tuning.slot_bytes = nccl::kMinSlotBytes;  // 4 KiB of payload: 4 pages of the draft layer
+  auto backend = NewBackend(tuning);
+  if (!backend.ok() && backend.status().code() == StatusCode::kUnavailable) {
+    GTEST_SKIP() << backend.status();
+  }
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  std::unique_ptr<Backend> sender = std::move(backend).value();
+  MixedGpuPool src;
+  KVT_ASSERT_OK(src.Init(kParentDevice));
+  const testing::MixedLayout& mixed = src.layout();
+  const std::vector<uint8_t> src_image = RandomBytes(mixed.ImageBytes(), 99);
+  KVT_ASSERT_OK(src.Upload(src_image));
+  std::vector<uint8_t> expected(mixed.ImageBytes(), kPoison);
+  auto descriptor = sender->Register(src.Regions());
+  ASSERT_TRUE(descriptor.ok()) << descriptor.status();
+
+  Child child;
+  KVT_ASSERT_OK(child.Start("NcclChild.DISABLED_DecodeMixed"));
+  auto hello = child.Hello();
+  ASSERT_TRUE(hello.ok()) << hello.status();
+  auto peer = sender->Connect(*hello);
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  auto token = sender->ConnectToken(*peer);
+  ASSERT_TRUE(token.ok()) << token.status();
+  KVT_ASSERT_OK(child.HelloAck(*descriptor, *token));
+
+  std::mt19937 rng(5);
+  // Disjoint destination pages across writes: the expected image does not depend on their order.
+  const std::vector<int32_t> dst_all = DistinctPages(mixed.pages - 1, mixed.pages, rng);
+  size_t next_dst = 0;
+  std::vector<std::vector<int32_t>> keep;
+  std::vector<WriteId> writes;
+  auto post = [&](size_t n, int32_t begin, int32_t end, std::span<const PageUnit> units) {
+    keep.push_back(DistinctPages(static_cast<int64_t>(n), mixed.pages, rng));
+    keep.emplace_back(dst_all.begin() + next_dst, dst_all.begin() + next_dst + n);
+    next_dst += n;
+    PageWrite write;
+    write.src_pages = keep[keep.size() - 2];
+    write.dst_pages = keep.back();
+    write.num_layers = mixed.num_layers;
+    write.layer_begin = begin;
+    write.layer_end = end;
+    write.units = units;
+    auto id = sender->PostPages(*peer, write);
+    ASSERT_TRUE(id.ok()) << id.status();
+    writes.push_back(*id);
+    // What the write must leave, from the definition: every buffer whose layer is in the range.
+    for (size_t b = 0; b < mixed.buffers(); ++b) {
+      if (mixed.layers[b] < begin || mixed.layers[b] >= end) continue;
+      const PageUnit whole{0, 0, mixed.items[b]};
+      for (const PageUnit& u : units.empty() ? std::span<const PageUnit>(&whole, 1) : units) {
+        for (size_t i = 0; i < n; ++i) {
+          std::memcpy(expected.data() + mixed.Offset(b) + write.dst_pages[i] * mixed.items[b] +
+                          u.dst_offset,
+                      src_image.data() + mixed.Offset(b) + write.src_pages[i] * mixed.items[b] +
+                          u.src_offset,
+                      u.bytes);
+        }
+      }
+    }
+  };
+  // Layer batches as a prefill engine posts them: the target's K/V, its latent layers, the draft.
+  post(6, 0, 2, {});
+  post(5, 2, 4, {});
+  post(7, 4, 5, {});
+  // Parts of every page (inside the 96-byte latent pages too), over every layer at once.
+  const std::vector<PageUnit> units = {{8, 40, 24}, {64, 0, 32}};
+  post(4, 0, mixed.num_layers, units);
+  const std::vector<Status> statuses = WaitAll(*sender, writes, std::chrono::seconds(60));
+  for (size_t i = 0; i < statuses.size(); ++i)
+    EXPECT_TRUE(statuses[i].ok()) << i << ": " << statuses[i];
+  auto verdict = child.Verify(expected);
+  ASSERT_TRUE(verdict.ok()) << verdict.status();
+  EXPECT_EQ(*verdict, "") << "the child's pool differs";
+  for (WriteId id : writes) sender->Release(id);
+
+  // A page beyond the peer's shortest buffer of the range is refused before anything moves.
+  std::vector<int32_t> far = {static_cast<int32_t>(mixed.pages)};
+  PageWrite refused;
+  refused.src_pages = far;
+  refused.dst_pages = far;
+  refused.num_layers = mixed.num_layers;
+  refused.layer_begin = 2;
+  refused.layer_end = 4;
+  EXPECT_EQ(sender->PostPages(*peer, refused).status().code(), StatusCode::kOutOfRange);
+
+  KVT_ASSERT_OK(sender->Disconnect(*peer, Backend::DisconnectMode::kGraceful));
+  auto stopped = child.Stop();
+  ASSERT_TRUE(stopped.ok()) << stopped.status();
+  EXPECT_EQ(*stopped, 0) << "the child's own checks failed";
+}
+
 class NcclOneProcess : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -502,7 +662,7 @@ class NcclOneProcess : public ::testing::Test {
   PeerDescriptor descriptor_;
 };
 
-TEST_F(NcclOneProcess, RegisterRefusesHostMemoryAndMixedPools) {
+TEST_F(NcclOneProcess, RegisterTakesAnyLayerTableButRefusesHostMemoryAndEmptyPages) {
   std::vector<uint8_t> host(GpuPool::bytes());
   std::vector<LocalRegion> regions = pool_.Regions();
   regions[3].kind = MemoryKind::kHost;
@@ -510,12 +670,21 @@ TEST_F(NcclOneProcess, RegisterRefusesHostMemoryAndMixedPools) {
   auto refused = backend_->Register(regions);
   EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
   EXPECT_THAT(refused.status().message(), HasSubstr("use ucx for host pools"));
+  // Layouts of any layer table and page sizes register; broken tables and empty pages do not.
   regions = pool_.Regions();
-  regions.pop_back();
-  EXPECT_EQ(backend_->Register(regions).status().code(), StatusCode::kInvalidArgument);
+  regions[1].layer = 5;
+  auto skipped = backend_->Register(regions);
+  EXPECT_EQ(skipped.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(skipped.status().message(), HasSubstr("buffer 1 has transfer layer 5"));
   regions = pool_.Regions();
-  regions[1].item_len = 2048;
-  EXPECT_THAT(backend_->Register(regions).status().message(), HasSubstr("one page size"));
+  regions[1].item_len = 0;
+  EXPECT_THAT(backend_->Register(regions).status().message(),
+              HasSubstr("buffer 1 has 0-byte pages"));
+  regions = pool_.Regions();
+  regions.pop_back();          // V of the last layer gone
+  regions[1].item_len = 2048;  // another page size
+  EXPECT_TRUE(backend_->Register(regions).ok());
+  KVT_ASSERT_OK(backend_->Register(pool_.Regions()).status());
   EXPECT_EQ(descriptor_.backend, "nccl");
   auto address = nccl::DecodeAddress(descriptor_.address);
   ASSERT_TRUE(address.ok()) << address.status();

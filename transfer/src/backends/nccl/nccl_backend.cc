@@ -2,10 +2,8 @@
 
 #include <unistd.h>
 
-#include <algorithm>
 #include <atomic>
 #include <cstring>
-#include <limits>
 #include <mutex>
 #include <random>
 #include <string>
@@ -38,41 +36,12 @@ uint64_t RandomNonce() {
   return (static_cast<uint64_t>(device()) << 32) ^ device();
 }
 
-// The page size every published buffer of the peer shares, or why there is none.
-StatusOr<uint64_t> PeerItemLen(const PeerDescriptor& peer) {
-  if (peer.regions.empty()) return InvalidArgument("the peer published no buffers");
-  const uint64_t item_len = peer.regions.front().item_len;
+// OK when every buffer the peer published has pages (a page size of 0 is a broken hello).
+Status CheckPeerPages(const PeerDescriptor& peer) {
   for (size_t i = 0; i < peer.regions.size(); ++i) {
-    if (peer.regions[i].item_len == 0 || peer.regions[i].item_len != item_len) {
-      return InvalidArgument("the peer's buffer " + Num(uint64_t{i}) + " has " +
-                             Num(peer.regions[i].item_len) + "-byte pages, buffer 0 " +
-                             Num(item_len) + "; the nccl backend needs one page size per pool");
-    }
-  }
-  return item_len;
-}
-
-// The smallest length among the K and V buffers of layers [begin, end).
-template <typename Region>
-uint64_t MinLength(const std::vector<Region>& regions, int32_t num_layers, int32_t begin,
-                   int32_t end) {
-  uint64_t min_len = std::numeric_limits<uint64_t>::max();
-  for (int32_t l = begin; l < end; ++l) {
-    min_len = std::min(min_len, regions[static_cast<size_t>(l)].length);
-    min_len = std::min(min_len, regions[static_cast<size_t>(num_layers + l)].length);
-  }
-  return min_len;
-}
-
-// OK when every page p of `pages` satisfies p * item_len + unit_end <= length.
-Status CheckPages(std::span<const int32_t> pages, uint64_t item_len, uint64_t unit_end,
-                  uint64_t length, const char* side) {
-  for (size_t i = 0; i < pages.size(); ++i) {
-    const int32_t p = pages[i];
-    if (p < 0 || length < unit_end || static_cast<uint64_t>(p) > (length - unit_end) / item_len) {
-      return OutOfRange(std::string(side) + " page " + Num(p) + " (entry " + Num(uint64_t{i}) +
-                        ") lies outside the " + side + " buffers (" + Num(length) + " bytes, " +
-                        Num(item_len) + " per page)");
+    if (peer.regions[i].item_len == 0) {
+      return InvalidArgument("the peer's buffer " + Num(uint64_t{i}) +
+                             " has 0-byte pages; the peer must register its layout's page bytes");
     }
   }
   return OkStatus();
@@ -107,14 +76,10 @@ class NcclBackend final : public Backend {
   }
 
   StatusOr<PeerDescriptor> Register(std::span<const LocalRegion> regions) override {
-    if (regions.empty() || regions.size() % 2 != 0) {
-      return InvalidArgument(
-          "the nccl backend registers a pool's 2 x layers buffers (K of every "
-          "layer, then V), but got " +
-          Num(uint64_t{regions.size()}));
+    if (regions.empty()) {
+      return InvalidArgument("the nccl backend got no buffers; register the layout's buffers");
     }
     const int32_t device = regions.front().device;
-    const uint64_t item_len = regions.front().item_len;
     for (size_t i = 0; i < regions.size(); ++i) {
       const LocalRegion& r = regions[i];
       if (r.kind != MemoryKind::kCuda) {
@@ -130,16 +95,13 @@ class NcclBackend final : public Backend {
                                ", buffer 0 on device " + Num(device) +
                                "; an nccl pool lives on one GPU");
       }
-      if (r.item_len == 0 || r.item_len != item_len) {
-        return InvalidArgument("buffer " + Num(uint64_t{i}) + " has " + Num(r.item_len) +
-                               "-byte pages, buffer 0 " + Num(item_len) +
-                               "; the nccl backend needs one page size per pool");
+      if (r.item_len == 0) {
+        return InvalidArgument("buffer " + Num(uint64_t{i}) +
+                               " has 0-byte pages; give every buffer its page bytes");
       }
     }
-    // Sends address buffer l (K) and num_layers + l (V) of a layer: refuse other layouts here
-    // rather than move the wrong buffers.
+    // Chunks carry the buffers of their layers in LayerTable order, each with its own page bytes.
     KVT_ASSIGN_OR_RETURN(LayerTable layers, LayerTable::Create(regions));
-    KVT_RETURN_IF_ERROR(layers.CheckKeyValueOrder("the nccl backend"));
     {
       std::lock_guard<std::mutex> lock(mutex_);
       if (registration_ != nullptr && registration_->device != device && !pairs_.empty()) {
@@ -155,22 +117,21 @@ class NcclBackend final : public Backend {
 
     auto reg = std::make_shared<Registration>();
     reg->device = device;
-    reg->num_layers = static_cast<int32_t>(regions.size() / 2);
-    reg->item_len = item_len;
     reg->regions.assign(regions.begin(), regions.end());
-    reg->layout.num_layers = reg->num_layers;
-    reg->layout.item_len = item_len;
-    std::vector<uint64_t> pair_bases(regions.size());
-    for (int32_t l = 0; l < reg->num_layers; ++l) {
-      pair_bases[2 * static_cast<size_t>(l)] = regions[static_cast<size_t>(l)].base;
-      pair_bases[2 * static_cast<size_t>(l) + 1] =
-          regions[static_cast<size_t>(reg->num_layers + l)].base;
+    for (const LocalRegion& r : regions) {
+      reg->layout.item_len.push_back(r.item_len);
+      reg->layout.buffer_len.push_back(r.length);
     }
-    for (const LocalRegion& r : regions) reg->layout.buffer_bytes.push_back(r.length);
-    KVT_ASSIGN_OR_RETURN(reg->pair_bases, kvt::cuda::DeviceBuffer::Allocate(
-                                              pair_bases.size() * sizeof(uint64_t), device));
-    KVT_RETURN_IF_ERROR(kvt::cuda::Copy(reg->pair_bases.data(), pair_bases.data(),
-                                        pair_bases.size() * sizeof(uint64_t)));
+    std::vector<uint64_t> ordered_bases;
+    for (uint32_t b : layers.Buffers(0, layers.num_layers())) {
+      ordered_bases.push_back(regions[b].base);
+      reg->ordered_item_len.push_back(regions[b].item_len);
+    }
+    reg->layout.layers = std::move(layers);
+    KVT_ASSIGN_OR_RETURN(reg->ordered_bases, kvt::cuda::DeviceBuffer::Allocate(
+                                                 ordered_bases.size() * sizeof(uint64_t), device));
+    KVT_RETURN_IF_ERROR(kvt::cuda::Copy(reg->ordered_bases.data(), ordered_bases.data(),
+                                        ordered_bases.size() * sizeof(uint64_t)));
 
     nccl::ProcessAddress address;
     address.boot_id = nccl::ThisBootId();
@@ -249,68 +210,52 @@ class NcclBackend final : public Backend {
     std::shared_ptr<Pair> pair;
     std::shared_ptr<const Registration> reg;
     std::shared_ptr<const std::vector<RemoteRegion>> remote;
-    uint64_t peer_item_len = 0;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       auto it = pairs_.find(peer);
       if (it == pairs_.end()) return NotFound("no nccl peer " + Num(peer));
       pair = it->second.pair;
       remote = it->second.regions;
-      peer_item_len = it->second.item_len;
       reg = registration_;
     }
     if (pair->role() != Pair::Role::kSender) {
       return FailedPrecondition("nccl peer " + Num(peer) +
                                 " joined with Accept: the receiving side posts no writes");
     }
-    const size_t buffers = reg->regions.size();
-    if (write.num_layers <= 0 || static_cast<size_t>(write.num_layers) * 2 != buffers ||
-        write.layer_begin < 0 || write.layer_begin >= write.layer_end ||
-        write.layer_end > write.num_layers || write.src_pages.size() != write.dst_pages.size()) {
-      return InvalidArgument("page write of layers [" + Num(write.layer_begin) + ", " +
-                             Num(write.layer_end) + ") of " + Num(write.num_layers) + " with " +
-                             Num(uint64_t{write.src_pages.size()}) + " / " +
-                             Num(uint64_t{write.dst_pages.size()}) + " pages does not fit " +
-                             Num(uint64_t{buffers}) + " registered buffers");
+    const std::vector<LocalRegion>& local = reg->regions;
+    if (remote->size() != local.size()) {
+      return InvalidArgument("the peer registered " + Num(uint64_t{remote->size()}) +
+                             " buffers and this side " + Num(uint64_t{local.size()}) +
+                             "; both sides must register the same layout");
     }
-    auto job = std::make_shared<SenderJob>();
-    if (write.units.empty()) {
-      if (reg->item_len != peer_item_len) {
-        return InvalidArgument(
-            "whole-page write between pools of different page sizes (this "
-            "side " +
-            Num(reg->item_len) + " bytes, the peer " + Num(peer_item_len) + "); pass units");
-      }
-      job->units.push_back(PageUnit{0, 0, reg->item_len});
-    } else {
-      job->units.assign(write.units.begin(), write.units.end());
+    KVT_RETURN_IF_ERROR(
+        reg->layout.layers.CheckRange(write.num_layers, write.layer_begin, write.layer_end));
+    // Pages and units against every buffer of the range, each with its own page bytes and
+    // length on both sides.
+    std::vector<PlanBuffer> buffers(local.size());
+    for (size_t b = 0; b < local.size(); ++b) {
+      buffers[b] = PlanBuffer{local[b].layer, local[b].item_len, (*remote)[b].item_len,
+                              local[b].length, (*remote)[b].length};
     }
-    uint64_t src_end = 0, dst_end = 0;
-    for (size_t u = 0; u < job->units.size(); ++u) {
-      const PageUnit& unit = job->units[u];
-      if (unit.bytes == 0 || unit.bytes > reg->item_len ||
-          unit.src_offset > reg->item_len - unit.bytes || unit.bytes > peer_item_len ||
-          unit.dst_offset > peer_item_len - unit.bytes) {
-        return OutOfRange("unit " + Num(uint64_t{u}) + " [" + Num(unit.src_offset) + " -> " +
-                          Num(unit.dst_offset) + ", +" + Num(unit.bytes) +
-                          ") does not fit pages of " + Num(reg->item_len) + " (here) / " +
-                          Num(peer_item_len) + " (peer) bytes");
-      }
-      src_end = std::max(src_end, unit.src_offset + unit.bytes);
-      dst_end = std::max(dst_end, unit.dst_offset + unit.bytes);
-      job->unit_bytes.push_back(unit.bytes);
-    }
-    KVT_RETURN_IF_ERROR(CheckPages(
-        write.src_pages, reg->item_len, src_end,
-        MinLength(reg->regions, write.num_layers, write.layer_begin, write.layer_end), "local"));
-    KVT_RETURN_IF_ERROR(CheckPages(
-        write.dst_pages, peer_item_len, dst_end,
-        MinLength(*remote, write.num_layers, write.layer_begin, write.layer_end), "peer"));
+    PlanSpec spec;
+    spec.src_pages = write.src_pages;
+    spec.dst_pages = write.dst_pages;
+    spec.num_layers = write.num_layers;
+    spec.layer_begin = write.layer_begin;
+    spec.layer_end = write.layer_end;
+    spec.units = write.units;
+    spec.buffers = buffers;
+    KVT_RETURN_IF_ERROR(ValidatePlanSpec(spec));
 
+    auto job = std::make_shared<SenderJob>();
+    job->units.assign(write.units.begin(), write.units.end());  // empty: whole pages
+    for (const PageUnit& unit : job->units) job->unit_bytes.push_back(unit.bytes);
     nccl::ChunkPlanInput plan;
     plan.num_pages = static_cast<int64_t>(write.src_pages.size());
     plan.layer_begin = write.layer_begin;
     plan.layer_end = write.layer_end;
+    plan.layers = &reg->layout.layers;
+    plan.item_len = reg->layout.item_len;
     plan.unit_bytes = job->unit_bytes;
     plan.payload_capacity = pair->token().slot_bytes - nccl::kHeaderBytes;
     KVT_ASSIGN_OR_RETURN(job->chunks, nccl::PlanChunks(plan));
@@ -353,13 +298,11 @@ class NcclBackend final : public Backend {
   struct PeerEntry {
     std::shared_ptr<Pair> pair;
     std::shared_ptr<const std::vector<RemoteRegion>> regions;
-    uint64_t item_len = 0;
   };
 
   // What Connect and Accept check and capture before starting a pair.
   struct Prepared {
     std::shared_ptr<const Registration> registration;
-    uint64_t peer_item_len = 0;
   };
 
   StatusOr<Prepared> Prepare(const PeerDescriptor& peer, const char* call) {
@@ -382,7 +325,7 @@ class NcclBackend final : public Backend {
     KVT_RETURN_IF_ERROR(nccl::CheckPeerPlacement(local, remote));
     KVT_RETURN_IF_ERROR(
         CheckRegionCount(prepared.registration->regions.size(), peer.regions.size()));
-    KVT_ASSIGN_OR_RETURN(prepared.peer_item_len, PeerItemLen(peer));
+    KVT_RETURN_IF_ERROR(CheckPeerPages(peer));
     return prepared;
   }
 
@@ -397,7 +340,6 @@ class NcclBackend final : public Backend {
     PeerEntry entry;
     entry.pair = std::move(pair);
     entry.regions = std::make_shared<const std::vector<RemoteRegion>>(peer.regions);
-    entry.item_len = prepared.peer_item_len;
     std::lock_guard<std::mutex> lock(mutex_);
     pairs_[id] = std::move(entry);
     return id;

@@ -630,6 +630,9 @@ Status Pair::PostSenderStep() {
     header.num_layers = job->num_layers;
     header.layer_begin = spec.layer_begin;
     header.layer_end = spec.layer_end;
+    header.num_buffers = static_cast<uint32_t>(
+        job->registration->layout.layers.Buffers(spec.layer_begin, spec.layer_end).size());
+    header.whole_pages = job->units.empty();
     for (const PageUnit& unit : job->units) header.units.push_back({unit.dst_offset, unit.bytes});
     header.dst_pages.assign(job->dst_pages.begin() + spec.page_begin,
                             job->dst_pages.begin() + spec.page_end);
@@ -681,10 +684,14 @@ Status Pair::EnqueuePack(uint64_t payload_step, const Outgoing& outgoing) {
   if (job.gate != nullptr) KVT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream, job.gate, 0));
   std::vector<UnitSpan> units;
   for (const PageUnit& unit : job.units) units.push_back({unit.src_offset, unit.bytes});
+  const size_t first = reg.First(spec.layer_begin);
+  const std::span<const uint64_t> page_bytes =
+      std::span<const uint64_t>(reg.ordered_item_len)
+          .subspan(first, reg.First(spec.layer_end) - first);
   Status status;
   for (const kernels::PackArgs& args :
-       ChunkStagingArgs(reg.pair_bases.as<uint64_t>(), spec.layer_begin, spec.layer_end, table,
-                        pages, reg.item_len, units, res_->slot(payload_step) + kHeaderBytes)) {
+       ChunkStagingArgs(reg.ordered_bases.as<uint64_t>() + first, page_bytes, table, pages, units,
+                        res_->slot(payload_step) + kHeaderBytes)) {
     status = kernels::PackCuda(args, stream);
     if (!status.ok()) break;
   }
@@ -838,10 +845,14 @@ Status Pair::EnqueueUnpack(uint64_t step, const Incoming& incoming) {
   // still in its slot, which step + kAckLag (waiting for this unpack) overwrites next.
   const auto* table =
       reinterpret_cast<const int32_t*>(res_->slot(step - kLookahead) + kPagesOffset);
-  for (const kernels::PackArgs& args :
-       ChunkStagingArgs(reg.pair_bases.as<uint64_t>(), h.layer_begin, h.layer_end, table,
-                        static_cast<int64_t>(h.dst_pages.size()), reg.item_len, h.units,
-                        res_->slot(step) + kHeaderBytes)) {
+  // CheckChunkFits checked the chunk against this side's buffers of its layers (count, units,
+  // whole-page bytes, pages), which the unpack addresses in LayerTable order.
+  const size_t first = reg.First(h.layer_begin);
+  const std::span<const uint64_t> page_bytes = std::span<const uint64_t>(reg.ordered_item_len)
+                                                   .subspan(first, reg.First(h.layer_end) - first);
+  for (const kernels::PackArgs& args : ChunkStagingArgs(
+           reg.ordered_bases.as<uint64_t>() + first, page_bytes, table,
+           static_cast<int64_t>(h.dst_pages.size()), h.units, res_->slot(step) + kHeaderBytes)) {
     KVT_RETURN_IF_ERROR(kernels::UnpackCuda(args, res_->work_stream.get()));
   }
   return OkStatus();

@@ -7,14 +7,16 @@
 // the communicator is not up within NcclTuning::connect_timeout.
 //
 // Sending side, per step n (comm stream; the pack stream runs ahead):
-//   pack stream: [H2D source page table] [wait the write's gate] [pack kernel per unit] -> packed
+//   pack stream: [H2D source page table] [wait the write's gate]
+//                [pack kernel per (unit, run of buffers of equal page bytes)] -> packed
 //   comm stream: [H2D header n] [wait packed(n) if n carries a payload]
 //                group{ send slot n (header + payload), recv ack n } [D2H ack n] -> step_done(n)
 // Receiving side, per step m, posted once the header of step m - kLookahead was read:
 //   comm stream:   [wait unpacked(m - kAckLag)] [H2D ack m]
 //                  group{ recv slot m, send ack m } [D2H header m] -> step_done(m)
-//   unpack stream: [wait step_done(m)] [unpack kernel per unit, page table read from the header
-//                  of step m - kLookahead still in its slot on the GPU] -> unpacked(m)
+//   unpack stream: [wait step_done(m)] [unpack kernel per (unit, run of equal page bytes), page
+//                  table read from the header of step m - kLookahead still in its slot on the
+//                  GPU] -> unpacked(m)
 //
 // Thread contract: the progress thread alone makes NCCL calls and owns the communicator, the
 // streams' contents and the step bookkeeping; the public methods may be called from any thread
@@ -62,11 +64,14 @@ class ScopedDevice {
 // This side's registered pool as the pairs use it. Immutable once built.
 struct Registration {
   int device = 0;
-  int32_t num_layers = 0;
-  uint64_t item_len = 0;  // every buffer's page size
-  std::vector<LocalRegion> regions;
-  ReceiverLayout layout;
-  kvt::cuda::DeviceBuffer pair_bases;  // [2L] uint64 on the device: K 0, V 0, K 1, V 1, ...
+  std::vector<LocalRegion> regions;  // by buffer index, as registered
+  ReceiverLayout layout;             // the layer table, page bytes and lengths by buffer index
+  std::vector<uint64_t> ordered_item_len;  // page bytes in LayerTable order
+  // uint64 buffer addresses on the device in LayerTable order, so that the buffers of layers
+  // [a, b) are the slice [First(a), First(b)) of this table and of ordered_item_len.
+  kvt::cuda::DeviceBuffer ordered_bases;
+
+  size_t First(int32_t layer) const { return layout.layers.Buffers(0, layer).size(); }
 };
 
 // One write of the sending side, fixed when posted.
@@ -80,7 +85,7 @@ struct SenderJob {
   std::vector<int32_t> src_pages;
   std::vector<int32_t> dst_pages;
   int32_t num_layers = 0;
-  std::vector<PageUnit> units;  // at least one; whole pages are {0, 0, item_len}
+  std::vector<PageUnit> units;  // empty: whole pages (each buffer's own page bytes)
   std::vector<uint64_t> unit_bytes;
   std::vector<ChunkSpec> chunks;
   std::shared_ptr<const Registration> registration;

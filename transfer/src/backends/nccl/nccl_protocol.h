@@ -37,6 +37,7 @@
 #include <string_view>
 #include <vector>
 
+#include "backends/common/layer_table.h"
 #include "kvt/common/status.h"
 #include "kvt/kernels/kernels.h"
 
@@ -49,7 +50,7 @@ namespace kvt::transfer::nccl {
 struct NcclTuning {
   // Bytes of one staging slot: a step's header plus its payload. Each side of a pair holds
   // kRing slots on its GPU. Larger slots amortise the per-step cost (one NCCL group, a few
-  // copies); a page of one layer (K and V) must fit one slot.
+  // copies); one page of each layer (every buffer of it) must fit one slot.
   uint64_t slot_bytes = uint64_t{8} << 20;
   // A communicator must be up this long after Connect / Accept; writes posted before wait for
   // it and fail after it.
@@ -144,17 +145,23 @@ StatusOr<PairToken> DecodeToken(std::string_view text);
 
 // ---- Chunk planning -------------------------------------------------------------------------
 
-// A page write moves, for every layer l in [layer_begin, layer_end), buffers K l and V l, every
-// page i in [0, num_pages) of the write's page lists, and every unit (a byte range of a page).
-// A chunk is a layer range times a page range (all units, K and V); its payload is laid out
-// unit-major, then buffer in the order K l, V l, K l+1, V l+1, ..., then page:
-//   payload + UnitPayloadOffset(u) + (b * num_chunk_pages + i) * unit_bytes[u]
-// which is the pack kernel's buffer-major staging layout, one launch per unit.
+// A page write moves, for every layer l in [layer_begin, layer_end), every buffer of that layer
+// (LayerTable order: layers ascending, registration order within a layer; buffers may differ in
+// page bytes), every page i in [0, num_pages) of the write's page lists, and either every unit
+// (a byte range of a page, the same for every buffer) or, without units, each buffer's whole
+// page (its own page bytes). A chunk is a layer range times a page range; its payload holds the
+// chunk's buffers in LayerTable order:
+//   units:       unit-major, then buffer, then page:
+//                payload + UnitPayloadOffset(u) + (b * num_chunk_pages + i) * unit_bytes[u]
+//   whole pages: buffer-major, each buffer num_chunk_pages x its own page bytes
+// which is the pack kernel's buffer-major staging layout within every launch.
 struct ChunkPlanInput {
   int64_t num_pages = 0;
   int32_t layer_begin = 0;
   int32_t layer_end = 0;
-  std::span<const uint64_t> unit_bytes;  // bytes of each unit of one page of one buffer
+  const LayerTable* layers = nullptr;    // the sender's buffers by transfer layer
+  std::span<const uint64_t> item_len;    // page bytes of each buffer, by buffer index
+  std::span<const uint64_t> unit_bytes;  // bytes of each unit of one page; empty: whole pages
   uint64_t payload_capacity = 0;         // slot bytes minus kHeaderBytes
   uint32_t max_pages = kMaxChunkPages;   // pages one header can name
 };
@@ -169,13 +176,25 @@ struct ChunkSpec {
   friend bool operator==(const ChunkSpec&, const ChunkSpec&) = default;
 };
 
-// Cuts a write into chunks, layers outermost: whole layers (all pages) per chunk while a layer
-// fits a slot, else each layer's pages split into the fewest, evenly sized page ranges.
-// Every (buffer, page, unit) of the write lies in exactly one chunk, and each chunk's payload is
-// at most payload_capacity. An empty write (no pages or no layers) has no chunks. A page of
-// one layer (K and V, all units) larger than a slot, no units, a zero-byte unit or more than
-// kMaxUnits units are InvalidArgument naming the values.
+// Cuts a write into chunks, layers outermost: whole layers (all pages) per chunk while the
+// heaviest layer fits a slot with every page (as many layers per chunk as the heaviest window of
+// that many layers allows, evenly spread), else each layer's pages split into the fewest, evenly
+// sized page ranges that fit with that layer's own buffers. Every (buffer, page, unit) of the
+// write lies in exactly one chunk, and each chunk's payload is at most payload_capacity. An
+// empty write (no pages or no layers) has no chunks. One page of some layer larger than a slot
+// (naming the layer and its bytes), a missing or mismatched table, a layer range outside it, a
+// zero-byte unit or more than kMaxUnits units are InvalidArgument naming the values.
 StatusOr<std::vector<ChunkSpec>> PlanChunks(const ChunkPlanInput& input);
+
+// The page bytes of the buffers of layers [begin, end) in LayerTable order, from every buffer's
+// page bytes by index; the range must pass table.CheckRange.
+std::vector<uint64_t> ChunkPageBytes(const LayerTable& table, std::span<const uint64_t> item_len,
+                                     int32_t begin, int32_t end);
+
+// Payload bytes of a chunk of `num_pages` pages of buffers whose page bytes (in LayerTable
+// order) are `page_bytes`, with these units (empty: whole pages). Saturates at UINT64_MAX.
+uint64_t ChunkPayloadBytes(std::span<const uint64_t> page_bytes,
+                           std::span<const uint64_t> unit_bytes, uint64_t num_pages);
 
 // Byte offset of unit u's block inside a chunk of `num_buffers` buffers and `num_pages` pages.
 uint64_t UnitPayloadOffset(std::span<const uint64_t> unit_bytes, size_t unit, int64_t num_buffers,
@@ -190,13 +209,15 @@ struct UnitSpan {
   friend bool operator==(const UnitSpan&, const UnitSpan&) = default;
 };
 
-// The pack (sending side) or unpack (receiving side) launches of one chunk, one per unit: the
-// chunk's buffers are pair_bases[2 * layer_begin, 2 * layer_end) (a table ordered K l, V l,
-// K l+1, ...), its pages `pages[0, num_pages)`, and unit u's block starts at
-// payload + UnitPayloadOffset(u). The tables must be where the kernel runs (device or host).
-std::vector<kernels::PackArgs> ChunkStagingArgs(const uint64_t* pair_bases, int32_t layer_begin,
-                                                int32_t layer_end, const int32_t* pages,
-                                                int64_t num_pages, uint64_t page_stride,
+// The pack (sending side) or unpack (receiving side) launches of one chunk: one per (unit, run
+// of consecutive buffers of equal page bytes), or per run for whole pages (`units` empty). The
+// chunk's buffers are bases[0, page_bytes.size()) (the slice of a LayerTable-ordered address
+// table that holds the chunk's layers) with page_bytes their page bytes, its pages
+// `pages[0, num_pages)`, and the payload is laid out as ChunkPlanInput says. `bases` and `pages`
+// must be where the kernel runs (device or host); `page_bytes` is read here.
+std::vector<kernels::PackArgs> ChunkStagingArgs(const uint64_t* bases,
+                                                std::span<const uint64_t> page_bytes,
+                                                const int32_t* pages, int64_t num_pages,
                                                 std::span<const UnitSpan> units, uint8_t* payload);
 
 // ---- Chunk header ---------------------------------------------------------------------------
@@ -217,37 +238,42 @@ struct ChunkHeader {
   int32_t num_layers = 0;  // L of the sender's pool (the receiver's must match)
   int32_t layer_begin = 0;
   int32_t layer_end = 0;
+  uint32_t num_buffers = 0;        // buffers of layers [layer_begin, layer_end) at the sender
+  bool whole_pages = false;        // every buffer's whole page (its own page bytes); no units
   std::vector<UnitSpan> units;     // destination offset and bytes of each unit
   std::vector<int32_t> dst_pages;  // the chunk's destination pages, in payload order
-  uint64_t payload_bytes = 0;
+  uint64_t payload_bytes = 0;      // units: units x buffers x pages; whole pages: the sender's
 
   friend bool operator==(const ChunkHeader&, const ChunkHeader&) = default;
 };
-
-// Payload bytes a kChunk header describes (units x 2 x layers x pages).
-uint64_t HeaderPayloadBytes(const ChunkHeader& header);
 
 // Writes the header into `out` (kHeaderBytes, little-endian, unused bytes zero). The caller
 // guarantees the counts fit (the planner does): at most kMaxUnits units and kMaxChunkPages pages.
 void EncodeChunkHeader(const ChunkHeader& header, std::span<uint8_t> out);
 
-// Decodes a header the receiver got in step `expected_step`: magic, version, kind, step, unit
-// and page counts, and a payload size that matches the description and fits payload_capacity.
-// Any failure is DataLoss (the peers disagree about the protocol: the pair cannot continue).
+// Decodes a header the receiver got in step `expected_step`: magic, version, kind, step,
+// reserved bytes zero, unit, page and buffer counts, the whole-page marker (set exactly when no
+// units are named), and a payload size that fits payload_capacity and, for units, matches the
+// description. Any failure is DataLoss naming the field and its value (the peers disagree about
+// the protocol: the pair cannot continue). A whole-page chunk's size depends on the buffers'
+// page bytes, which only CheckChunkFits knows.
 StatusOr<ChunkHeader> DecodeChunkHeader(std::span<const uint8_t> bytes, uint64_t expected_step,
                                         uint64_t payload_capacity);
 
-// The receiver's pool as a chunk must fit it.
+// The receiver's pool as a chunk must fit it: its layer table and, by buffer index, each
+// buffer's page bytes and length (one entry per buffer of the table).
 struct ReceiverLayout {
-  int32_t num_layers = 0;
-  uint64_t item_len = 0;               // bytes of one page of one buffer
-  std::vector<uint64_t> buffer_bytes;  // [2L] length of each buffer
+  LayerTable layers;
+  std::vector<uint64_t> item_len;
+  std::vector<uint64_t> buffer_len;
 };
 
 // OK when a decoded kChunk header fits the receiver's pool: same layer count, layer range inside
-// it, every unit inside one page, every destination page inside every buffer of the chunk.
-// OutOfRange / InvalidArgument naming the value otherwise (the chunk is then dropped and its
-// write fails; the pair continues).
+// it holding num_buffers buffers here, every unit inside the page of every buffer of the chunk,
+// a whole-page chunk's payload equal to its pages of this side's buffers (the page bytes agree),
+// every destination page inside every buffer of the chunk. OutOfRange / InvalidArgument naming
+// the value otherwise (the chunk is then received and dropped and its write fails; the pair
+// continues, since the receive's size came from the header).
 Status CheckChunkFits(const ChunkHeader& header, const ReceiverLayout& layout);
 
 // ---- Acknowledgement ------------------------------------------------------------------------
