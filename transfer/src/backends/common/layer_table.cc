@@ -47,28 +47,6 @@ StatusOr<LayerTable> LayerTable::FromLayers(std::span<const int32_t> layers) {
   return table;
 }
 
-Status LayerTable::CheckKeyValueOrder(std::string_view backend) const {
-  const size_t n = static_cast<size_t>(num_layers());
-  // order_ lists each layer's buffers in registration order: K/V order means layer l holds
-  // exactly buffers l and n + l.
-  for (size_t l = 0; l < n; ++l) {
-    const size_t count = first_[l + 1] - first_[l];
-    const uint32_t* b = order_.data() + first_[l];
-    if (count != 2 || b[0] != l || b[1] != n + l) {
-      std::string held;
-      for (size_t i = 0; i < count; ++i) held += (i == 0 ? "" : ", ") + std::to_string(b[i]);
-      return Unimplemented(std::string(backend) + " moves K/V layouts only (K of layers 0.." +
-                           std::to_string(n - 1) + " then V: layer l in buffers l and " +
-                           std::to_string(n) + " + l), but transfer layer " + std::to_string(l) +
-                           " is in buffers [" + held + "], not [" + std::to_string(l) + ", " +
-                           std::to_string(n + l) +
-                           "]; move layouts with latent or draft groups through cuda_ipc or "
-                           "loopback, or set LocalRegion::layer in the layout's order");
-    }
-  }
-  return OkStatus();
-}
-
 Status LayerTable::CheckRange(int32_t num_layers, int32_t begin, int32_t end) const {
   const std::string n = std::to_string(this->num_layers());
   if (num_layers != this->num_layers()) {

@@ -40,12 +40,6 @@ class LayerTable {
   // [0, num_layers] with begin <= end; InvalidArgument naming both otherwise.
   Status CheckRange(int32_t num_layers, int32_t begin, int32_t end) const;
 
-  // OK when the buffers are exactly K of layers 0..n-1 then V of layers 0..n-1 (buffer b of
-  // layer b % n, 2n buffers): the one layout a backend that addresses buffers as l and n + l
-  // can move. Unimplemented otherwise, naming `backend`, the first buffer that differs and its
-  // layer, and what to use instead.
-  Status CheckKeyValueOrder(std::string_view backend) const;
-
   // The buffers of layers [begin, end) in move order; the range must pass CheckRange.
   std::span<const uint32_t> Buffers(int32_t begin, int32_t end) const {
     return std::span<const uint32_t>(order_).subspan(
