@@ -345,6 +345,7 @@ bool DecodeSide::FailLocked(DecodeRoom& room, Status why) {
 }
 
 void DecodeSide::SucceedLocked(DecodeRoom& room) {
+  if (IsFinal(room.state)) return;  // a late done changes nothing, nor the failure's reason
   room.status = OkStatus();
   if (table_.Advance(room, RequestState::kSuccess)) OnFinalLocked(room);
 }
@@ -398,6 +399,13 @@ void DecodeSide::OnPeerMessage(PeerHandle peer_id, const v1::Envelope& envelope)
       const v1::TransferDone& done = envelope.transfer_done();
       if (DecodeRoom* room = RoomOfLocked(peer_id, done.room_id())) {
         // The prefill side sends done only after its writes are visible or quiesced.
+        if (IsFinal(room->state)) {
+          // The room ended here first (aborted, its deadline, the session's end): its outcome
+          // and its aux slot, which the caller may have handed to another request, stay as they
+          // are; the done still proves that no write of it lands any more.
+          MarkReusableLocked(*room);
+          return;
+        }
         room->bytes = done.bytes();
         Status aux = done.status() == v1::STATUS_CODE_OK ? StoreAuxLocked(*room, done)
                                                          : OkStatus();
