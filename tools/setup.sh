@@ -17,6 +17,11 @@ packages=(
   libspdlog-dev libfmt-dev libcli11-dev nlohmann-json3-dev libxxhash-dev libssl-dev
   iproute2 procps nftables
   clang-14 libfuzzer-14-dev libclang-rt-14-dev  # libFuzzer; the ASan, UBSan and TSan runtimes
+  # The Python package (python/, KVT_BUILD_PYTHON) and its tests; setuptools and venv for
+  # `pip install --no-build-isolation .`; torch for the tests' torch pools (numpy without it).
+  pybind11-dev python3-dev python3-numpy python3-pytest python3-setuptools python3-venv
+  python3-pip
+  python3-torch
 )
 
 missing=()

@@ -1,0 +1,363 @@
+"""TransferEngine, its requests, and their states (numbered like SGLang's KVPoll)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any, Optional, Union
+
+from . import _kvt
+from ._errors import TransferError, from_status
+from ._layout import TransferLayout, _is_torch_tensor
+
+__all__ = ["KVPoll", "Peer", "Request", "RequestInfo", "TransferEngine"]
+
+
+class KVPoll(enum.IntEnum):
+    """A request's state, numbered like SGLang's ``KVPoll``: ranks may all-reduce the MIN.
+
+    States only move forward: Bootstrapping -> WaitingForInput -> Transferring -> Success, or
+    to Failed from any of them.
+    """
+
+    Failed = 0
+    Bootstrapping = 1
+    WaitingForInput = 2
+    Transferring = 3
+    Success = 4
+
+
+# kvt's RequestState (kBootstrapping=0 .. kSuccess=3, kFailed=4) -> KVPoll.
+_POLL = (KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Transferring, KVPoll.Success,
+         KVPoll.Failed)
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestInfo:
+    """One request's state, bytes and timeline.
+
+    Times are seconds on :func:`time.monotonic`'s clock (one clock for every process of a
+    host), ``None`` where the point was not reached. Decode: ``request_sent`` (the request went
+    to the prefill engine), ``finished`` (the data is in the pool). Prefill: ``request_seen``,
+    ``source_ready`` (request, send and layers all in), ``first_post`` / ``last_post`` (writes
+    accepted by the backend), ``finished`` (every write visible at the peer).
+    """
+
+    room: str
+    state: KVPoll
+    code: str  # "OK", or the failure's status code name
+    reason: str  # why it failed ("" otherwise)
+    bytes: int  # written (prefill) / delivered (decode)
+    layers_posted: int
+    pages_reusable: bool  # decode: no write into the request's pages can land any more
+    created: Optional[float]
+    finished: Optional[float]
+    request_sent: Optional[float]
+    request_seen: Optional[float]
+    source_ready: Optional[float]
+    first_post: Optional[float]
+    last_post: Optional[float]
+
+    @classmethod
+    def _from_dict(cls, d: dict[str, Any]) -> "RequestInfo":
+        fields = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in d.items() if k in fields}
+        values["state"] = _POLL[d["state"]]
+        return cls(**values)
+
+    @property
+    def elapsed(self) -> Optional[float]:
+        """Seconds from creation to the final state (None while not final)."""
+        if self.created is None or self.finished is None:
+            return None
+        return self.finished - self.created
+
+
+@dataclasses.dataclass(frozen=True)
+class Peer:
+    """A prefill engine a decode engine is connected to (from :meth:`TransferEngine.connect`)."""
+
+    handle: int
+    host: str
+    port: int
+
+
+def _pages(pages: Any, what: str) -> Any:
+    """Page lists as the native layer takes them: torch CPU tensors become numpy views."""
+    if _is_torch_tensor(pages):
+        if pages.device.type != "cpu":
+            raise ValueError(f"{what} is on {pages.device}: page lists must be CPU tensors; "
+                             "pass pages.cpu()")
+        name = str(pages.dtype).replace("torch.", "")
+        if name not in ("int32", "int64"):
+            raise ValueError(f"{what} has dtype {name}: page lists must be int32 or int64")
+        return pages.detach().contiguous().numpy()
+    return pages
+
+
+def _seconds(value: Optional[float], what: str) -> float:
+    if value is None:
+        return 0.0
+    if value < 0:
+        raise ValueError(f"{what} = {value}: must be >= 0 seconds (None: the engine's default)")
+    return float(value)
+
+
+def _event_handle(event: Any) -> int:
+    if event is None:
+        return 0
+    if isinstance(event, int):
+        return event
+    handle = getattr(event, "cuda_event", None)  # torch.cuda.Event
+    if isinstance(handle, int):
+        return handle
+    raise TypeError(f"event must be a torch.cuda.Event, a raw cudaEvent_t handle (int) or None, "
+                    f"got {type(event).__name__}")
+
+
+class Request:
+    """One room on one engine: a decode request from :meth:`TransferEngine.receive`, or a
+    prefill room from :meth:`TransferEngine.send`. Cheap handle; thread-safe."""
+
+    def __init__(self, engine: "TransferEngine", room: str):
+        self._engine = engine
+        self.room = room
+
+    def info(self) -> RequestInfo:
+        """State, bytes and timeline (KeyError when the engine forgot the room)."""
+        return RequestInfo._from_dict(self._engine._native_engine().get(self.room))
+
+    def poll(self) -> KVPoll:
+        """The current state (KeyError when the engine forgot the room)."""
+        return _POLL[self._engine._native_engine().get(self.room)["state"]]
+
+    def failure_exception(self) -> Optional[TransferError]:
+        """The failure as an exception to raise (a TransferError with ``room`` and ``reason``;
+        a TransferTimeoutError for a deadline), or None when the request has not failed."""
+        d = self._engine._native_engine().get(self.room)
+        if _POLL[d["state"]] != KVPoll.Failed:
+            return None
+        exc = from_status(d["code"], d["reason"], self.room)
+        if not isinstance(exc, TransferError):
+            exc = TransferError(str(exc), room=self.room, reason=d["reason"], code=d["code"])
+        return exc
+
+    def wait(self, timeout: Optional[float] = None) -> KVPoll:
+        """Waits until the request is final (without holding the GIL) and returns
+        KVPoll.Success or KVPoll.Failed. ``timeout`` in seconds (None: no limit).
+
+        Raises:
+            TimeoutError: ``timeout`` passed first.
+            KeyError: the engine does not know the room.
+        """
+        native = self._engine._native_engine()
+        if timeout is None:
+            while True:
+                d = native.wait(self.room, 3600.0)
+                if d is not None:
+                    return _POLL[d["state"]]
+        d = native.wait(self.room, _seconds(timeout, "timeout"))
+        if d is None:
+            raise TimeoutError(f"room {self.room!r} is not final after {timeout} s "
+                               f"(state {self.poll().name})")
+        return _POLL[d["state"]]
+
+    def abort(self, reason: str = "aborted by the caller") -> None:
+        """Fails the room with Aborted and tells the peer. No effect when already final."""
+        self._engine._native_engine().abort(self.room, reason)
+
+    def forget(self) -> None:
+        """Drops the final room's record now (TransferError while it is not final)."""
+        self._engine._native_engine().forget(self.room)
+
+    def __repr__(self) -> str:
+        try:
+            state = self.poll().name
+        except Exception:  # noqa: BLE001 - repr must not raise
+            state = "unknown"
+        return f"Request(room={self.room!r}, state={state})"
+
+
+class TransferEngine:
+    """Moves KV pages of a :class:`TransferLayout` between a prefill and a decode engine.
+
+    A prefill engine listens on a control port (``port``; 0: any free port) and writes pages;
+    a decode engine connects to prefill engines and receives into its pages::
+
+        decode:  peer = engine.connect(host, port)
+                 req = engine.receive(room, peer, dst_pages)
+        prefill: req = engine.send(room, src_pages)
+                 engine.layers_ready(room, n)   # as layers are written, or once with all
+        both:    req.poll() / req.wait(timeout) / req.abort(reason)
+
+    Thread safety: every method may be called from any thread; calls that can block or copy
+    release the GIL. Use as a context manager or call :meth:`close` to stop it (a prefill
+    engine fails its open rooms and quiesces their writes first).
+
+    Args:
+        role: "prefill" or "decode".
+        layout: the memory to register (kept alive by the engine).
+        backend: "ucx" (host and device memory), "cuda_ipc" (CUDA memory on one host),
+            "nccl" or "loopback" (one process); see :func:`kvt.backend_names`.
+        name: the agent name used in hellos.
+        port, bind: the prefill engine's control port and bind address.
+        cluster_token: shared secret of the cluster ("" for none).
+        deadline: default request deadline in seconds.
+        ucx_tls: UCX transports for backend="ucx" (UCX_TLS syntax, e.g. "tcp"; "": UCX's).
+        hello_timeout, peer_timeout, heartbeat_interval, retention: seconds; see the C++
+            EngineOptions (retention: how long final rooms are remembered).
+
+    Raises:
+        ValueError: a bad option or layout (naming it); TransferError: the backend or the
+            control server could not start (e.g. the port is taken).
+    """
+
+    def __init__(
+        self,
+        role: str,
+        layout: TransferLayout,
+        *,
+        backend: str = "ucx",
+        name: str = "kvt",
+        port: int = 0,
+        bind: str = "127.0.0.1",
+        cluster_token: str = "",
+        deadline: float = 30.0,
+        ucx_tls: str = "",
+        hello_timeout: float = 10.0,
+        peer_timeout: float = 10.0,
+        heartbeat_interval: float = 1.0,
+        retention: float = 120.0,
+    ):
+        if role not in ("prefill", "decode"):
+            raise ValueError(f"role={role!r}: use 'prefill' or 'decode'")
+        if not isinstance(layout, TransferLayout):
+            raise TypeError(f"layout must be a kvt.TransferLayout, got {type(layout).__name__}")
+        self.role = role
+        self.layout = layout
+        self._engine = _kvt.Engine(
+            layout._native, role == "prefill", backend, ucx_tls, name, bind, int(port),
+            cluster_token, _seconds(deadline, "deadline"),
+            _seconds(hello_timeout, "hello_timeout"), _seconds(peer_timeout, "peer_timeout"),
+            _seconds(heartbeat_interval, "heartbeat_interval"), _seconds(retention, "retention"))
+
+    def _native_engine(self) -> Any:
+        return self._engine
+
+    @property
+    def port(self) -> int:
+        """The prefill engine's bound control port."""
+        return self._engine.port
+
+    @property
+    def backend(self) -> str:
+        """The backend's name."""
+        return self._engine.backend_name
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran."""
+        return self._engine.closed
+
+    # ---- decode side ---------------------------------------------------------------------
+    def connect(self, host: str, port: int) -> Peer:
+        """Connects to the prefill engine at host:port (layouts are compared in the hello; a
+        mismatch raises TransferError naming both sides' values). Connecting again to a live
+        address returns the same peer."""
+        return Peer(self._engine.connect(host, int(port)), host, int(port))
+
+    def receive(
+        self,
+        room: Union[str, int],
+        peer: Union[Peer, int],
+        dst_pages: Any,
+        aux_slot: Optional[int] = None,
+        deadline: Optional[float] = None,
+        layers: Union[None, int, tuple[int, int], range] = None,
+    ) -> Request:
+        """Asks ``peer`` for the room's KV into ``dst_pages`` (token order; ids >= 1; a numpy
+        int32/int64 array, a list, or a CPU torch int32/int64 tensor).
+
+        Args:
+            aux_slot: this engine's aux slot that receives the prefill slot's bytes.
+            deadline: seconds (None: the engine's default).
+            layers: None (every layer), n (layers [0, n)), (begin, end) or a range.
+
+        Raises:
+            ValueError: a bad page id (naming its position and value) or argument.
+            OutOfRangeError: a page id past the pool's end.
+            TransferError: an unknown or lost peer (code "FailedPrecondition" /
+                "Unavailable").
+        """
+        begin, end = 0, -1
+        if isinstance(layers, range):
+            begin, end = layers.start, layers.stop
+        elif isinstance(layers, tuple):
+            begin, end = layers
+        elif layers is not None:
+            end = int(layers)
+        handle = peer.handle if isinstance(peer, Peer) else int(peer)
+        room = str(room)
+        self._engine.receive(room, handle, _pages(dst_pages, "dst_pages"),
+                             _seconds(deadline, "deadline"), int(begin), int(end),
+                             -1 if aux_slot is None else int(aux_slot))
+        return Request(self, room)
+
+    # ---- prefill side --------------------------------------------------------------------
+    def send(
+        self,
+        room: Union[str, int],
+        src_pages: Any,
+        aux_slot: Optional[int] = None,
+        is_last: bool = True,
+        deadline: Optional[float] = None,
+    ) -> Request:
+        """Declares the room's source pages (a chunk of them with ``is_last=False``); the
+        transfer starts when the decode side's request is known too and layers are ready
+        (:meth:`layers_ready`). ``aux_slot``: this engine's aux slot whose bytes go with the
+        request (write them before the last layers_ready)."""
+        room = str(room)
+        self._engine.send(room, _pages(src_pages, "src_pages"), _seconds(deadline, "deadline"),
+                          bool(is_last), -1 if aux_slot is None else int(aux_slot))
+        return Request(self, room)
+
+    def layers_ready(self, room: Union[str, int], n: int, event: Any = None) -> None:
+        """Layers [0, n) of the room's latest chunk are written; their pages may go out.
+
+        ``event``: for CUDA pools, a ``torch.cuda.Event`` (or a raw cudaEvent_t as an int)
+        recorded after those layers were written; the copy waits for it on the GPU."""
+        self._engine.layers_ready(str(room), int(n), _event_handle(event))
+
+    # ---- both sides ----------------------------------------------------------------------
+    def request(self, room: Union[str, int]) -> Request:
+        """The handle of a room this engine knows (KeyError otherwise)."""
+        room = str(room)
+        self._engine.get(room)
+        return Request(self, room)
+
+    def abort(self, room: Union[str, int], reason: str = "aborted by the caller") -> None:
+        """Fails the room with Aborted and tells the peer (KeyError when unknown)."""
+        self._engine.abort(str(room), reason)
+
+    def stats(self) -> dict[str, int]:
+        """requests_succeeded, requests_failed, bytes (of successful requests), writes_posted,
+        runs_posted (coalesced copy runs)."""
+        return dict(self._engine.stats())
+
+    def close(self) -> None:
+        """Stops the engine (waits for its threads without holding the GIL). Idempotent."""
+        self._engine.close()
+
+    def __enter__(self) -> "TransferEngine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        if self.closed:
+            return f"TransferEngine(role={self.role!r}, closed)"
+        port = f", port={self.port}" if self.role == "prefill" else ""
+        return f"TransferEngine(role={self.role!r}, backend={self.backend!r}{port})"
+
+

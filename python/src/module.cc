@@ -1,0 +1,544 @@
+// kvt._kvt: the pybind11 layer under the `kvt` Python package.
+//
+// This module is deliberately thin: it converts Python values (ints, lists, numpy arrays) to the
+// C++ API's types, releases the GIL around every call that can block or copy, and turns a
+// non-OK kvt::Status into a Python exception through kvt._errors (which owns the exception
+// classes and their mapping). Argument defaults, torch handling and documentation of the public
+// API live in the pure-Python package (kvt/__init__.py and friends); names here are private.
+//
+// Thread safety: every function may be called from any Python thread; the engine and the
+// registry client are thread-safe (kvt/transfer/engine.h, registry.h).
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <chrono>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kvt/common/dtype.h"
+#include "kvt/common/status.h"
+#include "kvt/transfer/backends.h"
+#include "kvt/transfer/engine.h"
+#include "kvt/transfer/layout.h"
+#include "kvt/transfer/registry.h"
+
+namespace py = pybind11;
+using namespace std::chrono_literals;
+
+namespace kvt::python {
+namespace {
+
+// Carries a non-OK Status (and the room it concerns) to the exception translator.
+struct StatusError {
+  Status status;
+  std::string room;
+};
+
+void ThrowIfError(const Status& status, const std::string& room = {}) {
+  if (!status.ok()) throw StatusError{status, room};
+}
+
+template <typename T>
+T ValueOrThrow(StatusOr<T> result, const std::string& room = {}) {
+  if (!result.ok()) throw StatusError{result.status(), room};
+  return std::move(result).value();
+}
+
+// A one-dimensional array of integers from an int, a sequence or any buffer (numpy arrays; the
+// Python layer hands torch tensors over as their numpy views). Converted in C++: no Python-level
+// loop. Values outside [lo, hi] are refused naming the position and the value.
+std::vector<int64_t> ToInt64s(py::handle obj, const char* what, int64_t lo, int64_t hi) {
+  if (obj.is_none()) return {};
+  if (py::isinstance<py::int_>(obj)) {
+    py::list one;
+    one.append(obj);
+    return ToInt64s(one, what, lo, hi);
+  }
+  py::array any = py::array::ensure(obj);
+  if (!any) {
+    PyErr_Clear();
+    throw py::type_error(std::string(what) + ": expected an int, a list of ints or a " +
+                         "one-dimensional integer array, got " +
+                         std::string(py::str(py::type::handle_of(obj).attr("__name__"))));
+  }
+  if (any.ndim() != 1) {
+    throw py::value_error(std::string(what) + ": expected a one-dimensional array, got " +
+                          std::to_string(any.ndim()) + " dimensions; flatten it first");
+  }
+  if (any.size() == 0) return {};
+  const char kind = any.dtype().kind();
+  if (kind != 'i' && kind != 'u') {
+    throw py::value_error(std::string(what) + ": expected integers, got an array of dtype " +
+                          std::string(py::str(any.dtype())) + "; convert it to int32 or int64");
+  }
+  std::vector<int64_t> out(static_cast<size_t>(any.size()));
+  if (kind == 'u' && any.dtype().itemsize() == 8) {
+    auto u = py::array_t<uint64_t, py::array::c_style | py::array::forcecast>::ensure(any);
+    const uint64_t* p = u.data();
+    for (size_t i = 0; i < out.size(); ++i) {
+      if (p[i] > static_cast<uint64_t>(hi)) {
+        throw py::value_error(std::string(what) + "[" + std::to_string(i) +
+                              "] = " + std::to_string(p[i]) + " is out of range (at most " +
+                              std::to_string(hi) + ")");
+      }
+      out[i] = static_cast<int64_t>(p[i]);
+    }
+    return out;
+  }
+  auto s = py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(any);
+  const int64_t* p = s.data();
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (p[i] < lo || p[i] > hi) {
+      throw py::value_error(std::string(what) + "[" + std::to_string(i) +
+                            "] = " + std::to_string(p[i]) + " is out of range [" +
+                            std::to_string(lo) + ", " + std::to_string(hi) + "]");
+    }
+    out[i] = p[i];
+  }
+  return out;
+}
+
+// Page ids: int32 as the engine takes them. Ids past the pool's end are the engine's to refuse
+// (it knows the pool); 0 and negative ids are refused here, naming the position and the value.
+std::vector<int32_t> ToPages(py::handle obj, const char* what) {
+  std::vector<int64_t> wide =
+      ToInt64s(obj, what, std::numeric_limits<int32_t>::min(), std::numeric_limits<int32_t>::max());
+  std::vector<int32_t> pages(wide.size());
+  for (size_t i = 0; i < wide.size(); ++i) {
+    if (wide[i] < 1) {
+      throw py::value_error(std::string(what) + "[" + std::to_string(i) +
+                            "] = " + std::to_string(wide[i]) +
+                            ": page ids start at 1 (page 0 is the pool's dummy page)");
+    }
+    pages[i] = static_cast<int32_t>(wide[i]);
+  }
+  return pages;
+}
+
+std::vector<uint64_t> ToPointers(py::handle obj, const char* what) {
+  std::vector<int64_t> wide = ToInt64s(obj, what, 0, std::numeric_limits<int64_t>::max());
+  return {wide.begin(), wide.end()};
+}
+
+std::chrono::milliseconds Millis(double seconds) {
+  if (!(seconds >= 0)) throw py::value_error("a duration must be >= 0 seconds");
+  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000.0 + 0.5));
+}
+
+// Seconds on time.monotonic()'s clock (steady_clock is CLOCK_MONOTONIC on Linux, as is
+// Python's monotonic clock); None for a point not reached.
+py::object Seconds(std::chrono::steady_clock::time_point t) {
+  if (t.time_since_epoch().count() == 0) return py::none();
+  return py::float_(std::chrono::duration<double>(t.time_since_epoch()).count());
+}
+
+py::dict InfoDict(const transfer::RequestInfo& info) {
+  py::dict d;
+  d["room"] = info.room;
+  d["state"] = static_cast<int>(info.state);
+  d["state_name"] = transfer::RequestStateName(info.state);
+  d["code"] = std::string(StatusCodeName(info.status.code()));
+  d["reason"] = info.status.message();
+  d["bytes"] = info.bytes;
+  d["layers_posted"] = info.layers_posted;
+  d["pages_reusable"] = info.pages_reusable;
+  d["created"] = Seconds(info.created);
+  d["finished"] = Seconds(info.finished);
+  d["request_sent"] = Seconds(info.request_sent);
+  d["request_seen"] = Seconds(info.request_seen);
+  d["source_ready"] = Seconds(info.source_ready);
+  d["first_post"] = Seconds(info.first_post);
+  d["last_post"] = Seconds(info.last_post);
+  return d;
+}
+
+py::dict LayoutDict(const transfer::TransferLayout& layout) {
+  py::dict d;
+  d["page_size"] = layout.page_size;
+  d["num_layers"] = layout.num_layers();
+  d["num_buffers"] = layout.num_buffers();
+  d["num_pages"] = layout.num_pages();
+  d["num_aux_slots"] = layout.num_aux_slots();
+  d["device"] = layout.device;
+  d["tp_rank"] = layout.tp_rank;
+  d["tp_size"] = layout.tp_size;
+  py::list groups;
+  for (size_t g = 0; g < layout.groups.size(); ++g) {
+    const auto& group = layout.groups[g];
+    py::dict gd;
+    gd["shape"] = transfer::KvShapeName(group.shape);
+    gd["num_layers"] = group.num_layers;
+    gd["head_num"] = group.head_num;
+    gd["head_dim"] = group.head_dim;
+    gd["dtype"] = std::string(DTypeName(group.dtype));
+    gd["page_bytes"] = layout.page_bytes(g);
+    gd["num_buffers"] = group.buffers.size();
+    groups.append(gd);
+  }
+  d["groups"] = groups;
+  return d;
+}
+
+struct Layout {
+  transfer::TransferLayout layout;
+};
+
+Layout LayoutFromBufInfos(py::handle ptrs, py::handle lens, py::handle item_lens,
+                          uint32_t page_size, const std::string& dtype, uint32_t head_num,
+                          uint32_t head_dim, bool latent, int32_t device, py::handle unit_lens,
+                          size_t target_buffers, uint32_t draft_head_num, uint32_t draft_head_dim,
+                          uint32_t tp_rank, uint32_t tp_size, uint32_t total_kv_heads,
+                          py::handle aux_ptrs, py::handle aux_lens, py::handle aux_item_lens) {
+  const int64_t kMax = std::numeric_limits<int64_t>::max();
+  std::vector<uint64_t> p = ToPointers(ptrs, "kv_data_ptrs");
+  std::vector<int64_t> l = ToInt64s(lens, "kv_data_lens", 0, kMax);
+  std::vector<int64_t> il = ToInt64s(item_lens, "kv_item_lens", 0, kMax);
+  std::vector<int64_t> ul = ToInt64s(unit_lens, "unit_lens", 0, kMax);
+  std::vector<uint64_t> ap = ToPointers(aux_ptrs, "aux_data_ptrs");
+  std::vector<int64_t> al = ToInt64s(aux_lens, "aux_data_lens", 0, kMax);
+  std::vector<int64_t> ail = ToInt64s(aux_item_lens, "aux_item_lens", 0, kMax);
+  transfer::TransferLayout::BufInfoOptions o;
+  o.page_size = page_size;
+  o.dtype = ValueOrThrow(ParseDType(dtype));
+  o.head_num = head_num;
+  o.head_dim = head_dim;
+  o.shape = latent ? transfer::KvShape::kLatent : transfer::KvShape::kKeyValue;
+  o.device = device;
+  o.tp_rank = tp_rank;
+  o.tp_size = tp_size;
+  o.total_kv_heads = total_kv_heads;
+  o.target_buffers = target_buffers;
+  o.draft_head_num = draft_head_num;
+  o.draft_head_dim = draft_head_dim;
+  o.unit_lens = ul;
+  StatusOr<transfer::TransferLayout> layout = [&] {  // Validate walks the memory's mappings
+    py::gil_scoped_release release;
+    return transfer::TransferLayout::FromBufInfos(p, l, il, o, ap, al, ail);
+  }();
+  return Layout{ValueOrThrow(std::move(layout))};
+}
+
+// The engine, closable before the Python object goes away (destruction waits for threads and
+// quiesces writes, so it runs without the GIL).
+class Engine {
+ public:
+  Engine(const Layout& layout, bool prefill, const std::string& backend, const std::string& ucx_tls,
+         const std::string& name, const std::string& bind, uint16_t port,
+         const std::string& cluster_token, double deadline, double hello_timeout,
+         double peer_timeout, double heartbeat_interval, double retention) {
+    transfer::EngineOptions o;
+    o.name = name;
+    o.prefill = prefill;
+    o.backend = ValueOrThrow(transfer::DefaultBackendConfig(backend));
+    if (!ucx_tls.empty()) {
+      auto* ucx = std::get_if<transfer::UcxOptions>(&o.backend);
+      if (ucx == nullptr) {
+        throw py::value_error("ucx_tls='" + ucx_tls + "' applies to backend='ucx' only, not '" +
+                              backend + "'; drop ucx_tls or use backend='ucx'");
+      }
+      ucx->transports = ucx_tls;
+    }
+    o.server.bind_address = bind;
+    o.server.port = port;
+    o.server.cluster_token = cluster_token;
+    o.cluster_token = cluster_token;
+    o.default_deadline = Millis(deadline);
+    o.hello_timeout = Millis(hello_timeout);
+    o.peer_timeout = Millis(peer_timeout);
+    o.heartbeat_interval = Millis(heartbeat_interval);
+    o.retention = Millis(retention);
+    StatusOr<std::unique_ptr<transfer::TransferEngine>> engine = [&] {
+      py::gil_scoped_release release;
+      return transfer::TransferEngine::Create(o, layout.layout);
+    }();
+    engine_ = ValueOrThrow(std::move(engine));
+  }
+  ~Engine() {
+    if (engine_ == nullptr) return;
+    if (PyGILState_Check() && !_Py_IsFinalizing()) {
+      py::gil_scoped_release release;
+      engine_.reset();
+    } else {
+      engine_.reset();
+    }
+  }
+
+  void Close() {
+    std::unique_ptr<transfer::TransferEngine> engine = std::move(engine_);
+    py::gil_scoped_release release;
+    engine.reset();
+  }
+  bool closed() const { return engine_ == nullptr; }
+
+  transfer::TransferEngine& get() const {
+    if (engine_ == nullptr) {
+      throw py::value_error("the engine is closed; create a new TransferEngine");
+    }
+    return *engine_;
+  }
+
+  uint16_t port() const { return get().port(); }
+  std::string backend_name() const { return std::string(get().backend_name()); }
+  py::dict layout() const { return LayoutDict(get().layout()); }
+
+  uint64_t Connect(const std::string& host, uint16_t port) {
+    auto& e = get();
+    py::gil_scoped_release release;
+    return ValueOrThrow(e.ConnectPeer(host, port));
+  }
+
+  void Receive(const std::string& room, uint64_t peer, py::handle pages, double deadline,
+               int32_t layer_begin, int32_t layer_end, int64_t aux_slot) {
+    auto& e = get();
+    transfer::ReceiveOptions o;
+    o.deadline = Millis(deadline);
+    o.layer_begin = layer_begin;
+    o.layer_end = layer_end;
+    o.aux_slot = aux_slot;
+    std::vector<int32_t> dst = ToPages(pages, "dst_pages");
+    py::gil_scoped_release release;
+    ThrowIfError(e.Receive(room, peer, std::move(dst), o), room);
+  }
+
+  void Send(const std::string& room, py::handle pages, double deadline, bool last,
+            int64_t aux_slot) {
+    auto& e = get();
+    transfer::SendOptions o;
+    o.deadline = Millis(deadline);
+    o.last = last;
+    o.aux_slot = aux_slot;
+    std::vector<int32_t> src = ToPages(pages, "src_pages");
+    py::gil_scoped_release release;
+    ThrowIfError(e.Send(room, std::move(src), o), room);
+  }
+
+  void LayersReady(const std::string& room, int32_t layers_done, uintptr_t event) {
+    auto& e = get();
+    py::gil_scoped_release release;
+    ThrowIfError(e.LayersReady(room, layers_done, reinterpret_cast<cudaEvent_t>(event)), room);
+  }
+
+  py::dict Get(const std::string& room) const {
+    auto& e = get();
+    StatusOr<transfer::RequestInfo> info = [&] {
+      py::gil_scoped_release release;
+      return e.GetRequest(room);
+    }();
+    return InfoDict(ValueOrThrow(std::move(info), room));
+  }
+
+  // The info once final; None when `timeout` passed first.
+  py::object Wait(const std::string& room, double timeout) const {
+    auto& e = get();
+    StatusOr<transfer::RequestInfo> info = [&] {
+      py::gil_scoped_release release;
+      return e.WaitRequest(room, Millis(timeout));
+    }();
+    if (!info.ok() && info.status().code() == StatusCode::kDeadlineExceeded) return py::none();
+    return InfoDict(ValueOrThrow(std::move(info), room));
+  }
+
+  void Abort(const std::string& room, const std::string& reason) {
+    auto& e = get();
+    py::gil_scoped_release release;
+    ThrowIfError(e.Abort(room, reason), room);
+  }
+
+  void Forget(const std::string& room) {
+    auto& e = get();
+    py::gil_scoped_release release;
+    ThrowIfError(e.Forget(room), room);
+  }
+
+  py::dict Stats() const {
+    transfer::EngineStats s = get().stats();
+    py::dict d;
+    d["requests_succeeded"] = s.requests_succeeded;
+    d["requests_failed"] = s.requests_failed;
+    d["bytes"] = s.bytes;
+    d["writes_posted"] = s.writes_posted;
+    d["runs_posted"] = s.runs_posted;
+    return d;
+  }
+
+ private:
+  std::unique_ptr<transfer::TransferEngine> engine_;
+};
+
+transfer::AgentRole ParseRole(const std::string& role) {
+  if (role == "any") return transfer::AgentRole::kAny;
+  if (role == "prefill") return transfer::AgentRole::kPrefill;
+  if (role == "decode") return transfer::AgentRole::kDecode;
+  if (role == "tool") return transfer::AgentRole::kTool;
+  throw py::value_error("role='" + role + "' is not a role; use 'prefill', 'decode' or 'any'");
+}
+
+py::dict EntryDict(const transfer::AgentEntry& entry) {
+  py::dict d;
+  d["name"] = entry.name;
+  d["role"] = transfer::AgentRoleName(entry.role);
+  d["tp_rank"] = entry.tp_rank;
+  d["tp_size"] = entry.tp_size;
+  d["control_address"] = entry.control_address;
+  d["host_id"] = entry.host_id;
+  if (entry.layout) {
+    py::dict l;
+    l["num_layers"] = entry.layout->num_layers;
+    l["page_size"] = entry.layout->page_size;
+    l["dtype"] = std::string(DTypeName(entry.layout->dtype));
+    l["head_num"] = entry.layout->head_num;
+    l["head_dim"] = entry.layout->head_dim;
+    l["num_pages"] = entry.layout->num_pages;
+    l["aux_slots"] = entry.layout->aux_slots;
+    d["layout"] = l;
+  } else {
+    d["layout"] = py::none();
+  }
+  return d;
+}
+
+transfer::RegistryClientOptions ClientOptions(const std::string& host, uint16_t port,
+                                              const std::string& client_id,
+                                              const std::string& cluster_token, double timeout,
+                                              transfer::AgentRole role) {
+  transfer::RegistryClientOptions o;
+  o.host = host;
+  o.port = port;
+  o.client_id = client_id;
+  o.cluster_token = cluster_token;
+  o.timeout = Millis(timeout);
+  o.role = role;
+  return o;
+}
+
+py::list RegistryLookup(const std::string& host, uint16_t port, const std::string& client_id,
+                        const std::string& cluster_token, double timeout, const std::string& name,
+                        const std::string& role, std::optional<uint32_t> tp_rank) {
+  auto o = ClientOptions(host, port, client_id, cluster_token, timeout, transfer::AgentRole::kTool);
+  transfer::AgentRole filter = ParseRole(role);
+  StatusOr<std::vector<transfer::AgentEntry>> entries = [&] {
+    py::gil_scoped_release release;
+    return transfer::RegistryClient::Lookup(o, name, filter, tp_rank);
+  }();
+  py::list out;
+  for (const auto& e : ValueOrThrow(std::move(entries))) out.append(EntryDict(e));
+  return out;
+}
+
+// A registration kept fresh by a background thread until closed.
+class Announcement {
+ public:
+  Announcement(const std::string& host, uint16_t port, const std::string& cluster_token,
+               double timeout, const std::string& name, const std::string& role,
+               const std::string& control_address, uint32_t tp_rank, uint32_t tp_size,
+               const std::string& host_id) {
+    transfer::AgentEntry self;
+    self.name = name;
+    self.role = ParseRole(role);
+    self.tp_rank = tp_rank;
+    self.tp_size = tp_size;
+    self.control_address = control_address;
+    self.host_id = host_id;
+    auto o = ClientOptions(host, port, name, cluster_token, timeout, self.role);
+    StatusOr<std::unique_ptr<transfer::RegistryClient>> client = [&] {
+      py::gil_scoped_release release;
+      return transfer::RegistryClient::Start(o, self);
+    }();
+    client_ = ValueOrThrow(std::move(client));
+  }
+  ~Announcement() {
+    if (client_ != nullptr && PyGILState_Check() && !_Py_IsFinalizing()) {
+      py::gil_scoped_release release;
+      client_.reset();
+    }
+  }
+  void Close() {
+    auto client = std::move(client_);
+    py::gil_scoped_release release;
+    client.reset();
+  }
+  uint64_t refreshes() const { return client_ ? client_->refreshes() : 0; }
+
+ private:
+  std::unique_ptr<transfer::RegistryClient> client_;
+};
+
+}  // namespace
+}  // namespace kvt::python
+
+using namespace kvt::python;  // NOLINT: the module body below binds this file's classes
+namespace transfer = kvt::transfer;
+using kvt::DTypeName;
+using kvt::ItemSize;
+using kvt::ParseDType;
+using kvt::StatusCodeName;
+
+PYBIND11_MODULE(_kvt, m) {
+  m.doc() = "kvt's C++ layer; use the kvt package, not this module.";
+
+  // Status -> exception through kvt._errors (imported lazily: it imports nothing from here).
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const StatusError& e) {
+      py::object errors = py::module_::import("kvt._errors");
+      py::object exc = errors.attr("from_status")(std::string(StatusCodeName(e.status.code())),
+                                                  e.status.message(), e.room);
+      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
+    }
+  });
+
+  py::class_<Layout>(m, "Layout")
+      .def_static("from_buf_infos", &LayoutFromBufInfos, py::arg("ptrs"), py::arg("lens"),
+                  py::arg("item_lens"), py::arg("page_size"), py::arg("dtype"), py::arg("head_num"),
+                  py::arg("head_dim"), py::arg("latent"), py::arg("device"), py::arg("unit_lens"),
+                  py::arg("target_buffers"), py::arg("draft_head_num"), py::arg("draft_head_dim"),
+                  py::arg("tp_rank"), py::arg("tp_size"), py::arg("total_kv_heads"),
+                  py::arg("aux_ptrs"), py::arg("aux_lens"), py::arg("aux_item_lens"))
+      .def("describe", [](const Layout& l) { return l.layout.Describe(); })
+      .def("summary", [](const Layout& l) { return LayoutDict(l.layout); });
+
+  py::class_<Engine>(m, "Engine")
+      .def(py::init<const Layout&, bool, const std::string&, const std::string&, const std::string&,
+                    const std::string&, uint16_t, const std::string&, double, double, double,
+                    double, double>(),
+           py::arg("layout"), py::arg("prefill"), py::arg("backend"), py::arg("ucx_tls"),
+           py::arg("name"), py::arg("bind"), py::arg("port"), py::arg("cluster_token"),
+           py::arg("deadline"), py::arg("hello_timeout"), py::arg("peer_timeout"),
+           py::arg("heartbeat_interval"), py::arg("retention"))
+      .def("close", &Engine::Close)
+      .def_property_readonly("closed", &Engine::closed)
+      .def_property_readonly("port", &Engine::port)
+      .def_property_readonly("backend_name", &Engine::backend_name)
+      .def("layout", &Engine::layout)
+      .def("connect", &Engine::Connect)
+      .def("receive", &Engine::Receive)
+      .def("send", &Engine::Send)
+      .def("layers_ready", &Engine::LayersReady)
+      .def("get", &Engine::Get)
+      .def("wait", &Engine::Wait)
+      .def("abort", &Engine::Abort)
+      .def("forget", &Engine::Forget)
+      .def("stats", &Engine::Stats);
+
+  m.def("registry_lookup", &RegistryLookup);
+  py::class_<Announcement>(m, "Announcement")
+      .def(py::init<const std::string&, uint16_t, const std::string&, double, const std::string&,
+                    const std::string&, const std::string&, uint32_t, uint32_t,
+                    const std::string&>())
+      .def("close", &Announcement::Close)
+      .def_property_readonly("refreshes", &Announcement::refreshes);
+
+  m.def("backend_names", [] { return transfer::BackendNames(); });
+  m.def("dtype_itemsize",
+        [](const std::string& name) { return ItemSize(ValueOrThrow(ParseDType(name))); });
+  m.def("dtype_name", [](const std::string& name) {
+    return std::string(DTypeName(ValueOrThrow(ParseDType(name))));
+  });
+}

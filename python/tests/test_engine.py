@@ -1,0 +1,176 @@
+"""The engine from Python in one process: requests, states, errors, aborts, deadlines, threads."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import kvt
+from conftest import LAYERS
+
+try:
+    import torch
+except ImportError:
+    torch = None
+
+
+def test_kvpoll_numbers_match_sglang() -> None:
+    assert [(s.name, int(s)) for s in kvt.KVPoll] == [
+        ("Failed", 0), ("Bootstrapping", 1), ("WaitingForInput", 2), ("Transferring", 3),
+        ("Success", 4)]
+
+
+def test_send_receive_states_info_and_stats(pair) -> None:
+    req = pair.decode.receive("r1", pair.peer, [5, 6, 7])
+    assert req.poll() in (kvt.KVPoll.Bootstrapping, kvt.KVPoll.WaitingForInput)
+    sent = pair.prefill.send("r1", np.array([9, 10, 11], dtype=np.int32))
+    pair.prefill.layers_ready("r1", LAYERS)
+    assert req.wait(10) == kvt.KVPoll.Success
+    assert sent.wait(10) == kvt.KVPoll.Success
+    assert pair.moved([9, 10, 11], [5, 6, 7])
+    info = req.info()
+    assert info.state == kvt.KVPoll.Success and info.pages_reusable and info.code == "OK"
+    assert info.bytes == 3 * 2 * LAYERS * pair.d_pool.page_view(0).shape[1]
+    assert info.created <= info.request_sent <= info.finished <= time.monotonic()
+    p_info = sent.info()
+    assert p_info.request_seen is not None and p_info.last_post is not None
+    assert req.failure_exception() is None
+    assert pair.decode.stats()["requests_succeeded"] == 1
+    assert pair.prefill.stats()["bytes"] == info.bytes
+    req.forget()
+    with pytest.raises(KeyError, match="r1"):
+        req.poll()
+
+
+@pytest.mark.skipif(torch is None, reason="torch is not importable")
+def test_torch_page_tensors(pair) -> None:
+    req = pair.decode.receive(7, pair.peer, torch.tensor([3, 4], dtype=torch.int64))
+    pair.prefill.send(7, torch.tensor([1, 2], dtype=torch.int32))
+    pair.prefill.layers_ready(7, LAYERS)
+    assert req.wait(10) == kvt.KVPoll.Success
+    assert pair.moved([1, 2], [3, 4])
+    with pytest.raises(ValueError, match="float32"):
+        pair.decode.receive("f", pair.peer, torch.tensor([1.0, 2.0]))
+
+
+def test_layerwise_and_aux(pair) -> None:
+    pair.p_pool.aux_view()[1] = np.arange(64, dtype=np.uint8)
+    req = pair.decode.receive("lw", pair.peer, [20, 21], aux_slot=3)
+    pair.prefill.send("lw", [30, 31], aux_slot=1)
+    pair.prefill.layers_ready("lw", 1)
+    pair.prefill.layers_ready("lw", LAYERS)
+    assert req.wait(10) == kvt.KVPoll.Success
+    assert pair.moved([30, 31], [20, 21])
+    assert np.array_equal(pair.d_pool.aux_view()[3], np.arange(64, dtype=np.uint8))
+
+
+@pytest.mark.parametrize("pages, match", [
+    ([0], r"dst_pages\[0\] = 0"),
+    ([3, -2], r"dst_pages\[1\] = -2"),
+    ([1, 2, 10_000], "10000"),
+    (np.array([1.5]), "float64"),
+    (np.zeros((2, 2), dtype=np.int32), "one-dimensional"),
+    ([2 ** 40], r"dst_pages\[0\] = 1099511627776"),
+])
+def test_bad_page_ids_name_the_value(pair, pages, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        pair.decode.receive("bad", pair.peer, pages)
+
+
+def test_page_past_the_end_is_out_of_range(pair) -> None:
+    with pytest.raises(kvt.OutOfRangeError) as e:
+        pair.prefill.send("oob", [pair.p_pool.num_pages])
+    assert isinstance(e.value, IndexError) and isinstance(e.value, ValueError)
+    assert str(pair.p_pool.num_pages) in str(e.value)
+
+
+def test_unknown_room_and_peer(pair) -> None:
+    with pytest.raises(KeyError, match="nope"):
+        pair.decode.request("nope")
+    with pytest.raises(KeyError):
+        pair.decode.abort("nope")
+    with pytest.raises(kvt.TransferError, match="12345") as e:
+        pair.decode.receive("r", 12345, [1])
+    assert e.value.room == "r" and e.value.code in ("FailedPrecondition", "Unavailable")
+
+
+def test_abort_from_decode(pair) -> None:
+    req = pair.decode.receive("ab-d", pair.peer, [1, 2])
+    sent = pair.prefill.send("ab-d", [3, 4])
+    req.abort("decode changed its mind")
+    assert req.poll() == kvt.KVPoll.Failed
+    exc = req.failure_exception()
+    assert isinstance(exc, kvt.TransferError)
+    assert exc.room == "ab-d" and "decode changed its mind" in exc.reason and exc.code == "Aborted"
+    assert sent.wait(10) == kvt.KVPoll.Failed
+    assert "decode changed its mind" in sent.failure_exception().reason
+
+
+def test_abort_from_prefill(pair) -> None:
+    req = pair.decode.receive("ab-p", pair.peer, [1, 2])
+    sent = pair.prefill.send("ab-p", [3, 4])
+    end = time.monotonic() + 10  # abort once the prefill side has the decode side's request
+    while sent.poll() == kvt.KVPoll.Bootstrapping and time.monotonic() < end:
+        time.sleep(0.005)
+    assert sent.poll() == kvt.KVPoll.WaitingForInput
+    pair.prefill.abort("ab-p", "prefill ran out of memory")
+    assert sent.poll() == kvt.KVPoll.Failed
+    assert req.wait(10) == kvt.KVPoll.Failed
+    exc = req.failure_exception()
+    assert isinstance(exc, kvt.TransferError) and "prefill ran out of memory" in exc.reason
+    with pytest.raises(kvt.TransferError):
+        raise exc
+
+
+def test_deadline(pair) -> None:
+    req = pair.decode.receive("late", pair.peer, [1], deadline=0.3)
+    assert req.wait(10) == kvt.KVPoll.Failed
+    exc = req.failure_exception()
+    assert isinstance(exc, kvt.TransferTimeoutError) and isinstance(exc, TimeoutError)
+    assert exc.code == "DeadlineExceeded" and exc.room == "late"
+
+
+def test_wait_timeout_raises(pair) -> None:
+    req = pair.decode.receive("slow", pair.peer, [1])
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="slow"):
+        req.wait(0.2)
+    assert time.monotonic() - t0 >= 0.19
+    req.abort()
+
+
+def test_a_second_thread_progresses_while_one_waits(pair) -> None:
+    req = pair.decode.receive("gil", pair.peer, [8, 9])
+    result = {}
+
+    def waiter() -> None:
+        result["state"] = req.wait(20)
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    # While the waiter blocks in C++ this thread runs Python code and drives the prefill side.
+    counter, end = 0, time.monotonic() + 0.3
+    while time.monotonic() < end:
+        counter += 1
+    assert t.is_alive() and counter > 10_000
+    pair.prefill.send("gil", [1, 2])
+    pair.prefill.layers_ready("gil", LAYERS)
+    t.join(20)
+    assert result["state"] == kvt.KVPoll.Success
+    assert pair.moved([1, 2], [8, 9])
+
+
+def test_engine_options_and_close(pair) -> None:
+    with pytest.raises(ValueError, match="role"):
+        kvt.TransferEngine("middle", pair.prefill.layout)
+    with pytest.raises(ValueError, match="unknown_backend|backend"):
+        kvt.TransferEngine("decode", pair.decode.layout, backend="unknown_backend")
+    assert "ucx" in kvt.backend_names()
+    assert pair.prefill.backend == "ucx" and pair.prefill.port > 0
+    pair.decode.close()
+    assert pair.decode.closed
+    with pytest.raises(ValueError, match="closed"):
+        pair.decode.receive("x", pair.peer, [1])
