@@ -174,3 +174,20 @@ def test_engine_options_and_close(pair) -> None:
     assert pair.decode.closed
     with pytest.raises(ValueError, match="closed"):
         pair.decode.receive("x", pair.peer, [1])
+
+
+def test_layers_ready_event_forms(pair) -> None:
+    from kvt._engine import _event_handle
+
+    class FakeTorchEvent:  # torch.cuda.Event exposes its cudaEvent_t as .cuda_event
+        cuda_event = 0x1234
+
+    assert _event_handle(None) == 0 and _event_handle(77) == 77
+    assert _event_handle(FakeTorchEvent()) == 0x1234
+    with pytest.raises(TypeError, match="torch.cuda.Event"):
+        pair.prefill.layers_ready("r", 1, event="not an event")
+    # A host pool with no event: the layers go out.
+    req = pair.decode.receive("ev", pair.peer, [12])
+    pair.prefill.send("ev", [13])
+    pair.prefill.layers_ready("ev", LAYERS, event=None)
+    assert req.wait() == kvt.KVPoll.Success and "Success" in repr(req)

@@ -129,3 +129,14 @@ def decode_main(cfg: dict, plan: list[dict], port_q, result_q) -> None:
         engine.close()
     except BaseException:  # noqa: BLE001
         result_q.put(("error", traceback.format_exc()))
+
+
+def idle_prefill_main(cfg: dict, port_q) -> None:
+    """A prefill engine that accepts requests and never sends (to be killed by the test)."""
+    import time
+
+    pool = ReferencePool(**cfg)
+    engine = kvt.TransferEngine("prefill", _layout(pool), name="py-doomed", deadline=60)
+    port_q.put(engine.port)
+    time.sleep(120)
+    engine.close()
