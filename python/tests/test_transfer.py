@@ -48,10 +48,12 @@ def _run(cfg: dict) -> tuple[dict, dict]:
                     proc.kill()
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp8_e4m3"])
-def test_two_processes_move_random_requests(dtype: str) -> None:
+# torch pools when torch imports (numpy otherwise), and one numpy pool either way.
+@pytest.mark.parametrize("dtype, use_torch", [("bf16", True), ("fp8_e4m3", True),
+                                              ("bf16", False)])
+def test_two_processes_move_random_requests(dtype: str, use_torch: bool) -> None:
     cfg = {"size": 64 * 16, "page_size": 16, "head_num": 2, "head_dim": 64, "layer_num": 4,
-           "dtype": dtype, "aux_slots": 8, "aux_bytes": 96}
+           "dtype": dtype, "aux_slots": 8, "aux_bytes": 96, "use_torch": use_torch}
     prefill, decode = _run(cfg)
     assert decode["errors"] == [], decode["errors"]
     success = int(kvt.KVPoll.Success)
