@@ -40,6 +40,15 @@ struct StatusError {
   std::string room;
 };
 
+// Whether the interpreter is shutting down (destructors then must not release the GIL).
+bool Finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing() != 0;
+#else
+  return _Py_IsFinalizing() != 0;
+#endif
+}
+
 void ThrowIfError(const Status& status, const std::string& room = {}) {
   if (!status.ok()) throw StatusError{status, room};
 }
@@ -261,7 +270,7 @@ class Engine {
   }
   ~Engine() {
     if (engine_ == nullptr) return;
-    if (PyGILState_Check() && !_Py_IsFinalizing()) {
+    if (PyGILState_Check() && !Finalizing()) {
       py::gil_scoped_release release;
       engine_.reset();
     } else {
@@ -453,7 +462,7 @@ class Announcement {
     client_ = ValueOrThrow(std::move(client));
   }
   ~Announcement() {
-    if (client_ != nullptr && PyGILState_Check() && !_Py_IsFinalizing()) {
+    if (client_ != nullptr && PyGILState_Check() && !Finalizing()) {
       py::gil_scoped_release release;
       client_.reset();
     }
