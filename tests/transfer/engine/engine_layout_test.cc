@@ -589,6 +589,22 @@ TEST_P(EngineLayoutTest, ChunksAreCheckedAgainstTheDecodeRequest) {
               HasSubstr("asked for 3 pages but the prefill side has 2"));
 }
 
+TEST_P(EngineLayoutTest, ARoomAbortedBeforeItsRequestTellsTheDecodeSideWhy) {
+  EngineMemory src({{}}, 4, 8);
+  EngineMemory dst({{}}, 4, 8);
+  Start(src.layout, dst.layout);
+  ASSERT_TRUE(prefill_->Send("early-abort", {1, 2}).ok());
+  ASSERT_TRUE(prefill_->Abort("early-abort", "the engine preempted it").ok());
+  ASSERT_TRUE(decode_->Receive("early-abort", peer_, {3, 4}).ok());
+  auto info = decode_->WaitRequest("early-abort", 10s);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->state, RequestState::kFailed);
+  EXPECT_EQ(info->status.code(), StatusCode::kAborted) << info->status;
+  EXPECT_THAT(info->status.message(), HasSubstr("ended on the prefill side before this request "
+                                                "arrived: the engine preempted it"));
+  EXPECT_TRUE(info->pages_reusable);
+}
+
 TEST_P(EngineLayoutTest, RandomRequestsOverAMixedLayoutVerify) {
   const std::vector<GroupSpec> groups = {{KvShape::kKeyValue, 3, 2, 16},
                                          {KvShape::kKeyValue, 1, 1, 32}};

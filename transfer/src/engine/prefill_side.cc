@@ -473,6 +473,15 @@ void PrefillSide::OnTransferRequest(ConnectionId conn, const v1::Envelope& envel
       room = &table_.Open(req.room_id(), deadline);
       new_room = true;
     } else {
+      if (IsFinal(room->state) && !room->have_request) {
+        // Ended here (aborted, failed, out of time) before the decode side asked: say why.
+        const StatusCode code =
+            room->status.ok() ? StatusCode::kAborted : room->status.code();
+        return reject(Status(code, "room '" + req.room_id() +
+                                       "' ended on the prefill side before this request "
+                                       "arrived: " +
+                                       room->status.message()));
+      }
       if (room->have_request || IsFinal(room->state)) {
         return reject(AlreadyExists("room '" + req.room_id() + "' was already requested (" +
                                     RequestStateName(room->state) + ")"));
