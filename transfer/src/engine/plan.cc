@@ -7,19 +7,20 @@
 namespace kvt::transfer {
 namespace {
 
-// Every buffer of the spec: PlanSpec::buffers, or the uniform 2L K-then-V buffers it stands for.
-std::vector<PlanBuffer> BuffersOf(const PlanSpec& spec) {
-  if (!spec.buffers.empty()) return {spec.buffers.begin(), spec.buffers.end()};
-  std::vector<PlanBuffer> buffers;
+// Every buffer of the spec: PlanSpec::buffers as they are, or the uniform 2L K-then-V buffers it
+// stands for, written into `storage` (the engine always passes buffers: nothing is copied).
+std::span<const PlanBuffer> BuffersOf(const PlanSpec& spec, std::vector<PlanBuffer>& storage) {
+  if (!spec.buffers.empty()) return spec.buffers;
   const int32_t layers = std::max(0, spec.num_layers);
-  buffers.reserve(2 * static_cast<size_t>(layers));
+  storage.clear();
+  storage.reserve(2 * static_cast<size_t>(layers));
   for (int kv = 0; kv < 2; ++kv) {
     for (int32_t l = 0; l < layers; ++l) {
-      buffers.push_back(PlanBuffer{l, spec.src_item_len, spec.dst_item_len, spec.src_buffer_len,
+      storage.push_back(PlanBuffer{l, spec.src_item_len, spec.dst_item_len, spec.src_buffer_len,
                                    spec.dst_buffer_len});
     }
   }
-  return buffers;
+  return storage;
 }
 
 Status CheckPages(std::span<const int32_t> pages, uint64_t num_pages, const char* side) {
@@ -61,7 +62,8 @@ Status ValidatePlanSpec(const PlanSpec& spec) {
         "layer range [" + std::to_string(spec.layer_begin) + ", " + std::to_string(spec.layer_end) +
         ") is not a non-empty range inside [0, " + std::to_string(spec.num_layers) + ")");
   }
-  const std::vector<PlanBuffer> buffers = BuffersOf(spec);
+  std::vector<PlanBuffer> uniform;
+  const std::span<const PlanBuffer> buffers = BuffersOf(spec, uniform);
   const bool whole_pages = spec.units.empty();
   uint64_t src_pages = std::numeric_limits<uint64_t>::max();
   uint64_t dst_pages = src_pages;
@@ -102,7 +104,8 @@ Status ValidatePlanSpec(const PlanSpec& spec) {
   }
   if (src_pages == std::numeric_limits<uint64_t>::max()) {
     return InvalidArgument("no buffer belongs to layers [" + std::to_string(spec.layer_begin) +
-                           ", " + std::to_string(spec.layer_end) + ")");
+                           ", " + std::to_string(spec.layer_end) +
+                           "); give each buffer the layer it holds (PlanSpec::buffers)");
   }
   KVT_RETURN_IF_ERROR(CheckPages(spec.src_pages, src_pages, "source"));
   KVT_RETURN_IF_ERROR(CheckPages(spec.dst_pages, dst_pages, "destination"));
@@ -126,7 +129,8 @@ uint64_t PlanBytes(const PlanSpec& spec) {
 
 StatusOr<Plan> BuildPlan(const PlanSpec& spec, std::vector<CopyRun> storage) {
   KVT_RETURN_IF_ERROR(ValidatePlanSpec(spec));
-  const std::vector<PlanBuffer> buffers = BuffersOf(spec);
+  std::vector<PlanBuffer> uniform;
+  const std::span<const PlanBuffer> buffers = BuffersOf(spec, uniform);
   const bool whole_pages = spec.units.empty();
 
   // Page pairs that are consecutive on both sides form one segment; only whole pages coalesce
