@@ -49,7 +49,7 @@ export PYTHONPATH=$build/python KVT_BOOTSTRAP=$dest/kvt/bin/kvt-bootstrap PYTHON
 "$python" -c 'import kvt; print("kvt", kvt.__version__, kvt.__file__, kvt.backend_names())' || exit 1
 
 echo "== python/tests"
-timeout -k 10 300 "$python" -m pytest -q -rs -p no:cacheprovider --junitxml="$out/junit.xml" \
+timeout -k 10 240 "$python" -m pytest -q -rs -p no:cacheprovider --junitxml="$out/junit.xml" \
   python/tests 2>&1 | tee "$out/pytest.log" | tail -25
 tests_rc=${PIPESTATUS[0]}
 echo "pytest rc $tests_rc"
@@ -58,7 +58,7 @@ bench_rc=0
 if [ "${KVT_RUN_BENCH:-1}" = 1 ]; then
   echo "== python/bench/bench_python.py"
   # shellcheck disable=SC2086
-  PYTHONUNBUFFERED=1 timeout -k 10 300 "$python" python/bench/bench_python.py \
+  PYTHONUNBUFFERED=1 timeout -k 10 220 "$python" python/bench/bench_python.py \
     --kvt-bench "$dest/kvt/bin/kvt-bench" --json "$out/bench.json" ${KVT_BENCH_ARGS:-} 2>&1 |
     tee "$out/bench.log" | tail -30
   bench_rc=${PIPESTATUS[0]}
