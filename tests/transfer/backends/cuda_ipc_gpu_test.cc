@@ -401,9 +401,22 @@ TEST_F(CudaIpcSameProcess, ConnectValidatesTheDescriptor) {
   d.backend = "ucx";
   EXPECT_EQ(sender_->Connect(d).status().code(), StatusCode::kInvalidArgument);
 
+  // Another buffer list connects (copy runs name the peer's buffer); page writes refuse it.
   d = receiver_descriptor_;
   d.regions.pop_back();
-  EXPECT_EQ(sender_->Connect(d).status().code(), StatusCode::kFailedPrecondition);
+  auto fewer = sender_->Connect(d);
+  ASSERT_TRUE(fewer.ok()) << fewer.status();
+  const int32_t page = 1;
+  PageWrite write;
+  write.src_pages = {&page, 1};
+  write.dst_pages = {&page, 1};
+  write.num_layers = kLayers;
+  write.layer_end = kLayers;
+  auto pages = sender_->PostPages(*fewer, write);
+  ASSERT_FALSE(pages.ok());
+  EXPECT_EQ(pages.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_THAT(pages.status().message(), HasSubstr("published 7 buffers"));
+  EXPECT_TRUE(sender_->Disconnect(*fewer).ok());
 
   d = receiver_descriptor_;
   d.regions[3].key.resize(10);

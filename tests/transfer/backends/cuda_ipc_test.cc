@@ -622,7 +622,17 @@ TEST(CudaIpcProgramTest, RefusesRunsOutsideEitherSide) {
   const CopyRun bad_buffer[] = {{5, 0, 0, 1}};
   auto b = PlanRunWrite(bad_buffer, local, remote, bases);
   ASSERT_FALSE(b.ok());
-  EXPECT_THAT(b.status().message(), HasSubstr("names buffer 5"));
+  EXPECT_THAT(b.status().message(), HasSubstr("reads buffer 5 but only 2 are registered"));
+  const CopyRun bad_peer_buffer[] = {{0, 0, 0, 1, 2}};  // the peer published buffers 0 and 1
+  auto c = PlanRunWrite(bad_peer_buffer, local, remote, bases);
+  ASSERT_FALSE(c.ok());
+  EXPECT_THAT(c.status().message(), HasSubstr("writes buffer 2 but the peer published only 2"));
+  const CopyRun crossed[] = {{1, 0, 256, 256, 0}};  // our buffer 1 -> the peer's buffer 0
+  auto d = PlanRunWrite(crossed, local, remote, bases);
+  ASSERT_TRUE(d.ok()) << d.status();
+  ASSERT_EQ(d->launches.size(), 1u);
+  EXPECT_EQ(d->tables[0], local[1].base);
+  EXPECT_EQ(d->tables[1], bases[0] + 256);
   auto none = PlanRunWrite({}, local, remote, bases);
   ASSERT_TRUE(none.ok());
   EXPECT_TRUE(none->launches.empty());

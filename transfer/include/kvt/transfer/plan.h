@@ -23,12 +23,22 @@
 
 namespace kvt::transfer {
 
-// One contiguous copy between a local and a remote buffer of the same index.
+// CopyRun::dst_buffer's default: the peer's buffer of the source's index (what the engine's
+// plans use: both sides registered the same buffer list).
+inline constexpr uint32_t kSameBuffer = 0xFFFFFFFFu;
+
+// One contiguous copy from a local buffer into a peer's buffer.
 struct CopyRun {
-  uint32_t buffer = 0;      // index into the 2L buffer list
+  uint32_t buffer = 0;      // index into this side's registered buffers
   uint64_t src_offset = 0;  // bytes from the source buffer's base
   uint64_t dst_offset = 0;  // bytes from the destination buffer's base
   uint64_t bytes = 0;
+  // Index into the peer's registered buffers; kSameBuffer: `buffer`. Writers of raw memory
+  // regions (the Python package's Mooncake-style engine) pair any local buffer with any of the
+  // peer's, whose lists may differ in length.
+  uint32_t dst_buffer = kSameBuffer;
+
+  uint32_t DstBuffer() const { return dst_buffer == kSameBuffer ? buffer : dst_buffer; }
 
   friend bool operator==(const CopyRun&, const CopyRun&) = default;
 };

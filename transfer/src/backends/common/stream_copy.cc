@@ -85,7 +85,7 @@ size_t StreamCopyRuns(std::span<const CopyRun> runs, std::span<const uint8_t* co
   prefetch.Advance(kStreamPrefetchBytes);
   for (const CopyRun& r : runs) {
     if (stop != nullptr && stop->load(std::memory_order_relaxed)) break;
-    uint8_t* d = dst[r.buffer] + r.dst_offset;
+    uint8_t* d = dst[r.DstBuffer()] + r.dst_offset;
     const uint8_t* s = src[r.buffer] + r.src_offset;
     if (r.bytes < kMinStreamBytes) {
       std::memcpy(d, s, r.bytes);
@@ -99,7 +99,7 @@ size_t StreamCopyRuns(std::span<const CopyRun> runs, std::span<const uint8_t* co
 #else
   for (const CopyRun& r : runs) {
     if (stop != nullptr && stop->load(std::memory_order_relaxed)) break;
-    std::memcpy(dst[r.buffer] + r.dst_offset, src[r.buffer] + r.src_offset, r.bytes);
+    std::memcpy(dst[r.DstBuffer()] + r.dst_offset, src[r.buffer] + r.src_offset, r.bytes);
     ++done;
   }
 #endif
@@ -124,7 +124,7 @@ std::vector<size_t> SplitRuns(std::vector<CopyRun>& runs, int parts, uint64_t mi
       const uint64_t take =
           std::min(r.bytes, (target - in_slice + kCutAlign - 1) & ~(kCutAlign - 1));
       if (take >= r.bytes) break;  // after rounding the whole run fits: no cut
-      out.push_back({r.buffer, r.src_offset, r.dst_offset, take});
+      out.push_back({r.buffer, r.src_offset, r.dst_offset, take, r.dst_buffer});
       bounds.push_back(out.size());
       in_slice = 0;
       r.src_offset += take;

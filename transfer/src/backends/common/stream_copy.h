@@ -23,8 +23,8 @@ namespace kvt::transfer {
 // Source bytes the prefetch runs ahead of the copy (4–8 KiB measured best on the VM above).
 inline constexpr uint64_t kStreamPrefetchBytes = 8192;
 
-// Copies runs[i] from src[run.buffer] + run.src_offset to dst[run.buffer] + run.dst_offset, in
-// order. `stop` (may be null) is read before every run; once it reads true no further run is
+// Copies runs[i] from src[run.buffer] + run.src_offset to dst[run.DstBuffer()] +
+// run.dst_offset, in order. `stop` (may be null) is read before every run; once it reads true no further run is
 // started. Returns the number of runs copied completely. Before returning it fences the
 // non-temporal stores, so a release store after the call publishes every copied byte. Runs must
 // not overlap their destinations or each other's; buffers are not range-checked here

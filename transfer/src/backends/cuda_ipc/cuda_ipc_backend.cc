@@ -516,7 +516,8 @@ class CudaIpcBackend final : public Backend {
     if (local_.empty()) {
       return FailedPrecondition("register this side's buffers before connecting a peer");
     }
-    KVT_RETURN_IF_ERROR(CheckRegionCount(local_.size(), descriptor.regions.size()));
+    // Page writes check that the buffer lists match (PlanPageWrite); copy runs name the peer's
+    // buffer themselves, so a peer with another list may still take them.
     DeviceGuard guard(device_);
     KVT_RETURN_IF_ERROR(guard.status());
     int peer_device = -1;

@@ -18,10 +18,9 @@ size_t WordsFor(size_t bytes) { return (bytes + sizeof(uint64_t) - 1) / sizeof(u
 
 std::string Num(uint64_t v) { return std::to_string(v); }
 
-// The checks shared by both planners: the peer's buffers correspond to ours one to one.
-Status CheckSides(std::span<const LocalRegion> local, std::span<const RemoteRegion> remote,
-                  std::span<const uint64_t> dst_bases) {
-  KVT_RETURN_IF_ERROR(CheckRegionCount(local.size(), remote.size()));
+// The checks shared by both planners: every published peer buffer is mapped here. Page writes
+// also need the peer's buffers to correspond to ours one to one (copy runs name the peer's).
+Status CheckSides(std::span<const RemoteRegion> remote, std::span<const uint64_t> dst_bases) {
   if (dst_bases.size() != remote.size()) {
     return Internal("cuda_ipc: " + Num(dst_bases.size()) + " mapped peer buffers for " +
                     Num(remote.size()) + " published ones");
@@ -80,7 +79,8 @@ StatusOr<LocalBuffers> LocalBuffers::Create(std::span<const LocalRegion> regions
 StatusOr<CopyProgram> PlanPageWrite(const PageWrite& write, const LocalBuffers& local,
                                     std::span<const RemoteRegion> remote,
                                     std::span<const uint64_t> dst_bases) {
-  KVT_RETURN_IF_ERROR(CheckSides(local, remote, dst_bases));
+  KVT_RETURN_IF_ERROR(CheckRegionCount(local.size(), remote.size()));
+  KVT_RETURN_IF_ERROR(CheckSides(remote, dst_bases));
   const size_t n = write.src_pages.size();
   if (write.dst_pages.size() != n) {
     return InvalidArgument("page write with " + Num(n) + " source pages but " +
@@ -191,7 +191,7 @@ StatusOr<CopyProgram> PlanRunWrite(std::span<const CopyRun> runs,
                                    std::span<const LocalRegion> local,
                                    std::span<const RemoteRegion> remote,
                                    std::span<const uint64_t> dst_bases) {
-  KVT_RETURN_IF_ERROR(CheckSides(local, remote, dst_bases));
+  KVT_RETURN_IF_ERROR(CheckSides(remote, dst_bases));
   KVT_RETURN_IF_ERROR(CheckRuns(runs, local, remote));
   // Runs of one length share a launch: each run is one "buffer" of one page.
   std::map<uint64_t, std::vector<size_t>> by_length;
@@ -211,7 +211,7 @@ StatusOr<CopyProgram> PlanRunWrite(std::span<const CopyRun> runs,
     for (size_t i : indices) {
       const CopyRun& run = runs[i];
       program.tables[slot] = local[run.buffer].base + run.src_offset;
-      program.tables[count + slot] = dst_bases[run.buffer] + run.dst_offset;
+      program.tables[count + slot] = dst_bases[run.DstBuffer()] + run.dst_offset;
       ++slot;
     }
     for (size_t first = group_start; first < slot; first += kMaxPerLaunch) {

@@ -124,7 +124,7 @@ class LoopbackBackend final : public Backend {
       return Unavailable("no loopback peer at '" + peer.address + "' (it has gone away)");
     }
     std::lock_guard<std::mutex> lock(mutex_);
-    KVT_RETURN_IF_ERROR(CheckRegionCount(local_.size(), peer.regions.size()));
+    // Copy runs name the peer's buffer themselves; page writes check the lists match (PostPages).
     const PeerId id = next_peer_++;
     peers_[id] = Peer{target, peer.regions};
     return id;
@@ -163,6 +163,7 @@ class LoopbackBackend final : public Backend {
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = peers_.find(peer);
     if (it == peers_.end()) return NotFound("no loopback peer " + std::to_string(peer));
+    KVT_RETURN_IF_ERROR(CheckRegionCount(local_.size(), it->second.regions.size()));
     KVT_RETURN_IF_ERROR(layers_.CheckRange(pages.num_layers, pages.layer_begin, pages.layer_end));
     if (pages.src_pages.size() != pages.dst_pages.size()) {
       return InvalidArgument("page write with " + std::to_string(pages.src_pages.size()) +
@@ -298,7 +299,7 @@ class LoopbackBackend final : public Backend {
       return;
     }
     for (const CopyRun& run : write.runs) {
-      auto* dst = reinterpret_cast<uint8_t*>(target.regions[run.buffer].base) + run.dst_offset;
+      auto* dst = reinterpret_cast<uint8_t*>(target.regions[run.DstBuffer()].base) + run.dst_offset;
       const auto* src = reinterpret_cast<const uint8_t*>(local_[run.buffer].base) + run.src_offset;
       std::memcpy(dst, src, run.bytes);
     }

@@ -332,8 +332,11 @@ class UcxBackend final : public Backend {
               .WithContext("the key of the peer's buffer " + std::to_string(i)));
     }
     ApiLock lock(*this);
-    KVT_RETURN_IF_ERROR(CheckRegionCount(local_.size(), descriptor.regions.size()));
     const bool local_staged = staged_.load(std::memory_order_acquire);
+    // Page writes pair buffers index by index; copy runs name the peer's buffer themselves.
+    if (peer_staged || local_staged) {
+      KVT_RETURN_IF_ERROR(CheckRegionCount(local_.size(), descriptor.regions.size()));
+    }
     if (peer_staged != local_staged) {
       return FailedPrecondition(
           std::string(peer_staged ? "the peer stages its CUDA pool through host bounce buffers"
@@ -463,7 +466,7 @@ class UcxBackend final : public Backend {
       // threads (the stores are published before the job reads as done).
       if (bytes <= direct_inline_bytes_) {
         for (const CopyRun& run : runs) {
-          std::memcpy(peer.direct[run.buffer] + run.dst_offset,
+          std::memcpy(peer.direct[run.DstBuffer()] + run.dst_offset,
                       reinterpret_cast<const uint8_t*>(local_[run.buffer].base) + run.src_offset,
                       run.bytes);
         }
@@ -880,8 +883,8 @@ class UcxBackend final : public Backend {
       const uint64_t piece = std::min(run.bytes - job.offset, batch_bytes - batch);
       const void* src =
           reinterpret_cast<const uint8_t*>(local_[run.buffer].base) + run.src_offset + job.offset;
-      const uint64_t dst = peer.regions[run.buffer].base + run.dst_offset + job.offset;
-      ucs_status_ptr_t req = ucp_put_nbx(peer.ep, src, piece, dst, peer.rkeys[run.buffer], &param);
+      const uint64_t dst = peer.regions[run.DstBuffer()].base + run.dst_offset + job.offset;
+      ucs_status_ptr_t req = ucp_put_nbx(peer.ep, src, piece, dst, peer.rkeys[run.DstBuffer()], &param);
       if (UCS_PTR_IS_ERR(req)) {
         job.status = UcsStatus(UCS_PTR_STATUS(req), "ucp_put_nbx");
         return true;
