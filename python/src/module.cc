@@ -12,14 +12,20 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <limits>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <utility>
+#include <variant>
 #include <vector>
+
+#include <cuda_runtime_api.h>
 
 #include "kvt/common/dtype.h"
 #include "kvt/common/status.h"
@@ -478,6 +484,203 @@ class Announcement {
   std::unique_ptr<transfer::RegistryClient> client_;
 };
 
+// Raw memory regions written by copy runs: the native half of kvt.compat.mooncake. One
+// instance is one backend with one registration (regions are never re-registered: a new set
+// of regions gets a new instance, so the descriptors peers hold stay valid).
+class RegionWriter {
+ public:
+  RegionWriter(const std::string& backend, const std::string& ucx_tls) {
+    transfer::BackendConfig config = ValueOrThrow(transfer::DefaultBackendConfig(backend));
+    if (!ucx_tls.empty()) {
+      auto* ucx = std::get_if<transfer::UcxOptions>(&config);
+      if (ucx == nullptr) {
+        throw py::value_error("ucx_tls='" + ucx_tls + "' applies to backend='ucx' only, not '" +
+                              backend + "'; drop ucx_tls or use backend='ucx'");
+      }
+      ucx->transports = ucx_tls;
+    }
+    StatusOr<std::unique_ptr<transfer::Backend>> created = [&] {
+      py::gil_scoped_release release;
+      return transfer::CreateBackend(config);
+    }();
+    backend_ = ValueOrThrow(std::move(created));
+    if (backend_->Capabilities().two_sided) {
+      throw py::value_error("backend '" + backend +
+                            "' needs the receiver to take part in every transfer; raw region "
+                            "writes need a one-sided backend (ucx, cuda_ipc or loopback)");
+    }
+    std::shared_ptr<State> state = state_;
+    backend_->SetCompletionNotifier([state] {
+      std::lock_guard<std::mutex> lock(state->mu);
+      ++state->epoch;
+      state->cv.notify_all();
+    });
+  }
+  ~RegionWriter() {
+    if (backend_ == nullptr) return;
+    if (PyGILState_Check() && !Finalizing()) {
+      py::gil_scoped_release release;
+      backend_.reset();
+    } else {
+      backend_.reset();
+    }
+  }
+
+  void Close() {
+    std::unique_ptr<transfer::Backend> backend = std::move(backend_);
+    py::gil_scoped_release release;
+    backend.reset();
+  }
+
+  std::string name() const { return std::string(get().Name()); }
+
+  // Registers the regions (base, length, device: -1 host, else the CUDA ordinal) once; returns
+  // what a peer needs to connect: (backend, address, [(base, length, key)]).
+  py::tuple Register(py::handle bases, py::handle lengths, py::handle devices) {
+    std::vector<uint64_t> b = ToPointers(bases, "region bases");
+    std::vector<int64_t> l =
+        ToInt64s(lengths, "region lengths", 1, std::numeric_limits<int64_t>::max());
+    std::vector<int64_t> d = ToInt64s(devices, "region devices", -1, 1 << 20);
+    if (l.size() != b.size() || d.size() != b.size()) {
+      throw py::value_error(std::to_string(b.size()) + " region bases but " +
+                            std::to_string(l.size()) + " lengths and " + std::to_string(d.size()) +
+                            " devices; pass one of each per region");
+    }
+    std::vector<transfer::LocalRegion> regions(b.size());
+    for (size_t i = 0; i < b.size(); ++i) {
+      regions[i].base = b[i];
+      regions[i].length = static_cast<uint64_t>(l[i]);
+      regions[i].item_len = static_cast<uint64_t>(l[i]);  // runs address it, not pages
+      regions[i].kind = d[i] < 0 ? transfer::MemoryKind::kHost : transfer::MemoryKind::kCuda;
+      regions[i].device = static_cast<int32_t>(d[i]);
+    }
+    StatusOr<transfer::PeerDescriptor> registered = [&] {
+      py::gil_scoped_release release;
+      return get().Register(regions);
+    }();
+    transfer::PeerDescriptor descriptor = ValueOrThrow(std::move(registered));
+    py::list out;
+    for (const transfer::RemoteRegion& r : descriptor.regions) {
+      out.append(py::make_tuple(r.base, r.length, py::bytes(r.key)));
+    }
+    return py::make_tuple(descriptor.backend, py::bytes(descriptor.address), out);
+  }
+
+  // Connects a peer's registration (what its Register returned); returns the peer id. The
+  // backend checks the address and keys before using them (a peer may lie).
+  uint64_t Connect(const std::string& backend, const std::string& address,
+                   const py::list& regions) {
+    transfer::PeerDescriptor peer;
+    peer.backend = backend;
+    peer.address = address;
+    for (size_t i = 0; i < regions.size(); ++i) {
+      auto t = regions[i].cast<py::tuple>();
+      if (t.size() != 3) {
+        throw py::value_error("peer region " + std::to_string(i) + " has " +
+                              std::to_string(t.size()) + " fields; expected (base, length, key)");
+      }
+      transfer::RemoteRegion r;
+      r.base = t[0].cast<uint64_t>();
+      r.length = t[1].cast<uint64_t>();
+      r.item_len = r.length;
+      r.key = t[2].cast<std::string>();
+      peer.regions.push_back(std::move(r));
+    }
+    py::gil_scoped_release release;
+    return ValueOrThrow(get().Connect(peer));
+  }
+
+  void Disconnect(uint64_t peer) {
+    py::gil_scoped_release release;
+    ThrowIfError(get().Disconnect(peer));
+  }
+
+  // Writes the runs (rows of [local region, peer region, src offset, dst offset, bytes]) and
+  // returns once every byte is visible at the peer; DeadlineExceeded after `timeout` seconds.
+  void Write(uint64_t peer, const py::array_t<uint64_t, py::array::c_style | py::array::forcecast>& rows,
+             double timeout) {
+    if (rows.ndim() != 2 || rows.shape(1) != 5) {
+      throw py::value_error(
+          "runs must be an N x 5 array of [local region, peer region, src offset, dst offset, "
+          "bytes], got " + std::to_string(rows.ndim()) + " dimensions");
+    }
+    const auto n = static_cast<size_t>(rows.shape(0));
+    std::vector<transfer::CopyRun> runs(n);
+    const uint64_t* r = rows.data();
+    for (size_t i = 0; i < n; ++i, r += 5) {
+      if (r[0] >= transfer::kSameBuffer || r[1] >= transfer::kSameBuffer) {
+        throw py::value_error("run " + std::to_string(i) + " names region " +
+                              std::to_string(std::max(r[0], r[1])) + ", past any registration");
+      }
+      runs[i] = transfer::CopyRun{static_cast<uint32_t>(r[0]), r[2], r[3], r[4],
+                                  static_cast<uint32_t>(r[1])};
+    }
+    const std::chrono::milliseconds limit = Millis(timeout);
+    py::gil_scoped_release release;
+    transfer::Backend& backend = get();
+    const auto deadline = std::chrono::steady_clock::now() + limit;
+    const transfer::WriteId id = ValueOrThrow(backend.PostWrite(peer, runs));
+    std::chrono::microseconds pause = 20us;
+    Status status = backend.Check(id);
+    while (status.code() == StatusCode::kInProgress) {
+      if (std::chrono::steady_clock::now() >= deadline) {
+        backend.Release(id);  // waits for what cannot be cancelled
+        ThrowIfError(DeadlineExceeded("the write of " + std::to_string(n) +
+                                      " runs did not complete in " + std::to_string(timeout) +
+                                      " s; check the peer, or raise the timeout"));
+      }
+      std::unique_lock<std::mutex> lock(state_->mu);
+      const uint64_t epoch = state_->epoch;
+      lock.unlock();
+      status = backend.Check(id);  // after reading the epoch: a completion now wakes the wait
+      if (status.code() != StatusCode::kInProgress) break;
+      lock.lock();
+      // Backends that notify wake the wait; the bounded pause covers those that do not.
+      state_->cv.wait_for(lock, pause, [&] { return state_->epoch != epoch; });
+      lock.unlock();
+      pause = std::min<std::chrono::microseconds>(pause * 2, 1ms);
+      status = backend.Check(id);
+    }
+    backend.Release(id);
+    ThrowIfError(status);
+  }
+
+ private:
+  struct State {
+    std::mutex mu;
+    std::condition_variable cv;
+    uint64_t epoch = 0;
+  };
+
+  transfer::Backend& get() const {
+    if (backend_ == nullptr) {
+      throw py::value_error("the region writer is closed; create a new one");
+    }
+    return *backend_;
+  }
+
+  std::shared_ptr<State> state_ = std::make_shared<State>();
+  std::unique_ptr<transfer::Backend> backend_;
+};
+
+// Where a pointer lives: -1 for host memory (pageable or pinned), else its CUDA device ordinal.
+// Managed memory is refused (no backend moves it), naming the pointer.
+int32_t PointerDevice(uint64_t pointer) {
+  cudaPointerAttributes attributes{};
+  const cudaError_t err =
+      cudaPointerGetAttributes(&attributes, reinterpret_cast<const void*>(pointer));
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();  // no CUDA here: host memory
+    return -1;
+  }
+  if (attributes.type == cudaMemoryTypeManaged) {
+    throw py::value_error("pointer " + std::to_string(pointer) +
+                          " is CUDA managed memory, which no backend moves; allocate the "
+                          "buffer with cudaMalloc (a torch CUDA tensor) or on the host");
+  }
+  return attributes.type == cudaMemoryTypeDevice ? attributes.device : -1;
+}
+
 }  // namespace
 }  // namespace kvt::python
 
@@ -543,6 +746,19 @@ PYBIND11_MODULE(_kvt, m) {
                     const std::string&>())
       .def("close", &Announcement::Close)
       .def_property_readonly("refreshes", &Announcement::refreshes);
+
+  py::class_<RegionWriter>(m, "RegionWriter")
+      .def(py::init<const std::string&, const std::string&>(), py::arg("backend"),
+           py::arg("ucx_tls"))
+      .def("close", &RegionWriter::Close)
+      .def_property_readonly("name", &RegionWriter::name)
+      .def("register", &RegionWriter::Register, py::arg("bases"), py::arg("lengths"),
+           py::arg("devices"))
+      .def("connect", &RegionWriter::Connect, py::arg("backend"), py::arg("address"),
+           py::arg("regions"))
+      .def("disconnect", &RegionWriter::Disconnect, py::arg("peer"))
+      .def("write", &RegionWriter::Write, py::arg("peer"), py::arg("runs"), py::arg("timeout"));
+  m.def("pointer_device", &PointerDevice, py::arg("pointer"));
 
   m.def("backend_names", [] { return transfer::BackendNames(); });
   m.def("dtype_itemsize",

@@ -1,0 +1,324 @@
+"""kvt.compat.mooncake.TransferEngine: Mooncake-style pushes between two processes, byte-exact,
+and every refusal naming what was wrong."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import socket
+import struct
+import threading
+
+import numpy as np
+import pytest
+
+import kvt
+from kvt.compat.mooncake import TransferEngine
+from mooncake_worker import FILL
+
+LAYERS = 4
+PAGES = 64
+ITEM = 1024  # page bytes of every K / V buffer
+AUX_SLOTS, AUX_ITEM = 8, 96
+SIZES = [PAGES * ITEM] * (2 * LAYERS) + [AUX_SLOTS * AUX_ITEM]
+
+
+class Target:
+    """The peer process: registered buffers (filled with FILL) and a session id."""
+
+    def __init__(self, sizes: list[int], **options):
+        import mooncake_worker
+
+        ctx = mp.get_context("spawn")
+        self.commands, self.answers = ctx.Queue(), ctx.Queue()
+        self.proc = ctx.Process(target=mooncake_worker.target_main,
+                                args=(sizes, options, self.commands, self.answers))
+        self.proc.start()
+        status, *rest = self.answers.get(timeout=60)
+        assert status == "ready", rest
+        self.session, self.ptrs = rest
+
+    def ask(self, *command):
+        self.commands.put(command)
+        status, value = self.answers.get(timeout=60)
+        assert status == "ok", value
+        return value
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            self.commands.put(("exit",))
+            self.proc.join(30)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+@pytest.fixture
+def target():
+    t = Target(SIZES)
+    yield t
+    t.close()
+
+
+def _source(seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, n, dtype=np.uint8) for n in SIZES]
+
+
+def _descriptors(src: list[np.ndarray], dst_ptrs: list[int], src_pages, dst_pages, aux=None):
+    """tokenspeed's shape: one descriptor per page per buffer (K of every layer, then V), then
+    the aux slot; built without a Python loop over pages."""
+    sp, dp = np.asarray(src_pages, np.uint64), np.asarray(dst_pages, np.uint64)
+    s = [np.uint64(b.ctypes.data) + sp * np.uint64(ITEM) for b in src[:2 * LAYERS]]
+    d = [np.uint64(p) + dp * np.uint64(ITEM) for p in dst_ptrs[:2 * LAYERS]]
+    buffers, peers = np.concatenate(s), np.concatenate(d)
+    lengths = np.full(buffers.size, ITEM, np.uint64)
+    if aux is not None:
+        a_src, a_dst = aux
+        buffers = np.append(buffers, np.uint64(src[-1].ctypes.data + a_src * AUX_ITEM))
+        peers = np.append(peers, np.uint64(dst_ptrs[-1] + a_dst * AUX_ITEM))
+        lengths = np.append(lengths, np.uint64(AUX_ITEM))
+    return buffers, peers, lengths
+
+
+def _expect(src: list[np.ndarray], moves: list[tuple]) -> list[np.ndarray]:
+    want = [np.full(n, FILL, np.uint8) for n in SIZES]
+    for src_pages, dst_pages, aux in moves:
+        for b in range(2 * LAYERS):
+            w, s = want[b].reshape(PAGES, ITEM), src[b].reshape(PAGES, ITEM)
+            w[np.asarray(dst_pages)] = s[np.asarray(src_pages)]
+        if aux is not None:
+            want[-1].reshape(AUX_SLOTS, AUX_ITEM)[aux[1]] = \
+                src[-1].reshape(AUX_SLOTS, AUX_ITEM)[aux[0]]
+    return want
+
+
+def _assert_same(got: list[np.ndarray], want: list[np.ndarray]) -> None:
+    for b, (g, w) in enumerate(zip(got, want)):
+        bad = np.flatnonzero(g != w)
+        assert bad.size == 0, f"buffer {b}: {bad.size} bytes differ, first at {bad[0]}"
+
+
+@pytest.mark.parametrize("ucx_tls", ["", "tcp"])
+def test_two_processes_move_random_requests_byte_exact(target: Target, ucx_tls: str) -> None:
+    src = _source(3)
+    rng = np.random.default_rng(4)
+    engine = TransferEngine("127.0.0.1", ucx_tls=ucx_tls, raise_errors=True)
+    try:
+        for b in src:
+            assert engine.register(b.ctypes.data, b.nbytes) == 0
+        # Destinations never overlap: small requests on scattered pages of 1..19, large ones
+        # on contiguous ranges (their descriptors coalesce into one run per buffer).
+        scattered = list(rng.permutation(np.arange(1, 20)))
+        moves = []
+        for n_pages, aux, first in [(1, (0, 3), None), (5, None, None), (17, (2, 2), 20),
+                                    (20, (7, 0), 40)]:
+            if first is None:
+                src_pages = rng.choice(np.arange(1, PAGES), n_pages, replace=False)
+                dst_pages = np.array([scattered.pop() for _ in range(n_pages)])
+            else:
+                src_pages = np.arange(1, 1 + n_pages)
+                dst_pages = np.arange(first, first + n_pages)
+            moves.append((src_pages, dst_pages, aux))
+            buffers, peers, lengths = _descriptors(src, target.ptrs, src_pages, dst_pages, aux)
+            before = engine.stats()
+            assert engine.batch_transfer_sync(target.session, buffers, peers, lengths) == 0
+            after = engine.stats()
+            assert after["descriptors"] - before["descriptors"] == buffers.size
+            assert after["bytes"] - before["bytes"] == int(lengths.sum())
+            if first is not None:  # one run per buffer, plus the aux slot
+                assert after["runs"] - before["runs"] == 2 * LAYERS + 1
+        _assert_same(target.ask("dump"), _expect(src, moves))
+    finally:
+        engine.close()
+
+
+def test_lists_and_single_descriptors_as_mooncake_passes_them(target: Target) -> None:
+    src = _source(5)
+    with TransferEngine("127.0.0.1", raise_errors=True) as engine:
+        for b in src:
+            assert engine.register_memory(b.ctypes.data, b.nbytes) == 0
+        buffers, peers, lengths = _descriptors(src, target.ptrs, [3, 4], [9, 10])
+        assert engine.batch_transfer_sync_write(target.session, buffers.tolist(), peers.tolist(),
+                                                lengths.tolist()) == 0
+        assert engine.transfer_sync_write(target.session, src[0].ctypes.data + 5 * ITEM,
+                                          target.ptrs[0] + 30 * ITEM, ITEM) == 0
+        want = _expect(src, [([3, 4], [9, 10], None), ([5], [30], None)])
+        want[0].reshape(PAGES, ITEM)[30] = src[0].reshape(PAGES, ITEM)[5]
+        for b in range(1, 2 * LAYERS):
+            want[b].reshape(PAGES, ITEM)[30] = FILL
+        _assert_same(target.ask("dump"), want)
+
+
+def test_refusals_name_the_value_and_move_nothing(target: Target) -> None:
+    src = _source(6)
+    engine = TransferEngine("127.0.0.1")
+    try:
+        for b in src:
+            engine.register(b.ctypes.data, b.nbytes)
+        base, peer = src[0].ctypes.data, target.ptrs[0]
+
+        def refused(session, buffers, peers, lengths, *words):
+            assert engine.batch_transfer_sync(session, buffers, peers, lengths) == -1
+            for word in words:
+                assert word in engine.last_error, (word, engine.last_error)
+
+        stray = np.zeros(ITEM, np.uint8)  # never registered
+        refused(target.session, [base, stray.ctypes.data], [peer, peer + ITEM], [ITEM, ITEM],
+                "descriptor 1", str(stray.ctypes.data), "register the buffer first")
+        refused(target.session, [base], [peer + PAGES * ITEM - 10], [ITEM],
+                "descriptor 0", str(peer + PAGES * ITEM - 10), "not inside a region")
+        refused(target.session, [base, base + ITEM], [peer, peer + 10], [ITEM, ITEM],
+                "descriptors 0 and 1", "overlapping")
+        refused(target.session, [base, base], [peer], [ITEM], "2 buffers, 1 peer addresses")
+        refused(target.session, [-5], [peer], [ITEM], "buffers[0] = -5")
+        refused("no-port", [base], [peer], [ITEM], "'no-port'", "host:port")
+        with socket.socket() as s:  # a port nobody listens on
+            s.bind(("127.0.0.1", 0))
+            dead = f"127.0.0.1:{s.getsockname()[1]}"
+        refused(dead, [base], [peer], [ITEM], dead, "cannot read its registrations")
+        assert engine.stats()["bytes"] == 0
+        _assert_same(target.ask("dump"), [np.full(n, FILL, np.uint8) for n in SIZES])
+
+        # Registration: overlaps and bad values are refused naming them.
+        assert engine.register(base + 8, 16) == -1 and str(base + 8) in engine.last_error
+        assert engine.register(0, 16) == -1 and "ptr=0" in engine.last_error
+        assert engine.deregister(12345) == -1 and "12345" in engine.last_error
+
+        # raise_errors: the same refusals as exceptions.
+        engine.raise_errors = True
+        with pytest.raises(ValueError, match="register the buffer first"):
+            engine.batch_transfer_sync(target.session, [stray.ctypes.data], [peer], [ITEM])
+        with pytest.raises(kvt.TransferError, match="cannot read its registrations"):
+            engine.batch_transfer_sync(dead, [base], [peer], [ITEM])
+        # And the engine still works.
+        assert engine.batch_transfer_sync(target.session, [base], [peer], [ITEM]) == 0
+    finally:
+        engine.close()
+
+
+def test_regions_registered_later_and_deregistered(target: Target) -> None:
+    src = _source(7)
+    with TransferEngine("127.0.0.1", raise_errors=True) as engine:
+        for b in src:
+            engine.register(b.ctypes.data, b.nbytes)
+        assert engine.batch_transfer_sync(target.session, [src[0].ctypes.data],
+                                          [target.ptrs[0]], [ITEM]) == 0
+        # The peer registers a buffer after we read its registrations: we read them again.
+        (late,) = target.ask("register", [4 * ITEM])
+        # A source registered after first use: a second registration here.
+        extra = np.arange(4 * ITEM, dtype=np.uint32).astype(np.uint8)
+        engine.register(extra.ctypes.data, extra.nbytes)
+        assert engine.batch_transfer_sync(
+            target.session, [extra.ctypes.data, src[1].ctypes.data + ITEM],
+            [late + ITEM, target.ptrs[1] + 2 * ITEM], [2 * ITEM, ITEM]) == 0
+        got = target.ask("dump")
+        assert np.array_equal(got[0][:ITEM], src[0][:ITEM])
+        assert np.array_equal(got[-1][ITEM:3 * ITEM], extra[:2 * ITEM])
+        assert (got[-1][:ITEM] == FILL).all() and (got[-1][3 * ITEM:] == FILL).all()
+        assert np.array_equal(got[1][2 * ITEM:3 * ITEM], src[1][ITEM:2 * ITEM])
+
+        # The peer deregisters: engines that read its registrations from then on refuse
+        # writes into that region (an engine holding the older list learns it on its next
+        # unknown address or failed write; as with Mooncake, peers stop writing first).
+        assert target.ask("deregister", late) == 0
+        with TransferEngine("127.0.0.1", raise_errors=True) as fresh:
+            fresh.register(extra.ctypes.data, extra.nbytes)
+            with pytest.raises(ValueError, match=f"peer address \\[{late}"):
+                fresh.batch_transfer_sync(target.session, [extra.ctypes.data], [late], [ITEM])
+        assert engine.deregister(extra.ctypes.data) == 0
+        with pytest.raises(ValueError, match="register the buffer first"):
+            engine.batch_transfer_sync(target.session, [extra.ctypes.data],
+                                       [target.ptrs[2]], [ITEM])
+        assert engine.batch_transfer_sync(target.session, [src[2].ctypes.data],
+                                          [target.ptrs[2]], [ITEM]) == 0
+
+
+def test_any_source_region_writes_any_peer_region_in_one_process() -> None:
+    """Loopback (one process): region lists of different lengths, crossed indices."""
+    a = [np.random.default_rng(i).integers(0, 256, 8 * ITEM, dtype=np.uint8) for i in range(3)]
+    b = [np.full(8 * ITEM, FILL, np.uint8) for _ in range(5)]
+    with TransferEngine("127.0.0.1", host_backend="loopback", raise_errors=True) as src, \
+            TransferEngine("127.0.0.1", host_backend="loopback", raise_errors=True) as dst:
+        for x in a:
+            src.register(x.ctypes.data, x.nbytes)
+        for y in b:
+            dst.register(y.ctypes.data, y.nbytes)
+        assert src.batch_transfer_sync(
+            dst.get_session_id(),
+            [a[2].ctypes.data, a[2].ctypes.data + ITEM, a[0].ctypes.data + 3 * ITEM],
+            [b[4].ctypes.data + 2 * ITEM, b[4].ctypes.data + 3 * ITEM, b[1].ctypes.data],
+            [ITEM, ITEM, 2 * ITEM]) == 0
+        assert src.stats()["runs"] == 2  # the first two coalesced
+        assert np.array_equal(b[4][2 * ITEM:4 * ITEM], a[2][:2 * ITEM])
+        assert np.array_equal(b[1][:2 * ITEM], a[0][3 * ITEM:5 * ITEM])
+        assert (b[0] == FILL).all() and (b[2] == FILL).all() and (b[3] == FILL).all()
+
+
+class _HostilePort:
+    """A session port that answers with what a broken or lying peer might send."""
+
+    def __init__(self, reply: bytes):
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.session = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        self.reply = reply
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        self.sock.settimeout(10)
+        try:
+            conn, _ = self.sock.accept()
+        except OSError:
+            return
+        with conn:
+            conn.recv(4096)
+            conn.sendall(self.reply)
+
+    def close(self) -> None:
+        self.sock.close()
+        self.thread.join(5)
+
+
+def _frame(body: bytes, magic: bytes = b"KVTM", version: int = 1, length=None) -> bytes:
+    return struct.pack("!4sHI", magic, version, len(body) if length is None else length) + body
+
+
+@pytest.mark.parametrize("reply, words", [
+    (b"HTTP/1.1 400 Bad Request\r\n\r\n", ["not a kvt session port"]),
+    (_frame(b"{}", version=9), ["version 9"]),
+    (_frame(b"", length=1 << 30), ["announces 1073741824 bytes"]),
+    (_frame(b"[1, 2]"), ["not an object"]),
+    (_frame(b"not json"), ["Expecting value"]),
+    (_frame(json.dumps({"registrations": [{"id": 0}]}).encode()), ["malformed", "'kind'"]),
+    (_frame(json.dumps({"registrations": [{"id": 0, "kind": "host", "backend": "ucx",
+                                           "address": "!!", "regions": []}]}).encode()),
+     ["malformed"]),
+    (_frame(json.dumps({"registrations": [{"id": 0, "kind": "host", "backend": "ucx",
+                                           "address": "", "regions": [[0, 5, "", True]]}]})
+            .encode()), ["region 0 of registration 0 is [0, +5)"]),
+    (_frame(json.dumps({"error": "no"}).encode()), ["refused the exchange: no"]),
+])
+def test_hostile_session_ports_are_refused_naming_what_was_wrong(reply: bytes, words) -> None:
+    src = np.zeros(ITEM, np.uint8)
+    port = _HostilePort(reply)
+    with TransferEngine("127.0.0.1") as engine:
+        engine.register(src.ctypes.data, src.nbytes)
+        assert engine.batch_transfer_sync(port.session, [src.ctypes.data], [1 << 40], [8]) == -1
+        for word in words:
+            assert word in engine.last_error, (word, engine.last_error)
+    port.close()
+
+
+def test_a_peer_whose_keys_lie_is_refused_by_the_backend() -> None:
+    """A well-formed description whose UCX address is garbage: the backend's own checks
+    refuse it before UCX reads it."""
+    src = np.zeros(ITEM, np.uint8)
+    body = {"registrations": [{"id": 0, "kind": "host", "backend": "ucx",
+                               "address": "AAAAAAAA", "regions": [[1 << 40, 4096, "AAAA", True]]}]}
+    port = _HostilePort(_frame(json.dumps(body).encode()))
+    with TransferEngine("127.0.0.1") as engine:
+        engine.register(src.ctypes.data, src.nbytes)
+        assert engine.batch_transfer_sync(port.session, [src.ctypes.data], [1 << 40], [8]) == -1
+        assert engine.last_error, "the refusal says why"
+        assert engine.stats()["bytes"] == 0
+    port.close()
