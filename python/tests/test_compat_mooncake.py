@@ -26,13 +26,13 @@ SIZES = [PAGES * ITEM] * (2 * LAYERS) + [AUX_SLOTS * AUX_ITEM]
 class Target:
     """The peer process: registered buffers (filled with FILL) and a session id."""
 
-    def __init__(self, sizes: list[int], **options):
+    def __init__(self, sizes: list[int], device: str = "host", **options):
         import mooncake_worker
 
         ctx = mp.get_context("spawn")
         self.commands, self.answers = ctx.Queue(), ctx.Queue()
         self.proc = ctx.Process(target=mooncake_worker.target_main,
-                                args=(sizes, options, self.commands, self.answers))
+                                args=(sizes, options, self.commands, self.answers, device))
         self.proc.start()
         status, *rest = self.answers.get(timeout=60)
         assert status == "ready", rest
@@ -64,17 +64,21 @@ def _source(seed: int) -> list[np.ndarray]:
     return [rng.integers(0, 256, n, dtype=np.uint8) for n in SIZES]
 
 
-def _descriptors(src: list[np.ndarray], dst_ptrs: list[int], src_pages, dst_pages, aux=None):
+def _ptrs(buffers: list[np.ndarray]) -> list[int]:
+    return [b.ctypes.data for b in buffers]
+
+
+def _descriptors(src_ptrs: list[int], dst_ptrs: list[int], src_pages, dst_pages, aux=None):
     """tokenspeed's shape: one descriptor per page per buffer (K of every layer, then V), then
     the aux slot; built without a Python loop over pages."""
     sp, dp = np.asarray(src_pages, np.uint64), np.asarray(dst_pages, np.uint64)
-    s = [np.uint64(b.ctypes.data) + sp * np.uint64(ITEM) for b in src[:2 * LAYERS]]
+    s = [np.uint64(p) + sp * np.uint64(ITEM) for p in src_ptrs[:2 * LAYERS]]
     d = [np.uint64(p) + dp * np.uint64(ITEM) for p in dst_ptrs[:2 * LAYERS]]
     buffers, peers = np.concatenate(s), np.concatenate(d)
     lengths = np.full(buffers.size, ITEM, np.uint64)
     if aux is not None:
         a_src, a_dst = aux
-        buffers = np.append(buffers, np.uint64(src[-1].ctypes.data + a_src * AUX_ITEM))
+        buffers = np.append(buffers, np.uint64(src_ptrs[-1] + a_src * AUX_ITEM))
         peers = np.append(peers, np.uint64(dst_ptrs[-1] + a_dst * AUX_ITEM))
         lengths = np.append(lengths, np.uint64(AUX_ITEM))
     return buffers, peers, lengths
@@ -119,7 +123,8 @@ def test_two_processes_move_random_requests_byte_exact(target: Target, ucx_tls: 
                 src_pages = np.arange(1, 1 + n_pages)
                 dst_pages = np.arange(first, first + n_pages)
             moves.append((src_pages, dst_pages, aux))
-            buffers, peers, lengths = _descriptors(src, target.ptrs, src_pages, dst_pages, aux)
+            buffers, peers, lengths = _descriptors(_ptrs(src), target.ptrs, src_pages,
+                                                   dst_pages, aux)
             before = engine.stats()
             assert engine.batch_transfer_sync(target.session, buffers, peers, lengths) == 0
             after = engine.stats()
@@ -137,7 +142,7 @@ def test_lists_and_single_descriptors_as_mooncake_passes_them(target: Target) ->
     with TransferEngine("127.0.0.1", raise_errors=True) as engine:
         for b in src:
             assert engine.register_memory(b.ctypes.data, b.nbytes) == 0
-        buffers, peers, lengths = _descriptors(src, target.ptrs, [3, 4], [9, 10])
+        buffers, peers, lengths = _descriptors(_ptrs(src), target.ptrs, [3, 4], [9, 10])
         assert engine.batch_transfer_sync_write(target.session, buffers.tolist(), peers.tolist(),
                                                 lengths.tolist()) == 0
         assert engine.transfer_sync_write(target.session, src[0].ctypes.data + 5 * ITEM,
@@ -322,3 +327,45 @@ def test_a_peer_whose_keys_lie_is_refused_by_the_backend() -> None:
         assert engine.last_error, "the refusal says why"
         assert engine.stats()["bytes"] == 0
     port.close()
+
+
+def _cuda_or_skip():
+    try:
+        import torch
+    except ImportError:
+        pytest.skip("CUDA test: torch is not installed (the GPU machine's python3 has it)")
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA test: no CUDA device visible to torch")
+    return torch
+
+
+def test_cuda_memory_between_two_processes_over_cuda_ipc_byte_exact() -> None:
+    """CUDA memory (torch tensors, pieces of the caching allocator's blocks): each batch goes
+    over CUDA IPC as one copy program."""
+    torch = _cuda_or_skip()
+    target = Target(SIZES, device="cuda")
+    try:
+        rng = np.random.default_rng(9)
+        host_src = _source(9)
+        src = [torch.from_numpy(b).cuda() for b in host_src]
+        with TransferEngine("127.0.0.1", raise_errors=True) as engine:
+            for t in src:
+                assert engine.register(t.data_ptr(), t.numel()) == 0
+            moves = []
+            for n_pages, first, aux in [(1, None, (1, 4)), (7, None, None), (30, 30, (6, 1))]:
+                if first is None:
+                    src_pages = rng.choice(np.arange(1, PAGES), n_pages, replace=False)
+                    dst_pages = np.arange(1 + 8 * len(moves), 1 + 8 * len(moves) + n_pages)
+                    rng.shuffle(dst_pages)
+                else:
+                    src_pages = np.arange(2, 2 + n_pages)
+                    dst_pages = np.arange(first, first + n_pages)
+                moves.append((src_pages, dst_pages, aux))
+                buffers, peers, lengths = _descriptors([t.data_ptr() for t in src], target.ptrs,
+                                                       src_pages, dst_pages, aux)
+                assert engine.batch_transfer_sync(target.session, buffers, peers, lengths) == 0
+            stats = engine.stats()
+            assert stats["runs"] < stats["descriptors"]  # the contiguous request coalesced
+            _assert_same(target.ask("dump"), _expect(host_src, moves))
+    finally:
+        target.close()
