@@ -11,6 +11,7 @@ layers_ready(room, layer + 1, event).
 
 from __future__ import annotations
 
+import sys
 import traceback
 from typing import Any
 
@@ -59,6 +60,11 @@ class GpuPool:
             unit_lens=[b[0, 0].numel() * b.element_size() for b in bufs])
 
 
+def _log(side: str, what: str) -> None:
+    """Progress on stderr: a failing test's report shows how far each process got."""
+    print(f"[{side}] {what}", file=sys.stderr, flush=True)
+
+
 def room_bytes(torch: Any, room: str, buffer: int, num_pages: int, page_bytes: int) -> Any:
     """The bytes of a room's pages of one buffer, [num_pages, page_bytes] uint8 on cuda:0."""
     seed = (sum(ord(c) * 131 ** i for i, c in enumerate(room)) * 1000003 + buffer) % (2 ** 62)
@@ -76,13 +82,16 @@ def _pick(torch: Any, seed: int, num_pages: int) -> list[int]:
 
 
 def prefill_main(cfg: dict, plan: list[dict], port_q, result_q) -> None:
+    listening = False
     try:
         import torch
 
         pool = GpuPool(torch, **cfg["pool"])
         engine = kvt.TransferEngine("prefill", pool.layout(cfg["layout"]), name="gpu-prefill",
-                                    backend=cfg["backend"], deadline=60)
+                                    backend=cfg["backend"], deadline=20)
+        _log("prefill", f"engine up on port {engine.port}, backend {engine.backend}")
         port_q.put(engine.port)
+        listening = True
         free = _pick(torch, 11, pool.num_pages)
         stream = torch.cuda.Stream()
         sleep = getattr(torch.cuda, "_sleep", None)  # a delay kernel (cycles)
@@ -108,15 +117,19 @@ def prefill_main(cfg: dict, plan: list[dict], port_q, result_q) -> None:
                 stream.synchronize()  # no event: the bytes are written when the call is made
                 engine.layers_ready(room, pool.layer_num)
             requests.append(request)
-        states = {r.room: int(r.wait(120)) for r in requests}
+            _log("prefill", f"room {room}: {n} pages sent, {item['mode']}")
+        states = {r.room: int(r.wait(40)) for r in requests}
+        _log("prefill", f"states {states}")
         failures = {r.room: str(r.failure_exception()) for r in requests
                     if r.poll() != kvt.KVPoll.Success}
         result_q.put(("ok", {"states": states, "failures": failures, "stats": engine.stats(),
                              "backend": engine.backend}))
-        port_q.get(timeout=120)  # stay up until the decode side has checked its pool
+        port_q.get(timeout=60)  # stay up until the decode side has checked its pool
         engine.close()
     except BaseException:  # noqa: BLE001 - report everything to the test
         result_q.put(("error", traceback.format_exc()))
+        if not listening:  # the test waits for the port: tell it instead
+            port_q.put(("error", traceback.format_exc()))
 
 
 def decode_main(cfg: dict, plan: list[dict], port_q, result_q) -> None:
@@ -132,15 +145,17 @@ def decode_main(cfg: dict, plan: list[dict], port_q, result_q) -> None:
             pool.page_view(b)[1:] = initial[b][1:]
         torch.cuda.synchronize()
         engine = kvt.TransferEngine("decode", pool.layout(cfg["layout"]), name="gpu-decode",
-                                    backend=cfg["backend"], deadline=60)
-        peer = engine.connect("127.0.0.1", port_q.get(timeout=120))
+                                    backend=cfg["backend"], deadline=20)
+        peer = engine.connect("127.0.0.1", port_q.get(timeout=60))
+        _log("decode", f"connected, backend {engine.backend}")
         free = _pick(torch, 22, pool.num_pages)
         requests, placed = [], []
         for item in plan:
             pages = [free.pop() for _ in range(item["pages"])]
             placed.append(pages)
             requests.append(engine.receive(item["room"], peer, pages))
-        states = {r.room: int(r.wait(120)) for r in requests}
+        states = {r.room: int(r.wait(40)) for r in requests}
+        _log("decode", f"states {states}")
         errors = []
         checked = 0
         for item, pages, request in zip(plan, placed, requests):

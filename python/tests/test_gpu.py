@@ -38,23 +38,21 @@ def _run(cfg: dict) -> tuple[dict, dict]:
     prefill.start()
     decode = None
     try:
-        status, port = "ok", port_q.get(timeout=120)
-        if not isinstance(port, int):  # the prefill process failed before it listened
-            status, port = prefill_q.get(timeout=10)
-        assert status == "ok", port
+        port = port_q.get(timeout=60)
+        assert isinstance(port, int), port[1]  # the prefill process failed before it listened
         decode = ctx.Process(target=gpu_worker.decode_main, args=(cfg, PLAN, back_q, decode_q))
         back_q.put(port)
         decode.start()
-        d_status, d = decode_q.get(timeout=240)
+        d_status, d = decode_q.get(timeout=100)
         assert d_status == "ok", d
         port_q.put("done")
-        p_status, p = prefill_q.get(timeout=60)
+        p_status, p = prefill_q.get(timeout=30)
         assert p_status == "ok", p
         return p, d
     finally:
         for proc in (decode, prefill):
             if proc is not None:
-                proc.join(60)
+                proc.join(20)
                 if proc.is_alive():
                     proc.kill()
 

@@ -6,7 +6,7 @@
 #   DEST: the folder python_gpu.sh prepared (e.g. .device/python);
 #   OUT_DIR: where pytest.log, junit.xml, bench.json, bench.log and card.txt go.
 # KVT_PY_BUILD: the extension's build folder (default /tmp/kvt-python-build);
-# KVT_RUN_BENCH=0 skips the benchmark; KVT_BENCH_ARGS adds arguments to it.
+# KVT_RUN_OTHER_TESTS=0 runs only test_gpu.py; KVT_RUN_BENCH=0 skips the benchmark; KVT_BENCH_ARGS adds arguments to it.
 set -uo pipefail
 if (($# != 2)); then
   echo "usage: $0 DEST OUT_DIR" >&2
@@ -48,11 +48,21 @@ cmake --build "$build" -j "$(nproc)" 2>&1 | tee -a "$out/build.log" | tail -5
 export PYTHONPATH=$build/python KVT_BOOTSTRAP=$dest/kvt/bin/kvt-bootstrap PYTHONDONTWRITEBYTECODE=1
 "$python" -c 'import kvt; print("kvt", kvt.__version__, kvt.__file__, kvt.backend_names())' || exit 1
 
-echo "== python/tests"
-timeout -k 10 240 "$python" -m pytest -q -rs -p no:cacheprovider --junitxml="$out/junit.xml" \
-  python/tests 2>&1 | tee "$out/pytest.log" | tail -25
-tests_rc=${PIPESTATUS[0]}
-echo "pytest rc $tests_rc"
+# The GPU tests first, then the rest; a test that runs past 150 s dumps its threads' stacks,
+# and each pytest run is stopped after 360 s (the tests bound their own waits well inside it).
+tests_rc=0
+for tests in python/tests/test_gpu.py "python/tests --ignore=python/tests/test_gpu.py"; do
+  name=$([ "$tests" = python/tests/test_gpu.py ] && echo gpu || echo others)
+  echo "== pytest $tests"
+  # shellcheck disable=SC2086
+  timeout -k 10 360 "$python" -m pytest -q -rfEs --tb=short -p no:cacheprovider \
+    -o faulthandler_timeout=150 \
+    --junitxml="$out/junit-$name.xml" $tests 2>&1 | tee "$out/pytest-$name.log" | tail -40
+  rc=${PIPESTATUS[0]}
+  echo "pytest $name rc $rc"
+  ((rc == 0)) || tests_rc=$rc
+  [ "${KVT_RUN_OTHER_TESTS:-1}" = 1 ] || break
+done
 
 bench_rc=0
 if [ "${KVT_RUN_BENCH:-1}" = 1 ]; then
