@@ -72,6 +72,149 @@ def _describe_tensor(x: Any) -> tuple[int, int, tuple[int, ...], str, int, bool]
     raise TypeError(f"expected a torch tensor or a numpy array, got {type(x).__name__}")
 
 
+def _ints(values: IntArray) -> list[int]:
+    """An int, a list of ints or a 1-D integer array as Python ints (one per buffer)."""
+    np = sys.modules.get("numpy")
+    if isinstance(values, int) or (np is not None and isinstance(values, np.integer)):
+        return [int(values)]
+    if np is not None and isinstance(values, np.ndarray):
+        return [int(v) for v in values.reshape(-1).tolist()]
+    return [int(v) for v in values]
+
+
+def _check_tensors(tensors: Sequence[Any], ptrs: list[int], lens: list[int], device: int,
+                   names: tuple[str, str, str]) -> None:
+    """Every buffer info equals its tensor: pointer = data_ptr(), length = bytes, device."""
+    label, ptr_name, len_name = names
+    if len(tensors) != len(ptrs):
+        raise ValueError(
+            f"{len(tensors)} {label} for {len(ptrs)} {ptr_name}: give one tensor per buffer, in "
+            "the buffer infos' order (K of every layer, then V, then a draft model's buffers)")
+    for i, t in enumerate(tensors):
+        name = f"{label}[{i}]"
+        try:
+            ptr, nbytes, shape, _, tdevice, contiguous = _describe_tensor(t)
+        except TypeError as e:
+            raise TypeError(f"{name}: {e}") from None
+        if ptr != ptrs[i]:
+            raise ValueError(
+                f"{ptr_name}[{i}] = {ptrs[i]:#x} but {name}.data_ptr() = {ptr:#x}: the buffer "
+                "infos and the tensors name different memory; pass both from the same pool, in "
+                "the same order")
+        if i < len(lens) and nbytes != lens[i]:
+            raise ValueError(
+                f"{len_name}[{i}] = {lens[i]} but {name} has {nbytes} bytes (shape "
+                f"{list(shape)}): pass the tensor's whole length, numel() * element_size()")
+        if not contiguous:
+            raise ValueError(
+                f"{name} is not contiguous (shape {list(shape)}): its bytes are not the "
+                f"{nbytes} bytes from {ptr:#x} that the buffer infos describe")
+        if tdevice != device:
+            where = "host memory" if tdevice == -1 else f"CUDA device {tdevice}"
+            raise ValueError(
+                f"{name} is in {where} but device = {device}: pass device={tdevice}, or tensors "
+                "from the pool whose buffer infos these are")
+
+
+def _check_layer_offsets(layer_offsets: Any, num_buffers: int, target: int,
+                         per_layer: int) -> None:
+    """``layer_offsets`` against the order kvt registers (the reference order, a draft model's
+    buffers from ``target`` on); raises ValueError naming the first layer that differs."""
+    import numpy as np  # a dependency of the package; imported only where it is needed
+
+    try:
+        arr = np.asarray(layer_offsets)
+    except ValueError:  # ragged rows (numpy >= 1.24)
+        arr = None
+    if arr is None or arr.dtype == object:
+        rows = [np.atleast_1d(np.asarray(r)) for r in layer_offsets]
+        for layer, row in enumerate(rows):
+            if len(row) != len(rows[0]):
+                raise ValueError(
+                    f"layer_offsets[{layer}] = {row.tolist()} lists {len(row)} buffers but "
+                    f"layer_offsets[0] = {rows[0].tolist()} lists {len(rows[0])}: kvt moves the "
+                    "same buffers for every layer (K and V, or one latent buffer); pools with "
+                    "other buffers on some layers (indexer or compressor state) cannot be "
+                    "registered yet")
+        arr = np.asarray(rows)
+    if arr.ndim == 0:
+        arr = arr.reshape(1, 1)
+    elif arr.ndim == 1:
+        arr = arr.reshape(-1, 1)
+    if arr.ndim != 2 or arr.size == 0:
+        raise ValueError(
+            f"layer_offsets has shape {list(arr.shape)}: pass per layer the list of its buffer "
+            "indices, as get_layerwise_buf_info_offsets() returns them")
+    if arr.dtype.kind not in "iu":
+        raise ValueError(
+            f"layer_offsets has dtype {arr.dtype}: buffer indices are integers")
+    width = arr.shape[1]
+    if width != per_layer:
+        first = arr[0].tolist()
+        if width == 1:
+            todo = ("one buffer per layer is the order of MLA-style pools: pass latent=True "
+                    "to register one latent buffer per layer")
+        elif width == 2:
+            todo = "two buffers per layer are K and V: drop latent=True (one buffer per layer)"
+        else:
+            todo = ("kvt moves K and V (2) or one latent buffer (1) per layer; pools with more "
+                    "buffers per layer (quantization scales, indexer or compressor state) "
+                    "cannot be registered yet")
+        raise ValueError(
+            f"layer_offsets[0] = {first} lists {width} buffer(s) per layer but the layout "
+            f"registers {per_layer}: {todo}")
+    if target % per_layer or (num_buffers - target) % per_layer:
+        return  # an odd buffer count: the layout's own check names it
+    target_layers = target // per_layer
+    draft_layers = (num_buffers - target) // per_layer
+
+    def expected_for(split: int) -> Any:
+        t_layers, d_layers = split // per_layer, (num_buffers - split) // per_layer
+        exp = np.empty((t_layers + d_layers, per_layer), dtype=np.int64)
+        exp[:t_layers, 0] = np.arange(t_layers)
+        exp[t_layers:, 0] = split + np.arange(d_layers)
+        if per_layer == 2:
+            exp[:t_layers, 1] = t_layers + np.arange(t_layers)
+            exp[t_layers:, 1] = split + d_layers + np.arange(d_layers)
+        return exp
+
+    order = (f"K of target layer l at buffer l and V at {target_layers} + l"
+             if per_layer == 2 else "target layer l at buffer l")
+    if draft_layers:
+        order += (f", the draft model's {draft_layers} layers in the same order from "
+                  f"draft_start = {target} on")
+    if arr.shape[0] != target_layers + draft_layers:
+        held = f"{target_layers} target layers" + (
+            f" and {draft_layers} draft layers" if draft_layers else "")
+        raise ValueError(
+            f"layer_offsets lists {arr.shape[0]} layers but the {num_buffers} buffer infos hold "
+            f"{held} ({per_layer} buffer(s) per layer): pass the target pool's "
+            "get_layerwise_buf_info_offsets() followed by the draft pool's "
+            "get_layerwise_buf_info_offsets(draft_start), with draft_start the draft's first "
+            "buffer")
+    expected = expected_for(target)
+    bad = np.nonzero((arr != expected).any(axis=1))[0]
+    if bad.size == 0:
+        return
+    layer = int(bad[0])
+    got, want = arr[layer].tolist(), expected[layer].tolist()
+    which = (f"target layer {layer}" if layer < target_layers else
+             f"draft layer {layer - target_layers} (transfer layer {layer})")
+    hint = ""
+    if per_layer == 2 and draft_layers == 0:
+        split = 2 * int(arr[0, 1] - arr[0, 0])
+        if 0 < split < num_buffers and np.array_equal(arr, expected_for(split)):
+            hint = (f"; these offsets put a draft model's buffers from {split} on: pass "
+                    f"draft_start={split}")
+    elif layer >= target_layers and np.array_equal(arr[target_layers:] + target,
+                                                   expected[target_layers:]):
+        hint = (f"; the draft's offsets start at 0: take them from the draft pool's "
+                f"get_layerwise_buf_info_offsets({target})")
+    raise ValueError(
+        f"layer_offsets[{layer}] = {got} but kvt reads {which} from buffers {want} ({order}); "
+        f"kvt cannot move buffers in another order: list the buffer infos in this order{hint}")
+
+
 class TransferLayout:
     """The KV memory a :class:`kvt.TransferEngine` registers and moves.
 
@@ -103,7 +246,9 @@ class TransferLayout:
         head_dim: int,
         device: int = -1,
         unit_lens: Optional[IntArray] = None,
+        layer_offsets: Optional[Any] = None,
         target_buffers: int = 0,
+        draft_start: Optional[int] = None,
         draft_head_num: int = 0,
         draft_head_dim: int = 0,
         aux_data_ptrs: Optional[IntArray] = None,
@@ -113,6 +258,8 @@ class TransferLayout:
         tp_rank: int = 0,
         tp_size: int = 1,
         total_kv_heads: int = 0,
+        tensors: Optional[Sequence[Any]] = None,
+        aux_tensors: Optional[Sequence[Any]] = None,
     ) -> "TransferLayout":
         """A layout from ``get_contiguous_buf_infos()`` (ints, lists or numpy arrays).
 
@@ -125,23 +272,63 @@ class TransferLayout:
             head_num, head_dim: KV heads of this rank and elements per head.
             device: CUDA ordinal of every KV buffer; -1 for host memory.
             unit_lens: ``get_contiguous_buf_unit_lens()``, checked when given.
+            layer_offsets: ``get_layerwise_buf_info_offsets()`` (per layer its buffer indices;
+                a draft's from ``get_layerwise_buf_info_offsets(draft_start)`` appended), a
+                list of lists or a 2-D integer array (1-D: one buffer per layer); checked
+                against the order kvt moves, which is the only order it can move.
             target_buffers: buffers [0, target_buffers) are the target model's, the rest one
                 draft model's (0: all the target's); ``draft_head_num`` / ``draft_head_dim``
                 when the draft's differ.
+            draft_start: the index of the draft model's first buffer (the ``start_idx`` of its
+                offsets), instead of ``target_buffers``; ``len(kv_data_ptrs)``: no draft.
             aux_data_ptrs, aux_data_lens, aux_item_lens: per-request aux slots (host memory).
             latent: one buffer per layer (MLA-style pools) instead of K and V.
             tp_rank, tp_size, total_kv_heads: tensor-parallel placement.
+            tensors, aux_tensors: the pool's tensors in buffer-info order (torch or numpy);
+                each pointer and length must equal its tensor's ``data_ptr()`` and bytes. The
+                layout keeps references to them.
 
         Raises:
             ValueError: the description is wrong (overlapping buffers, a length that is not a
-                multiple of its item length, an unknown dtype, ...), naming the buffer and value.
+                multiple of its item length, an unknown dtype, layer offsets in another order,
+                a pointer that is not its tensor's, ...), naming the buffer and value.
         """
+        checks = draft_start is not None or tensors is not None or layer_offsets is not None
+        ptrs = _ints(kv_data_ptrs) if checks else []
+        target = int(target_buffers)
+        if draft_start is not None:
+            start = int(draft_start)
+            if not 0 < start <= len(ptrs):
+                raise ValueError(
+                    f"draft_start = {start}: the draft model's first buffer must be in "
+                    f"1..{len(ptrs)} (len(kv_data_ptrs) for no draft model); it is the "
+                    "start_idx given to the draft pool's get_layerwise_buf_info_offsets")
+            if target not in (0, start):
+                raise ValueError(
+                    f"target_buffers = {target} but draft_start = {start}: both say where the "
+                    "draft model's buffers begin; pass one of them")
+            target = start
+        keepalive: list[Any] = []
+        if tensors is not None:
+            tensors = list(tensors)
+            _check_tensors(tensors, ptrs, _ints(kv_data_lens), int(device),
+                           ("tensors", "kv_data_ptrs", "kv_data_lens"))
+            keepalive += tensors
+        if aux_tensors is not None:
+            aux_tensors = list(aux_tensors)
+            _check_tensors(aux_tensors, [] if aux_data_ptrs is None else _ints(aux_data_ptrs),
+                           [] if aux_data_lens is None else _ints(aux_data_lens), -1,
+                           ("aux_tensors", "aux_data_ptrs", "aux_data_lens"))
+            keepalive += aux_tensors
+        if layer_offsets is not None:
+            _check_layer_offsets(layer_offsets, len(ptrs), target or len(ptrs),
+                                 1 if latent else 2)
         native = _kvt.Layout.from_buf_infos(
             kv_data_ptrs, kv_data_lens, kv_item_lens, int(page_size), dtype_name(dtype),
-            int(head_num), int(head_dim), bool(latent), int(device), unit_lens,
-            int(target_buffers), int(draft_head_num), int(draft_head_dim), int(tp_rank),
-            int(tp_size), int(total_kv_heads), aux_data_ptrs, aux_data_lens, aux_item_lens)
-        return cls(native)
+            int(head_num), int(head_dim), bool(latent), int(device), unit_lens, target,
+            int(draft_head_num), int(draft_head_dim), int(tp_rank), int(tp_size),
+            int(total_kv_heads), aux_data_ptrs, aux_data_lens, aux_item_lens)
+        return cls(native, keepalive)
 
     @classmethod
     def from_tensors(

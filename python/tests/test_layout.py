@@ -114,3 +114,150 @@ def test_torch_tensors(dtype: str) -> None:
     k[0] = k[0].transpose(1, 2)
     with pytest.raises(ValueError, match=r"k_tensors\[0\] is not contiguous"):
         kvt.TransferLayout.from_tensors(k, pool.v_buffer, page_size=4)
+
+
+def _draft_pool_infos(target_pool, draft_pool):
+    """Target then draft buffer infos, as an engine with a draft model hands them over."""
+    ptrs, lens, items = target_pool.get_contiguous_buf_infos()
+    d_ptrs, d_lens, d_items = draft_pool.get_contiguous_buf_infos()
+    return ptrs + d_ptrs, lens + d_lens, items + d_items
+
+
+def _offsets(layers: int, start: int = 0, per_layer: int = 2) -> list[list[int]]:
+    """What the reference pool's get_layerwise_buf_info_offsets(start) returns."""
+    if per_layer == 1:
+        return [[start + layer] for layer in range(layers)]
+    return [[start + layer, start + layers + layer] for layer in range(layers)]
+
+
+def test_layer_offsets_in_the_reference_order_are_accepted() -> None:
+    pool = make_pool()
+    infos = pool.get_contiguous_buf_infos()
+    plain = kvt.TransferLayout.from_buf_infos(*infos, page_size=4, dtype="fp16", head_num=2,
+                                              head_dim=16)
+    for offsets in (_offsets(2), np.array(_offsets(2), dtype=np.int64),
+                    [tuple(row) for row in _offsets(2)]):
+        layout = kvt.TransferLayout.from_buf_infos(*infos, page_size=4, dtype="fp16",
+                                                   head_num=2, head_dim=16,
+                                                   layer_offsets=offsets)
+        assert layout.describe() == plain.describe()
+    buf = np.zeros((3, 8 * 4, 1, 32), dtype=np.float16)
+    latent = [int(buf[i].ctypes.data) for i in range(3)]
+    layout = kvt.TransferLayout.from_buf_infos(latent, [buf[0].nbytes] * 3, [4 * 64] * 3,
+                                               page_size=4, dtype="fp16", head_num=1,
+                                               head_dim=32, latent=True,
+                                               layer_offsets=np.arange(3))
+    assert layout.num_layers == 3
+
+
+def test_layer_offsets_in_another_order_name_the_layer_and_indices() -> None:
+    pool = make_pool(layer_num=3)
+    infos = pool.get_contiguous_buf_infos()
+    kw = dict(page_size=4, dtype="fp16", head_num=2, head_dim=16)
+    interleaved = [[2 * layer, 2 * layer + 1] for layer in range(3)]  # K0 V0 K1 V1 ...
+    with pytest.raises(ValueError, match=r"layer_offsets\[0\] = \[0, 1\] but kvt reads target "
+                                         r"layer 0 from buffers \[0, 3\]"):
+        kvt.TransferLayout.from_buf_infos(*infos, layer_offsets=interleaved, **kw)
+    with pytest.raises(ValueError, match=r"layer_offsets\[1\] = \[4, 1\] but kvt reads target "
+                                         r"layer 1 from buffers \[1, 4\]"):
+        kvt.TransferLayout.from_buf_infos(*infos, layer_offsets=np.array([[0, 3], [4, 1], [2, 5]]),
+                                          **kw)
+    with pytest.raises(ValueError, match=r"layer_offsets lists 2 layers but the 6 buffer infos "
+                                         r"hold 3 target layers"):
+        kvt.TransferLayout.from_buf_infos(*infos, layer_offsets=_offsets(2), **kw)
+    with pytest.raises(ValueError, match=r"layer_offsets\[0\] = \[0\] lists 1 buffer\(s\) per "
+                                         r"layer but the layout registers 2: .*latent=True"):
+        kvt.TransferLayout.from_buf_infos(*infos, layer_offsets=_offsets(6, per_layer=1), **kw)
+    with pytest.raises(ValueError, match=r"layer_offsets\[0\] = \[0, 2, 4\] lists 3 buffer\(s\) "
+                                         r"per layer .*scales"):
+        kvt.TransferLayout.from_buf_infos(*infos, layer_offsets=[[0, 2, 4], [1, 3, 5]], **kw)
+    with pytest.raises(ValueError, match=r"layer_offsets\[1\] = \[1, 2, 3\] lists 3 buffers but "
+                                         r"layer_offsets\[0\] = \[0\] lists 1"):
+        kvt.TransferLayout.from_buf_infos(*infos, layer_offsets=[[0], [1, 2, 3], [4, 5]], **kw)
+    with pytest.raises(ValueError, match="dtype float64"):
+        kvt.TransferLayout.from_buf_infos(*infos, layer_offsets=np.zeros((3, 2)), **kw)
+
+
+def test_draft_start_and_draft_offsets() -> None:
+    target, draft = make_pool(), make_pool(head_num=1, head_dim=16)
+    ptrs, lens, items = _draft_pool_infos(target, draft)
+    kw = dict(page_size=4, dtype="fp16", head_num=2, head_dim=16, draft_head_num=1)
+    offsets = _offsets(2) + _offsets(2, start=4)
+    by_start = kvt.TransferLayout.from_buf_infos(ptrs, lens, items, draft_start=4,
+                                                 layer_offsets=offsets, **kw)
+    by_count = kvt.TransferLayout.from_buf_infos(np.array(ptrs, dtype=np.uint64), lens, items,
+                                                 target_buffers=4, **kw)
+    assert by_start.describe() == by_count.describe()
+    assert len(by_start.summary()["groups"]) == 2 and by_start.num_layers == 4
+    # The draft's offsets taken with start_idx 0.
+    with pytest.raises(ValueError, match=r"layer_offsets\[2\] = \[0, 2\] but kvt reads draft "
+                                         r"layer 0 \(transfer layer 2\) from buffers \[4, 6\].*"
+                                         r"get_layerwise_buf_info_offsets\(4\)"):
+        kvt.TransferLayout.from_buf_infos(ptrs, lens, items, draft_start=4,
+                                          layer_offsets=_offsets(2) + _offsets(2), **kw)
+    # Target and draft offsets without saying where the draft begins.
+    with pytest.raises(ValueError, match=r"layer_offsets\[0\] = \[0, 2\] .*\[0, 4\].*"
+                                         r"pass draft_start=4"):
+        kvt.TransferLayout.from_buf_infos(ptrs, lens, items, layer_offsets=offsets,
+                                          page_size=4, dtype="fp16", head_num=2, head_dim=16)
+    with pytest.raises(ValueError, match=r"target_buffers = 2 but draft_start = 4"):
+        kvt.TransferLayout.from_buf_infos(ptrs, lens, items, draft_start=4, target_buffers=2,
+                                          **kw)
+    with pytest.raises(ValueError, match=r"draft_start = 9: .* 1\.\.8"):
+        kvt.TransferLayout.from_buf_infos(ptrs, lens, items, draft_start=9, **kw)
+    with pytest.raises(ValueError, match=r"draft_start = 0"):
+        kvt.TransferLayout.from_buf_infos(ptrs, lens, items, draft_start=0, **kw)
+    whole = kvt.TransferLayout.from_buf_infos(*target.get_contiguous_buf_infos(), draft_start=4,
+                                              page_size=4, dtype="fp16", head_num=2,
+                                              head_dim=16)
+    assert len(whole.summary()["groups"]) == 1
+
+
+def test_buf_infos_checked_against_tensors() -> None:
+    pool = make_pool(aux_slots=4)
+    ptrs, lens, items = pool.get_contiguous_buf_infos()
+    aux_ptrs, aux_lens, aux_items = pool.aux_infos()
+    kw = dict(page_size=4, dtype="fp16", head_num=2, head_dim=16)
+    layout = kvt.TransferLayout.from_buf_infos(
+        np.array(ptrs, dtype=np.uint64), np.array(lens), items, tensors=pool.buffers(),
+        aux_data_ptrs=aux_ptrs, aux_data_lens=aux_lens, aux_item_lens=aux_items,
+        aux_tensors=pool.aux, **kw)
+    assert layout.describe() == kvt.TransferLayout.from_tensors(
+        pool.k_buffer, pool.v_buffer, page_size=4, aux=pool.aux).describe()
+    swapped = pool.buffers()
+    swapped[1], swapped[2] = swapped[2], swapped[1]
+    with pytest.raises(ValueError, match=rf"kv_data_ptrs\[1\] = {ptrs[1]:#x} but "
+                                         rf"tensors\[1\]\.data_ptr\(\) = {ptrs[2]:#x}"):
+        kvt.TransferLayout.from_buf_infos(ptrs, lens, items, tensors=swapped, **kw)
+    short = list(lens)
+    short[3] -= items[3]
+    with pytest.raises(ValueError, match=rf"kv_data_lens\[3\] = {short[3]} but tensors\[3\] "
+                                         rf"has {lens[3]} bytes"):
+        kvt.TransferLayout.from_buf_infos(ptrs, short, items, tensors=pool.buffers(), **kw)
+    with pytest.raises(ValueError, match=r"3 tensors for 4 kv_data_ptrs"):
+        kvt.TransferLayout.from_buf_infos(ptrs, lens, items, tensors=pool.buffers()[:3], **kw)
+    with pytest.raises(ValueError, match=r"tensors\[0\] is in host memory but device = 0"):
+        kvt.TransferLayout.from_buf_infos(ptrs, lens, items, tensors=pool.buffers(), device=0,
+                                          **kw)
+    with pytest.raises(ValueError, match=rf"aux_data_lens\[0\] = 8 but aux_tensors\[0\] has "
+                                         rf"{aux_lens[0]} bytes"):
+        kvt.TransferLayout.from_buf_infos(ptrs, lens, items, aux_data_ptrs=aux_ptrs,
+                                          aux_data_lens=[8], aux_item_lens=[8],
+                                          aux_tensors=pool.aux, **kw)
+    with pytest.raises(TypeError, match=r"tensors\[0\]"):
+        kvt.TransferLayout.from_buf_infos(ptrs[:1], lens[:1], items[:1], tensors=[[1, 2]], **kw)
+
+
+@pytest.mark.skipif(torch is None, reason="torch is not importable")
+def test_buf_infos_checked_against_torch_tensors() -> None:
+    pool = make_pool(use_torch=True)
+    ptrs, lens, items = pool.get_contiguous_buf_infos()
+    layout = kvt.TransferLayout.from_buf_infos(ptrs, lens, items, page_size=4, dtype="fp16",
+                                               head_num=2, head_dim=16, tensors=pool.buffers(),
+                                               layer_offsets=torch.tensor(_offsets(2)).numpy())
+    assert layout.num_layers == 2
+    other = [t.clone() for t in pool.buffers()]
+    with pytest.raises(ValueError, match=rf"kv_data_ptrs\[0\] = {ptrs[0]:#x} but "
+                                         rf"tensors\[0\]\.data_ptr\(\) = {other[0].data_ptr():#x}"):
+        kvt.TransferLayout.from_buf_infos(ptrs, lens, items, page_size=4, dtype="fp16",
+                                          head_num=2, head_dim=16, tensors=other)
