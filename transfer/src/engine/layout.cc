@@ -353,7 +353,7 @@ StatusOr<TransferLayout> TransferLayout::FromBufInfos(std::span<const uint64_t> 
     if (n % per_layer != 0) {
       return InvalidArgument(fmt::format(
           "buffers [{}, {}) are {}, an odd count: a key_value group has K and V of every layer "
-          "(use KvShape::kLatent for one buffer per layer)",
+          "(one buffer per layer: KvShape::kLatent; latent=True in Python)",
           begin, end, n));
     }
     group.num_layers = static_cast<uint32_t>(n / per_layer);
