@@ -55,6 +55,20 @@ bool Finalizing() {
 #endif
 }
 
+// Destroys what `owned` holds (engines and backends join their threads) without the GIL, except
+// while the interpreter shuts down; `close` does it at once wherever it is called from.
+template <typename T>
+void DestroyWithoutGil(std::unique_ptr<T>& owned, bool close = false) {
+  std::unique_ptr<T> doomed = std::move(owned);
+  if (doomed == nullptr) return;
+  if (close || (PyGILState_Check() && !Finalizing())) {
+    py::gil_scoped_release release;
+    doomed.reset();
+  } else {
+    doomed.reset();
+  }
+}
+
 void ThrowIfError(const Status& status, const std::string& room = {}) {
   if (!status.ok()) throw StatusError{status, room};
 }
@@ -239,6 +253,20 @@ Layout LayoutFromBufInfos(py::handle ptrs, py::handle lens, py::handle item_lens
   return Layout{ValueOrThrow(std::move(layout))};
 }
 
+// The named backend's default options, with UCX's transports when ucx_tls is given.
+transfer::BackendConfig BackendConfigFor(const std::string& backend, const std::string& ucx_tls) {
+  transfer::BackendConfig config = ValueOrThrow(transfer::DefaultBackendConfig(backend));
+  if (!ucx_tls.empty()) {
+    auto* ucx = std::get_if<transfer::UcxOptions>(&config);
+    if (ucx == nullptr) {
+      throw py::value_error("ucx_tls='" + ucx_tls + "' applies to backend='ucx' only, not '" +
+                            backend + "'; drop ucx_tls or use backend='ucx'");
+    }
+    ucx->transports = ucx_tls;
+  }
+  return config;
+}
+
 // The engine, closable before the Python object goes away (destruction waits for threads and
 // quiesces writes, so it runs without the GIL).
 class Engine {
@@ -250,15 +278,7 @@ class Engine {
     transfer::EngineOptions o;
     o.name = name;
     o.prefill = prefill;
-    o.backend = ValueOrThrow(transfer::DefaultBackendConfig(backend));
-    if (!ucx_tls.empty()) {
-      auto* ucx = std::get_if<transfer::UcxOptions>(&o.backend);
-      if (ucx == nullptr) {
-        throw py::value_error("ucx_tls='" + ucx_tls + "' applies to backend='ucx' only, not '" +
-                              backend + "'; drop ucx_tls or use backend='ucx'");
-      }
-      ucx->transports = ucx_tls;
-    }
+    o.backend = BackendConfigFor(backend, ucx_tls);
     o.server.bind_address = bind;
     o.server.port = port;
     o.server.cluster_token = cluster_token;
@@ -274,21 +294,9 @@ class Engine {
     }();
     engine_ = ValueOrThrow(std::move(engine));
   }
-  ~Engine() {
-    if (engine_ == nullptr) return;
-    if (PyGILState_Check() && !Finalizing()) {
-      py::gil_scoped_release release;
-      engine_.reset();
-    } else {
-      engine_.reset();
-    }
-  }
+  ~Engine() { DestroyWithoutGil(engine_); }
 
-  void Close() {
-    std::unique_ptr<transfer::TransferEngine> engine = std::move(engine_);
-    py::gil_scoped_release release;
-    engine.reset();
-  }
+  void Close() { DestroyWithoutGil(engine_, /*close=*/true); }
   bool closed() const { return engine_ == nullptr; }
 
   transfer::TransferEngine& get() const {
@@ -490,15 +498,7 @@ class Announcement {
 class RegionWriter {
  public:
   RegionWriter(const std::string& backend, const std::string& ucx_tls) {
-    transfer::BackendConfig config = ValueOrThrow(transfer::DefaultBackendConfig(backend));
-    if (!ucx_tls.empty()) {
-      auto* ucx = std::get_if<transfer::UcxOptions>(&config);
-      if (ucx == nullptr) {
-        throw py::value_error("ucx_tls='" + ucx_tls + "' applies to backend='ucx' only, not '" +
-                              backend + "'; drop ucx_tls or use backend='ucx'");
-      }
-      ucx->transports = ucx_tls;
-    }
+    const transfer::BackendConfig config = BackendConfigFor(backend, ucx_tls);
     StatusOr<std::unique_ptr<transfer::Backend>> created = [&] {
       py::gil_scoped_release release;
       return transfer::CreateBackend(config);
@@ -516,21 +516,9 @@ class RegionWriter {
       state->cv.notify_all();
     });
   }
-  ~RegionWriter() {
-    if (backend_ == nullptr) return;
-    if (PyGILState_Check() && !Finalizing()) {
-      py::gil_scoped_release release;
-      backend_.reset();
-    } else {
-      backend_.reset();
-    }
-  }
+  ~RegionWriter() { DestroyWithoutGil(backend_); }
 
-  void Close() {
-    std::unique_ptr<transfer::Backend> backend = std::move(backend_);
-    py::gil_scoped_release release;
-    backend.reset();
-  }
+  void Close() { DestroyWithoutGil(backend_, /*close=*/true); }
 
   std::string name() const { return std::string(get().Name()); }
 
