@@ -294,13 +294,21 @@ def _frame(body: bytes, magic: bytes = b"KVTM", version: int = 1, length=None) -
     (_frame(b"", length=1 << 30), ["announces 1073741824 bytes"]),
     (_frame(b"[1, 2]"), ["not an object"]),
     (_frame(b"not json"), ["Expecting value"]),
-    (_frame(json.dumps({"registrations": [{"id": 0}]}).encode()), ["malformed", "'kind'"]),
-    (_frame(json.dumps({"registrations": [{"id": 0, "kind": "host", "backend": "ucx",
-                                           "address": "!!", "regions": []}]}).encode()),
+    (_frame(json.dumps({"registrations": []}).encode()), ["malformed", "'instance'"]),
+    (_frame(json.dumps({"instance": "i", "registrations": [{"id": 0}]}).encode()),
+     ["malformed", "'kind'"]),
+    (_frame(json.dumps({"instance": "i", "registrations": [{"id": 0, "kind": "host",
+                                                            "backend": "ucx", "address": "!!",
+                                                            "regions": []}]}).encode()),
      ["malformed"]),
-    (_frame(json.dumps({"registrations": [{"id": 0, "kind": "host", "backend": "ucx",
-                                           "address": "", "regions": [[0, 5, "", True]]}]})
+    (_frame(json.dumps({"instance": "i", "registrations": [{"id": 0, "kind": "host",
+                                                            "backend": "ucx", "address": "",
+                                                            "regions": [[0, 5, "", True]]}]})
             .encode()), ["region 0 of registration 0 is [0, +5)"]),
+    (_frame(json.dumps({"instance": "i", "registrations": [
+        {"id": 3, "kind": "host", "backend": "ucx", "address": "", "regions": []},
+        {"id": 3, "kind": "host", "backend": "ucx", "address": "", "regions": []}]}).encode()),
+     ["registration 3 is listed twice"]),
     (_frame(json.dumps({"error": "no"}).encode()), ["refused the exchange: no"]),
 ])
 def test_hostile_session_ports_are_refused_naming_what_was_wrong(reply: bytes, words) -> None:
@@ -318,7 +326,7 @@ def test_a_peer_whose_keys_lie_is_refused_by_the_backend() -> None:
     """A well-formed description whose UCX address is garbage: the backend's own checks
     refuse it before UCX reads it."""
     src = np.zeros(ITEM, np.uint8)
-    body = {"registrations": [{"id": 0, "kind": "host", "backend": "ucx",
+    body = {"instance": "i", "registrations": [{"id": 0, "kind": "host", "backend": "ucx",
                                "address": "AAAAAAAA", "regions": [[1 << 40, 4096, "AAAA", True]]}]}
     port = _HostilePort(_frame(json.dumps(body).encode()))
     with TransferEngine("127.0.0.1") as engine:
@@ -369,3 +377,38 @@ def test_cuda_memory_between_two_processes_over_cuda_ipc_byte_exact() -> None:
             _assert_same(target.ask("dump"), _expect(host_src, moves))
     finally:
         target.close()
+
+
+def test_a_closed_peer_is_refused_and_a_replacement_read_again() -> None:
+    """The session connection stays open while a writer may write: when the peer's engine
+    closes, the next write re-reads (and fails at once); an engine opened again on the same
+    port is read afresh, and nothing goes to the memory the first one published."""
+    src = np.random.default_rng(12).integers(0, 256, 4 * ITEM, dtype=np.uint8)
+    first = np.full(4 * ITEM, FILL, np.uint8)
+    second = np.full(4 * ITEM, FILL, np.uint8)
+    with TransferEngine("127.0.0.1", host_backend="loopback") as writer:
+        writer.register(src.ctypes.data, src.nbytes)
+        peer = TransferEngine("127.0.0.1", host_backend="loopback")
+        port = peer.port
+        peer.register(first.ctypes.data, first.nbytes)
+        session = peer.get_session_id()
+        assert writer.batch_transfer_sync(session, [src.ctypes.data], [first.ctypes.data],
+                                          [ITEM]) == 0
+        peer.close()
+        assert writer.batch_transfer_sync(session, [src.ctypes.data + ITEM],
+                                          [first.ctypes.data + ITEM], [ITEM]) == -1
+        assert "cannot read its registrations" in writer.last_error
+        assert (first[ITEM:] == FILL).all()
+
+        with TransferEngine("127.0.0.1", port=port, host_backend="loopback") as again:
+            again.register(second.ctypes.data, second.nbytes)
+            assert again.get_session_id() == session
+            # The old engine's memory is not the new one's: refused, nothing written.
+            assert writer.batch_transfer_sync(session, [src.ctypes.data],
+                                              [first.ctypes.data + 2 * ITEM], [ITEM]) == -1
+            assert "not inside a region" in writer.last_error
+            assert writer.batch_transfer_sync(session, [src.ctypes.data + ITEM],
+                                              [second.ctypes.data + 3 * ITEM], [ITEM]) == 0
+        assert np.array_equal(first[:ITEM], src[:ITEM]) and (first[ITEM:] == FILL).all()
+        assert np.array_equal(second[3 * ITEM:], src[ITEM:2 * ITEM])
+        assert (second[:3 * ITEM] == FILL).all()

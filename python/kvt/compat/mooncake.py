@@ -17,8 +17,10 @@ How regions work: the regions registered before first use (the first write, or a
 for them) are registered with the backend together, as one registration; regions registered
 later form a new one, so the descriptions peers already hold stay valid. A peer learns our
 registrations from a small TCP exchange on the session port (length-prefixed JSON, checked on
-receipt; the backend checks the keys again before using them), and read them again when a
-write names an address they do not cover or a write to them failed. ``deregister`` hides a
+receipt; the backend checks the keys again before using them) and keeps that connection open:
+it reads them again when a write names an address they do not cover, when a write to them
+failed, and when the connection closed (this engine closed or died; one opened again on the
+same port has another instance id, and every connection to the old one is dropped). ``deregister`` hides a
 region from every peer that reads our registrations afterwards; its registration is released
 when all its regions are gone (a peer still writing into it then fails). As with Mooncake,
 deregister and free a region's memory only after peers stopped writing into it.
@@ -35,6 +37,7 @@ import base64
 import dataclasses
 import json
 import logging
+import os
 import socket
 import struct
 import threading
@@ -54,6 +57,7 @@ _VERSION = 1
 _HEADER = struct.Struct("!4sHI")  # magic, version, body bytes
 _MAX_BODY = 64 << 20  # descriptions of thousands of regions are a few hundred KiB
 _IO_TIMEOUT = 10.0  # seconds for one exchange on the session port
+_MAX_CONNECTIONS = 1024  # session-port connections served at once
 
 Addresses = Union[int, Sequence[int], Any]  # an int, a list of ints or a 1-D integer array
 
@@ -119,12 +123,32 @@ class _PeerRegistration:
 
 @dataclasses.dataclass
 class _Session:
-    """What a peer published: its registrations and the table of its live regions."""
+    """What a peer published: its registrations and the table of its live regions, and the
+    connection to its session port, kept open: when it closes, the peer's engine is gone (or
+    was replaced) and nothing it published may be written any more."""
 
     host: str
     port: int
+    instance: str
     registrations: dict[int, _PeerRegistration]
     table: _Table
+    sock: socket.socket
+
+    def alive(self) -> bool:
+        timeout = self.sock.gettimeout()
+        try:
+            self.sock.setblocking(False)  # a timeout would make recv wait for data first
+            data = self.sock.recv(1, socket.MSG_PEEK)
+        except BlockingIOError:
+            return True  # open, nothing to read
+        except OSError:
+            return False
+        finally:
+            try:
+                self.sock.settimeout(timeout)
+            except OSError:
+                pass
+        return False  # closed by the peer (b""), or bytes nobody asked for
 
 
 def _u64(values: Addresses, what: str) -> np.ndarray:
@@ -168,8 +192,9 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return b"".join(chunks)
 
 
-def _recv_frame(sock: socket.socket) -> dict[str, Any]:
-    magic, version, length = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
+def _recv_frame(sock: socket.socket, first: bytes = b"") -> dict[str, Any]:
+    """One frame; `first`: its first bytes when the caller read them already."""
+    magic, version, length = _HEADER.unpack(first + _recv_exact(sock, _HEADER.size - len(first)))
     if magic != _MAGIC:
         raise ValueError(f"frame starts with {magic!r}, not {_MAGIC!r}: not a kvt session port")
     if version != _VERSION:
@@ -226,6 +251,8 @@ class TransferEngine:
         self._peers: dict[tuple[str, int, int], int] = {}  # (session, theirs, ours) -> peer id
         self._stats = {"batches": 0, "descriptors": 0, "runs": 0, "bytes": 0, "failed": 0}
         self._closing = threading.Event()
+        self._instance = os.urandom(8).hex()  # tells peers this engine from a later one
+        self._connections: set[socket.socket] = set()
         self._listener = socket.create_server((bind or hostname, port))
         self._listener.settimeout(0.2)
         self.port = self._listener.getsockname()[1]
@@ -305,10 +332,19 @@ class TransferEngine:
             self._server.join(timeout=5)
         with self._lock:
             registrations = list(self._registrations.values())
+            sessions = list(self._sessions.values())
+            connections = list(self._connections)
             self._registrations.clear()
             self._peers.clear()
             self._sessions.clear()
             self._local = _Table.build([])
+        for conn in connections:  # peers see their session close: our regions are gone
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for session in sessions:
+            session.sock.close()
         for reg in registrations:
             reg.writer.close()
 
@@ -439,7 +475,7 @@ class TransferEngine:
     def _describe(self) -> dict[str, Any]:
         self._seal()
         with self._lock:
-            return {"engine": "kvt", "registrations": [
+            return {"engine": "kvt", "instance": self._instance, "registrations": [
                 {"id": reg.id, "kind": reg.kind, "backend": reg.backend,
                  "address": base64.b64encode(reg.address).decode(),
                  "regions": [[b, n, base64.b64encode(k).decode(), live] for b, n, k, live in
@@ -454,43 +490,81 @@ class TransferEngine:
                 continue
             except OSError:
                 return
+            with self._lock:
+                if len(self._connections) >= _MAX_CONNECTIONS:
+                    _log.warning("session port: %d connections open; refusing another",
+                                 len(self._connections))
+                    conn.close()
+                    continue
+                self._connections.add(conn)
             threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
 
     def _answer(self, conn: socket.socket) -> None:
-        with conn:
-            conn.settimeout(_IO_TIMEOUT)
-            try:
-                request = _recv_frame(conn)
-                if request.get("op") != "describe":
-                    _send_frame(conn, {"error": f"unknown op {request.get('op')!r}; this "
-                                                "session port answers 'describe'"})
-                    return
-                _send_frame(conn, self._describe())
-            except Exception as e:  # a bad or dead peer concerns its own connection only
-                _log.warning("session port: %s", e)
-                try:
-                    _send_frame(conn, {"error": str(e)})
-                except OSError:
-                    pass
-
-    def _fetch(self, session_id: str) -> _Session:
-        host, port = _parse_session(session_id)
+        """Answers a peer's requests until it closes the connection (a writer keeps it open
+        for as long as it may write here, so that it learns when this engine goes away)."""
         try:
-            with socket.create_connection((host, port), timeout=_IO_TIMEOUT) as sock:
-                _send_frame(sock, {"op": "describe"})
-                reply = _recv_frame(sock)
+            with conn:
+                while not self._closing.is_set():
+                    conn.settimeout(None)  # idle between requests, for as long as the peer likes
+                    first = conn.recv(1)
+                    if not first:
+                        return  # the peer closed it
+                    conn.settimeout(_IO_TIMEOUT)
+                    try:
+                        request = _recv_frame(conn, first)
+                        if request.get("op") != "describe":
+                            _send_frame(conn, {"error": f"unknown op {request.get('op')!r}; "
+                                                        "this session port answers 'describe'"})
+                            return
+                        _send_frame(conn, self._describe())
+                    except Exception as e:  # a bad peer concerns its own connection only
+                        _log.warning("session port: %s", e)
+                        try:
+                            _send_frame(conn, {"error": str(e)})
+                        except OSError:
+                            pass
+                        return
+        except OSError:
+            return  # reset by the peer, or shut down by close()
+        finally:
+            with self._lock:
+                self._connections.discard(conn)
+
+    def _fetch(self, session_id: str, old: Optional[_Session]) -> _Session:
+        """Reads the peer's registrations, on the open connection of `old` while it is open."""
+        host, port = _parse_session(session_id)
+        sock = old.sock if old is not None and old.alive() else None
+        try:
+            if sock is None:
+                sock = socket.create_connection((host, port), timeout=_IO_TIMEOUT)
+            sock.settimeout(_IO_TIMEOUT)
+            _send_frame(sock, {"op": "describe"})
+            reply = _recv_frame(sock)
         except (OSError, ValueError) as e:
+            if sock is not None:
+                sock.close()
             raise _Refused(f"session {session_id}: cannot read its registrations ({e}); is the "
                            "peer's engine open at that address?", TransferError) from None
+        try:
+            return self._parse_description(session_id, host, port, reply, sock)
+        except _Refused:
+            sock.close()
+            raise
+
+    def _parse_description(self, session_id: str, host: str, port: int, reply: dict[str, Any],
+                           sock: socket.socket) -> _Session:
         if "error" in reply:
             raise _Refused(f"session {session_id} refused the exchange: {reply['error']}",
                            TransferError)
         try:
+            instance = str(reply["instance"])
             registrations: dict[int, _PeerRegistration] = {}
             rows = []
             for r in reply["registrations"]:
                 reg = _PeerRegistration(int(r["id"]), str(r["kind"]), str(r["backend"]),
                                         base64.b64decode(r["address"], validate=True), [])
+                if reg.id in registrations:
+                    raise ValueError(f"registration {reg.id} is listed twice")
                 for i, (b, n, key, live) in enumerate(r["regions"]):
                     b, n = int(b), int(n)
                     if b <= 0 or n <= 0 or b + n >= 1 << 64:
@@ -503,21 +577,38 @@ class TransferEngine:
         except (KeyError, TypeError, ValueError) as e:
             raise _Refused(f"session {session_id} sent a malformed description ({e!r}); is it a "
                            "kvt engine of the same version?", TransferError) from None
-        return _Session(host, port, registrations, _Table.build(rows))
+        return _Session(host, port, instance, registrations, _Table.build(rows), sock)
 
     def _session(self, session_id: str, refresh: bool = False) -> _Session:
+        """The peer's registrations: cached while its session connection stays open; read
+        again when it closed (the peer's engine is gone or was replaced) or on `refresh`."""
         with self._lock:
-            session = self._sessions.get(session_id)
-        if session is None or refresh:
-            session = self._fetch(session_id)
-            with self._lock:
-                old = self._sessions.get(session_id)
-                self._sessions[session_id] = session
-                if old is not None:  # registrations the peer released: their connections go
-                    for key in [k for k in self._peers if k[0] == session_id and
-                                k[1] not in session.registrations]:
-                        del self._peers[key]
+            old = self._sessions.get(session_id)
+        if old is not None and not refresh and old.alive():
+            return old
+        try:
+            session = self._fetch(session_id, old)
+        except _Refused:
+            self._forget_session(session_id)
+            raise
+        with self._lock:
+            self._sessions[session_id] = session
+            if old is not None and old.sock is not session.sock:
+                old.sock.close()
+            replaced = old is None or old.instance != session.instance
+            # Connections to registrations the peer released, or to an earlier engine, go.
+            for key in [k for k in self._peers if k[0] == session_id and
+                        (replaced or k[1] not in session.registrations)]:
+                del self._peers[key]
         return session
+
+    def _forget_session(self, session_id: str) -> None:
+        with self._lock:
+            old = self._sessions.pop(session_id, None)
+            for key in [k for k in self._peers if k[0] == session_id]:
+                del self._peers[key]
+        if old is not None:
+            old.sock.close()
 
     def _connection(self, session_id: str, session: _Session, theirs: int, ours: int) -> int:
         key = (session_id, theirs, ours)
@@ -608,9 +699,8 @@ class TransferEngine:
             try:
                 local_reg.writer.write(peer, runs[a:b], self._timeout)
             except BaseException:
-                with self._lock:  # reconnect (and re-read the peer) next time
-                    self._peers.pop((session_id, theirs, ours), None)
-                    self._sessions.pop(session_id, None)
+                self._forget_session(session_id)  # reconnect (and re-read the peer) next time
+                with self._lock:
                     self._stats["failed"] += 1
                 raise
         with self._lock:
