@@ -100,18 +100,23 @@ class RegistryClient:
 
 
 def find_bootstrap() -> str:
-    """The kvt-bootstrap binary: $KVT_BOOTSTRAP, else next to the package (kvt/bin/), else on
-    PATH. Raises FileNotFoundError saying where it looked."""
+    """The kvt-bootstrap binary: $KVT_BOOTSTRAP, else next to the package (kvt/bin/ when pip
+    installed it, <build>/tools/bootstrap/ when it is a build folder's), else on PATH. Raises
+    FileNotFoundError saying where it looked."""
     looked = []
     env = os.environ.get("KVT_BOOTSTRAP")
     if env:
         if os.access(env, os.X_OK):
             return env
         looked.append(f"$KVT_BOOTSTRAP={env} (not an executable)")
-    beside = Path(__file__).resolve().parent / "bin" / "kvt-bootstrap"
-    if os.access(beside, os.X_OK):
-        return str(beside)
-    looked.append(str(beside))
+    package = Path(__file__).resolve().parent
+    # Installed by pip (kvt/bin/), or the package assembled in a build folder
+    # (<build>/python/kvt, the tool at <build>/tools/bootstrap/).
+    for beside in (package / "bin" / "kvt-bootstrap",
+                   package.parent.parent / "tools" / "bootstrap" / "kvt-bootstrap"):
+        if os.access(beside, os.X_OK):
+            return str(beside)
+        looked.append(str(beside))
     on_path = shutil.which("kvt-bootstrap")
     if on_path:
         return on_path

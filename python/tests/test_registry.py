@@ -12,8 +12,24 @@ import kvt
 def test_missing_binary_says_what_to_do(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("KVT_BOOTSTRAP", str(tmp_path / "nothing"))
     monkeypatch.setenv("PATH", str(tmp_path))
-    with pytest.raises(FileNotFoundError, match="KVT_BOOTSTRAP"):
+    # A package with nothing beside it (neither kvt/bin/ nor a build folder's tools/).
+    monkeypatch.setattr(kvt._registry, "__file__", str(tmp_path / "a" / "kvt" / "_registry.py"))
+    with pytest.raises(FileNotFoundError, match="KVT_BOOTSTRAP") as refused:
         kvt.find_bootstrap()
+    assert str(tmp_path / "a" / "kvt" / "bin" / "kvt-bootstrap") in str(refused.value)
+    assert str(tmp_path / "tools" / "bootstrap" / "kvt-bootstrap") in str(refused.value)
+
+
+def test_a_build_folders_package_finds_the_build_folders_tool(monkeypatch, tmp_path) -> None:
+    tool = tmp_path / "tools" / "bootstrap" / "kvt-bootstrap"
+    tool.parent.mkdir(parents=True)
+    tool.write_text("#!/bin/sh\n")
+    tool.chmod(0o755)
+    monkeypatch.delenv("KVT_BOOTSTRAP", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.setattr(kvt._registry, "__file__",
+                        str(tmp_path / "python" / "kvt" / "_registry.py"))
+    assert kvt.find_bootstrap() == str(tool)
 
 
 @pytest.mark.skipif(not os.environ.get("KVT_BOOTSTRAP"), reason="KVT_BOOTSTRAP is not set")
