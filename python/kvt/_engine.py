@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import threading
 from typing import Any, Optional, Union
 
 from . import _kvt
@@ -155,11 +156,13 @@ class Request:
             while True:
                 d = native.wait(self.room, 3600.0)
                 if d is not None:
-                    return _POLL[d["state"]]
-        d = native.wait(self.room, _seconds(timeout, "timeout"))
-        if d is None:
-            raise TimeoutError(f"room {self.room!r} is not final after {timeout} s "
-                               f"(state {self.poll().name})")
+                    break
+        else:
+            d = native.wait(self.room, _seconds(timeout, "timeout"))
+            if d is None:
+                raise TimeoutError(f"room {self.room!r} is not final after {timeout} s "
+                                   f"(state {self.poll().name})")
+        self._engine._release_event(self.room)
         return _POLL[d["state"]]
 
     def abort(self, reason: str = "aborted by the caller") -> None:
@@ -169,6 +172,7 @@ class Request:
     def forget(self) -> None:
         """Drops the final room's record now (TransferError while it is not final)."""
         self._engine._native_engine().forget(self.room)
+        self._engine._release_event(self.room)
 
     def __repr__(self) -> str:
         try:
@@ -235,6 +239,11 @@ class TransferEngine:
             raise TypeError(f"layout must be a kvt.TransferLayout, got {type(layout).__name__}")
         self.role = role
         self.layout = layout
+        # room -> the latest torch.cuda.Event given to layers_ready, kept alive until the room
+        # is final: the engine waits on it when it posts those layers, which may be later.
+        self._events: dict[str, Any] = {}
+        self._events_lock = threading.Lock()
+        self._prune_events_at = 64
         self._engine = _kvt.Engine(
             layout._native, role == "prefill", backend, ucx_tls, name, bind, int(port),
             cluster_token, _seconds(deadline, "deadline"),
@@ -325,8 +334,35 @@ class TransferEngine:
         """Layers [0, n) of the room's latest chunk are written; their pages may go out.
 
         ``event``: for CUDA pools, a ``torch.cuda.Event`` (or a raw cudaEvent_t as an int)
-        recorded after those layers were written; the copy waits for it on the GPU."""
-        self._engine.layers_ready(str(room), int(n), _event_handle(event))
+        recorded after those layers were written; the copy waits for it on the GPU, possibly
+        after this call returns (when the decode side's request comes later). The engine keeps
+        a ``torch.cuda.Event`` alive until the room is final; a raw handle is the caller's to
+        keep valid until then."""
+        room = str(room)
+        handle = _event_handle(event)
+        if event is not None and not isinstance(event, int):
+            self._keep_event(room, event)
+        self._engine.layers_ready(room, int(n), handle)
+
+    def _keep_event(self, room: str, event: Any) -> None:
+        with self._events_lock:
+            self._events[room] = event
+            if len(self._events) < self._prune_events_at:
+                return
+            # Drop the events of rooms that are final (or forgotten); amortised over calls.
+            for r in list(self._events):
+                try:
+                    final = _POLL[self._engine.get(r)["state"]] in (KVPoll.Success,
+                                                                     KVPoll.Failed)
+                except KeyError:
+                    final = True
+                if final and r != room:
+                    del self._events[r]
+            self._prune_events_at = max(64, 2 * len(self._events))
+
+    def _release_event(self, room: str) -> None:
+        with self._events_lock:
+            self._events.pop(room, None)
 
     # ---- both sides ----------------------------------------------------------------------
     def request(self, room: Union[str, int]) -> Request:
@@ -347,6 +383,8 @@ class TransferEngine:
     def close(self) -> None:
         """Stops the engine (waits for its threads without holding the GIL). Idempotent."""
         self._engine.close()
+        with self._events_lock:
+            self._events.clear()
 
     def __enter__(self) -> "TransferEngine":
         return self

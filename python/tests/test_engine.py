@@ -191,3 +191,28 @@ def test_layers_ready_event_forms(pair) -> None:
     pair.prefill.send("ev", [13])
     pair.prefill.layers_ready("ev", LAYERS, event=None)
     assert req.wait() == kvt.KVPoll.Success and "Success" in repr(req)
+
+
+class _Event:
+    """Stands in for torch.cuda.Event: the engine reads its ``cuda_event`` handle (0 here: no
+    event, host pools)."""
+
+    cuda_event = 0
+
+
+def test_layers_ready_keeps_the_event_alive_until_the_room_is_final(pair) -> None:
+    import gc
+    import weakref
+
+    event = _Event()
+    alive = weakref.ref(event)
+    sent = pair.prefill.send("ev", [1])
+    pair.prefill.layers_ready("ev", LAYERS, event=event)  # before the decode side asks
+    del event
+    gc.collect()
+    assert alive() is not None, "the engine may still wait on the event: it must stay alive"
+    req = pair.decode.receive("ev", pair.peer, [3])
+    assert req.wait(10) == kvt.KVPoll.Success
+    assert sent.wait(10) == kvt.KVPoll.Success
+    gc.collect()
+    assert alive() is None, "a final room's event is released"
