@@ -15,6 +15,10 @@
 //     of the same bytes between the same two processes through the raw Backend (post -> flush
 //     complete, timed in the child), and as a diagnostic (c) the raw Backend posting exactly the
 //     runs a kvt request turns into (what the backend costs without engine and control plane);
+//   - with --ucx-tls tcp (UCX reaches the peer over TCP only), the plain-socket ceiling: one TCP
+//     connection on 127.0.0.1 from the child to the parent, the same bytes as one request in
+//     1 MiB send() calls into a receive buffer of the request's size, first byte sent -> the
+//     receiver's one-byte answer read, timed in the child (socket_ceiling.h);
 //   - one-page requests: p50 / p99 over --latency-requests requests.
 // Everything is bounded: per-request deadlines, reply timeouts on the parent <-> child pipe,
 // and the child dies with its parent (PR_SET_PDEATHSIG) and exits when the pipe closes.
@@ -86,6 +90,7 @@
 #include "kvt/transfer/backends.h"
 #include "kvt/transfer/engine.h"
 #include "kvt/transfer/plan.h"
+#include "socket_ceiling.h"
 
 namespace kvt::bench {
 namespace {
@@ -644,9 +649,10 @@ int64_t SteadyNs(Clock::time_point t) {
 // ---- The prefill peer -------------------------------------------------------------------------
 // Serves one page-token size: answers the parent's messages until "quit" or the pipe closes.
 // Messages: config -> ready{port, raw}; connect{raw}; put{bytes, iters}; runs{dst_pages, iters};
-// stats{reset}; quit. CUDA pools instead: config -> ready{port}; ipc{allocs, buffers} (open the
-// decode pool's allocations); gpu_ceilings{dst_pages, iters, warmup, peer_items};
-// forward_stats{reset}. Every reply carries "error" when something failed.
+// socket{port, bytes, iters} (the plain-socket ceiling's sending end); stats{reset}; quit. CUDA
+// pools instead: config -> ready{port}; ipc{allocs, buffers} (open the decode pool's allocations);
+// gpu_ceilings{dst_pages, iters, warmup, peer_items}; forward_stats{reset}. Every reply carries
+// "error" when something failed.
 class PrefillPeer {
  public:
   explicit PrefillPeer(int fd) : fd_(fd) {}
@@ -1051,7 +1057,8 @@ class PrefillPeer {
 
   StatusOr<json> Handle(const std::string& type, const json& m) {
     try {
-      if (config_.cuda && (type == "connect" || type == "put" || type == "runs")) {
+      if (config_.cuda &&
+          (type == "connect" || type == "put" || type == "runs" || type == "socket")) {
         return FailedPrecondition("'" + type + "' is a host-pool message");
       }
       if (type == "ipc") {
@@ -1080,6 +1087,13 @@ class PrefillPeer {
                                                     std::chrono::seconds(config_.timeout_s)));
           ms.push_back(t);
         }
+        return json{{"ms", ms}};
+      }
+      if (type == "socket") {
+        KVT_ASSIGN_OR_RETURN(
+            std::vector<double> ms,
+            SendSocketRequests(m.at("port").get<uint16_t>(), m.at("bytes"), m.at("iters"),
+                               std::chrono::seconds(config_.timeout_s)));
         return json{{"ms", ms}};
       }
       if (type == "runs") {
@@ -1680,6 +1694,47 @@ Status VerifyRequests(DecodeSide& decode, int pt, int64_t pages_per_request, jso
   return OkStatus();
 }
 
+// Whether --ucx-tls names tcp and nothing else but self: UCX then reaches the other process over
+// TCP only, and the plain-socket ceiling is measured.
+bool TcpOnly(const TransferOptions& o) {
+  if (o.backend != "ucx") return false;
+  bool tcp = false;
+  size_t begin = 0;
+  while (begin <= o.ucx_tls.size()) {
+    const size_t end = std::min(o.ucx_tls.find(',', begin), o.ucx_tls.size());
+    const std::string name = o.ucx_tls.substr(begin, end - begin);
+    if (name == "tcp") {
+      tcp = true;
+    } else if (name != "self") {
+      return false;
+    }
+    begin = end + 1;
+  }
+  return tcp;
+}
+
+// The plain-socket ceiling (socket_ceiling.h): the child sends o.warmup + o.iters requests of
+// `bytes` to this process over one loopback TCP connection; the timed ones' milliseconds.
+StatusOr<std::vector<double>> MeasureSocketCeiling(const TransferOptions& o, PeerLink& link,
+                                                   int64_t bytes) {
+  const int requests = o.warmup + o.iters;
+  const std::chrono::milliseconds timeout = std::chrono::seconds(o.timeout_s);
+  KVT_ASSIGN_OR_RETURN(std::unique_ptr<SocketCeilingReceiver> receiver,
+                       SocketCeilingReceiver::Listen());
+  KVT_RETURN_IF_ERROR(SendMessage(
+      link.fd(),
+      {{"type", "socket"}, {"port", receiver->port()}, {"bytes", bytes}, {"iters", requests}}));
+  const Status received = receiver->Receive(bytes, requests, timeout);
+  // The child's reply comes either way (its own steps are bounded by the same timeout), and
+  // names its failure when it had one: a refused connect explains a receiver that timed out.
+  StatusOr<json> reply = link.Reply(timeout + std::chrono::seconds(10));
+  if (!reply.ok()) return reply.status().WithContext("socket ceiling, sending end (prefill child)");
+  KVT_RETURN_IF_ERROR(received.WithContext("socket ceiling, receiving end (decode parent)"));
+  std::vector<double> ms = reply->at("ms");
+  ms.erase(ms.begin(), ms.begin() + o.warmup);
+  return ms;
+}
+
 // One page-token size, start to end. Fills `out` and the two table rows.
 Status RunPageSize(const TransferOptions& o, int pt, int64_t per_token_bytes, json& out,
                    std::string& bw_row, std::string& lat_row, std::string& phase_row) {
@@ -1730,6 +1785,11 @@ Status RunPageSize(const TransferOptions& o, int pt, int64_t per_token_bytes, js
                  reply_timeout));
   std::vector<double> put_ms = put.at("ms");
   put_ms.erase(put_ms.begin(), put_ms.begin() + o.warmup);
+  // (d) UCX over TCP only: the plain-socket ceiling of the same bytes, child -> parent.
+  std::vector<double> socket_ms;
+  if (TcpOnly(o)) {
+    KVT_ASSIGN_OR_RETURN(socket_ms, MeasureSocketCeiling(o, *link, request_bytes));
+  }
   // (c) the raw backend posting the runs of a request of this size (random pages both sides).
   KVT_ASSIGN_OR_RETURN(json runs, link->Call({{"type", "runs"},
                                               {"dst_pages", decode->SomePages(pages_per_request)},
@@ -1787,8 +1847,16 @@ Status RunPageSize(const TransferOptions& o, int pt, int64_t per_token_bytes, js
       json{{"gbps", raw_runs_gbps}, {"ms_median", Median(runs_ms)}, {"runs", runs.at("runs")}};
   out["ratio_kvt_to_contiguous_put"] = ratio;
   const double pipe_gbps = pipelined.is_null() ? NAN : pipelined.at("gbps").get<double>();
+  const double socket_gbps = socket_ms.empty() ? NAN : GBps(bytes, Median(socket_ms));
+  if (!socket_ms.empty()) {
+    out["ceiling_socket"] = json{{"gbps", socket_gbps},
+                                 {"ms_median", Median(socket_ms)},
+                                 {"write_bytes", kSocketWriteBytes}};
+    out["ratio_kvt_to_socket"] = SafeRatio(kvt_gbps, socket_gbps);
+  }
   if (!pipelined.is_null()) {
     pipelined["ratio_to_contiguous_put"] = SafeRatio(pipe_gbps, put_gbps);
+    if (!socket_ms.empty()) pipelined["ratio_to_socket"] = SafeRatio(pipe_gbps, socket_gbps);
     out["kvt_pipelined"] = pipelined;
   }
   out["ratio_kvt_to_memcpy"] = memcpy_gbps > 0 ? kvt_gbps / memcpy_gbps : NAN;
@@ -1803,6 +1871,11 @@ Status RunPageSize(const TransferOptions& o, int pt, int64_t per_token_bytes, js
       Cell(Percentile(big.engine_ms, 0.99), 1), Cell(memcpy_gbps), Cell(put_gbps),
       Cell(raw_runs_gbps), Cell(ratio), Cell(big_post.at("post_ms_p50").get<double>(), 1),
       Cell(pipe_gbps), Cell(SafeRatio(pipe_gbps, put_gbps)));
+  if (!socket_ms.empty()) {
+    bw_row +=
+        fmt::format(" {:>8} {:>8} {:>9}", Cell(socket_gbps), Cell(SafeRatio(kvt_gbps, socket_gbps)),
+                    Cell(SafeRatio(pipe_gbps, socket_gbps)));
+  }
   lat_row = fmt::format("{:>6} {:>9.0f} {:>8} {:>8} {:>9} {:>9} {:>9}", pt, one_page_bytes,
                         Cell(Percentile(small.engine_ms, 0.5) * 1000, 0),
                         Cell(Percentile(small.engine_ms, 0.99) * 1000, 0),
@@ -2499,7 +2572,10 @@ Status RunTransfer(const TransferOptions& options) {
       "Backend, one run of the same bytes child -> parent, post -> flush complete, timed in the "
       "child, median. raw_backend_same_runs: the raw Backend posting the runs of one request of "
       "this size as one write (no engine, no control plane). memcpy: one thread, contiguous, "
-      "median. GB/s = 1e9 bytes/s.";
+      "median. ceiling_socket (--ucx-tls tcp only): one TCP connection on 127.0.0.1 between the "
+      "same two processes, child -> parent, the request's bytes in 1 MiB send() calls into one "
+      "receive buffer of the request's size, first byte sent -> the receiver's one-byte answer "
+      "read, timed in the child, median. GB/s = 1e9 bytes/s.";
   fmt::print(
       "kvt-bench transfer ({}), backend {}{}, memory {}, {} buffers x {} B per token ({} KiB per "
       "token), {} tokens = {:.0f} MiB per request, {} iters\n",
@@ -2531,9 +2607,12 @@ Status RunTransfer(const TransferOptions& options) {
   doc["results"] = results;
   doc["loadavg_end"] = LoadAverage();
 
-  fmt::print("\n{:>6} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>7} {:>8} {:>8}\n",
+  const bool socket_ceiling = TcpOnly(o);
+  fmt::print("\n{:>6} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>7} {:>8} {:>8}{}\n",
              "tokens", "runs/req", "kvt GB/s", "aggr", "p50 ms", "p99 ms", "memcpy", "ctg put",
-             "raw runs", "kvt/put", "post ms", "pipe", "pipe/put");
+             "raw runs", "kvt/put", "post ms", "pipe", "pipe/put",
+             socket_ceiling ? fmt::format(" {:>8} {:>8} {:>9}", "socket", "kvt/sock", "pipe/sock")
+                            : std::string());
   for (const std::string& row : bw_rows) fmt::print("{}\n", row);
   fmt::print("\n{}\n{}\n", kPhaseHeader, PhaseColumns());
   for (const std::string& row : phase_rows) fmt::print("{}\n", row);
@@ -2551,6 +2630,13 @@ Status RunTransfer(const TransferOptions& options) {
       "run); pipe = GB/s of {} requests with {} in flight (all bytes / wall time, first Receive -> "
       "last done), pipe/put = pipe / ctg put.\n",
       o.pipelined_requests, o.inflight);
+  if (socket_ceiling) {
+    fmt::print(
+        "socket = plain-socket ceiling (UCX over TCP only): one TCP connection on 127.0.0.1, "
+        "prefill child -> decode parent, the request's bytes in 1 MiB send() calls into one "
+        "receive buffer of the request's size, first byte sent -> one-byte answer read, median; "
+        "kvt/sock = kvt GB/s / socket, pipe/sock = pipe / socket.\n");
+  }
   if (!o.json_path.empty()) {
     KVT_RETURN_IF_ERROR(WriteJson(o.json_path, doc));
     fmt::print("wrote {}\n", o.json_path);
@@ -2577,7 +2663,11 @@ void AddTransferCommand(CLI::App& app, int& exit_code) {
                   "cuda:N for CUDA pools (default cuda:0 with cuda_ipc; with ucx: its staged CUDA "
                   "path), host for host pools");
   cmd->add_option("--ucx-tls", opts->ucx_tls,
-                  "UCX transports, UCX_TLS syntax (e.g. shm,self or tcp); default: UCX's choice");
+                  "UCX transports, UCX_TLS syntax (e.g. shm,self or tcp); default: UCX's choice. "
+                  "With tcp alone (or tcp,self) on host pools the table adds the plain-socket "
+                  "ceiling: one TCP connection on 127.0.0.1 from the prefill child process to this "
+                  "(decode) process, the same bytes in 1 MiB send() calls, median request time "
+                  "first byte sent -> answer read");
   cmd->add_option("--control-busy-poll-us", opts->control_busy_poll_us,
                   "both engines' EngineOptions::control_busy_poll: their control io threads poll "
                   "instead of sleeping while requests are in flight and this long after (0: sleep, "

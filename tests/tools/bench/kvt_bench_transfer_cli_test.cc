@@ -1,7 +1,8 @@
 // Runs the built `kvt-bench transfer` on tiny host pools over UCX (two processes): with
 // --memory external (each side's K/V buffers carved out of one plain allocation, registered
 // through TransferLayout::FromBufInfos) and with kvt's own pool, every page size verifies and the
-// JSON says which memory was used; a bad --memory is refused naming the value.
+// JSON says which memory was used; a bad --memory is refused naming the value. With --ucx-tls tcp
+// the table and the JSON carry the plain-socket ceiling and kvt's ratios to it; without, neither.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -19,6 +20,7 @@ namespace {
 using kvt::testing::RunTool;
 using kvt::testing::ToolResult;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 constexpr char kTiny[] =
     "transfer --backend ucx --layers 2 --heads 1 --head-dim 32 --page-tokens 1,16 --tokens 64 "
@@ -67,13 +69,42 @@ TEST_P(KvtBenchTransferTest, TinyHostRunVerifiesAndNamesItsMemory) {
     EXPECT_FALSE(result.contains("error")) << result.dump();
     EXPECT_EQ(result.value("verified_mismatches", -1), 0) << result.dump();
     EXPECT_GT(result["kvt"].value("gbps_p50_request", 0.0), 0.0) << result.dump();
+    // UCX's default transports: no plain-socket ceiling.
+    EXPECT_FALSE(result.contains("ceiling_socket")) << result.dump();
+    EXPECT_FALSE(result.contains("ratio_kvt_to_socket")) << result.dump();
   }
+  EXPECT_THAT(r.out, Not(HasSubstr("kvt/sock")));
 }
 
 INSTANTIATE_TEST_SUITE_P(Memory, KvtBenchTransferTest, ::testing::Values("external", "pool"),
                          [](const ::testing::TestParamInfo<std::string>& info) {
                            return info.param;
                          });
+
+TEST(KvtBenchTransferTcp, TcpOnlyAddsThePlainSocketCeiling) {
+  const std::string dir =
+      ::testing::TempDir() + "/kvt-bench-transfer-tcp-" + std::to_string(getpid());
+  std::filesystem::create_directories(dir);
+  const std::string json = dir + "/transfer-tcp.json";
+  const ToolResult r = RunTool(Bench(), std::string(kTiny) + " --ucx-tls tcp --json " + json);
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_THAT(r.out, HasSubstr("socket"));
+  EXPECT_THAT(r.out, HasSubstr("kvt/sock"));
+  EXPECT_THAT(r.out, HasSubstr("pipe/sock"));
+  const nlohmann::json j = ReadJson(json);
+  std::filesystem::remove_all(dir);
+  ASSERT_FALSE(j.is_discarded()) << "no JSON at " << json;
+  ASSERT_EQ(j["results"].size(), 2u) << j["results"].dump();
+  for (const nlohmann::json& result : j["results"]) {
+    EXPECT_FALSE(result.contains("error")) << result.dump();
+    EXPECT_EQ(result.value("verified_mismatches", -1), 0) << result.dump();
+    ASSERT_TRUE(result.contains("ceiling_socket")) << result.dump();
+    EXPECT_GT(result["ceiling_socket"].value("gbps", 0.0), 0.0) << result.dump();
+    EXPECT_EQ(result["ceiling_socket"].value("write_bytes", 0), 1 << 20) << result.dump();
+    EXPECT_GT(result.value("ratio_kvt_to_socket", 0.0), 0.0) << result.dump();
+    EXPECT_GT(result["kvt_pipelined"].value("ratio_to_socket", 0.0), 0.0) << result.dump();
+  }
+}
 
 TEST(KvtBenchTransferFlags, BadMemoryIsRefusedNamingTheValue) {
   const ToolResult r = RunTool(Bench(), "transfer --memory torch");
