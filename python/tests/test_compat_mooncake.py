@@ -412,3 +412,31 @@ def test_a_closed_peer_is_refused_and_a_replacement_read_again() -> None:
         assert np.array_equal(first[:ITEM], src[:ITEM]) and (first[ITEM:] == FILL).all()
         assert np.array_equal(second[3 * ITEM:], src[ITEM:2 * ITEM])
         assert (second[:3 * ITEM] == FILL).all()
+
+
+def test_threads_writing_to_one_peer_at_once() -> None:
+    """Batches from several threads share the session and its connections; each lands whole."""
+    src = np.random.default_rng(13).integers(0, 256, 64 * ITEM, dtype=np.uint8)
+    dst = np.full(64 * ITEM, FILL, np.uint8)
+    errors: list[str] = []
+    with TransferEngine("127.0.0.1", host_backend="loopback") as writer, \
+            TransferEngine("127.0.0.1", host_backend="loopback") as peer:
+        writer.register(src.ctypes.data, src.nbytes)
+        peer.register(dst.ctypes.data, dst.nbytes)
+        session = peer.get_session_id()
+
+        def work(t: int) -> None:
+            for i in range(16):
+                page = 16 * t + i  # each thread its own pages
+                if writer.batch_transfer_sync(session, [src.ctypes.data + page * ITEM],
+                                              [dst.ctypes.data + page * ITEM], [ITEM]) != 0:
+                    errors.append(writer.last_error)
+
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert errors == []
+        assert np.array_equal(dst, src)
+        assert writer.stats()["batches"] == 64

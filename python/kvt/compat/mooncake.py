@@ -243,6 +243,7 @@ class TransferEngine:
         self._ucx_tls = ucx_tls
         self._timeout = float(timeout)
         self._lock = threading.RLock()
+        self._fetch_lock = threading.Lock()
         self._pending: list[tuple[int, int, int]] = []  # (base, length, device) not yet sealed
         self._registrations: dict[int, _Registration] = {}
         self._next_registration = 0
@@ -586,6 +587,14 @@ class TransferEngine:
             old = self._sessions.get(session_id)
         if old is not None and not refresh and old.alive():
             return old
+        with self._fetch_lock:  # one exchange at a time on a session's connection
+            with self._lock:
+                current = self._sessions.get(session_id)
+            if current is not old and current is not None and current.alive():
+                return current  # another thread read it meanwhile
+            return self._refetch(session_id, current)
+
+    def _refetch(self, session_id: str, old: Optional[_Session]) -> _Session:
         try:
             session = self._fetch(session_id, old)
         except _Refused:
