@@ -138,7 +138,7 @@ class _Session:
         timeout = self.sock.gettimeout()
         try:
             self.sock.setblocking(False)  # a timeout would make recv wait for data first
-            data = self.sock.recv(1, socket.MSG_PEEK)
+            self.sock.recv(1, socket.MSG_PEEK)  # b"": closed; bytes: nobody asked for them
         except BlockingIOError:
             return True  # open, nothing to read
         except OSError:
@@ -148,7 +148,7 @@ class _Session:
                 self.sock.settimeout(timeout)
             except OSError:
                 pass
-        return False  # closed by the peer (b""), or bytes nobody asked for
+        return False
 
 
 def _u64(values: Addresses, what: str) -> np.ndarray:
