@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # On a GPU machine with Python 3.12 and torch: builds the `kvt` Python package against the kvt
-# prepared by tools/device/python_gpu.sh, runs python/tests (test_gpu.py included: CUDA pools
+# prepared by tools/python_gpu/python_gpu.sh, runs python/tests (test_gpu.py included: CUDA pools
 # over cuda_ipc and staged UCX in two processes) and python/bench/bench_python.py.
-# Usage (from the repository root): tools/device/python_gpu_run.sh DEST OUT_DIR
-#   DEST: the folder python_gpu.sh prepared (e.g. .device/python);
+# Usage (from the repository root): tools/python_gpu/python_gpu_run.sh DEST OUT_DIR
+#   DEST: the folder python_gpu.sh prepared (e.g. build-gpu-kit);
 #   OUT_DIR: where pytest.log, junit.xml, bench.json, bench.log and card.txt go.
 # KVT_PY_BUILD: the extension's build folder (default /tmp/kvt-python-build);
 # KVT_RUN_OTHER_TESTS=0 runs only test_gpu.py; KVT_RUN_BENCH=0 skips the benchmark; KVT_BENCH_ARGS adds arguments to it.
@@ -39,7 +39,7 @@ cuda_root=()
 generator=()
 command -v ninja >/dev/null && generator=(-G Ninja)
 rm -rf "$build"
-cmake -S tools/device/python_ext -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
+cmake -S tools/python_gpu/python_ext -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_PREFIX_PATH="$dest/kvt;$dest/deps" -DPython_EXECUTABLE="$python" \
   -Dpybind11_DIR="$pybind11_dir" "${cuda_root[@]}" 2>&1 | tee "$out/build.log" | tail -15 ||
   exit 1

@@ -5,9 +5,9 @@
 # built there, against kvt's libraries built here.
 #
 # Usage (from the repository root, after a Release build):
-#   tools/device/python_gpu.sh [BUILD_DIR [DEST]]      # default: build .device/python
+#   tools/python_gpu/python_gpu.sh [BUILD_DIR [DEST]]      # default: build build-gpu-kit
 # then copy DEST with the repository to the GPU machine and run there, from the repository root:
-#   tools/device/python_gpu_run.sh DEST OUT_DIR
+#   tools/python_gpu/python_gpu_run.sh DEST OUT_DIR
 #
 # DEST holds (about 40 MiB):
 #   kvt/   `cmake --install BUILD_DIR --strip`: kvt's static libraries, public headers and CMake
@@ -17,14 +17,14 @@
 #          their headers and libraries (kvt uses both header-only), Boost's header-only CMake
 #          package, protobuf's and OpenSSL's headers (their Find modules read the version from
 #          them). UCX, protobuf and libcrypto themselves are the GPU machine's own runtime
-#          libraries (tools/device/python_ext/CMakeLists.txt finds them by soname).
+#          libraries (tools/python_gpu/python_ext/CMakeLists.txt finds them by soname).
 # The GPU machine needs g++ (C++20), CMake >= 3.24, the CUDA toolkit (CUDA::cudart_static and
 # its headers; /usr/local/cuda or nvcc on PATH), python3 with its development headers, pybind11
 # (pip's is enough), and the runtime libraries of UCX 1.x, protobuf 3.21 (libprotobuf.so.32),
 # OpenSSL 3 and zlib. Its python3 needs torch with CUDA for the GPU tests and the benchmark.
 set -euo pipefail
 build=${1:-build}
-dest=${2:-.device/python}
+dest=${2:-build-gpu-kit}
 if [ ! -f "$build/CMakeCache.txt" ]; then
   echo "$build is not a kvt build folder (no CMakeCache.txt): build kvt first" \
        "(cmake -S . -B $build -G Ninja -DCMAKE_BUILD_TYPE=Release && cmake --build $build)" >&2
@@ -35,7 +35,7 @@ if ! grep -q '^CMAKE_BUILD_TYPE:STRING=Release' "$build/CMakeCache.txt"; then
   exit 2
 fi
 case $dest in
-  /* | "" | . | ..) echo "DEST=$dest: give a folder inside the repository (e.g. .device/python)" >&2
+  /* | "" | . | ..) echo "DEST=$dest: give a folder inside the repository (e.g. build-gpu-kit)" >&2
                     exit 2 ;;
 esac
 nice -n 15 cmake --build "$build" --target kvt_package
