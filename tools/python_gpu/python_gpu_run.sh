@@ -6,7 +6,8 @@
 #   DEST: the folder python_gpu.sh prepared (e.g. build-gpu-kit);
 #   OUT_DIR: where pytest.log, junit.xml, bench.json, bench.log and card.txt go.
 # KVT_PY_BUILD: the extension's build folder (default /tmp/kvt-python-build);
-# KVT_RUN_OTHER_TESTS=0 runs only test_gpu.py; KVT_RUN_BENCH=0 skips the benchmark; KVT_BENCH_ARGS adds arguments to it.
+# KVT_RUN_OTHER_TESTS=0 runs only test_gpu.py; KVT_RUN_BENCH=0 skips the benchmark;
+# KVT_BENCH_ARGS adds arguments to it.
 set -uo pipefail
 if (($# != 2)); then
   echo "usage: $0 DEST OUT_DIR" >&2
@@ -46,7 +47,8 @@ cmake -S tools/python_gpu/python_ext -B "$build" "${generator[@]}" -DCMAKE_BUILD
 cmake --build "$build" -j "$(nproc)" 2>&1 | tee -a "$out/build.log" | tail -5
 [ "${PIPESTATUS[0]}" = 0 ] || { echo "the extension did not build (see build.log)"; exit 1; }
 export PYTHONPATH=$build/python KVT_BOOTSTRAP=$dest/kvt/bin/kvt-bootstrap PYTHONDONTWRITEBYTECODE=1
-"$python" -c 'import kvt; print("kvt", kvt.__version__, kvt.__file__, kvt.backend_names())' || exit 1
+"$python" -c 'import kvt; print("kvt", kvt.__version__, kvt.__file__, kvt.backend_names())' ||
+  exit 1
 
 # The GPU tests first, then the rest; a test that runs past 150 s dumps its threads' stacks,
 # and each pytest run is stopped after 360 s (the tests bound their own waits well inside it).
