@@ -609,25 +609,23 @@ class RegionWriter {
     const auto deadline = std::chrono::steady_clock::now() + limit;
     const transfer::WriteId id = ValueOrThrow(backend.PostWrite(peer, runs));
     std::chrono::microseconds pause = 20us;
-    Status status = backend.Check(id);
-    while (status.code() == StatusCode::kInProgress) {
+    Status status;
+    while (true) {
+      std::unique_lock<std::mutex> lock(state_->mu);
+      const uint64_t epoch = state_->epoch;  // read before Check: a completion after it wakes us
+      lock.unlock();
+      status = backend.Check(id);
+      if (status.code() != StatusCode::kInProgress) break;
       if (std::chrono::steady_clock::now() >= deadline) {
         backend.Release(id);  // waits for what cannot be cancelled
         ThrowIfError(DeadlineExceeded("the write of " + std::to_string(n) +
                                       " runs did not complete in " + std::to_string(timeout) +
                                       " s; check the peer, or raise the timeout"));
       }
-      std::unique_lock<std::mutex> lock(state_->mu);
-      const uint64_t epoch = state_->epoch;
-      lock.unlock();
-      status = backend.Check(id);  // after reading the epoch: a completion now wakes the wait
-      if (status.code() != StatusCode::kInProgress) break;
       lock.lock();
       // Backends that notify wake the wait; the bounded pause covers those that do not.
       state_->cv.wait_for(lock, pause, [&] { return state_->epoch != epoch; });
-      lock.unlock();
       pause = std::min<std::chrono::microseconds>(pause * 2, 1ms);
-      status = backend.Check(id);
     }
     backend.Release(id);
     ThrowIfError(status);

@@ -388,22 +388,11 @@ class TransferEngine:
             raise _Refused(f"register(ptr={base}, length={length}): pointer and length must be "
                            "> 0")
         end = base + length
-        for b, n, _ in self._pending:
+        live = ((int(b), int(e) - int(b)) for b, e in zip(self._local.base, self._local.end))
+        for b, n in [(b, n) for b, n, _ in self._pending] + list(live):
             if b < end and base < b + n:
                 raise _Refused(f"register(ptr={base}, length={length}) overlaps the region "
                                f"[{b}, +{n}) already registered; register each buffer once")
-        row, inside = self._local.find(np.array([base], np.uint64), np.array([1], np.uint64))
-        if self._local.base.size:
-            r = int(row[0])
-            lb, le = int(self._local.base[r]), int(self._local.end[r])
-            if lb < end and base < le:
-                raise _Refused(f"register(ptr={base}, length={length}) overlaps the region "
-                               f"[{lb}, +{le - lb}) already registered; register each buffer "
-                               "once")
-            nxt = np.searchsorted(self._local.base, np.uint64(base), side="right")
-            if nxt < self._local.base.size and int(self._local.base[nxt]) < end:
-                raise _Refused(f"register(ptr={base}, length={length}) overlaps the region at "
-                               f"{int(self._local.base[nxt])} already registered")
 
     def _register(self, base: int, length: int) -> None:
         with self._lock:
