@@ -159,9 +159,11 @@ def _u64(values: Addresses, what: str) -> np.ndarray:
     if a.ndim == 0:
         a = a.reshape(1)
     if a.ndim != 1:
-        raise _Refused(f"{what} must be one-dimensional, got shape {a.shape}")
+        raise _Refused(f"{what} must be one-dimensional, got shape {a.shape}; pass one "
+                       "value per descriptor")
     if a.size and a.dtype.kind not in "iu":
-        raise _Refused(f"{what} must be integers, got dtype {a.dtype}")
+        raise _Refused(f"{what} must be integers, got dtype {a.dtype}; pass ints "
+                       "(tensor.data_ptr() values and byte counts)")
     if a.size and a.dtype.kind == "i" and a.min() < 0:
         i = int(np.argmin(a))
         raise _Refused(f"{what}[{i}] = {int(a[i])}: addresses and lengths are >= 0")
@@ -419,8 +421,8 @@ class TransferEngine:
                             reg.writer.close()
                         self._rebuild_local()
                         return
-            raise _Refused(f"deregister(ptr={ptr}): no region registered at that address",
-                           KeyError)
+            raise _Refused(f"deregister(ptr={ptr}): no region registered at that address; "
+                           "pass the ptr given to register()", KeyError)
 
     def _rebuild_local(self) -> None:
         rows = [(b, n, reg.id, i) for reg in self._registrations.values()
@@ -657,7 +659,9 @@ class TransferEngine:
             if not ok.all():
                 i = int(np.flatnonzero(~ok)[0])
                 raise _Refused(f"descriptor {i}: peer address [{int(dst[i])}, +{int(n[i])}) is "
-                               f"not inside a region session {session_id} registered")
+                               f"not inside a region session {session_id} registered; pass "
+                               "an address inside a buffer the peer registered (its "
+                               "get_session_id() engine)")
         lreg, lidx = local.reg[lrow], local.idx[lrow]
         rreg, ridx = session.table.reg[rrow], session.table.idx[rrow]
         src_off = src - local.base[lrow]
@@ -693,7 +697,8 @@ class TransferEngine:
                 local_reg = self._registrations.get(ours)
             if local_reg is None:
                 raise _Refused(f"a source region was deregistered during the transfer to "
-                               f"{session_id}")
+                               f"{session_id}; deregister a region only after the transfers "
+                               "from it returned")
             try:
                 local_reg.writer.write(peer, runs[a:b], self._timeout)
             except BaseException:
