@@ -8,7 +8,9 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <span>
+#include <vector>
 #include <string_view>
 #include <utility>
 #include <vector>
@@ -83,6 +85,26 @@ void DecodeUcxChunk(std::span<const uint8_t> bytes) {
     KVT_FUZZ_CHECK(end <= bytes.size());
   }
   KVT_FUZZ_CHECK(h.payload_bytes == bytes.size());
+}
+
+// A run message's AM header against a receiver of three buffers; the first 8 bytes are the
+// data length that arrived with it. Every accepted segment lies inside its buffer and the
+// segments hold exactly the data.
+void DecodeRunMessage(std::span<const uint8_t> bytes) {
+  static const std::vector<uint64_t> kBufferLen = {4096, 1 << 20, 100};
+  if (bytes.size() < 8) return;
+  uint64_t data = 0;
+  std::memcpy(&data, bytes.data(), 8);
+  StatusOr<ucx_staging::DecodedRuns> runs =
+      ucx_staging::DecodeRuns(bytes.subspan(8), kBufferLen, data);
+  if (!runs.ok()) return;
+  uint64_t total = 0;
+  for (const ucx_staging::RunSegment& s : runs->segments) {
+    KVT_FUZZ_CHECK(s.buffer < kBufferLen.size() && s.bytes > 0 &&
+                   s.offset + s.bytes <= kBufferLen[s.buffer]);
+    total += s.bytes;
+  }
+  KVT_FUZZ_CHECK(total == data && runs->segments.size() == runs->header.num_segments);
 }
 
 // The nccl receiver's pool: the staged receiver's (UcxLimits), K/V of layers 0..3 and a latent
@@ -186,10 +208,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       (void)ucx_staging::DecodeHelloAck(bytes);
       (void)ucx_staging::DecodeChunkAck(bytes);
       (void)ucx_staging::DecodeBye(bytes);
+      DecodeRunMessage(bytes);
       break;
     case kUcxAddressTrailer: {
       const ucx_staging::SplitAddress split = ucx_staging::SplitPeerAddress(text);
-      KVT_FUZZ_CHECK(split.worker_address.size() <= text.size());
+      KVT_FUZZ_CHECK(split.worker_address.size() + split.runs_address.size() <= text.size());
       break;
     }
     case kTextRecord: {

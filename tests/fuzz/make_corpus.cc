@@ -304,6 +304,19 @@ void WriteBackendCodecs() {
   write(7, "ucx_chunk_ack",
         Bytes(ucx_staging::Encode(ucx_staging::ChunkAck{.link = 2, .write = 3, .chunk = 1})));
   write(7, "ucx_bye", Bytes(ucx_staging::Encode(ucx_staging::Bye{.sender = 1, .link = 2})));
+  {
+    // A run message: the data length (8 bytes), then the AM header of two segments.
+    const std::vector<ucx_staging::RunSegment> segments = {{0, 64, 1000}, {1, 4096, 24}};
+    const uint64_t data = 1024;
+    std::string record(reinterpret_cast<const char*>(&data), sizeof(data));
+    record += Bytes(
+        ucx_staging::EncodeRuns({.sender = 1, .link = 2, .write = 3, .num_segments = 2}, segments)
+            .value());
+    write(7, "ucx_runs", record);
+  }
+  write(8, "ucx_address_runs",
+        ucx_staging::AppendTrailer(std::string(40, '\x03'), {.instance = 7},
+                                   std::string(30, '\x04')));
   write(8, "ucx_address_trailer",
         ucx_staging::AppendTrailer(
             std::string(40, '\x03'),

@@ -80,6 +80,7 @@ int main(int argc, char** argv) {
   std::string backend;  // empty: DefaultBackendFor(the device)
   std::string ucx_tls;
   std::string ucx_cuda_mode = "auto";
+  std::string ucx_host_path = "auto";
   std::string device = "host";
   std::string dtype = "bf16";
   std::string ready_file;
@@ -112,6 +113,11 @@ int main(int argc, char** argv) {
   app.add_option("--ucx-cuda-mode", ucx_cuda_mode,
                  "ucx with CUDA pools: auto, staged (pinned bounce buffers) or direct")
       ->check(CLI::IsMember({"auto", "staged", "direct"}));
+  app.add_option("--ucx-host-path", ucx_host_path,
+                 "ucx with host pools a peer has not mapped: auto (active messages where UCX "
+                 "has no native RMA, as over tcp; puts otherwise), put or am")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"auto", "put", "am"}));
   app.add_option("--ucx-copy-threads", ucx_copy_threads,
                  "ucx on one host: threads copying a large write into the peer's shared memory "
                  "(0: half the cores, 2..8)")
@@ -229,6 +235,9 @@ int main(int argc, char** argv) {
     if (!cuda_mode.ok()) return Fail(cuda_mode.status().WithContext("--ucx-cuda-mode"));
     ucx->transports = ucx_tls;
     ucx->cuda_mode = *cuda_mode;
+    auto host_path = transfer::ParseUcxHostPath(ucx_host_path);
+    if (!host_path.ok()) return Fail(host_path.status().WithContext("--ucx-host-path"));
+    ucx->host_path = *host_path;
     ucx->copy_threads = ucx_copy_threads;
   }
   options.engine.backend = *backend_config;

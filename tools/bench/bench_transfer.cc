@@ -109,6 +109,8 @@ struct TransferOptions {
   std::string ucx_tls;  // empty: UCX's default (or UCX_TLS from the environment)
   int ucx_spin_us = 200;
   int ucx_copy_threads = 0;          // UcxOptions::copy_threads (both sides; 0 = auto)
+  std::string ucx_host_path = "auto";  // UcxOptions::host_path (both sides)
+  std::string ucx_am_message_bytes = "1MiB";  // UcxOptions::am_message_bytes (both sides)
   int64_t control_busy_poll_us = 0;  // both engines' EngineOptions::control_busy_poll
   std::string page_tokens = "1,16,64";
   int64_t tokens = 0;  // 0: 1024 on host pools, >= 1 GiB per request on CUDA pools
@@ -291,6 +293,8 @@ struct SideConfig {
   std::string ucx_tls;
   int ucx_spin_us = 200;
   int ucx_copy_threads = 0;
+  std::string ucx_host_path = "auto";
+  int64_t ucx_am_message_bytes = int64_t{1} << 20;
   int64_t control_busy_poll_us = 0;
   int page_tokens = 0;
   int64_t pool_tokens = 0;
@@ -315,6 +319,8 @@ struct SideConfig {
             {"ucx_tls", ucx_tls},
             {"ucx_spin_us", ucx_spin_us},
             {"ucx_copy_threads", ucx_copy_threads},
+            {"ucx_host_path", ucx_host_path},
+            {"ucx_am_message_bytes", ucx_am_message_bytes},
             {"control_busy_poll_us", control_busy_poll_us},
             {"page_tokens", page_tokens},
             {"pool_tokens", pool_tokens},
@@ -342,6 +348,8 @@ struct SideConfig {
       c.ucx_tls = j.at("ucx_tls");
       c.ucx_spin_us = j.at("ucx_spin_us");
       c.ucx_copy_threads = j.value("ucx_copy_threads", 0);
+      c.ucx_host_path = j.value("ucx_host_path", std::string("auto"));
+      c.ucx_am_message_bytes = j.value("ucx_am_message_bytes", int64_t{1} << 20);
       c.control_busy_poll_us = j.value("control_busy_poll_us", int64_t{0});
       c.page_tokens = j.at("page_tokens");
       c.pool_tokens = j.at("pool_tokens");
@@ -373,6 +381,8 @@ struct SideConfig {
       ucx->transports = ucx_tls;
       ucx->spin = std::chrono::microseconds(ucx_spin_us);
       ucx->copy_threads = ucx_copy_threads;
+      KVT_ASSIGN_OR_RETURN(ucx->host_path, transfer::ParseUcxHostPath(ucx_host_path));
+      ucx->am_message_bytes = static_cast<size_t>(ucx_am_message_bytes);
       if (cuda) {
         KVT_ASSIGN_OR_RETURN(ucx->cuda_mode, transfer::ParseUcxCudaMode(ucx_cuda_mode));
         ucx->staging_slots = ucx_staging_slots;
@@ -1484,6 +1494,10 @@ SideConfig BaseSideConfig(const TransferOptions& o, int pt, int64_t pool_tokens,
   c.ucx_tls = o.ucx_tls;
   c.ucx_spin_us = o.ucx_spin_us;
   c.ucx_copy_threads = o.ucx_copy_threads;
+  c.ucx_host_path = o.ucx_host_path;
+  // Checked with the other options before any side starts.
+  const StatusOr<int64_t> am_bytes = ParseBytes(o.ucx_am_message_bytes);
+  c.ucx_am_message_bytes = am_bytes.ok() ? *am_bytes : int64_t{1} << 20;
   c.control_busy_poll_us = o.control_busy_poll_us;
   c.page_tokens = pt;
   c.pool_tokens = pool_tokens;
@@ -2523,6 +2537,11 @@ Status RunTransfer(const TransferOptions& options) {
   if (options.backend != "ucx" && !options.ucx_tls.empty()) {
     return InvalidArgument("--ucx-tls only applies to --backend ucx");
   }
+  KVT_ASSIGN_OR_RETURN(const int64_t am_bytes, ParseBytes(options.ucx_am_message_bytes));
+  if (am_bytes < 4096 || am_bytes > (int64_t{64} << 20)) {
+    return InvalidArgument("--ucx-am-message-bytes is " + options.ucx_am_message_bytes +
+                           "; give 4KiB to 64MiB of data per active message");
+  }
   // Where the pools live: CUDA pools for cuda_ipc (cuda:0 unless told) and with --device cuda:N.
   const std::string where = !options.device.empty()
                                 ? options.device
@@ -2564,6 +2583,8 @@ Status RunTransfer(const TransferOptions& options) {
   doc["config"] = CommonConfig(o, dtype, row_bytes, per_token_bytes, o.tokens);
   doc["config"].update(json{{"ucx_spin_us", o.ucx_spin_us},
                             {"ucx_copy_threads", o.ucx_copy_threads},
+                            {"ucx_host_path", o.ucx_host_path},
+                            {"ucx_am_message_bytes", o.ucx_am_message_bytes},
                             {"pool_per_side", o.pool_bytes}});
   doc["notes"] =
       "Latency: decode side, Receive called -> engine saw TransferDone (RequestInfo::finished); "
@@ -2682,6 +2703,14 @@ void AddTransferCommand(CLI::App& app, int& exit_code) {
                   "(UcxOptions::copy_threads; 0: half the cores, 2..8)")
       ->capture_default_str()
       ->check(CLI::Range(0, 64));
+  cmd->add_option("--ucx-host-path", opts->ucx_host_path,
+                  "host pools a peer has not mapped (UcxOptions::host_path): auto (active "
+                  "messages where UCX has no native RMA, as over tcp; puts otherwise), put or am")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"auto", "put", "am"}));
+  cmd->add_option("--ucx-am-message-bytes", opts->ucx_am_message_bytes,
+                  "data bytes per active message (UcxOptions::am_message_bytes, 4KiB..64MiB)")
+      ->capture_default_str();
   cmd->add_option("--page-tokens", opts->page_tokens, "tokens per page, comma-separated")
       ->capture_default_str();
   cmd->add_option("--tokens", opts->tokens,

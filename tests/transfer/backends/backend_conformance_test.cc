@@ -1,6 +1,7 @@
 // One conformance suite, run against every backend that can move host memory in-process.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <random>
@@ -43,14 +44,29 @@ void Randomize(Buffers& buffers, uint32_t seed) {
 
 class BackendConformance : public ::testing::TestWithParam<std::string> {
  protected:
-  // "name" or "name:transports" (UCX_TLS syntax for ucx).
-  std::string BackendName() const { return GetParam().substr(0, GetParam().find(':')); }
+  // "name", "name:transports" (UCX_TLS syntax for ucx) or "ucx+variant:transports", where the
+  // variant picks the ucx host path: "put", "am" (active messages, eager), "am-rndv" (active
+  // messages by rendezvous, cut into messages smaller than a page).
+  std::string BackendName() const { return GetParam().substr(0, GetParam().find_first_of(":+")); }
+  std::string Variant() const {
+    const size_t plus = GetParam().find('+');
+    if (plus == std::string::npos) return "";
+    return GetParam().substr(plus + 1, GetParam().find(':') - plus - 1);
+  }
   BackendConfig Config() const {
     StatusOr<BackendConfig> config = DefaultBackendConfig(BackendName());
     EXPECT_TRUE(config.ok()) << config.status();
     if (!config.ok()) return BackendConfig{};
     if (auto colon = GetParam().find(':'); colon != std::string::npos) {
       std::get<UcxOptions>(*config).transports = GetParam().substr(colon + 1);
+    }
+    if (!Variant().empty()) {
+      UcxOptions& ucx = std::get<UcxOptions>(*config);
+      ucx.host_path = Variant() == "put" ? UcxHostPath::kPut : UcxHostPath::kActiveMessages;
+      if (Variant() == "am-rndv") {
+        ucx.am_rendezvous = true;
+        ucx.am_message_bytes = 6000;
+      }
     }
     return *config;
   }
@@ -209,9 +225,65 @@ TEST_P(BackendConformance, RunsPairAnyLocalBufferWithAnyPeerBuffer) {
   EXPECT_EQ(dst_.data[3][5 * kItem], 0xEE);  // the same index at the peer untouched
 }
 
+TEST_P(BackendConformance, LongRunsAndManySmallRunsInOneWriteByteExact) {
+  // Whole buffers (runs longer than an active message), then every page cut into odd pieces
+  // (more runs than one message carries), in one write each.
+  std::vector<CopyRun> whole;
+  for (uint32_t b = 0; b < kBuffers; ++b) whole.push_back({b, 0, 0, kItem * kPages});
+  auto w = sender_->PostWrite(peer_, whole);
+  ASSERT_TRUE(w.ok()) << w.status();
+  ASSERT_TRUE(WaitFor(*sender_, *w).ok());
+  sender_->Release(*w);
+  for (int b = 0; b < kBuffers; ++b) EXPECT_EQ(dst_.data[b], src_.data[b]) << "buffer " << b;
+
+  Randomize(src_, 9);
+  std::vector<CopyRun> pieces;
+  for (uint32_t b = 0; b < kBuffers; ++b) {
+    for (uint64_t offset = 0; offset < kItem * kPages; offset += 100) {
+      pieces.push_back({b, offset, 0, std::min<uint64_t>(100, kItem * kPages - offset)});
+    }
+  }
+  // Destinations: the pieces reversed within each buffer, so no piece lands where it came from.
+  for (CopyRun& r : pieces) r.dst_offset = kItem * kPages - r.src_offset - r.bytes;
+  w = sender_->PostWrite(peer_, pieces);
+  ASSERT_TRUE(w.ok()) << w.status();
+  ASSERT_TRUE(WaitFor(*sender_, *w).ok());
+  sender_->Release(*w);
+  for (uint32_t b = 0; b < kBuffers; ++b) {
+    for (const CopyRun& r : pieces) {
+      if (r.buffer != b) continue;
+      ASSERT_EQ(std::memcmp(dst_.data[b].data() + r.dst_offset, src_.data[b].data() + r.src_offset,
+                            r.bytes),
+                0)
+          << "buffer " << b << " piece at " << r.src_offset;
+    }
+  }
+}
+
+TEST_P(BackendConformance, ReleasingWritesInFlightLeavesThePeerUsable) {
+  // Writes released at once, some before they complete: no error, and the peer takes the
+  // next write whole.
+  std::vector<CopyRun> whole;
+  for (uint32_t b = 0; b < kBuffers; ++b) whole.push_back({b, 0, 0, kItem * kPages});
+  for (int i = 0; i < 8; ++i) {
+    auto w = sender_->PostWrite(peer_, whole);
+    ASSERT_TRUE(w.ok()) << w.status();
+    sender_->Release(*w);
+  }
+  Randomize(src_, 11);
+  auto w = sender_->PostWrite(peer_, whole);
+  ASSERT_TRUE(w.ok()) << w.status();
+  ASSERT_TRUE(WaitFor(*sender_, *w).ok());
+  sender_->Release(*w);
+  for (int b = 0; b < kBuffers; ++b) EXPECT_EQ(dst_.data[b], src_.data[b]) << "buffer " << b;
+}
+
 INSTANTIATE_TEST_SUITE_P(AllHostBackends, BackendConformance,
                          ::testing::Values(std::string("loopback"), std::string("ucx"),
-                                           std::string("ucx:tcp"), std::string("ucx:shm,self")),
+                                           std::string("ucx:tcp"), std::string("ucx:shm,self"),
+                                           std::string("ucx+put:tcp"),
+                                           std::string("ucx+am:shm,self"),
+                                           std::string("ucx+am-rndv:tcp")),
                          [](const auto& info) {
                            std::string name = info.param;
                            for (char& c : name) {

@@ -37,6 +37,7 @@ class UcxPostTest : public ::testing::Test {
   void Start(int delay_us, int pause_us = 0, int batch_bytes = 0) {
     UcxOptions options;
     options.transports = "tcp";
+    options.host_path = UcxHostPath::kPut;  // the put path's poster (tcp would take messages)
     options.direct_inline_bytes = 64 << 10;
     UcxTestHooks hooks;
     hooks.post_delay_us = delay_us;

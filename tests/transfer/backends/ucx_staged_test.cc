@@ -447,6 +447,89 @@ TEST(StagingWire, DescriptorTrailerRoundTripsAndIsOptional) {
   EXPECT_FALSE(plain.trailer.has_value());
 }
 
+TEST(StagingWire, TrailerCarriesTheRunsAddressBetweenWorkerAddressAndTrailer) {
+  const std::string worker = "\x01\x02worker-address";
+  const std::string runs = "\x03runs-worker\x00";
+  const std::string address =
+      ucx_staging::AppendTrailer(worker, {0x1234, false, 0, 0}, runs);
+  const ucx_staging::SplitAddress split = ucx_staging::SplitPeerAddress(address);
+  EXPECT_EQ(split.worker_address, worker);
+  EXPECT_EQ(split.runs_address, runs);
+  ASSERT_TRUE(split.trailer.has_value());
+  EXPECT_EQ(split.trailer->runs_address_bytes, runs.size());
+  EXPECT_EQ(split.trailer->instance, 0x1234u);
+  // A runs address that cannot fit is left out (the worker address check then refuses it).
+  std::string lying = address;
+  const size_t field = lying.size() - ucx_staging::kTrailerBytes + 20;
+  const uint32_t huge = 1u << 30;
+  std::memcpy(lying.data() + field, &huge, sizeof(huge));
+  const ucx_staging::SplitAddress bad = ucx_staging::SplitPeerAddress(lying);
+  EXPECT_TRUE(bad.runs_address.empty());
+  EXPECT_EQ(bad.worker_address.size(), worker.size() + runs.size());
+}
+
+TEST(StagingWire, HelloNamesItsModeAndRefusesUnknownOnes) {
+  const ucx_staging::Hello hello{7, 8, ucx_staging::LinkMode::kRuns};
+  auto decoded = ucx_staging::DecodeHello(ucx_staging::Encode(hello));
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  EXPECT_EQ(*decoded, hello);
+  std::vector<uint8_t> odd = ucx_staging::Encode(hello);
+  odd[6] = 5;
+  auto refused = ucx_staging::DecodeHello(odd);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("link mode 5"), std::string::npos);
+}
+
+TEST(StagingWire, RunMessagesRoundTripAndRefuseWhatDoesNotDescribeItself) {
+  using ucx_staging::RunSegment;
+  const std::vector<uint64_t> buffers = {4096, 8192};
+  const std::vector<RunSegment> segments = {{0, 0, 4096}, {1, 100, 8000}, {0, 10, 1}};
+  const ucx_staging::RunsHeader header{1, 2, 3, 4, 3};
+  auto bytes = ucx_staging::EncodeRuns(header, segments);
+  ASSERT_TRUE(bytes.ok()) << bytes.status();
+  EXPECT_EQ(bytes->size(), ucx_staging::RunsHeaderSize(3));
+  auto decoded = ucx_staging::DecodeRuns(*bytes, buffers, 4096 + 8000 + 1);
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  EXPECT_EQ(decoded->header, header);
+  EXPECT_EQ(decoded->segments, segments);
+
+  auto expect = [&](std::vector<uint8_t> b, uint64_t data, StatusCode code, std::string words) {
+    auto r = ucx_staging::DecodeRuns(b, buffers, data);
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), code) << r.status();
+    EXPECT_NE(r.status().message().find(words), std::string::npos) << r.status();
+  };
+  expect(*bytes, 4096 + 8000, StatusCode::kDataLoss, "hold 12097 bytes but 12096 arrived");
+  std::vector<uint8_t> shorter(bytes->begin(), bytes->end() - 1);
+  expect(shorter, 12097, StatusCode::kDataLoss, "expected 112");
+  expect(std::vector<uint8_t>(bytes->begin(), bytes->begin() + 39), 0, StatusCode::kDataLoss,
+         "at least 40");
+  std::vector<uint8_t> magic = *bytes;
+  magic[0] ^= 1;
+  expect(magic, 12097, StatusCode::kDataLoss, "magic");
+  std::vector<uint8_t> version = *bytes;
+  version[4] = 99;
+  expect(version, 12097, StatusCode::kDataLoss, "wire version 99");
+  std::vector<uint8_t> reserved = *bytes;
+  reserved[ucx_staging::RunsHeaderSize(1) + 4] = 1;
+  expect(reserved, 12097, StatusCode::kDataLoss, "run segment 1 has reserved bytes");
+  auto none = ucx_staging::EncodeRuns({1, 2, 3, 4, 0}, {});
+  ASSERT_TRUE(none.ok());
+  expect(*none, 0, StatusCode::kDataLoss, "names 0 segments");
+
+  auto one = [&](RunSegment s) {
+    return ucx_staging::EncodeRuns({1, 2, 3, 4, 1}, std::vector<RunSegment>{s}).value();
+  };
+  expect(one({2, 0, 1}), 1, StatusCode::kOutOfRange, "names buffer 2; this side registered 2");
+  expect(one({1, 8000, 193}), 193, StatusCode::kOutOfRange,
+         "of 193 bytes at offset 8000 does not fit buffer 1 (8192 bytes)");
+  expect(one({1, ~uint64_t{0}, 2}), 2, StatusCode::kOutOfRange, "does not fit buffer 1");
+  expect(one({0, 0, 0}), 0, StatusCode::kDataLoss, "segment 0 has 0 bytes");
+  // The encoder refuses a header that disagrees with its segments.
+  EXPECT_EQ(ucx_staging::EncodeRuns({1, 2, 3, 4, 2}, segments).status().code(),
+            StatusCode::kInvalidArgument);
+}
+
 // ---- credits ------------------------------------------------------------------------------------
 
 TEST(StagingCredits, NeverMoreOutstandingThanTheLimitAndAcksCountOnce) {

@@ -9,6 +9,8 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <functional>
@@ -17,6 +19,7 @@
 #include <mutex>
 #include <optional>
 #include <random>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -109,6 +112,9 @@ class UcxBackend final : public Backend {
         cuda_mode_(options.cuda_mode),
         staging_slots_(options.staging_slots),
         staging_slot_bytes_(options.staging_slot_bytes),
+        host_path_(options.host_path),
+        run_options_{options.am_message_bytes, options.am_rendezvous,
+                     RunWindow(options.am_message_bytes)},
         hooks_(hooks),
         instance_(NewInstanceId()) {}
 
@@ -136,7 +142,7 @@ class UcxBackend final : public Backend {
     writes_.clear();
     if (staging_) staging_->Quiesce();
     for (auto& [id, peer] : peers_) {
-      if (peer.staged && staging_) staging_->RemovePeer(id, /*peer_dead=*/false);
+      if ((peer.staged || peer.runs) && staging_) staging_->RemovePeer(id, /*peer_dead=*/false);
       ClosePeerLocked(peer);
     }
     peers_.clear();
@@ -231,13 +237,31 @@ class UcxBackend final : public Backend {
       }
     }
     KVT_ASSIGN_OR_RETURN(const bool stage, ChooseStagingLocked(regions));
-    if (stage && !staging_) {
-      // The staging context comes with the first staged pool (host-only backends never pay).
-      KVT_ASSIGN_OR_RETURN(staging_, ucx_staging::StagedTransport::Create(transports_, instance_));
-      staging_->SetOnWriteDone([this] { Notify(); });
+    const bool host_pool = std::all_of(regions.begin(), regions.end(), [](const LocalRegion& r) {
+      return r.kind == MemoryKind::kHost;
+    });
+    const bool runs = !stage && host_pool && !regions.empty() && host_path_ != UcxHostPath::kPut;
+    if ((stage || runs) && !staging_) {
+      // The staging context comes with the first staged pool or host pool that may take copy
+      // runs as active messages (backends with host_path 'put' never pay).
+      auto created = ucx_staging::StagedTransport::Create(transports_, instance_, run_options_);
+      if (!created.ok() && (stage || host_path_ == UcxHostPath::kActiveMessages)) {
+        return created.status().WithContext(stage ? "starting the staging worker"
+                                                  : "starting the active-message worker");
+      }
+      if (created.ok()) {
+        staging_ = std::move(created).value();
+        staging_->SetOnWriteDone([this] { Notify(); });
+      } else {
+        KVT_LOG_WARN("ucx", "no active-message worker ({}); host writes go as puts",
+                     created.status().ToString());
+      }
     }
     UnmapLocked();
-    if (staging_) KVT_RETURN_IF_ERROR(staging_->Detach());
+    if (staging_) {
+      KVT_RETURN_IF_ERROR(staging_->Detach());
+      staging_->DetachRuns();
+    }
     staged_.store(false, std::memory_order_release);
     PeerDescriptor descriptor;
     descriptor.backend = "ucx";
@@ -263,7 +287,14 @@ class UcxBackend final : public Backend {
                     staging_->slots(), staging_->slot_bytes());
       return descriptor;
     }
-    descriptor.address = ucx_staging::AppendTrailer(worker_address, {instance_, false, 0, 0});
+    if (runs && staging_) {
+      KVT_RETURN_IF_ERROR(staging_->AttachRuns(regions));
+      // Peers without native RMA to us send copy runs to the staging worker.
+      descriptor.address = ucx_staging::AppendTrailer(worker_address, {instance_, false, 0, 0},
+                                                      staging_->worker_address());
+    } else {
+      descriptor.address = ucx_staging::AppendTrailer(worker_address, {instance_, false, 0, 0});
+    }
     for (size_t i = 0; i < regions.size(); ++i) {
       const LocalRegion& r = regions[i];
       ucp_mem_h memh = AllocationContaining(r.base, r.length);
@@ -399,7 +430,20 @@ class UcxBackend final : public Backend {
       ClosePeerLocked(peer);
       return mapped;
     }
+    StatusOr<bool> runs = ChooseRunsLocked(peer, address);
+    if (runs.ok() && *runs) {
+      // Copy runs go as active messages on the staging worker; the RMA endpoint stays unused.
+      Status added = staging_->AddPeer(id, address.runs_address, *address.trailer,
+                                       descriptor.regions, ucx_staging::LinkMode::kRuns);
+      if (!added.ok()) runs = added;
+      peer.runs = added.ok();
+    }
+    if (!runs.ok()) {
+      ClosePeerLocked(peer);
+      return runs.status();
+    }
     peers_.emplace(id, std::move(peer));
+    if (*runs) staging_->Signal();  // the hello's ack arrives through the progress thread
     return id;
   }
 
@@ -419,7 +463,7 @@ class UcxBackend final : public Backend {
     // Staged: the sender side waits for (or abandons) its chunks and says bye while the endpoint
     // is still open; the receiver side stops taking chunks from that backend.
     if (staging_) {
-      if (it->second.staged) staging_->RemovePeer(id, dead);
+      if (it->second.staged || it->second.runs) staging_->RemovePeer(id, dead);
       staging_->DropSender(it->second.remote_instance, dead);
     }
     it = peers_.find(id);
@@ -459,6 +503,14 @@ class UcxBackend final : public Backend {
     KVT_RETURN_IF_ERROR(CheckRuns(runs, local_, peer.regions));
     uint64_t bytes = 0;
     for (const CopyRun& run : runs) bytes += run.bytes;
+    if (peer.runs) {
+      // As active messages; a large write is sent by the progress thread, not the caller.
+      const WriteId wid = next_write_++;
+      KVT_RETURN_IF_ERROR(
+          staging_->PostRuns(wid, id, runs, local_, /*send_now=*/bytes <= direct_inline_bytes_));
+      staging_->Signal();  // the progress thread may be asleep on the event fds
+      return wid;
+    }
     Write write;
     write.peer = id;
     if (!peer.direct.empty()) {
@@ -597,6 +649,16 @@ class UcxBackend final : public Backend {
     allocations_.erase(it);
   }
 
+  StatusOr<std::string> PeerPath(PeerId id) {
+    ApiLock lock(*this);
+    auto it = peers_.find(id);
+    if (it == peers_.end()) return NotFound("no UCX peer " + std::to_string(id));
+    const Peer& peer = it->second;
+    if (peer.staged) return std::string("staged");
+    if (peer.runs) return std::string("am");
+    return std::string(peer.direct.empty() ? "put" : "copy");
+  }
+
   void Release(WriteId id) override {
     ApiLock lock(*this);
     auto it = writes_.find(id);
@@ -623,6 +685,7 @@ class UcxBackend final : public Backend {
     // (ucp_rkey_ptr), its local address per buffer: writes are then plain copies.
     std::vector<uint8_t*> direct;
     bool staged = false;           // writes go through the staged transport
+    bool runs = false;             // copy runs go as active messages (the staged transport)
     bool closing = false;          // Disconnect is stopping its writes: no new ones
     uint64_t remote_instance = 0;  // the peer backend's id (its descriptor trailer), 0 unknown
   };
@@ -1055,6 +1118,68 @@ class UcxBackend final : public Backend {
     return true;
   }
 
+  // Messages unacknowledged per peer: about 8 MiB of data (what a few socket buffers hold over
+  // tcp; more only queues inside UCX), at least 2 so one is sent while one is copied.
+  static uint32_t RunWindow(size_t message_bytes) {
+    return static_cast<uint32_t>(std::clamp<size_t>((size_t{8} << 20) / message_bytes, 2, 64));
+  }
+
+  // Whether copy runs to this (connected, unmapped or mapped) peer go as active messages:
+  // host_path, whether the peer takes them, and (auto) whether UCX reaches it by native RMA.
+  // FailedPrecondition when host_path 'am' cannot be honoured. mutex_ held.
+  StatusOr<bool> ChooseRunsLocked(const Peer& peer, const ucx_staging::SplitAddress& address) {
+    if (host_path_ == UcxHostPath::kPut || !peer.direct.empty()) return false;
+    const bool local_host =
+        !local_.empty() && std::all_of(local_.begin(), local_.end(), [](const LocalRegion& r) {
+          return r.kind == MemoryKind::kHost;
+        });
+    const bool possible = staging_ != nullptr && local_host && !address.runs_address.empty() &&
+                          address.trailer.has_value();
+    if (host_path_ == UcxHostPath::kActiveMessages) {
+      if (possible) return true;
+      return FailedPrecondition(
+          std::string("ucx host_path is 'am', but ") +
+          (address.runs_address.empty()
+               ? "the peer takes no copy runs as active messages (its host_path is 'put', or it "
+                 "registered CUDA memory)"
+               : "this side registered no host pool (or its active-message worker did not "
+                 "start)") +
+          "; use host_path 'auto' or 'put' on this side, or 'auto' or 'am' on the peer");
+    }
+    if (!possible) return false;
+    const bool emulated = RmaEmulated(peer.ep);
+    KVT_LOG_DEBUG("ucx", "UCX reaches the peer {}: host writes go as {}",
+                  emulated ? "without native RMA" : "by native RMA",
+                  emulated ? "active messages" : "puts");
+    return emulated;
+  }
+
+  // True when no lane of the endpoint carries RMA (UCX then emulates puts over its active
+  // messages, as over tcp). UCX 1.13 reports an endpoint's lanes only as text
+  // (ucp_ep_print_info); a lane that carries RMA lists "rma" or "rma_bw" among its uses.
+  static bool RmaEmulated(ucp_ep_h ep) {
+    char* text = nullptr;
+    size_t size = 0;
+    FILE* out = open_memstream(&text, &size);
+    if (out == nullptr) return false;
+    ucp_ep_print_info(ep, out);
+    fclose(out);
+    const std::string info(text, size);
+    free(text);
+    std::istringstream lines(info);
+    std::string line;
+    while (std::getline(lines, line)) {
+      if (line.find("lane[") == std::string::npos) continue;
+      const size_t arrow = line.find("->");  // the lane's uses follow the remote side
+      std::istringstream words(arrow == std::string::npos ? line : line.substr(arrow));
+      std::string word;
+      while (words >> word) {
+        if (word.rfind("rma", 0) == 0) return false;
+      }
+    }
+    return true;
+  }
+
   static void OnEndpointError(void* arg, ucp_ep_h, ucs_status_t status) {
     static_cast<std::atomic<int>*>(arg)->store(status);
     KVT_LOG_WARN("ucx", "endpoint error: {}", ucs_status_string(status));
@@ -1194,6 +1319,8 @@ class UcxBackend final : public Backend {
   const UcxCudaMode cuda_mode_;
   const int staging_slots_;
   const size_t staging_slot_bytes_;
+  const UcxHostPath host_path_;
+  const ucx_staging::RunOptions run_options_;
   const UcxTestHooks hooks_;
   const uint64_t instance_;
   std::atomic<bool> staged_{false};  // the current registration stages a CUDA pool
@@ -1244,6 +1371,14 @@ class UcxBackend final : public Backend {
 
 const char* UcxVersion() { return ucp_get_version_string(); }
 
+StatusOr<std::string> UcxPeerPath(Backend& backend, PeerId peer) {
+  auto* ucx = dynamic_cast<UcxBackend*>(&backend);
+  if (ucx == nullptr) {
+    return InvalidArgument("backend '" + std::string(backend.Name()) + "' is not ucx");
+  }
+  return ucx->PeerPath(peer);
+}
+
 std::string_view UcxCudaModeName(UcxCudaMode mode) {
   switch (mode) {
     case UcxCudaMode::kAuto:
@@ -1262,6 +1397,26 @@ StatusOr<UcxCudaMode> ParseUcxCudaMode(std::string_view name) {
   }
   return InvalidArgument("ucx cuda_mode is '" + std::string(name) +
                          "'; use 'auto', 'staged' or 'direct'");
+}
+
+std::string_view UcxHostPathName(UcxHostPath path) {
+  switch (path) {
+    case UcxHostPath::kAuto:
+      return "auto";
+    case UcxHostPath::kPut:
+      return "put";
+    case UcxHostPath::kActiveMessages:
+      return "am";
+  }
+  return "unknown";
+}
+
+StatusOr<UcxHostPath> ParseUcxHostPath(std::string_view name) {
+  for (UcxHostPath path : {UcxHostPath::kAuto, UcxHostPath::kPut, UcxHostPath::kActiveMessages}) {
+    if (name == UcxHostPathName(path)) return path;
+  }
+  return InvalidArgument("ucx host_path is '" + std::string(name) +
+                         "'; use 'auto', 'put' or 'am' (active messages)");
 }
 
 namespace {
@@ -1293,6 +1448,15 @@ Status ValidateUcxOptions(const UcxOptions& options) {
     return InvalidArgument("ucx staging_slot_bytes is " +
                            std::to_string(options.staging_slot_bytes) + "; give " +
                            std::to_string(ucx_staging::kMinSlotBytes) + " bytes to 4 GiB");
+  }
+  if (UcxHostPathName(options.host_path) == "unknown") {
+    return InvalidArgument("ucx host_path is " +
+                           std::to_string(static_cast<int>(options.host_path)) +
+                           "; use UcxHostPath::kAuto, kPut or kActiveMessages");
+  }
+  if (options.am_message_bytes < 4096 || options.am_message_bytes > (size_t{64} << 20)) {
+    return InvalidArgument("ucx am_message_bytes is " + std::to_string(options.am_message_bytes) +
+                           "; give 4096 bytes to 64 MiB of data per active message");
   }
   return OkStatus();
 }

@@ -46,6 +46,11 @@ struct UcxTestHooks {
 StatusOr<std::unique_ptr<Backend>> CreateUcxBackendForTest(const UcxOptions& options,
                                                            const UcxTestHooks& hooks);
 
+// How writes to a connected peer of a ucx backend move: "copy" (the peer's buffers are mapped
+// here), "put", "am" (copy runs as active messages) or "staged". NotFound for an unknown peer,
+// InvalidArgument for a backend that is not ucx.
+StatusOr<std::string> UcxPeerPath(Backend& backend, PeerId peer);
+
 // The UCX library version string, e.g. "1.13.1".
 const char* UcxVersion();
 

@@ -42,6 +42,7 @@ constexpr uint32_t kHelloAckMagic = 0x4154564b;  // "KVTA"
 constexpr uint32_t kAckMagic = 0x4b54564b;       // "KVTK"
 constexpr uint32_t kByeMagic = 0x4254564b;       // "KVTB"
 constexpr uint32_t kTrailerMagic = 0x5554564b;   // "KVTU"
+constexpr uint32_t kRunsMagic = 0x5254564b;      // "KVTR"
 
 Status CheckMessage(std::span<const uint8_t> bytes, size_t size, uint32_t magic, const char* what) {
   if (bytes.size() != size) {
@@ -435,6 +436,7 @@ std::vector<uint8_t> Encode(const Hello& m) {
   std::vector<uint8_t> out(kHelloBytes, 0);
   Put<uint32_t>(out.data(), 0, kHelloMagic);
   Put<uint16_t>(out.data(), 4, kWireVersion);
+  Put<uint16_t>(out.data(), 6, static_cast<uint16_t>(m.mode));
   Put<uint64_t>(out.data(), 8, m.sender);
   Put<uint64_t>(out.data(), 16, m.link);
   return out;
@@ -447,7 +449,13 @@ StatusOr<Hello> DecodeHello(std::span<const uint8_t> bytes) {
                     std::to_string(Get<uint16_t>(bytes.data(), 4)) + "; this build speaks " +
                     std::to_string(kWireVersion));
   }
-  return Hello{Get<uint64_t>(bytes.data(), 8), Get<uint64_t>(bytes.data(), 16)};
+  const uint16_t mode = Get<uint16_t>(bytes.data(), 6);
+  if (mode > static_cast<uint16_t>(LinkMode::kRuns)) {
+    return DataLoss("staging hello names link mode " + std::to_string(mode) +
+                    "; expected 0 (staged chunks) or 1 (copy runs)");
+  }
+  return Hello{Get<uint64_t>(bytes.data(), 8), Get<uint64_t>(bytes.data(), 16),
+               static_cast<LinkMode>(mode)};
 }
 
 std::vector<uint8_t> Encode(const HelloAck& m) {
@@ -505,18 +513,117 @@ StatusOr<Bye> DecodeBye(std::span<const uint8_t> bytes) {
   return Bye{Get<uint64_t>(bytes.data(), 8), Get<uint64_t>(bytes.data(), 16)};
 }
 
-// ---- descriptor trailer -----------------------------------------------------------------------
-// 0 magic u32, 4 version u16, 6 flags u16 (bit 0: staged), 8 instance, 16 slots u32,
-// 20 reserved, 24 slot_bytes.
+// ---- copy runs as active messages ------------------------------------------------------------
 
-std::string AppendTrailer(std::string_view worker_address, const AddressTrailer& t) {
+StatusOr<std::vector<uint8_t>> EncodeRuns(const RunsHeader& h,
+                                          std::span<const RunSegment> segments) {
+  if (h.num_segments != segments.size() || segments.size() > kMaxRunSegments) {
+    return InvalidArgument("a run message of " + std::to_string(segments.size()) +
+                           " segments with num_segments " + std::to_string(h.num_segments) +
+                           "; they must agree and be at most " + std::to_string(kMaxRunSegments));
+  }
+  std::vector<uint8_t> out(RunsHeaderSize(segments.size()), 0);
+  Put<uint32_t>(out.data(), 0, kRunsMagic);
+  Put<uint16_t>(out.data(), 4, kWireVersion);
+  Put<uint64_t>(out.data(), 8, h.sender);
+  Put<uint64_t>(out.data(), 16, h.link);
+  Put<uint64_t>(out.data(), 24, h.write);
+  Put<uint32_t>(out.data(), 32, h.message);
+  Put<uint32_t>(out.data(), 36, h.num_segments);
+  for (size_t i = 0; i < segments.size(); ++i) {
+    uint8_t* seg = out.data() + RunsHeaderSize(i);
+    Put<uint32_t>(seg, 0, segments[i].buffer);
+    Put<uint64_t>(seg, 8, segments[i].offset);
+    Put<uint64_t>(seg, 16, segments[i].bytes);
+  }
+  return out;
+}
+
+StatusOr<DecodedRuns> DecodeRuns(std::span<const uint8_t> bytes,
+                                 std::span<const uint64_t> buffer_len, uint64_t data_bytes) {
+  if (bytes.size() < kRunsHeaderBytes) {
+    return DataLoss("run message header of " + std::to_string(bytes.size()) +
+                    " bytes; expected at least " + std::to_string(kRunsHeaderBytes));
+  }
+  const uint32_t magic = Get<uint32_t>(bytes.data(), 0);
+  if (magic != kRunsMagic) {
+    return DataLoss("run message header has magic " + std::to_string(magic) + "; expected " +
+                    std::to_string(kRunsMagic));
+  }
+  if (const uint16_t version = Get<uint16_t>(bytes.data(), 4); version != kWireVersion) {
+    return DataLoss("run message of wire version " + std::to_string(version) +
+                    "; this build speaks " + std::to_string(kWireVersion));
+  }
+  if (const uint16_t reserved = Get<uint16_t>(bytes.data(), 6); reserved != 0) {
+    return DataLoss("run message header has reserved bytes " + std::to_string(reserved) +
+                    "; expected 0");
+  }
+  DecodedRuns runs;
+  RunsHeader& h = runs.header;
+  h.sender = Get<uint64_t>(bytes.data(), 8);
+  h.link = Get<uint64_t>(bytes.data(), 16);
+  h.write = Get<uint64_t>(bytes.data(), 24);
+  h.message = Get<uint32_t>(bytes.data(), 32);
+  h.num_segments = Get<uint32_t>(bytes.data(), 36);
+  if (h.num_segments == 0 || h.num_segments > kMaxRunSegments) {
+    return DataLoss("run message names " + std::to_string(h.num_segments) +
+                    " segments; expected 1 to " + std::to_string(kMaxRunSegments));
+  }
+  if (bytes.size() != RunsHeaderSize(h.num_segments)) {
+    return DataLoss("run message header of " + std::to_string(bytes.size()) + " bytes for " +
+                    std::to_string(h.num_segments) + " segments; expected " +
+                    std::to_string(RunsHeaderSize(h.num_segments)));
+  }
+  runs.segments.resize(h.num_segments);
+  uint64_t total = 0;
+  for (uint32_t i = 0; i < h.num_segments; ++i) {
+    const uint8_t* seg = bytes.data() + RunsHeaderSize(i);
+    RunSegment& s = runs.segments[i];
+    s.buffer = Get<uint32_t>(seg, 0);
+    s.offset = Get<uint64_t>(seg, 8);
+    s.bytes = Get<uint64_t>(seg, 16);
+    if (const uint32_t reserved = Get<uint32_t>(seg, 4); reserved != 0) {
+      return DataLoss("run segment " + std::to_string(i) + " has reserved bytes " +
+                      std::to_string(reserved) + "; expected 0");
+    }
+    if (s.bytes == 0) return DataLoss("run segment " + std::to_string(i) + " has 0 bytes");
+    if (s.buffer >= buffer_len.size()) {
+      return OutOfRange("run segment " + std::to_string(i) + " names buffer " +
+                        std::to_string(s.buffer) + "; this side registered " +
+                        std::to_string(buffer_len.size()));
+    }
+    const uint64_t len = buffer_len[s.buffer];
+    if (s.offset > len || s.bytes > len - s.offset) {
+      return OutOfRange("run segment " + std::to_string(i) + " of " + std::to_string(s.bytes) +
+                        " bytes at offset " + std::to_string(s.offset) + " does not fit buffer " +
+                        std::to_string(s.buffer) + " (" + std::to_string(len) + " bytes)");
+    }
+    total = SatAdd(total, s.bytes);
+  }
+  if (total != data_bytes) {
+    return DataLoss("run message segments hold " + std::to_string(total) + " bytes but " +
+                    std::to_string(data_bytes) + " arrived");
+  }
+  return runs;
+}
+
+// ---- descriptor trailer -----------------------------------------------------------------------
+// 0 magic u32, 4 version u16, 6 flags u16 (bit 0: staged, bit 1: copy runs as messages),
+// 8 instance, 16 slots u32, 20 runs_address_bytes u32, 24 slot_bytes.
+
+std::string AppendTrailer(std::string_view worker_address, AddressTrailer t,
+                          std::string_view runs_address) {
   std::string out(worker_address);
+  out.append(runs_address);
+  t.runs_address_bytes = static_cast<uint32_t>(runs_address.size());
   uint8_t bytes[kTrailerBytes] = {};
   Put<uint32_t>(bytes, 0, kTrailerMagic);
   Put<uint16_t>(bytes, 4, kWireVersion);
-  Put<uint16_t>(bytes, 6, t.staged ? 1 : 0);
+  Put<uint16_t>(bytes, 6,
+                static_cast<uint16_t>((t.staged ? 1 : 0) | (t.runs_address_bytes > 0 ? 2 : 0)));
   Put<uint64_t>(bytes, 8, t.instance);
   Put<uint32_t>(bytes, 16, t.slots);
+  Put<uint32_t>(bytes, 20, t.runs_address_bytes);
   Put<uint64_t>(bytes, 24, t.slot_bytes);
   out.append(reinterpret_cast<const char*>(bytes), kTrailerBytes);
   return out;
@@ -529,11 +636,19 @@ SplitAddress SplitPeerAddress(std::string_view address) {
   const auto* t = reinterpret_cast<const uint8_t*>(address.data() + address.size() - kTrailerBytes);
   if (Get<uint32_t>(t, 0) != kTrailerMagic || Get<uint16_t>(t, 4) != kWireVersion) return split;
   AddressTrailer trailer;
-  trailer.staged = (Get<uint16_t>(t, 6) & 1) != 0;
+  const uint16_t flags = Get<uint16_t>(t, 6);
+  trailer.staged = (flags & 1) != 0;
   trailer.instance = Get<uint64_t>(t, 8);
   trailer.slots = Get<uint32_t>(t, 16);
+  trailer.runs_address_bytes = Get<uint32_t>(t, 20);
   trailer.slot_bytes = Get<uint64_t>(t, 24);
-  split.worker_address = address.substr(0, address.size() - kTrailerBytes);
+  const size_t rest = address.size() - kTrailerBytes;
+  // A runs address that does not fit (or a flag without one) leaves it out: the worker address
+  // check then refuses what remains.
+  if ((flags & 2) == 0 || trailer.runs_address_bytes >= rest) trailer.runs_address_bytes = 0;
+  split.worker_address = address.substr(0, rest - trailer.runs_address_bytes);
+  split.runs_address = address.substr(rest - trailer.runs_address_bytes,
+                                      trailer.runs_address_bytes);
   split.trailer = trailer;
   return split;
 }

@@ -44,7 +44,9 @@ namespace kvt::transfer::ucx_staging {
 
 inline constexpr uint32_t kChunkMagic = 0x4354564b;  // "KVTC"
 // 2: buffers by transfer layer with their own page bytes (1 addressed K l and V L + l).
-inline constexpr uint16_t kWireVersion = 2;
+// 3: hellos name their mode (staged chunks or copy runs); the trailer may announce a worker for
+// copy runs sent as active messages.
+inline constexpr uint16_t kWireVersion = 3;
 inline constexpr uint64_t kChunkHeaderBytes = 72;
 inline constexpr uint64_t kPayloadAlign = 256;
 // Caps that keep per-chunk metadata bounded (device index buffers are sized from them).
@@ -168,6 +170,14 @@ StatusOr<DecodedChunk> DecodeChunk(std::span<const uint8_t> payload, const Chunk
 
 // ---- control messages (UCX active-message headers) --------------------------------------------
 
+// Active-message ids on the staging worker (small: UCX sizes a table by the largest id).
+inline constexpr unsigned kAmChunk = 20;
+inline constexpr unsigned kAmHello = 21;
+inline constexpr unsigned kAmHelloAck = 22;
+inline constexpr unsigned kAmChunkAck = 23;
+inline constexpr unsigned kAmBye = 24;
+inline constexpr unsigned kAmRuns = 25;
+
 // The AM header of a chunk: lets the receiver attribute a payload before it has landed.
 struct ChunkNotice {
   uint64_t sender = 0;
@@ -178,10 +188,14 @@ struct ChunkNotice {
 };
 inline constexpr size_t kChunkNoticeBytes = 32;
 
+// What a connection carries: staged chunks of a CUDA pool, or copy runs of host memory.
+enum class LinkMode : uint16_t { kStaged = 0, kRuns = 1 };
+
 // Sender -> receiver when a connection is made; the AM data is the sender's worker address.
 struct Hello {
   uint64_t sender = 0;
   uint64_t link = 0;
+  LinkMode mode = LinkMode::kStaged;
   friend bool operator==(const Hello&, const Hello&) = default;
 };
 inline constexpr size_t kHelloBytes = 24;
@@ -229,23 +243,86 @@ StatusOr<HelloAck> DecodeHelloAck(std::span<const uint8_t> bytes);
 StatusOr<ChunkAck> DecodeChunkAck(std::span<const uint8_t> bytes);
 StatusOr<Bye> DecodeBye(std::span<const uint8_t> bytes);
 
+// ---- copy runs as active messages ------------------------------------------------------------
+//
+// Where UCX has no native RMA to a peer (tcp emulates puts over its messages), the ucx backend
+// moves a write's copy runs as active messages on the staging worker instead: each message's
+// AM header is a RunsHeader followed by num_segments RunSegments (the destination of each
+// piece, in the receiver's buffers), and its AM data is the pieces' bytes back to back in
+// segment order, sent from the source runs as an IOV (no gather copy). The receiver checks
+// every segment against its own buffers before a byte moves, copies eager data into place
+// (rendezvous data lands there directly) and acknowledges each message with a ChunkAck
+// (chunk = message index) once its bytes are in place.
+//
+//   RunsHeader (40 bytes): 0 magic u32, 4 version u16, 6 reserved u16, 8 sender, 16 link,
+//                          24 write, 32 message u32, 36 num_segments u32
+//   RunSegment (24 bytes): 0 buffer u32, 4 reserved u32, 8 offset u64, 16 bytes u64
+
+struct RunsHeader {
+  uint64_t sender = 0;
+  uint64_t link = 0;
+  uint64_t write = 0;
+  uint32_t message = 0;
+  uint32_t num_segments = 0;
+  friend bool operator==(const RunsHeader&, const RunsHeader&) = default;
+};
+struct RunSegment {
+  uint32_t buffer = 0;
+  uint64_t offset = 0;
+  uint64_t bytes = 0;
+  friend bool operator==(const RunSegment&, const RunSegment&) = default;
+};
+inline constexpr size_t kRunsHeaderBytes = 40;
+inline constexpr size_t kRunSegmentBytes = 24;
+// Segments per message (bounds the header a receiver parses).
+inline constexpr uint32_t kMaxRunSegments = 4096;
+// The AM header bytes of a message of `segments` segments.
+constexpr size_t RunsHeaderSize(size_t segments) {
+  return kRunsHeaderBytes + segments * kRunSegmentBytes;
+}
+
+// header.num_segments must equal segments.size() (at most kMaxRunSegments); InvalidArgument
+// otherwise.
+StatusOr<std::vector<uint8_t>> EncodeRuns(const RunsHeader& header,
+                                          std::span<const RunSegment> segments);
+
+struct DecodedRuns {
+  RunsHeader header;
+  std::vector<RunSegment> segments;
+};
+// Parses and checks a message's AM header against the receiver's buffers (their lengths, by
+// index) and the bytes that came with it: DataLoss for a header that does not describe itself
+// (size, magic, version, reserved bytes, a segment of 0 bytes, segment bytes that do not sum
+// to `data_bytes`), OutOfRange for a segment outside the buffers; each names the field and
+// its value.
+StatusOr<DecodedRuns> DecodeRuns(std::span<const uint8_t> header,
+                                 std::span<const uint64_t> buffer_len, uint64_t data_bytes);
+
 // ---- descriptor trailer -----------------------------------------------------------------------
 
-// Appended to PeerDescriptor.address after the UCX worker address: who this backend is and
-// whether (and how much) it stages CUDA pools.
+// Appended to PeerDescriptor.address after the UCX worker address (and, when it announces one,
+// the worker address for copy runs): who this backend is, whether (and how much) it stages
+// CUDA pools, and whether it takes copy runs as active messages.
 struct AddressTrailer {
   uint64_t instance = 0;
   bool staged = false;
   uint32_t slots = 0;
   uint64_t slot_bytes = 0;
+  // Bytes of the staging worker's address between the worker address and the trailer, when
+  // this side takes copy runs as active messages there; 0 when it does not.
+  uint32_t runs_address_bytes = 0;
   friend bool operator==(const AddressTrailer&, const AddressTrailer&) = default;
 };
 inline constexpr size_t kTrailerBytes = 32;
 
-std::string AppendTrailer(std::string_view worker_address, const AddressTrailer& trailer);
+// `runs_address` (the staging worker's address) is appended before the trailer when not empty,
+// and the trailer's runs_address_bytes set to its size.
+std::string AppendTrailer(std::string_view worker_address, AddressTrailer trailer,
+                          std::string_view runs_address = {});
 
 struct SplitAddress {
   std::string_view worker_address;
+  std::string_view runs_address;          // empty: the peer takes no copy runs as messages
   std::optional<AddressTrailer> trailer;  // absent: a peer that appends none
 };
 SplitAddress SplitPeerAddress(std::string_view address);

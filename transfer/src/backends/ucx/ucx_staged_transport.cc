@@ -22,13 +22,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// Active-message ids of the staged protocol (small: UCX sizes a table by the largest id).
-constexpr unsigned kAmChunk = 20;
-constexpr unsigned kAmHello = 21;
-constexpr unsigned kAmHelloAck = 22;
-constexpr unsigned kAmChunkAck = 23;
-constexpr unsigned kAmBye = 24;
-
 // How long a release, disconnect or shutdown waits for chunks in flight before giving up.
 constexpr std::chrono::milliseconds kWaitBound{10000};
 // How long an endpoint close or a control message may take before it is abandoned.
@@ -53,8 +46,9 @@ void OnReverseEndpointError(void*, ucp_ep_h, ucs_status_t status) {
 }  // namespace
 
 StatusOr<std::unique_ptr<StagedTransport>> StagedTransport::Create(const std::string& transports,
-                                                                   uint64_t instance) {
-  std::unique_ptr<StagedTransport> transport(new StagedTransport(instance));
+                                                                   uint64_t instance,
+                                                                   const RunOptions& runs) {
+  std::unique_ptr<StagedTransport> transport(new StagedTransport(instance, runs));
   KVT_RETURN_IF_ERROR(transport->Init(transports));
   return transport;
 }
@@ -80,6 +74,10 @@ Status StagedTransport::Init(const std::string& transports) {
       UcsStatus(ucp_worker_get_address(worker_, &address, &address_len), "ucp_worker_get_address"));
   worker_address_.assign(reinterpret_cast<const char*>(address), address_len);
   ucp_worker_release_address(worker_, address);
+  ucp_worker_attr_t attr = {};
+  attr.field_mask = UCP_WORKER_ATTR_FIELD_MAX_AM_HEADER;
+  KVT_RETURN_IF_ERROR(UcsStatus(ucp_worker_query(worker_, &attr), "ucp_worker_query"));
+  max_am_header_ = attr.max_am_header;
   return RegisterHandlers();
 }
 
@@ -103,6 +101,8 @@ Status StagedTransport::RegisterHandlers() {
       {kAmHelloAck, &StagedTransport::OnHelloAck, UCP_AM_FLAG_WHOLE_MSG},
       {kAmChunkAck, &StagedTransport::OnChunkAck, UCP_AM_FLAG_WHOLE_MSG},
       {kAmBye, &StagedTransport::OnBye, UCP_AM_FLAG_WHOLE_MSG},
+      // Run messages: eager data is copied into place inside the callback.
+      {kAmRuns, &StagedTransport::OnRuns, UCP_AM_FLAG_WHOLE_MSG},
   };
   for (const Handler& h : handlers) {
     ucp_am_handler_param_t param = {};
@@ -130,7 +130,7 @@ bool StagedTransport::Active() const {
   for (const RecvSlot& r : recv_) {
     if (r.state != RecvSlot::State::kFree) return true;
   }
-  return !arrivals_.empty();
+  return !arrivals_.empty() || RunsBusy();
 }
 
 Status StagedTransport::Attach(std::span<const LocalRegion> regions,
@@ -304,11 +304,16 @@ void StagedTransport::FreeSlotMemory() {
 // ---- sending ------------------------------------------------------------------------------------
 
 Status StagedTransport::AddPeer(PeerId link, std::string_view worker_address,
-                                const AddressTrailer& remote, std::vector<RemoteRegion> regions) {
-  if (!remote.staged || remote.slots == 0) {
+                                const AddressTrailer& remote, std::vector<RemoteRegion> regions,
+                                LinkMode mode) {
+  if (mode == LinkMode::kStaged && (!remote.staged || remote.slots == 0)) {
     return FailedPrecondition("the peer does not stage CUDA pools (no bounce slots announced)");
   }
+  if (mode == LinkMode::kRuns && remote.runs_address_bytes == 0) {
+    return FailedPrecondition("the peer takes no copy runs as active messages");
+  }
   Peer peer;
+  peer.mode = mode;
   peer.remote = remote;
   peer.regions = std::move(regions);
   peer.credits.SetLimit(0);  // until the hello is acknowledged
@@ -322,7 +327,8 @@ Status StagedTransport::AddPeer(PeerId link, std::string_view worker_address,
   ep.err_handler.cb = &OnReverseEndpointError;
   ep.err_handler.arg = nullptr;
   KVT_RETURN_IF_ERROR(UcsStatus(ucp_ep_create(worker_, &ep, &peer.ep), "ucp_ep_create"));
-  Status hello = SendControl(peer.ep, kAmHello, Encode(Hello{instance_, link}), worker_address_);
+  Status hello =
+      SendControl(peer.ep, kAmHello, Encode(Hello{instance_, link, mode}), worker_address_);
   if (!hello.ok()) {
     CloseEndpointNow(peer.ep, /*force=*/true);
     return hello.WithContext("sending the staging hello");
@@ -341,6 +347,11 @@ void StagedTransport::RemovePeer(PeerId link, bool peer_dead) {
       FailWrite(id, write, Aborted("peer disconnected during the write"));
     }
   }
+  for (auto& [id, write] : run_writes_) {
+    if (write.link == link && !write.all_sent()) {
+      FailRunWrite(id, write, Aborted("peer disconnected during the write"));
+    }
+  }
   if (!peer_dead) {
     // Let the connection finish its handshake first: closing a tcp endpoint while the peer is
     // still connecting back to us crashes UCX 1.13 (uct_tcp_iface_progress).
@@ -357,7 +368,8 @@ void StagedTransport::RemovePeer(PeerId link, bool peer_dead) {
         },
         kWaitBound);
     if (!drained) {
-      KVT_LOG_WARN("ucx", "staged chunks to a disconnecting peer were not acknowledged in {} ms",
+      KVT_LOG_WARN("ucx", "chunks or run messages to a disconnecting peer were not acknowledged "
+                   "in {} ms",
                    kWaitBound.count());
     }
     it = peers_.find(link);
@@ -370,6 +382,9 @@ void StagedTransport::RemovePeer(PeerId link, bool peer_dead) {
     if (write.link == link && write.status.code() == StatusCode::kInProgress) {
       FailWrite(id, write, Aborted("peer disconnected during the write"));
     }
+  }
+  for (auto& [id, write] : run_writes_) {
+    if (write.link == link) FailRunWrite(id, write, Aborted("peer disconnected during the write"));
   }
   it = peers_.find(link);
   const ucp_ep_h ep = it->second.ep;
@@ -431,6 +446,14 @@ Status StagedTransport::PostPages(WriteId id, PeerId link, const PageWrite& w) {
 }
 
 Status StagedTransport::Check(WriteId id) {
+  if (auto r = run_writes_.find(id); r != run_writes_.end()) {
+    if (r->second.status.code() == StatusCode::kInProgress) {
+      ucp_worker_progress(worker_);
+      Pump();
+      r = run_writes_.find(id);
+    }
+    return r->second.status;
+  }
   auto it = writes_.find(id);
   if (it == writes_.end()) return NotFound("no UCX write " + std::to_string(id));
   if (it->second.status.code() == StatusCode::kInProgress) {
@@ -442,13 +465,23 @@ Status StagedTransport::Check(WriteId id) {
 }
 
 void StagedTransport::Release(WriteId id) {
-  auto it = writes_.find(id);
-  if (it == writes_.end()) return;
-  pending_.erase(id);
-  const PeerId link = it->second.link;
-  if (it->second.status.code() == StatusCode::kInProgress) {
-    // Gathered chunks of a write that is no longer in progress are not sent.
-    it->second.status = Aborted("write released before it completed");
+  PeerId link = 0;
+  if (auto r = run_writes_.find(id); r != run_writes_.end()) {
+    // Unsent messages are never sent; those in flight are waited for below.
+    run_pending_.erase(id);
+    link = r->second.link;
+    if (r->second.status.code() == StatusCode::kInProgress) {
+      r->second.status = Aborted("write released before it completed");
+    }
+  } else if (auto it = writes_.find(id); it != writes_.end()) {
+    pending_.erase(id);
+    link = it->second.link;
+    if (it->second.status.code() == StatusCode::kInProgress) {
+      // Gathered chunks of a write that is no longer in progress are not sent.
+      it->second.status = Aborted("write released before it completed");
+    }
+  } else {
+    return;
   }
   auto held = [&] {
     auto p = peers_.find(link);
@@ -462,6 +495,7 @@ void StagedTransport::Release(WriteId id) {
     if (auto p = peers_.find(link); p != peers_.end()) p->second.credits.ReleaseWrite(id);
   }
   writes_.erase(id);
+  run_writes_.erase(id);
 }
 
 template <typename Done>
@@ -641,6 +675,10 @@ void StagedTransport::StartChunk(uint32_t i, WriteId id, Write& write, Peer& pee
 }
 
 void StagedTransport::HandleAck(const ChunkAck& ack, std::string_view message) {
+  if (run_writes_.count(ack.write) != 0) {
+    HandleRunAck(ack, message);
+    return;
+  }
   auto w = writes_.find(ack.write);
   if (w == writes_.end() || w->second.link != ack.link) return;
   auto p = peers_.find(ack.link);
@@ -683,6 +721,9 @@ void StagedTransport::DropSender(uint64_t instance, bool peer_dead) {
       [&] {
         for (const RecvSlot& r : recv_) {
           if (r.state == RecvSlot::State::kScattering && r.notice.sender == instance) return false;
+        }
+        for (const RunLanding& l : run_landings_) {
+          if (l.request != nullptr && l.notice.sender == instance) return false;
         }
         return true;
       },
@@ -729,6 +770,16 @@ void StagedTransport::HandleHellos() {
     if (dropped_.count(h.hello.sender) != 0) {
       ack.code = StatusCode::kFailedPrecondition;
       message = "the receiver disconnected this sender; reconnect from both sides";
+    } else if (h.hello.mode == LinkMode::kRuns) {
+      if (!runs_attached()) {
+        ack.code = StatusCode::kFailedPrecondition;
+        message =
+            "the receiving ucx backend takes no copy runs as active messages (it registered a "
+            "staged or CUDA pool, nothing, or its host_path is 'put')";
+      } else {
+        ack.slots = run_options_.window;
+        it->second.links.insert(h.hello.link);
+      }
     } else if (!attached()) {
       ack.code = StatusCode::kFailedPrecondition;
       message =
@@ -940,7 +991,9 @@ ucs_status_t StagedTransport::OnHelloAck(void* arg, const void* header, size_t h
     return UCS_OK;
   }
   peer.ready = true;
-  peer.credits.SetLimit(std::min(peer.remote.slots, ack->slots));
+  peer.credits.SetLimit(peer.mode == LinkMode::kRuns
+                            ? std::min(self->run_options_.window, ack->slots)
+                            : std::min(peer.remote.slots, ack->slots));
   peer.remote.slot_bytes = std::min(peer.remote.slot_bytes, ack->slot_bytes);
   return UCS_OK;
 }
@@ -1062,6 +1115,14 @@ void StagedTransport::Pump() {
     ScheduleChunks();
     PumpRecvSlots();
   }
+  if (!run_sends_.empty()) PumpRunSends();
+  if (!run_pending_.empty()) ScheduleRuns(run_options_.pump_bytes);
+  if (!run_landings_.empty()) PumpRunLandings();
+  if (!run_acks_.empty()) {
+    std::vector<std::pair<ChunkNotice, Status>> acks = std::move(run_acks_);
+    run_acks_.clear();
+    for (const auto& [notice, status] : acks) SendAck(notice, status);
+  }
   if (!control_.empty() || !closing_.empty()) PumpControl();
 }
 
@@ -1081,7 +1142,11 @@ void StagedTransport::DrainCompletions() {
 bool StagedTransport::NeedsPolling() const {
   // Copier completions wake no UCX event fd: the CUDA copier's announce themselves on
   // completion_fd; the host copier's are seen by the next Pump.
-  if (!hellos_.empty() || !byes_.empty()) return true;
+  if (!hellos_.empty() || !byes_.empty() || !run_acks_.empty()) return true;
+  if (!run_pending_.empty() && RunsSendable()) return true;  // sent a budget per Pump
+  for (const RunLanding& l : run_landings_) {
+    if (l.request == nullptr) return true;  // waiting to be received
+  }
   if (notified_) return false;
   for (const SendSlot& s : send_) {
     if (s.state == SendSlot::State::kGathering) return true;
@@ -1101,7 +1166,7 @@ void StagedTransport::Quiesce() {
         for (const RecvSlot& r : recv_) {
           if (r.state != RecvSlot::State::kFree) return false;
         }
-        return true;
+        return run_sends_.empty() && run_landings_.empty();
       },
       kWaitBound);
   if (!idle) {
@@ -1147,6 +1212,28 @@ void StagedTransport::Shutdown() {
   recv_.clear();
   // Arrivals still queued hold UCX descriptors; the worker frees them when it is destroyed.
   arrivals_.clear();
+  // Run sends and landings UCX still reads or writes keep their buffers until this object goes
+  // (after the worker); finished ones are freed now.
+  for (auto it = run_sends_.begin(); it != run_sends_.end();) {
+    if (ucp_request_check_status(it->request) != UCS_INPROGRESS) {
+      ucp_request_free(it->request);
+      it = run_sends_.erase(it);
+    } else {
+      ucp_request_cancel(worker_, it->request);
+      ++it;
+    }
+  }
+  for (auto it = run_landings_.begin(); it != run_landings_.end();) {
+    if (it->request != nullptr && ucp_request_check_status(it->request) != UCS_INPROGRESS) {
+      ucp_request_free(it->request);
+      it = run_landings_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  run_writes_.clear();
+  run_pending_.clear();
+  run_acks_.clear();
   writes_.clear();
   pending_.clear();
   peers_.clear();

@@ -23,6 +23,15 @@
 // host path's RMA context is exactly what it was (enabling UCP_FEATURE_AM there crashes UCX
 // 1.13's tcp transport). The owning backend's progress thread progresses both workers.
 //
+// Copy runs (host memory, where UCX emulates puts over its messages, as tcp does): the same
+// worker carries a write's runs as active messages (ucx_staged_protocol.h, "copy runs as active
+// messages"). A sender cuts the runs into messages of at most RunOptions::message_bytes, each
+// sent from the source memory as an IOV (no gather copy) with a header naming the destination
+// of every piece, at most RunOptions::window messages unacknowledged per peer. The receiver
+// checks the pieces against its buffers, copies eager data into place inside the AM callback
+// (rendezvous data it receives straight into the destination IOV) and acknowledges each message
+// when its bytes are in place. A write completes when every message is acknowledged.
+//
 // A connection starts with a hello (sender -> receiver, carrying the sender's worker address so
 // the receiver can open an endpoint for acks) and its ack (with the receiver's slot count); no
 // chunk goes out before the ack.
@@ -45,6 +54,7 @@
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
 #include <vector>
 
 #include "backends/ucx/ucx_staged_copier.h"
@@ -55,6 +65,20 @@
 
 namespace kvt::transfer {
 namespace ucx_staging {
+
+// Copy runs as active messages.
+struct RunOptions {
+  // Bytes of data per message (a run longer than this is cut).
+  uint64_t message_bytes = uint64_t{1} << 20;
+  // Eager messages (the receiver copies each once from UCX's buffer) or rendezvous (UCX moves
+  // the bytes straight into the destination pages after a handshake per message).
+  bool rendezvous = false;
+  // Messages a sender has unacknowledged at one receiver.
+  uint32_t window = 32;
+  // Data bytes one Pump sends at most, so that the backend's lock is never held for long by a
+  // large write (the next call of the model's thread waits for it).
+  uint64_t pump_bytes = uint64_t{1} << 20;
+};
 
 struct StagingOptions {
   uint32_t slots = 8;
@@ -69,7 +93,8 @@ class StagedTransport {
   // A UCP context and worker over `transports` (UCX_TLS syntax; empty: UCX's choice), with the
   // protocol's active-message handlers installed. `instance` names this backend to its peers.
   static StatusOr<std::unique_ptr<StagedTransport>> Create(const std::string& transports,
-                                                           uint64_t instance);
+                                                           uint64_t instance,
+                                                           const RunOptions& runs = {});
   // Destroys the worker and context; Shutdown must have run (it frees what needs them).
   ~StagedTransport();
   StagedTransport(const StagedTransport&) = delete;
@@ -97,14 +122,22 @@ class StagedTransport {
   bool attached() const { return copier_ != nullptr; }
   uint32_t slots() const { return static_cast<uint32_t>(send_.size()); }
   uint64_t slot_bytes() const { return slot_bytes_; }
-  // Writes in progress or chunks being received.
+  // Writes in progress, or chunks or run messages being received.
   bool Active() const;
+
+  // ---- copy runs: the local buffers ---------------------------------------------------------
+  // The host buffers (by index, as registered) that peers' run messages may write, replacing
+  // earlier ones; FailedPrecondition while run messages are being received.
+  Status AttachRuns(std::span<const LocalRegion> regions);
+  void DetachRuns() { run_local_.clear(); }
+  bool runs_attached() const { return !run_local_.empty(); }
 
   // ---- sending ------------------------------------------------------------------------------
   // A connection to the staging receiver at `worker_address` (its descriptor's address without
   // the trailer). Sends the hello; chunks wait for its ack.
+  // kRuns: the receiver's runs address (SplitAddress::runs_address); its chunks are copy runs.
   Status AddPeer(PeerId link, std::string_view worker_address, const AddressTrailer& remote,
-                 std::vector<RemoteRegion> regions);
+                 std::vector<RemoteRegion> regions, LinkMode mode = LinkMode::kStaged);
   // Forgets the connection and closes its endpoint. Graceful: unsent chunks are cancelled, chunks
   // in flight are waited for (bounded), the receiver is told (bye). Peer dead: nothing is waited
   // for or sent, the endpoint is closed by force. Writes that did not complete are Aborted.
@@ -112,7 +145,15 @@ class StagedTransport {
   bool HasPeer(PeerId link) const { return peers_.count(link) != 0; }
 
   Status PostPages(WriteId id, PeerId link, const PageWrite& write);
-  bool HasWrite(WriteId id) const { return writes_.count(id) != 0; }
+  // A write of copy runs to a kRuns peer; `local` are this side's buffers (the runs' sources),
+  // and the runs were checked against both sides' buffers (CheckRuns). The runs are copied.
+  // send_now: its first messages go out on this thread; otherwise all go from Pump (the
+  // progress thread), so that the caller does not spend its time in sends.
+  Status PostRuns(WriteId id, PeerId link, std::span<const CopyRun> runs,
+                  std::span<const LocalRegion> local, bool send_now);
+  bool HasWrite(WriteId id) const {
+    return writes_.count(id) != 0 || run_writes_.count(id) != 0;
+  }
   Status Check(WriteId id);
   // Stops the write's unsent chunks and waits (bounded) for those in flight to be acknowledged,
   // so that none of its bytes lands later.
@@ -142,6 +183,7 @@ class StagedTransport {
  private:
   struct Peer {
     ucp_ep_h ep = nullptr;
+    LinkMode mode = LinkMode::kStaged;
     AddressTrailer remote;
     std::vector<RemoteRegion> regions;
     bool ready = false;  // hello acknowledged
@@ -183,6 +225,35 @@ class StagedTransport {
     void* request = nullptr;
     DecodedChunk chunk;
   };
+  // A write of copy runs: what is left to send (a cursor into the runs) and what came back.
+  struct RunWrite {
+    PeerId link = 0;
+    std::vector<CopyRun> runs;
+    std::vector<const uint8_t*> src;  // base of each local buffer
+    size_t next_run = 0;              // the first run (and offset in it) not yet sent
+    uint64_t next_offset = 0;
+    uint32_t messages = 0;  // sent so far
+    uint64_t sent_bytes = 0;
+    uint32_t acked = 0;
+    Status status;
+    bool all_sent() const { return next_run >= runs.size(); }
+  };
+  // A run message being sent: UCX reads the header and the IOV until the send completes.
+  struct RunSend {
+    WriteId write = 0;
+    uint32_t message = 0;
+    PeerId link = 0;
+    std::vector<uint8_t> header;
+    std::vector<ucp_dt_iov_t> iov;
+    void* request = nullptr;
+  };
+  // A rendezvous run message waiting to be received, or being received, into its destinations.
+  struct RunLanding {
+    ChunkNotice notice;  // chunk = the message index
+    void* data = nullptr;  // UCX's descriptor
+    std::vector<ucp_dt_iov_t> iov;
+    void* request = nullptr;
+  };
   struct Sender {  // a backend that sends to us, and our endpoint back to it for acks
     ucp_ep_h ep = nullptr;
     std::set<uint64_t> links;
@@ -202,7 +273,8 @@ class StagedTransport {
     std::chrono::steady_clock::time_point deadline;
   };
 
-  explicit StagedTransport(uint64_t instance) : instance_(instance) {}
+  StagedTransport(uint64_t instance, const RunOptions& runs)
+      : instance_(instance), run_options_(runs) {}
   Status Init(const std::string& transports);
   Status RegisterHandlers();
 
@@ -214,6 +286,8 @@ class StagedTransport {
                                  size_t length, const ucp_am_recv_param_t* param);
   static ucs_status_t OnChunkAck(void* arg, const void* header, size_t header_length, void* data,
                                  size_t length, const ucp_am_recv_param_t* param);
+  static ucs_status_t OnRuns(void* arg, const void* header, size_t header_length, void* data,
+                             size_t length, const ucp_am_recv_param_t* param);
   static ucs_status_t OnBye(void* arg, const void* header, size_t header_length, void* data,
                             size_t length, const ucp_am_recv_param_t* param);
 
@@ -228,6 +302,20 @@ class StagedTransport {
   // Progresses until `done` or the bound; false on timeout.
   template <typename Done>
   bool WaitUntil(Done&& done, std::chrono::milliseconds bound);
+
+  // Copy runs.
+  // Sends messages of pending writes while their peers have credits, at most `budget` data
+  // bytes (at least one message).
+  void ScheduleRuns(uint64_t budget);
+  // Whether a pending run write could send now (its peer has a credit).
+  bool RunsSendable() const;
+  // Sends the next message of the write; false when it could not (the write failed).
+  bool SendRunMessage(WriteId id, RunWrite& write, Peer& peer);
+  void PumpRunSends();
+  void FailRunWrite(WriteId id, RunWrite& write, const Status& status);
+  void HandleRunAck(const ChunkAck& ack, std::string_view message);
+  void PumpRunLandings();
+  bool RunsBusy() const;
 
   // Receiving.
   void PumpRecvSlots();
@@ -249,6 +337,7 @@ class StagedTransport {
   uint8_t* RecvPayload(uint32_t slot) const { return recv_base_ + size_t{slot} * slot_bytes_; }
 
   const uint64_t instance_;
+  const RunOptions run_options_;
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
   int event_fd_ = -1;
@@ -287,6 +376,16 @@ class StagedTransport {
   std::deque<uint64_t> dropped_order_;  // insertion order, to bound dropped_
   std::vector<PendingHello> hellos_;
   std::vector<Bye> byes_;
+
+  // Copy runs.
+  std::vector<LocalRegion> run_local_;   // buffers peers' run messages write
+  std::vector<uint64_t> run_local_len_;  // their lengths, by index
+  size_t max_am_header_ = 0;             // the worker's limit on an AM header
+  std::map<WriteId, RunWrite> run_writes_;  // ordered by id: post order
+  std::set<WriteId> run_pending_;           // run writes with messages not yet sent
+  std::list<RunSend> run_sends_;
+  std::list<RunLanding> run_landings_;
+  std::vector<std::pair<ChunkNotice, Status>> run_acks_;  // acks to send from Pump
 
   std::list<ControlSend> control_;
   std::vector<Closing> closing_;

@@ -29,6 +29,23 @@ std::string_view UcxCudaModeName(UcxCudaMode mode);
 // The mode a name spells; InvalidArgument naming the allowed names otherwise.
 StatusOr<UcxCudaMode> ParseUcxCudaMode(std::string_view name);
 
+// How the ucx backend writes host memory a peer has not mapped into this process.
+enum class UcxHostPath {
+  // Active messages where UCX has no native RMA to the peer (it emulates puts over messages,
+  // as its tcp transport does), puts otherwise. Peers whose memory UCX maps here (shared
+  // memory) are written with plain copies either way.
+  kAuto,
+  // One UCX put per run, then a flush.
+  kPut,
+  // Active messages to every peer not mapped here (the peer must not use kPut).
+  kActiveMessages,
+};
+
+// "auto", "put", "am".
+std::string_view UcxHostPathName(UcxHostPath path);
+// The path a name spells; InvalidArgument naming the allowed names otherwise.
+StatusOr<UcxHostPath> ParseUcxHostPath(std::string_view name);
+
 struct UcxOptions {
   // UCX transports to allow (UCX_TLS syntax, e.g. "shm,self" or "tcp"); empty = UCX's default
   // choice (or the UCX_TLS environment variable when set).
@@ -53,6 +70,14 @@ struct UcxOptions {
   // bounded by both, and a sender holds a credit per receiver slot.
   int staging_slots = 8;
   size_t staging_slot_bytes = size_t{4} << 20;
+  // Host memory: see UcxHostPath. Any but kPut gives the backend a second UCP context and
+  // worker (active messages only), which peers that send active messages connect to.
+  UcxHostPath host_path = UcxHostPath::kAuto;
+  // Active messages: data bytes per message (4 KiB..64 MiB; a longer run is cut), and whether
+  // they go eagerly (the receiver copies each once, from UCX's buffer: the fastest over tcp) or
+  // by rendezvous (the receiver takes the bytes straight into its pages, a handshake each).
+  size_t am_message_bytes = size_t{1} << 20;
+  bool am_rendezvous = false;
 };
 
 }  // namespace kvt::transfer

@@ -1,0 +1,388 @@
+// The ucx backend's copy runs as active messages (host memory where UCX has no native RMA, as
+// over tcp): the automatic choice of path, byte exactness with many writes in flight, a
+// disconnect part-way, refusals of a peer that cannot take messages, and a hostile sender whose
+// malformed or out-of-range run messages are refused with an ack naming the value while the
+// receiver keeps serving its real peers.
+#include <gtest/gtest.h>
+#include <ucp/api/ucp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "backend_test_util.h"
+#include "backends/ucx/ucx_backend.h"
+#include "backends/ucx/ucx_staged_protocol.h"
+#include "kvt/transfer/backend.h"
+#include "kvt/transfer/backends.h"
+
+namespace kvt::transfer {
+namespace {
+
+using testing::WaitFor;
+
+constexpr int kBuffers = 4;
+constexpr uint64_t kItem = 16384;
+constexpr uint64_t kPages = 64;
+constexpr uint64_t kBufferBytes = kItem * kPages;  // 4 MiB over all buffers
+constexpr uint8_t kPoison = 0xEE;
+
+class UcxAmTest : public ::testing::Test {
+ protected:
+  void Start(UcxOptions sender_options, UcxOptions receiver_options) {
+    auto a = CreateBackend(sender_options);
+    ASSERT_TRUE(a.ok()) << a.status();
+    auto b = CreateBackend(receiver_options);
+    ASSERT_TRUE(b.ok()) << b.status();
+    sender_ = std::move(a).value();
+    receiver_ = std::move(b).value();
+    src_.clear();
+    for (int b = 0; b < kBuffers; ++b) src_.push_back(testing::RandomBytes(kBufferBytes, 40 + b));
+    dst_.assign(kBuffers * kBufferBytes, kPoison);
+    std::vector<const uint8_t*> src;
+    for (const auto& buffer : src_) src.push_back(buffer.data());
+    peer_ = testing::RegisterAndConnect(*sender_, *receiver_, src, dst_.data(), kBufferBytes, kItem);
+  }
+  void Start(const UcxOptions& options) { Start(options, options); }
+
+  // The receiver's buffers, as RegisterAndConnect registered them.
+  std::vector<LocalRegion> DstRegions() {
+    std::vector<LocalRegion> regions;
+    for (int b = 0; b < kBuffers; ++b) {
+      regions.push_back(LocalRegion{reinterpret_cast<uint64_t>(dst_.data() + b * kBufferBytes),
+                                    kBufferBytes, kItem, MemoryKind::kHost, -1});
+    }
+    return regions;
+  }
+
+  void TearDown() override {
+    sender_.reset();
+    receiver_.reset();
+  }
+
+  std::vector<CopyRun> Pages(uint32_t buffer, uint64_t bytes_per_run) const {
+    std::vector<CopyRun> runs;
+    for (uint64_t off = 0; off < kBufferBytes; off += bytes_per_run) {
+      // Reversed destinations: every run lands somewhere else than it came from.
+      runs.push_back({buffer, off, kBufferBytes - off - bytes_per_run, bytes_per_run});
+    }
+    return runs;
+  }
+
+  void ExpectLanded(const std::vector<CopyRun>& runs) const {
+    for (const CopyRun& r : runs) {
+      ASSERT_EQ(std::memcmp(dst_.data() + r.DstBuffer() * kBufferBytes + r.dst_offset,
+                            src_[r.buffer].data() + r.src_offset, r.bytes),
+                0)
+          << "buffer " << r.buffer << " offset " << r.dst_offset;
+    }
+  }
+
+  std::unique_ptr<Backend> sender_, receiver_;
+  std::vector<std::vector<uint8_t>> src_;
+  std::vector<uint8_t> dst_;
+  StatusOr<PeerId> peer_ = NotFound("not started");
+};
+
+// The path writes to the peer take, or the error's text.
+std::string PathOf(Backend& backend, PeerId peer) {
+  StatusOr<std::string> path = UcxPeerPath(backend, peer);
+  return path.ok() ? *path : path.status().ToString();
+}
+
+UcxOptions Tcp(UcxHostPath path = UcxHostPath::kAuto) {
+  UcxOptions options;
+  options.transports = "tcp";
+  options.host_path = path;
+  return options;
+}
+
+TEST_F(UcxAmTest, TcpPeersGetActiveMessagesAutomaticallyAndPutsOnRequest) {
+  Start(Tcp());
+  ASSERT_TRUE(peer_.ok()) << peer_.status();
+  EXPECT_EQ(PathOf(*sender_, *peer_), "am");
+  sender_.reset();
+  receiver_.reset();
+
+  Start(Tcp(UcxHostPath::kPut), Tcp());
+  ASSERT_TRUE(peer_.ok()) << peer_.status();
+  EXPECT_EQ(PathOf(*sender_, *peer_), "put");
+  EXPECT_EQ(UcxPeerPath(*sender_, *peer_ + 7).status().code(), StatusCode::kNotFound);
+}
+
+TEST_F(UcxAmTest, SharedMemoryPeersMappedHereAreStillCopiedDirectly) {
+  UcxOptions shm;
+  shm.transports = "shm,self";
+  shm.host_path = UcxHostPath::kActiveMessages;
+  auto a = CreateBackend(shm);
+  auto b = CreateBackend(shm);
+  ASSERT_TRUE(a.ok() && b.ok());
+  // Pools from UCX's own allocator are mapped into the peer: plain copies beat any message.
+  auto src = (*a)->AllocateHost(kBufferBytes);
+  auto dst = (*b)->AllocateHost(kBufferBytes);
+  ASSERT_TRUE(src.ok() && dst.ok());
+  auto peer = testing::RegisterAndConnect(**a, **b, {static_cast<const uint8_t*>(*src)},
+                                          static_cast<uint8_t*>(*dst), kBufferBytes, kItem);
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  EXPECT_EQ(PathOf(**a, *peer), "copy");
+  ASSERT_TRUE((*a)->Disconnect(*peer).ok());
+  (*a)->FreeHost(*src);
+  (*b)->FreeHost(*dst);
+}
+
+TEST_F(UcxAmTest, ManyWritesInFlightFromTwoThreadsLandByteExactAndNotify) {
+  Start(Tcp());
+  ASSERT_TRUE(peer_.ok()) << peer_.status();
+  auto notified = std::make_shared<std::atomic<int>>(0);
+  sender_->SetCompletionNotifier([notified] { notified->fetch_add(1); });
+  // Two threads, each with four writes in flight at a time: 2 KiB runs (many per message) and
+  // 1 MiB runs (many messages per run).
+  auto writer = [&](uint32_t buffer, uint64_t run_bytes) {
+    const std::vector<CopyRun> runs = Pages(buffer, run_bytes);
+    std::vector<WriteId> writes;
+    for (int i = 0; i < 4; ++i) {
+      auto w = sender_->PostWrite(*peer_, runs);
+      ASSERT_TRUE(w.ok()) << w.status();
+      writes.push_back(*w);
+    }
+    for (WriteId w : writes) {
+      EXPECT_TRUE(WaitFor(*sender_, w).ok());
+      sender_->Release(w);
+    }
+  };
+  std::thread t1(writer, 0u, 2048), t2(writer, 3u, uint64_t{1} << 20);
+  t1.join();
+  t2.join();
+  ExpectLanded(Pages(0, 2048));
+  ExpectLanded(Pages(3, uint64_t{1} << 20));
+  EXPECT_GE(notified->load(), 1);
+  // Buffers no run named are untouched.
+  EXPECT_TRUE(std::all_of(dst_.begin() + kBufferBytes, dst_.begin() + 3 * kBufferBytes,
+                          [](uint8_t b) { return b == kPoison; }));
+}
+
+TEST_F(UcxAmTest, DisconnectPartWayAbortsTheWriteAndAReconnectWritesWhole) {
+  Start(Tcp());
+  ASSERT_TRUE(peer_.ok()) << peer_.status();
+  std::vector<CopyRun> runs;
+  for (uint32_t b = 0; b < kBuffers; ++b) runs.push_back({b, 0, 0, kBufferBytes});
+  auto w = sender_->PostWrite(*peer_, runs);
+  ASSERT_TRUE(w.ok()) << w.status();
+  ASSERT_TRUE(sender_->Disconnect(*peer_).ok());
+  const Status after = sender_->Check(*w);
+  // Either it finished before the disconnect or it was aborted; never still running.
+  EXPECT_TRUE(after.ok() || after.code() == StatusCode::kAborted) << after;
+  sender_->Release(*w);
+  EXPECT_EQ(sender_->PostWrite(*peer_, runs).status().code(), StatusCode::kNotFound);
+
+  auto descriptor = receiver_->Register(DstRegions());
+  ASSERT_TRUE(descriptor.ok()) << descriptor.status();
+  auto again = sender_->Connect(*descriptor);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(PathOf(*sender_, *again), "am");
+  w = sender_->PostWrite(*again, runs);
+  ASSERT_TRUE(w.ok()) << w.status();
+  ASSERT_TRUE(WaitFor(*sender_, *w).ok());
+  sender_->Release(*w);
+  ExpectLanded(runs);
+}
+
+TEST_F(UcxAmTest, ForcedActiveMessagesToAPutOnlyPeerAreRefusedNamingTheOption) {
+  Start(Tcp(UcxHostPath::kActiveMessages), Tcp(UcxHostPath::kPut));
+  ASSERT_FALSE(peer_.ok());
+  EXPECT_EQ(peer_.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(peer_.status().message().find("host_path is 'am'"), std::string::npos)
+      << peer_.status();
+  EXPECT_NE(peer_.status().message().find("'put'"), std::string::npos) << peer_.status();
+}
+
+TEST(UcxAmOptionsTest, OutOfRangeOptionsAndNamesAreRefused) {
+  UcxOptions options;
+  options.am_message_bytes = 100;
+  auto b = CreateBackend(options);
+  ASSERT_FALSE(b.ok());
+  EXPECT_NE(b.status().message().find("am_message_bytes is 100"), std::string::npos);
+  options.am_message_bytes = size_t{128} << 10;
+  options.host_path = static_cast<UcxHostPath>(9);
+  b = CreateBackend(options);
+  ASSERT_FALSE(b.ok());
+  EXPECT_NE(b.status().message().find("host_path is 9"), std::string::npos);
+  auto am = ParseUcxHostPath("am");
+  ASSERT_TRUE(am.ok());
+  EXPECT_EQ(*am, UcxHostPath::kActiveMessages);
+  auto bad = ParseUcxHostPath("rdma");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("'rdma'"), std::string::npos);
+  EXPECT_NE(bad.status().message().find("'auto', 'put' or 'am'"), std::string::npos);
+}
+
+// ---- a hostile sender ---------------------------------------------------------------------------
+
+// A bare UCX worker that speaks the staging protocol by hand.
+class RawSender {
+ public:
+  ~RawSender() {
+    if (ep_ != nullptr) {
+      ucp_request_param_t param = {};
+      param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+      param.flags = UCP_EP_CLOSE_FLAG_FORCE;
+      ucs_status_ptr_t req = ucp_ep_close_nbx(ep_, &param);
+      if (req != nullptr && !UCS_PTR_IS_ERR(req)) {
+        Progress([&] { return ucp_request_check_status(req) != UCS_INPROGRESS; });
+        ucp_request_free(req);
+      }
+    }
+    if (worker_ != nullptr) ucp_worker_destroy(worker_);
+    if (context_ != nullptr) ucp_cleanup(context_);
+  }
+
+  bool Start(std::string_view address) {
+    ucp_config_t* config = nullptr;
+    if (ucp_config_read(nullptr, nullptr, &config) != UCS_OK) return false;
+    ucp_config_modify(config, "TLS", "tcp");
+    ucp_params_t params = {};
+    params.field_mask = UCP_PARAM_FIELD_FEATURES;
+    params.features = UCP_FEATURE_AM;
+    const ucs_status_t st = ucp_init(&params, config, &context_);
+    ucp_config_release(config);
+    if (st != UCS_OK) return false;
+    ucp_worker_params_t wparams = {};
+    if (ucp_worker_create(context_, &wparams, &worker_) != UCS_OK) return false;
+    ucp_am_handler_param_t handler = {};
+    handler.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                         UCP_AM_HANDLER_PARAM_FIELD_ARG;
+    handler.id = ucx_staging::kAmChunkAck;
+    handler.cb = &RawSender::OnAck;
+    handler.arg = this;
+    if (ucp_worker_set_am_recv_handler(worker_, &handler) != UCS_OK) return false;
+    handler.id = ucx_staging::kAmHelloAck;
+    handler.cb = &RawSender::OnHelloAck;
+    if (ucp_worker_set_am_recv_handler(worker_, &handler) != UCS_OK) return false;
+    ucp_address_t* own = nullptr;
+    size_t own_len = 0;
+    if (ucp_worker_get_address(worker_, &own, &own_len) != UCS_OK) return false;
+    own_address_.assign(reinterpret_cast<const char*>(own), own_len);
+    ucp_worker_release_address(worker_, own);
+    ucp_ep_params_t ep = {};
+    ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS;
+    ep.address = reinterpret_cast<const ucp_address_t*>(address.data());
+    return ucp_ep_create(worker_, &ep, &ep_) == UCS_OK;
+  }
+
+  // Sends one active message and progresses until it is out.
+  bool Send(unsigned id, const std::vector<uint8_t>& header, const std::string& data) {
+    ucp_request_param_t param = {};
+    ucs_status_ptr_t req = ucp_am_send_nbx(ep_, id, header.data(), header.size(),
+                                           data.empty() ? nullptr : data.data(), data.size(),
+                                           &param);
+    if (UCS_PTR_IS_ERR(req)) return false;
+    if (req == nullptr) return true;
+    const bool done = Progress([&] { return ucp_request_check_status(req) != UCS_INPROGRESS; });
+    ucp_request_free(req);
+    return done;
+  }
+
+  template <typename Done>
+  bool Progress(Done&& done) {
+    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (!done()) {
+      if (std::chrono::steady_clock::now() > give_up) return false;
+      ucp_worker_progress(worker_);
+    }
+    return true;
+  }
+
+  const std::string& own_address() const { return own_address_; }
+  std::vector<std::pair<ucx_staging::ChunkAck, std::string>> acks;
+  bool hello_acked = false;
+
+ private:
+  static ucs_status_t OnAck(void* arg, const void* header, size_t header_length, void* data,
+                            size_t length, const ucp_am_recv_param_t*) {
+    auto ack = ucx_staging::DecodeChunkAck({static_cast<const uint8_t*>(header), header_length});
+    if (ack.ok()) {
+      static_cast<RawSender*>(arg)->acks.emplace_back(
+          *ack, std::string(static_cast<const char*>(data), length));
+    }
+    return UCS_OK;
+  }
+  static ucs_status_t OnHelloAck(void* arg, const void* header, size_t header_length, void*,
+                                 size_t, const ucp_am_recv_param_t*) {
+    auto ack = ucx_staging::DecodeHelloAck({static_cast<const uint8_t*>(header), header_length});
+    static_cast<RawSender*>(arg)->hello_acked = ack.ok() && ack->code == StatusCode::kOk;
+    return UCS_OK;
+  }
+
+  ucp_context_h context_ = nullptr;
+  ucp_worker_h worker_ = nullptr;
+  ucp_ep_h ep_ = nullptr;
+  std::string own_address_;
+};
+
+TEST_F(UcxAmTest, MalformedAndOutOfRangeRunMessagesAreRefusedAndTheRealPeerIsUndisturbed) {
+  Start(Tcp());
+  ASSERT_TRUE(peer_.ok()) << peer_.status();
+  auto descriptor = receiver_->Register(DstRegions());
+  ASSERT_TRUE(descriptor.ok()) << descriptor.status();
+  const ucx_staging::SplitAddress split = ucx_staging::SplitPeerAddress(descriptor->address);
+  ASSERT_FALSE(split.runs_address.empty());
+  // The receiver re-registered: connect the real sender again.
+  auto real = sender_->Connect(*descriptor);
+  ASSERT_TRUE(real.ok()) << real.status();
+
+  RawSender raw;
+  ASSERT_TRUE(raw.Start(split.runs_address));
+  const uint64_t instance = 0x5eed;
+  // Before any hello: dropped (nobody to tell), no byte moves.
+  auto header = ucx_staging::EncodeRuns({instance, 1, 1, 0, 1}, std::vector<ucx_staging::RunSegment>{
+                                                                     {0, 0, 16}});
+  ASSERT_TRUE(header.ok());
+  ASSERT_TRUE(raw.Send(ucx_staging::kAmRuns, *header, std::string(16, 'x')));
+  // Garbage as a header.
+  ASSERT_TRUE(raw.Send(ucx_staging::kAmRuns, std::vector<uint8_t>(40, 0xab), std::string(8, 'x')));
+
+  ASSERT_TRUE(raw.Send(ucx_staging::kAmHello,
+                       ucx_staging::Encode(ucx_staging::Hello{instance, 1,
+                                                              ucx_staging::LinkMode::kRuns}),
+                       raw.own_address()));
+  ASSERT_TRUE(raw.Progress([&] { return raw.hello_acked; }));
+  // A segment past the end of buffer 2, one naming a buffer that does not exist, and one whose
+  // bytes disagree with the data: each answered with an error naming the value.
+  header = ucx_staging::EncodeRuns({instance, 1, 7, 0, 1},
+                                   std::vector<ucx_staging::RunSegment>{{2, kBufferBytes - 8, 16}});
+  ASSERT_TRUE(raw.Send(ucx_staging::kAmRuns, *header, std::string(16, 'x')));
+  header = ucx_staging::EncodeRuns({instance, 1, 7, 1, 1},
+                                   std::vector<ucx_staging::RunSegment>{{9, 0, 16}});
+  ASSERT_TRUE(raw.Send(ucx_staging::kAmRuns, *header, std::string(16, 'x')));
+  header = ucx_staging::EncodeRuns({instance, 1, 7, 2, 1},
+                                   std::vector<ucx_staging::RunSegment>{{0, 0, 16}});
+  ASSERT_TRUE(raw.Send(ucx_staging::kAmRuns, *header, std::string(15, 'x')));
+  ASSERT_TRUE(raw.Progress([&] { return raw.acks.size() >= 3; }));
+  ASSERT_EQ(raw.acks.size(), 3u);
+  EXPECT_EQ(raw.acks[0].first.code, StatusCode::kOutOfRange);
+  EXPECT_NE(raw.acks[0].second.find("at offset " + std::to_string(kBufferBytes - 8)),
+            std::string::npos)
+      << raw.acks[0].second;
+  EXPECT_EQ(raw.acks[1].first.code, StatusCode::kOutOfRange);
+  EXPECT_NE(raw.acks[1].second.find("names buffer 9"), std::string::npos) << raw.acks[1].second;
+  EXPECT_EQ(raw.acks[2].first.code, StatusCode::kDataLoss);
+  EXPECT_NE(raw.acks[2].second.find("16 bytes but 15 arrived"), std::string::npos)
+      << raw.acks[2].second;
+  // Nothing of it landed.
+  EXPECT_TRUE(std::all_of(dst_.begin(), dst_.end(), [](uint8_t b) { return b == kPoison; }));
+
+  // The real peer's write lands whole.
+  std::vector<CopyRun> runs = Pages(1, 4096);
+  auto w = sender_->PostWrite(*real, runs);
+  ASSERT_TRUE(w.ok()) << w.status();
+  ASSERT_TRUE(WaitFor(*sender_, *w).ok());
+  sender_->Release(*w);
+  ExpectLanded(runs);
+}
+
+}  // namespace
+}  // namespace kvt::transfer

@@ -1,0 +1,343 @@
+// The staging worker's copy runs: host writes sent as active messages where UCX has no native
+// RMA to the peer (ucx_staged_transport.h, ucx_staged_protocol.h "copy runs as active
+// messages"). Same thread contract as the rest of StagedTransport: the owning backend's mutex
+// is held in every method and callback.
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <utility>
+
+#include "backends/ucx/ucx_staged_transport.h"
+#include "backends/ucx/ucx_util.h"
+#include "kvt/common/log.h"
+
+namespace kvt::transfer {
+namespace ucx_staging {
+namespace {
+
+std::string MessageName(uint64_t write, uint32_t message) {
+  return "run message " + std::to_string(message) + " of write " + std::to_string(write);
+}
+
+}  // namespace
+
+Status StagedTransport::AttachRuns(std::span<const LocalRegion> regions) {
+  for (const RunLanding& l : run_landings_) {
+    if (l.request != nullptr || l.data != nullptr) {
+      return FailedPrecondition(
+          "cannot re-register buffers while run messages are being received into them");
+    }
+  }
+  for (size_t i = 0; i < regions.size(); ++i) {
+    if (regions[i].kind != MemoryKind::kHost) {
+      return InvalidArgument("copy runs as active messages write host memory, but buffer " +
+                             std::to_string(i) + " is CUDA memory");
+    }
+  }
+  run_local_.assign(regions.begin(), regions.end());
+  run_local_len_.clear();
+  for (const LocalRegion& r : regions) run_local_len_.push_back(r.length);
+  return OkStatus();
+}
+
+bool StagedTransport::RunsBusy() const {
+  for (const auto& [id, write] : run_writes_) {
+    if (write.status.code() == StatusCode::kInProgress) return true;
+  }
+  return !run_sends_.empty() || !run_landings_.empty();
+}
+
+// ---- sending ------------------------------------------------------------------------------------
+
+Status StagedTransport::PostRuns(WriteId id, PeerId link, std::span<const CopyRun> runs,
+                                 std::span<const LocalRegion> local, bool send_now) {
+  auto pit = peers_.find(link);
+  if (pit == peers_.end() || pit->second.mode != LinkMode::kRuns) {
+    return NotFound("no UCX peer " + std::to_string(link) + " taking copy runs as messages");
+  }
+  if (!pit->second.error.ok()) return pit->second.error;
+  RunWrite write;
+  write.link = link;
+  write.runs.reserve(runs.size());
+  for (const CopyRun& run : runs) {
+    if (run.bytes > 0) write.runs.push_back(run);
+  }
+  write.src.reserve(local.size());
+  for (const LocalRegion& r : local) write.src.push_back(reinterpret_cast<const uint8_t*>(r.base));
+  write.status = write.runs.empty() ? OkStatus() : InProgress();
+  const bool queue = !write.runs.empty();
+  run_writes_.emplace(id, std::move(write));
+  if (queue) {
+    run_pending_.insert(id);
+    if (send_now) ScheduleRuns(run_options_.pump_bytes);
+  }
+  return OkStatus();
+}
+
+bool StagedTransport::RunsSendable() const {
+  for (WriteId id : run_pending_) {
+    auto w = run_writes_.find(id);
+    if (w == run_writes_.end()) return true;  // ScheduleRuns forgets it
+    auto p = peers_.find(w->second.link);
+    if (p == peers_.end() || (p->second.ready && p->second.credits.available() > 0)) return true;
+  }
+  return false;
+}
+
+void StagedTransport::ScheduleRuns(uint64_t budget) {
+  // Oldest write first; each sends while its peer has credits (a later write to another peer
+  // is not held up by a peer that has none), until the budget is spent.
+  uint64_t sent = 0;
+  for (auto it = run_pending_.begin(); it != run_pending_.end() && sent < budget;) {
+    const WriteId id = *it;
+    auto w = run_writes_.find(id);
+    if (w == run_writes_.end() || w->second.status.code() != StatusCode::kInProgress ||
+        w->second.all_sent()) {
+      it = run_pending_.erase(it);
+      continue;
+    }
+    RunWrite& write = w->second;
+    auto p = peers_.find(write.link);
+    if (p == peers_.end()) {
+      it = run_pending_.erase(it);
+      FailRunWrite(id, write, Aborted("peer disconnected during the write"));
+      continue;
+    }
+    if (!p->second.error.ok()) {
+      it = run_pending_.erase(it);
+      FailRunWrite(id, write, p->second.error);
+      continue;
+    }
+    while (p->second.ready && p->second.credits.available() > 0 && !write.all_sent() &&
+           sent < budget) {
+      const uint64_t before = write.sent_bytes;
+      if (!SendRunMessage(id, write, p->second)) break;
+      sent += write.sent_bytes - before;
+    }
+    if (write.all_sent() || write.status.code() != StatusCode::kInProgress) {
+      it = run_pending_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+bool StagedTransport::SendRunMessage(WriteId id, RunWrite& write, Peer& peer) {
+  // Pieces up to message_bytes of data, within the segment cap and the worker's AM header limit.
+  const size_t header_cap =
+      max_am_header_ > kRunsHeaderBytes ? (max_am_header_ - kRunsHeaderBytes) / kRunSegmentBytes
+                                        : 1;
+  const size_t max_segments = std::max<size_t>(1, std::min<size_t>(kMaxRunSegments, header_cap));
+  std::vector<RunSegment> segments;
+  RunSend send;
+  send.write = id;
+  send.message = write.messages;
+  send.link = write.link;
+  uint64_t bytes = 0;
+  while (!write.all_sent() && bytes < run_options_.message_bytes &&
+         segments.size() < max_segments) {
+    const CopyRun& run = write.runs[write.next_run];
+    const uint64_t take =
+        std::min(run.bytes - write.next_offset, run_options_.message_bytes - bytes);
+    segments.push_back(RunSegment{run.DstBuffer(), run.dst_offset + write.next_offset, take});
+    send.iov.push_back(ucp_dt_iov_t{
+        const_cast<uint8_t*>(write.src[run.buffer] + run.src_offset + write.next_offset), take});
+    bytes += take;
+    write.sent_bytes += take;
+    write.next_offset += take;
+    if (write.next_offset == run.bytes) {
+      ++write.next_run;
+      write.next_offset = 0;
+    }
+  }
+  StatusOr<std::vector<uint8_t>> header = EncodeRuns(
+      RunsHeader{instance_, write.link, id, send.message,
+                 static_cast<uint32_t>(segments.size())},
+      segments);
+  if (!header.ok()) {
+    FailRunWrite(id, write, header.status().WithContext(MessageName(id, send.message)));
+    return false;
+  }
+  send.header = std::move(header).value();
+  if (!peer.credits.Acquire(id, send.message)) {
+    FailRunWrite(id, write, Internal("no credit for " + MessageName(id, send.message)));
+    return false;
+  }
+  ++write.messages;
+  ucp_request_param_t param = {};
+  param.op_attr_mask =
+      UCP_OP_ATTR_FIELD_DATATYPE | UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+  param.datatype = ucp_dt_make_iov();
+  param.memory_type = UCS_MEMORY_TYPE_HOST;
+  // Eager: the fastest call over tcp at these sizes (docs/performance.md); rendezvous: the
+  // receiver pulls the bytes straight into its pages.
+  param.flags = run_options_.rendezvous ? UCP_AM_SEND_FLAG_RNDV : UCP_AM_SEND_FLAG_EAGER;
+  run_sends_.push_back(std::move(send));
+  RunSend& s = run_sends_.back();
+  ucs_status_ptr_t req = ucp_am_send_nbx(peer.ep, kAmRuns, s.header.data(), s.header.size(),
+                                         s.iov.data(), s.iov.size(), &param);
+  if (UCS_PTR_IS_ERR(req)) {
+    peer.credits.Release(id, s.message);
+    const Status failed = UcsStatus(UCS_PTR_STATUS(req), "ucp_am_send_nbx of a run message");
+    run_sends_.pop_back();
+    FailRunWrite(id, write, failed.WithContext(MessageName(id, write.messages - 1)));
+    return false;
+  }
+  if (req == nullptr) {
+    run_sends_.pop_back();  // sent already; the ack follows
+  } else {
+    s.request = req;
+  }
+  return true;
+}
+
+void StagedTransport::PumpRunSends() {
+  for (auto it = run_sends_.begin(); it != run_sends_.end();) {
+    const ucs_status_t st = ucp_request_check_status(it->request);
+    if (st == UCS_INPROGRESS) {
+      ++it;
+      continue;
+    }
+    ucp_request_free(it->request);
+    if (st != UCS_OK) {
+      // No ack will come for it: its credit goes back here.
+      if (auto p = peers_.find(it->link); p != peers_.end()) {
+        p->second.credits.Release(it->write, it->message);
+      }
+      if (auto w = run_writes_.find(it->write); w != run_writes_.end()) {
+        FailRunWrite(it->write, w->second,
+                     UcsStatus(st, "UCX send of " + MessageName(it->write, it->message)));
+      }
+    }
+    it = run_sends_.erase(it);
+  }
+}
+
+void StagedTransport::FailRunWrite(WriteId id, RunWrite& write, const Status& status) {
+  run_pending_.erase(id);
+  if (write.status.code() != StatusCode::kInProgress) return;
+  write.status = status;
+  KVT_LOG_DEBUG("ucx", "run write {} failed: {}", id, status.ToString());
+  if (on_write_done_) on_write_done_();
+}
+
+void StagedTransport::HandleRunAck(const ChunkAck& ack, std::string_view message) {
+  auto w = run_writes_.find(ack.write);
+  if (w == run_writes_.end() || w->second.link != ack.link) return;
+  auto p = peers_.find(ack.link);
+  // A duplicated or forged ack holds no credit and counts for nothing.
+  if (p == peers_.end() || !p->second.credits.Release(ack.write, ack.chunk)) return;
+  RunWrite& write = w->second;
+  if (ack.code != StatusCode::kOk) {
+    FailRunWrite(ack.write, write,
+                 Status(ack.code, "the receiver failed " + MessageName(ack.write, ack.chunk) +
+                                      ": " + std::string(message)));
+    return;
+  }
+  ++write.acked;
+  if (write.all_sent() && write.acked == write.messages &&
+      write.status.code() == StatusCode::kInProgress) {
+    write.status = OkStatus();
+    if (on_write_done_) on_write_done_();
+  }
+  // A credit came back: Pump (after this callback) sends the next messages.
+}
+
+// ---- receiving ----------------------------------------------------------------------------------
+
+ucs_status_t StagedTransport::OnRuns(void* arg, const void* header, size_t header_length,
+                                     void* data, size_t length, const ucp_am_recv_param_t* param) {
+  auto* self = static_cast<StagedTransport*>(arg);
+  const bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
+  StatusOr<DecodedRuns> runs =
+      DecodeRuns({static_cast<const uint8_t*>(header), header_length}, self->run_local_len_,
+                 length);
+  // Who to tell: a message that does not name a known sender can only be dropped (its sender
+  // then learns nothing until its own deadline); a rendezvous one fails the sender's send.
+  ChunkNotice notice;
+  if (header_length >= kRunsHeaderBytes) {
+    const auto* h = static_cast<const uint8_t*>(header);
+    std::memcpy(&notice.sender, h + 8, 8);
+    std::memcpy(&notice.link, h + 16, 8);
+    std::memcpy(&notice.write, h + 24, 8);
+    std::memcpy(&notice.chunk, h + 32, 4);
+  }
+  auto refuse = [&](ucs_status_t why, const Status& status) {
+    KVT_LOG_WARN("ucx", "refusing a run message: {}", status.ToString());
+    if (self->senders_.count(notice.sender) != 0 && self->dropped_.count(notice.sender) == 0) {
+      self->run_acks_.emplace_back(notice, status);
+    }
+    return rndv ? why : UCS_OK;
+  };
+  if (!self->runs_attached()) {
+    return refuse(UCS_ERR_UNSUPPORTED,
+                  FailedPrecondition("this side registered no buffers that take copy runs"));
+  }
+  if (!runs.ok()) return refuse(UCS_ERR_INVALID_PARAM, runs.status());
+  if (self->dropped_.count(notice.sender) != 0) {
+    return refuse(UCS_ERR_REJECTED, Aborted("its sender was disconnected here"));
+  }
+  if (self->senders_.count(notice.sender) == 0) {
+    return refuse(UCS_ERR_REJECTED, FailedPrecondition("a run message before its hello"));
+  }
+  std::vector<ucp_dt_iov_t> iov;
+  iov.reserve(runs->segments.size());
+  for (const RunSegment& seg : runs->segments) {
+    iov.push_back(ucp_dt_iov_t{
+        reinterpret_cast<uint8_t*>(self->run_local_[seg.buffer].base) + seg.offset, seg.bytes});
+  }
+  if (rndv) {
+    // Received (straight into the destinations) from Pump: no UCX call inside its callback.
+    self->run_landings_.push_back(RunLanding{notice, data, std::move(iov), nullptr});
+    return UCS_INPROGRESS;
+  }
+  const auto* src = static_cast<const uint8_t*>(data);
+  for (const ucp_dt_iov_t& piece : iov) {
+    std::memcpy(piece.buffer, src, piece.length);
+    src += piece.length;
+  }
+  self->run_acks_.emplace_back(notice, OkStatus());
+  return UCS_OK;
+}
+
+void StagedTransport::PumpRunLandings() {
+  for (auto it = run_landings_.begin(); it != run_landings_.end();) {
+    RunLanding& l = *it;
+    if (l.request == nullptr) {
+      if (dropped_.count(l.notice.sender) != 0) {
+        ucp_am_data_release(worker_, l.data);
+        run_acks_.emplace_back(l.notice, Aborted("its sender was disconnected here"));
+        it = run_landings_.erase(it);
+        continue;
+      }
+      ucp_request_param_t param = {};
+      param.op_attr_mask = UCP_OP_ATTR_FIELD_DATATYPE | UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+      param.datatype = ucp_dt_make_iov();
+      param.memory_type = UCS_MEMORY_TYPE_HOST;
+      ucs_status_ptr_t req =
+          ucp_am_recv_data_nbx(worker_, l.data, l.iov.data(), l.iov.size(), &param);
+      l.data = nullptr;  // UCX's from here on
+      if (UCS_PTR_IS_ERR(req) || req == nullptr) {
+        run_acks_.emplace_back(l.notice, UCS_PTR_IS_ERR(req)
+                                             ? UcsStatus(UCS_PTR_STATUS(req),
+                                                         "ucp_am_recv_data_nbx of a run message")
+                                             : OkStatus());
+        it = run_landings_.erase(it);
+        continue;
+      }
+      l.request = req;
+    }
+    const ucs_status_t st = ucp_request_check_status(l.request);
+    if (st == UCS_INPROGRESS) {
+      ++it;
+      continue;
+    }
+    ucp_request_free(l.request);
+    run_acks_.emplace_back(l.notice, st == UCS_OK ? OkStatus()
+                                                  : UcsStatus(st, "receiving a run message"));
+    it = run_landings_.erase(it);
+  }
+}
+
+}  // namespace ucx_staging
+}  // namespace kvt::transfer
