@@ -384,5 +384,62 @@ TEST_F(UcxAmTest, MalformedAndOutOfRangeRunMessagesAreRefusedAndTheRealPeerIsUnd
   ExpectLanded(runs);
 }
 
+TEST_F(UcxAmTest, FencedSendersLinksLandNothingMoreAndANewLinkDoes) {
+  // A decode engine that lost its prefill peer fences it: bytes the network delivers late on
+  // the old links must not land in pages the engine hands out again.
+  Start(Tcp());
+  ASSERT_TRUE(peer_.ok()) << peer_.status();
+  auto descriptor = receiver_->Register(DstRegions());
+  ASSERT_TRUE(descriptor.ok()) << descriptor.status();
+  const ucx_staging::SplitAddress split = ucx_staging::SplitPeerAddress(descriptor->address);
+  RawSender raw;
+  ASSERT_TRUE(raw.Start(split.runs_address));
+  const uint64_t instance = 0xfe9ce;
+  auto hello = [&](uint64_t link) {
+    raw.hello_acked = false;
+    return raw.Send(ucx_staging::kAmHello,
+                    ucx_staging::Encode(ucx_staging::Hello{instance, link,
+                                                           ucx_staging::LinkMode::kRuns}),
+                    raw.own_address()) &&
+           raw.Progress([&] { return raw.hello_acked; });
+  };
+  auto message = [&](uint64_t link, uint32_t index, uint64_t offset) {
+    auto header = ucx_staging::EncodeRuns({instance, link, 5, index, 1},
+                                          std::vector<ucx_staging::RunSegment>{{0, offset, 64}});
+    return header.ok() && raw.Send(ucx_staging::kAmRuns, *header, std::string(64, 'A'));
+  };
+  ASSERT_TRUE(hello(1));
+  ASSERT_TRUE(message(1, 0, 0));
+  ASSERT_TRUE(raw.Progress([&] { return raw.acks.size() == 1; }));
+  EXPECT_EQ(raw.acks[0].first.code, StatusCode::kOk);
+  EXPECT_EQ(dst_[0], 'A');
+
+  // The receiver's engine lost this sender: what it sent on link 1 before is refused now.
+  PeerDescriptor sender;
+  sender.backend = "ucx";
+  sender.address = ucx_staging::AppendTrailer(raw.own_address(), {.instance = instance});
+  receiver_->FenceSender(sender);
+  ASSERT_TRUE(message(1, 1, 4096));
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  raw.Progress([] { return true; });
+  EXPECT_EQ(dst_[4096], kPoison) << "a message of a fenced link landed";
+
+  // A new session's link is accepted; the old link stays closed, and says so.
+  ASSERT_TRUE(hello(2));
+  ASSERT_TRUE(message(2, 0, 8192));
+  ASSERT_TRUE(message(1, 2, 12288));
+  ASSERT_TRUE(raw.Progress([&] { return raw.acks.size() >= 3; }));
+  EXPECT_EQ(dst_[8192], 'A');
+  EXPECT_EQ(dst_[12288], kPoison);
+  bool told = false;
+  for (const auto& [ack, text] : raw.acks) {
+    if (ack.link == 1 && ack.chunk == 2) {
+      told = ack.code == StatusCode::kFailedPrecondition &&
+             text.find("link 1 is not open here") != std::string::npos;
+    }
+  }
+  EXPECT_TRUE(told) << "the refusal of the closed link's message names it";
+}
+
 }  // namespace
 }  // namespace kvt::transfer

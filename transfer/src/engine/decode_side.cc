@@ -497,6 +497,10 @@ void DecodeSide::OnPeerDisconnect(PeerHandle peer_id, const Status& why) {
   lost.give_up = now + ctx_.options.peer_timeout;
   if (p.info.fence_ms() > 0) lost.fence_at = now + std::chrono::milliseconds(p.info.fence_ms());
   lost.backend_peer = std::exchange(p.backend_peer, std::nullopt);
+  if (!lost.backend_peer) {
+    StatusOr<PeerDescriptor> descriptor = DescriptorFromPeerInfo(p.info, ctx_.backend->Name());
+    if (descriptor.ok()) lost.fence_sender = std::move(descriptor).value();
+  }
   int failed = 0;
   for (const std::string& id : table_.AllIds()) {
     DecodeRoom* room = RoomOfLocked(peer_id, id);
@@ -551,9 +555,11 @@ void DecodeSide::LivenessLoop() {
     // this side's end of a two-sided pair (tearing down a communicator may take a while); only
     // the record of what is quarantined stays until the proof.
     std::vector<PeerId> backend_peers;
+    std::vector<PeerDescriptor> fence;
     std::vector<std::unique_ptr<DecodePeer>> closed;
     for (LostPeer& l : lost_) {
       if (l.backend_peer) backend_peers.push_back(*std::exchange(l.backend_peer, std::nullopt));
+      if (l.fence_sender) fence.push_back(*std::exchange(l.fence_sender, std::nullopt));
       auto peer = peers_.find(l.id);
       if (peer != peers_.end()) {
         closed.push_back(std::move(peer->second));
@@ -565,6 +571,7 @@ void DecodeSide::LivenessLoop() {
     for (PeerId b : backend_peers) {
       (void)ctx_.backend->Disconnect(b, Backend::DisconnectMode::kPeerDead);
     }
+    for (const PeerDescriptor& d : fence) ctx_.backend->FenceSender(d);
     for (auto& peer : closed) {
       if (peer->client) peer->client->Close();
     }

@@ -99,6 +99,9 @@ class DecodeSide final : public SideWithTable<DecodeRoom> {
     Clock::time_point fence_at = Clock::time_point::max();
     Clock::time_point give_up;  // without a fencing bound: when to stop looking
     std::optional<PeerId> backend_peer;  // two-sided backends: released at the first look
+    // One-sided backends: what the peer published, fenced at the first look (Backend::
+    // FenceSender), so that nothing it sent lands once its pages are reused.
+    std::optional<PeerDescriptor> fence_sender;
   };
 
   void OnPeerMessage(PeerHandle peer, const v1::Envelope& envelope) KVT_EXCLUDES(ctx_.mu);

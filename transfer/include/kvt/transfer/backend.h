@@ -132,6 +132,13 @@ class Backend {
   enum class DisconnectMode { kGraceful, kPeerDead };
   virtual Status Disconnect(PeerId peer, DisconnectMode mode = DisconnectMode::kGraceful) = 0;
 
+  // Receiving side of one-sided backends, when the control plane has lost the peer that
+  // published `peer` (its hello-ack): every connection it made to us is closed here and nothing
+  // more it sent on them lands, even bytes a network that was down delivers later. Connections
+  // it makes afterwards (a new session) are accepted as usual. A backend whose writes cannot
+  // outlive the sender's own fence (its close ends them) has nothing to do.
+  virtual void FenceSender(const PeerDescriptor& peer) {}
+
   // Starts writing `runs` (source offsets in our buffers, destination offsets in the peer's)
   // and returns a handle. The runs are copied; the memory they name must stay registered.
   virtual StatusOr<WriteId> PostWrite(PeerId peer, std::span<const CopyRun> runs) = 0;

@@ -482,6 +482,16 @@ class UcxBackend final : public Backend {
     return OkStatus();
   }
 
+  void FenceSender(const PeerDescriptor& descriptor) override {
+    if (descriptor.backend != "ucx") return;
+    const ucx_staging::SplitAddress address = ucx_staging::SplitPeerAddress(descriptor.address);
+    if (!address.trailer) return;
+    ApiLock lock(*this);
+    // Copy runs and staged chunks reach this side on the staging worker; puts are fenced by the
+    // sender's own forced close (the connection is its alone).
+    if (staging_) staging_->FenceSender(address.trailer->instance);
+  }
+
   StatusOr<WriteId> PostWrite(PeerId id, std::span<const CopyRun> runs) override {
     ApiLock lock(*this);
     auto it = peers_.find(id);

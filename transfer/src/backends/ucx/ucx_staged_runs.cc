@@ -277,8 +277,10 @@ ucs_status_t StagedTransport::OnRuns(void* arg, const void* header, size_t heade
   if (self->dropped_.count(notice.sender) != 0) {
     return refuse(UCS_ERR_REJECTED, Aborted("its sender was disconnected here"));
   }
-  if (self->senders_.count(notice.sender) == 0) {
-    return refuse(UCS_ERR_REJECTED, FailedPrecondition("a run message before its hello"));
+  if (!self->LinkOpen(notice.sender, notice.link)) {
+    return refuse(UCS_ERR_REJECTED,
+                  FailedPrecondition("its link " + std::to_string(notice.link) +
+                                     " is not open here (closed, fenced, or no hello)"));
   }
   std::vector<ucp_dt_iov_t> iov;
   iov.reserve(runs->segments.size());
@@ -304,7 +306,7 @@ void StagedTransport::PumpRunLandings() {
   for (auto it = run_landings_.begin(); it != run_landings_.end();) {
     RunLanding& l = *it;
     if (l.request == nullptr) {
-      if (dropped_.count(l.notice.sender) != 0) {
+      if (dropped_.count(l.notice.sender) != 0 || !LinkOpen(l.notice.sender, l.notice.link)) {
         ucp_am_data_release(worker_, l.data);
         run_acks_.emplace_back(l.notice, Aborted("its sender was disconnected here"));
         it = run_landings_.erase(it);

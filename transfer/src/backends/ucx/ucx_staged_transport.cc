@@ -734,6 +734,35 @@ void StagedTransport::DropSender(uint64_t instance, bool peer_dead) {
   }
 }
 
+void StagedTransport::FenceSender(uint64_t instance) {
+  auto sender = senders_.find(instance);
+  if (sender != senders_.end()) {
+    // Its links close; a link is opened only by a hello, so nothing sent on these lands again.
+    CloseEndpoint(sender->second.ep, /*force=*/true);
+    senders_.erase(sender);
+  }
+  const bool settled = WaitUntil(
+      [&] {
+        for (const RecvSlot& r : recv_) {
+          if (r.state == RecvSlot::State::kScattering && r.notice.sender == instance) return false;
+        }
+        for (const RunLanding& l : run_landings_) {
+          if (l.request != nullptr && l.notice.sender == instance) return false;
+        }
+        return true;
+      },
+      kWaitBound);
+  if (!settled) {
+    KVT_LOG_ERROR("ucx", "bytes of a fenced sender were still landing after {} ms",
+                  kWaitBound.count());
+  }
+}
+
+bool StagedTransport::LinkOpen(uint64_t sender, uint64_t link) const {
+  auto it = senders_.find(sender);
+  return it != senders_.end() && it->second.links.count(link) != 0;
+}
+
 void StagedTransport::HandleHellos() {
   std::vector<PendingHello> hellos = std::move(hellos_);
   hellos_.clear();
@@ -869,8 +898,8 @@ void StagedTransport::Land(uint32_t i, Arrival a) {
 
 void StagedTransport::Landed(uint32_t i) {
   RecvSlot& r = recv_[i];
-  if (dropped_.count(r.notice.sender) != 0) {
-    FinishReceive(i, Aborted("the receiver disconnected this sender; chunk dropped"));
+  if (dropped_.count(r.notice.sender) != 0 || !LinkOpen(r.notice.sender, r.notice.link)) {
+    FinishReceive(i, Aborted("the receiver disconnected or fenced this sender; chunk dropped"));
     return;
   }
   StatusOr<DecodedChunk> decoded = DecodeChunk(Bytes(RecvPayload(i), r.length), limits_);
@@ -942,6 +971,10 @@ ucs_status_t StagedTransport::OnChunk(void* arg, const void* header, size_t head
   if (!self->attached()) return refuse(UCS_ERR_UNSUPPORTED, "no staged pool registered here");
   if (self->dropped_.count(notice->sender) != 0) {
     return refuse(UCS_ERR_REJECTED, "its sender was disconnected here");
+  }
+  if (!self->LinkOpen(notice->sender, notice->link)) {
+    return refuse(UCS_ERR_REJECTED, "its link " + std::to_string(notice->link) +
+                                        " is not open here (closed, fenced, or no hello)");
   }
   if (length > self->slot_bytes_) {
     return refuse(UCS_ERR_MESSAGE_TRUNCATED, "payload of " + std::to_string(length) +

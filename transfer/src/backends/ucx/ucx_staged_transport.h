@@ -166,6 +166,11 @@ class StagedTransport {
   // Stops accepting chunks from a sending backend: queued ones are dropped (acknowledged as
   // Aborted unless the sender is dead), ones being scattered are waited for (bounded).
   void DropSender(uint64_t instance, bool peer_dead);
+  // Closes every link the sending backend opened to us, and our endpoint back to it: their
+  // chunks and run messages are refused from now on, even ones a network that was down delivers
+  // later (receivers take messages only on links opened by a hello and not closed since).
+  // Messages being received into the pool are waited for (bounded). New links are accepted.
+  void FenceSender(uint64_t instance);
   // Accepts it again (a new connection to it was made).
   void AdmitSender(uint64_t instance) { dropped_.erase(instance); }
 
@@ -320,6 +325,8 @@ class StagedTransport {
   // Receiving.
   void PumpRecvSlots();
   void HandleHellos();
+  // Whether `link` of `sender` was opened by a hello and not closed or fenced since.
+  bool LinkOpen(uint64_t sender, uint64_t link) const;
   void HandleByes();
   void Land(uint32_t slot, Arrival arrival);
   void Landed(uint32_t slot);
