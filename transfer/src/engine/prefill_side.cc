@@ -70,6 +70,7 @@ Status PrefillSide::Send(const std::string& room_id, std::vector<int32_t> src_pa
                          const SendOptions& options) {
   const std::chrono::milliseconds deadline = options.deadline;
   AfterUnlock after;
+  Clock::time_point poll_by;
   {
     MutexLock lock(ctx_.mu);
     PrefillRoom* room = table_.Find(room_id);
@@ -122,15 +123,17 @@ Status PrefillSide::Send(const std::string& room_id, std::vector<int32_t> src_pa
     room->last_chunk = options.last;
     if (options.aux_slot >= 0) room->aux_slot = options.aux_slot;
     AdvanceLocked(*room, after);
+    poll_by = PollByLocked(*room);
   }
   Run(after);
-  ctx_.wakeup.Kick();
+  ctx_.wakeup.KickBefore(poll_by);
   return OkStatus();
 }
 
 Status PrefillSide::LayersReady(const std::string& room_id, int32_t layers_done,
                                 cudaEvent_t ready) {
   AfterUnlock after;
+  Clock::time_point poll_by;
   {
     MutexLock lock(ctx_.mu);
     PrefillRoom* room = table_.Find(room_id);
@@ -146,9 +149,10 @@ Status PrefillSide::LayersReady(const std::string& room_id, int32_t layers_done,
     if (clamped > chunk.layers_ready && ready != nullptr) chunk.ready = ready;
     chunk.layers_ready = std::max(chunk.layers_ready, clamped);
     AdvanceLocked(*room, after);
+    poll_by = PollByLocked(*room);
   }
   Run(after);
-  ctx_.wakeup.Kick();
+  ctx_.wakeup.KickBefore(poll_by);
   return OkStatus();
 }
 
@@ -438,6 +442,7 @@ void PrefillSide::OnTransferRequest(ConnectionId conn, const v1::Envelope& envel
   const v1::TransferRequest& req = envelope.transfer_request();
   bool new_room = false;
   AfterUnlock after;
+  Clock::time_point poll_by;
   {
     MutexLock lock(ctx_.mu);
     auto reject = [&](const Status& why) {
@@ -500,9 +505,10 @@ void PrefillSide::OnTransferRequest(ConnectionId conn, const v1::Envelope& envel
     }
     if (req.has_aux_slot()) room->dst_aux_slot = req.aux_slot();
     AdvanceLocked(*room, after);
+    poll_by = PollByLocked(*room);
   }
   Run(after);
-  ctx_.wakeup.Kick();
+  ctx_.wakeup.KickBefore(poll_by);
   if (new_room && ctx_.options.on_transfer_request) {
     ctx_.options.on_transfer_request(req.room_id(), control::DstPageCount(req));
   }
@@ -675,6 +681,17 @@ StatusOr<WriteId> PrefillSide::PostLayersLocked(PrefillRoom& room, SourceChunk& 
   for (const CopyRun& r : runs) *bytes += r.bytes;
   *num_runs = runs.size();
   return ctx_.backend->PostWrite(session.backend_peer, runs);
+}
+
+Clock::time_point PrefillSide::PollByLocked(const PrefillRoom& room) const {
+  if (IsFinal(room.state)) return Clock::time_point::max();
+  if (!room.writes.empty()) return Clock::time_point::min();  // checked (or watched) now
+  const bool waits_for_event =
+      std::any_of(room.chunks.begin(), room.chunks.end(), [&](const SourceChunk& c) {
+        return c.ready != nullptr && c.planned &&
+               std::min(c.layers_ready, room.layer_end) > c.posted_end;
+      });
+  return waits_for_event ? Clock::time_point::min() : room.deadline;
 }
 
 bool PrefillSide::AllPostedLocked(const PrefillRoom& room) const {

@@ -122,6 +122,10 @@ class PrefillSide final : public SideWithTable<PrefillRoom>, public control::Con
       KVT_REQUIRES(ctx_.mu);
   // Whether every page of the room is declared and every layer of it posted.
   bool AllPostedLocked(const PrefillRoom& room) const KVT_REQUIRES(ctx_.mu);
+  // When the poller must look at the room next: now while writes are in flight or layers wait
+  // for their producer's event, by its deadline while it waits for the other side or the
+  // application, never once it is final (Wakeup::KickBefore).
+  Clock::time_point PollByLocked(const PrefillRoom& room) const KVT_REQUIRES(ctx_.mu);
   // Reads the room's aux slot for its TransferDone; an error when the decode side asked for aux
   // data the prefill side did not name.
   Status ReadAuxLocked(PrefillRoom& room) KVT_REQUIRES(ctx_.mu);

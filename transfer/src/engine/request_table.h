@@ -40,10 +40,25 @@ class Wakeup {
     }
     cv_.notify_all();
   }
+  // Kicks only when the poller must run before `when`: unless it sleeps already until no later
+  // than that (a kick costs a wake-up of the poller thread, and the pass it runs takes the
+  // engine's lock from the caller's next call). Clock::time_point::max(): nothing to run for.
+  void KickBefore(Clock::time_point when) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (sleeping_ && sleep_until_ <= when) return;  // it wakes in time anyway
+      if (when == Clock::time_point::max()) return;
+      pending_ = true;
+    }
+    cv_.notify_all();
+  }
   // Returns at `deadline` or once kicked (consuming the kick).
   void WaitUntil(Clock::time_point deadline) {
     std::unique_lock<std::mutex> lock(mu_);
+    sleeping_ = true;
+    sleep_until_ = deadline;
     cv_.wait_until(lock, deadline, [this] { return pending_; });
+    sleeping_ = false;
     pending_ = false;
   }
   bool Consume() {
@@ -60,6 +75,8 @@ class Wakeup {
   std::mutex mu_;  // guards pending_ only; never held while blocking
   std::condition_variable cv_;
   bool pending_ = false;
+  bool sleeping_ = false;  // in WaitUntil, until sleep_until_
+  Clock::time_point sleep_until_;
 };
 
 class Worker;
