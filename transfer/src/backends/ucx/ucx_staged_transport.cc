@@ -717,6 +717,10 @@ void StagedTransport::DropSender(uint64_t instance, bool peer_dead) {
   }
   // Bytes being scattered cannot be stopped; wait for them so none lands after we return.
   // Queued and landing chunks are dropped as they come up (Landed sees the drop).
+  WaitForLandings(instance, "a disconnected");
+}
+
+void StagedTransport::WaitForLandings(uint64_t instance, const char* which) {
   const bool settled = WaitUntil(
       [&] {
         for (const RecvSlot& r : recv_) {
@@ -729,7 +733,7 @@ void StagedTransport::DropSender(uint64_t instance, bool peer_dead) {
       },
       kWaitBound);
   if (!settled) {
-    KVT_LOG_ERROR("ucx", "chunks of a disconnected sender were still being scattered after {} ms",
+    KVT_LOG_ERROR("ucx", "bytes of {} sender were still landing in the pool after {} ms", which,
                   kWaitBound.count());
   }
 }
@@ -741,21 +745,7 @@ void StagedTransport::FenceSender(uint64_t instance) {
     CloseEndpoint(sender->second.ep, /*force=*/true);
     senders_.erase(sender);
   }
-  const bool settled = WaitUntil(
-      [&] {
-        for (const RecvSlot& r : recv_) {
-          if (r.state == RecvSlot::State::kScattering && r.notice.sender == instance) return false;
-        }
-        for (const RunLanding& l : run_landings_) {
-          if (l.request != nullptr && l.notice.sender == instance) return false;
-        }
-        return true;
-      },
-      kWaitBound);
-  if (!settled) {
-    KVT_LOG_ERROR("ucx", "bytes of a fenced sender were still landing after {} ms",
-                  kWaitBound.count());
-  }
+  WaitForLandings(instance, "a fenced");
 }
 
 bool StagedTransport::LinkOpen(uint64_t sender, uint64_t link) const {

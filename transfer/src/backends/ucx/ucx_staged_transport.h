@@ -325,6 +325,9 @@ class StagedTransport {
   // Receiving.
   void PumpRecvSlots();
   void HandleHellos();
+  // Waits (bounded) until no chunk or run message of `instance` is landing in the pool; `which`
+  // ("a disconnected", "a fenced") names the sender in the error when it does not settle.
+  void WaitForLandings(uint64_t instance, const char* which);
   // Whether `link` of `sender` was opened by a hello and not closed or fenced since.
   bool LinkOpen(uint64_t sender, uint64_t link) const;
   void HandleByes();
