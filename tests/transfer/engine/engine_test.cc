@@ -22,9 +22,11 @@ using testing::Mismatches;
 using testing::SmallPoolOptions;
 
 // The backend of a test parameter: "loopback", "loopback_pages" (the loopback backend taking
-// page lists, the device backends' path) or "ucx".
+// page lists, the device backends' path), "ucx" (UCX's transports: kvt's pools are mapped
+// between the processes, copies) or "ucx_tcp" (tcp only: copy runs as active messages).
 BackendConfig BackendFor(const std::string& param, std::chrono::microseconds delay = {}) {
   if (param == "ucx") return UcxOptions{};
+  if (param == "ucx_tcp") return UcxOptions{.transports = "tcp"};
   LoopbackOptions loopback;
   loopback.delay = delay;
   loopback.page_writes = param == "loopback_pages";
@@ -402,7 +404,7 @@ TEST_P(EngineTest, LosingThePrefillEngineFailsItsRequests) {
 }
 
 INSTANTIATE_TEST_SUITE_P(HostBackends, EngineTest,
-                         ::testing::Values("loopback", "loopback_pages", "ucx"),
+                         ::testing::Values("loopback", "loopback_pages", "ucx", "ucx_tcp"),
                          [](const auto& info) { return std::string(info.param); });
 
 TEST(EngineGuards, PoolsTheGuardsRefuseCannotBeRegistered) {
