@@ -1251,6 +1251,11 @@ class UcxBackend final : public Backend {
     }
     ucs_status_ptr_t req = ucp_ep_close_nbx(peer.ep, &param);
     peer.ep = nullptr;
+    // UCX 1.13's tcp transport may still fail a closed endpoint whose connection was being
+    // set up (an endpoint never written to: the peer's writes went as active messages) and then
+    // call its error handler: the handler's state outlives the peer.
+    retired_errors_.push_back(std::move(peer.error));
+    if (retired_errors_.size() > kRetiredErrors) retired_errors_.pop_front();
     if (req == nullptr || UCS_PTR_IS_ERR(req)) return;
     const auto give_up = Clock::now() + std::chrono::seconds(2);
     while (ucp_request_check_status(req) == UCS_INPROGRESS && Clock::now() < give_up) {
@@ -1369,6 +1374,9 @@ class UcxBackend final : public Backend {
   std::map<uint64_t, Allocation> allocations_;  // AllocateHost blocks by address
   std::vector<LocalRegion> local_;
   std::unordered_map<PeerId, Peer> peers_;
+  // Error states of closed endpoints (ClosePeerLocked), the newest kRetiredErrors kept.
+  static constexpr size_t kRetiredErrors = 4096;
+  std::deque<std::shared_ptr<std::atomic<int>>> retired_errors_;
   std::unordered_map<WriteId, Write> writes_;
   // The staged path (CUDA pools on a UCX without CUDA support): its own UCP context and worker,
   // created by the first staged registration, guarded by mutex_ like the rest.
