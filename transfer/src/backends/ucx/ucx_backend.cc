@@ -432,11 +432,17 @@ class UcxBackend final : public Backend {
     }
     StatusOr<bool> runs = ChooseRunsLocked(peer, address);
     if (runs.ok() && *runs) {
-      // Copy runs go as active messages on the staging worker; the RMA endpoint stays unused.
-      Status added = staging_->AddPeer(id, address.runs_address, *address.trailer,
-                                       descriptor.regions, ucx_staging::LinkMode::kRuns);
+      // Copy runs go as active messages on the staging worker; the RMA endpoint is not needed.
+      // It is closed once its connection is set up: UCX 1.13's tcp transport crashes when an
+      // endpoint still connecting is closed, or its worker destroyed (ucp_worker_destroy).
+      Status wired = FlushLocked(peer.ep, "setting up the UCX endpoint to the peer");
+      Status added = wired.ok() ? staging_->AddPeer(id, address.runs_address, *address.trailer,
+                                                    descriptor.regions,
+                                                    ucx_staging::LinkMode::kRuns)
+                                : wired;
       if (!added.ok()) runs = added;
       peer.runs = added.ok();
+      if (peer.runs) ClosePeerLocked(peer);
     }
     if (!runs.ok()) {
       ClosePeerLocked(peer);
@@ -1134,6 +1140,28 @@ class UcxBackend final : public Backend {
     return static_cast<uint32_t>(std::clamp<size_t>((size_t{8} << 20) / message_bytes, 2, 64));
   }
 
+  // Flushes the endpoint and waits (bounded) for the flush: its connection is then set up.
+  // Unavailable when the peer does not answer in time. mutex_ held.
+  Status FlushLocked(ucp_ep_h ep, const std::string& what) {
+    ucp_request_param_t param = {};
+    ucs_status_ptr_t req = ucp_ep_flush_nbx(ep, &param);
+    if (req == nullptr) return OkStatus();
+    if (UCS_PTR_IS_ERR(req)) return UcsStatus(UCS_PTR_STATUS(req), what);
+    const auto give_up = Clock::now() + std::chrono::seconds(5);
+    while (ucp_request_check_status(req) == UCS_INPROGRESS && Clock::now() < give_up) {
+      ucp_worker_progress(worker_);
+    }
+    const ucs_status_t st = ucp_request_check_status(req);
+    if (st == UCS_INPROGRESS) {
+      // Left to UCX: freeing a request still in flight only drops our handle.
+      ucp_request_free(req);
+      return Unavailable(what + ": the peer's UCX worker did not answer in 5 s; is the peer "
+                                "alive and reachable?");
+    }
+    ucp_request_free(req);
+    return UcsStatus(st, what);
+  }
+
   // Whether copy runs to this (connected, unmapped or mapped) peer go as active messages:
   // host_path, whether the peer takes them, and (auto) whether UCX reaches it by native RMA.
   // FailedPrecondition when host_path 'am' cannot be honoured. mutex_ held.
@@ -1254,7 +1282,7 @@ class UcxBackend final : public Backend {
     // UCX 1.13's tcp transport may still fail a closed endpoint whose connection was being
     // set up (an endpoint never written to: the peer's writes went as active messages) and then
     // call its error handler: the handler's state outlives the peer.
-    retired_errors_.push_back(std::move(peer.error));
+    retired_errors_.push_back(peer.error);
     if (retired_errors_.size() > kRetiredErrors) retired_errors_.pop_front();
     if (req == nullptr || UCS_PTR_IS_ERR(req)) return;
     const auto give_up = Clock::now() + std::chrono::seconds(2);
