@@ -212,13 +212,7 @@ EngineSide::PollResult PrefillSide::PollPass(Clock::time_point now) {
       }
       result.next = std::min(result.next, room->deadline);
       // Layers waiting for their producer's event before a CPU-copying backend may read them.
-      const bool waits_for_event =
-          !ctx_.waits_on_events &&
-          std::any_of(room->chunks.begin(), room->chunks.end(), [&](const SourceChunk& c) {
-            return c.ready != nullptr && c.planned &&
-                   std::min(c.layers_ready, room->layer_end) > c.posted_end;
-          });
-      if (waits_for_event) {
+      if (!ctx_.waits_on_events && WaitsForEventLocked(*room)) {
         AdvanceLocked(*room, after);
         if (!IsFinal(room->state)) result.next = std::min(result.next, now + kEventPoll);
       }
@@ -686,12 +680,14 @@ StatusOr<WriteId> PrefillSide::PostLayersLocked(PrefillRoom& room, SourceChunk& 
 Clock::time_point PrefillSide::PollByLocked(const PrefillRoom& room) const {
   if (IsFinal(room.state)) return Clock::time_point::max();
   if (!room.writes.empty()) return Clock::time_point::min();  // checked (or watched) now
-  const bool waits_for_event =
-      std::any_of(room.chunks.begin(), room.chunks.end(), [&](const SourceChunk& c) {
-        return c.ready != nullptr && c.planned &&
-               std::min(c.layers_ready, room.layer_end) > c.posted_end;
-      });
-  return waits_for_event ? Clock::time_point::min() : room.deadline;
+  return WaitsForEventLocked(room) ? Clock::time_point::min() : room.deadline;
+}
+
+bool PrefillSide::WaitsForEventLocked(const PrefillRoom& room) const {
+  return std::any_of(room.chunks.begin(), room.chunks.end(), [&](const SourceChunk& c) {
+    return c.ready != nullptr && c.planned &&
+           std::min(c.layers_ready, room.layer_end) > c.posted_end;
+  });
 }
 
 bool PrefillSide::AllPostedLocked(const PrefillRoom& room) const {

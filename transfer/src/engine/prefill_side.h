@@ -126,6 +126,8 @@ class PrefillSide final : public SideWithTable<PrefillRoom>, public control::Con
   // for their producer's event, by its deadline while it waits for the other side or the
   // application, never once it is final (Wakeup::KickBefore).
   Clock::time_point PollByLocked(const PrefillRoom& room) const KVT_REQUIRES(ctx_.mu);
+  // Whether layers of the room were declared ready with a producer's event but not posted yet.
+  bool WaitsForEventLocked(const PrefillRoom& room) const KVT_REQUIRES(ctx_.mu);
   // Reads the room's aux slot for its TransferDone; an error when the decode side asked for aux
   // data the prefill side did not name.
   Status ReadAuxLocked(PrefillRoom& room) KVT_REQUIRES(ctx_.mu);

@@ -287,14 +287,12 @@ class UcxBackend final : public Backend {
                     staging_->slots(), staging_->slot_bytes());
       return descriptor;
     }
-    if (runs && staging_) {
-      KVT_RETURN_IF_ERROR(staging_->AttachRuns(regions));
-      // Peers without native RMA to us send copy runs to the staging worker.
-      descriptor.address = ucx_staging::AppendTrailer(worker_address, {instance_, false, 0, 0},
-                                                      staging_->worker_address());
-    } else {
-      descriptor.address = ucx_staging::AppendTrailer(worker_address, {instance_, false, 0, 0});
-    }
+    // Peers without native RMA to us send copy runs to the staging worker.
+    if (runs && staging_) KVT_RETURN_IF_ERROR(staging_->AttachRuns(regions));
+    descriptor.address = ucx_staging::AppendTrailer(
+        worker_address, {instance_, false, 0, 0},
+        staging_ && staging_->runs_attached() ? std::string_view(staging_->worker_address())
+                                              : std::string_view());
     for (size_t i = 0; i < regions.size(); ++i) {
       const LocalRegion& r = regions[i];
       ucp_mem_h memh = AllocationContaining(r.base, r.length);
@@ -1167,12 +1165,9 @@ class UcxBackend final : public Backend {
   // FailedPrecondition when host_path 'am' cannot be honoured. mutex_ held.
   StatusOr<bool> ChooseRunsLocked(const Peer& peer, const ucx_staging::SplitAddress& address) {
     if (host_path_ == UcxHostPath::kPut || !peer.direct.empty()) return false;
-    const bool local_host =
-        !local_.empty() && std::all_of(local_.begin(), local_.end(), [](const LocalRegion& r) {
-          return r.kind == MemoryKind::kHost;
-        });
-    const bool possible = staging_ != nullptr && local_host && !address.runs_address.empty() &&
-                          address.trailer.has_value();
+    // This side's host pool is attached for copy runs exactly when it may send them too.
+    const bool possible = staging_ != nullptr && staging_->runs_attached() &&
+                          !address.runs_address.empty() && address.trailer.has_value();
     if (host_path_ == UcxHostPath::kActiveMessages) {
       if (possible) return true;
       return FailedPrecondition(
