@@ -38,6 +38,7 @@ import dataclasses
 import json
 import logging
 import os
+import select
 import socket
 import struct
 import threading
@@ -135,20 +136,16 @@ class _Session:
     sock: socket.socket
 
     def alive(self) -> bool:
-        timeout = self.sock.gettimeout()
+        # A zero-timeout poll, not a non-blocking socket: threads writing to one peer ask at
+        # once, and one restoring the socket's timeout would leave another's peek blocked.
         try:
-            self.sock.setblocking(False)  # a timeout would make recv wait for data first
-            self.sock.recv(1, socket.MSG_PEEK)  # b"": closed; bytes: nobody asked for them
-        except BlockingIOError:
-            return True  # open, nothing to read
+            readable, _, _ = select.select([self.sock], [], [], 0)
+            if not readable:
+                return True  # open, nothing to read
+            self.sock.recv(1, socket.MSG_PEEK)  # readable: returns at once; b"": closed
         except OSError:
             return False
-        finally:
-            try:
-                self.sock.settimeout(timeout)
-            except OSError:
-                pass
-        return False
+        return False  # closed, or bytes nobody asked for: not a kvt session port any more
 
 
 def _u64(values: Addresses, what: str) -> np.ndarray:
