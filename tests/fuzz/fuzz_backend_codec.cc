@@ -87,6 +87,34 @@ void DecodeUcxChunk(std::span<const uint8_t> bytes) {
   KVT_FUZZ_CHECK(h.payload_bytes == bytes.size());
 }
 
+// A hello: an offer of slots that decodes must end inside the address space and carry a key.
+void DecodeUcxHello(std::span<const uint8_t> bytes) {
+  StatusOr<ucx_staging::Hello> hello = ucx_staging::DecodeHello(bytes);
+  if (!hello.ok() || hello->slots == 0) return;
+  KVT_FUZZ_CHECK(hello->key_bytes >= 1 && hello->key_bytes <= ucx_staging::kMaxKeyBytes);
+  KVT_FUZZ_CHECK(hello->slots <= ucx_staging::kMaxOfferedSlots);
+  KVT_FUZZ_CHECK(hello->slot_bytes >= ucx_staging::kMinSlotBytes);
+  KVT_FUZZ_CHECK(hello->slot_bytes <= ~uint64_t{0} / hello->slots);
+  KVT_FUZZ_CHECK(hello->slots_base <= ~uint64_t{0} - hello->slot_bytes * hello->slots);
+}
+
+// A chunk read in place: its prefix decodes only to what the payload size says, and the prefix
+// the receiver copies is bounded by the caps whatever the header claims.
+void DecodeUcxChunkPrefix(std::span<const uint8_t> bytes) {
+  if (bytes.size() < ucx_staging::kChunkHeaderBytes) return;
+  const uint64_t prefix = ucx_staging::ChunkPrefixBytes(bytes);
+  KVT_FUZZ_CHECK(prefix >= ucx_staging::kChunkHeaderBytes &&
+                 prefix <= ucx_staging::kChunkHeaderBytes + ucx_staging::kMaxChunkPages * 4 +
+                               16 * ucx_staging::kMaxUnits);
+  static const ucx_staging::ChunkLimits limits = UcxLimits();
+  const auto head = bytes.first(std::min<uint64_t>(prefix, bytes.size()));
+  StatusOr<ucx_staging::DecodedChunk> chunk =
+      ucx_staging::DecodeChunkPrefix(head, bytes.size(), limits);
+  if (!chunk.ok()) return;
+  KVT_FUZZ_CHECK(chunk->header.payload_bytes == bytes.size());
+  KVT_FUZZ_CHECK(chunk->layout.data_offset >= prefix);
+}
+
 // A run message's AM header against a receiver of three buffers; the first 8 bytes are the
 // data length that arrived with it. Every accepted segment lies inside its buffer and the
 // segments hold exactly the data.
@@ -201,10 +229,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       break;
     case kUcxChunk:
       DecodeUcxChunk(bytes);
+      DecodeUcxChunkPrefix(bytes);
       break;
     case kUcxMessages:
       (void)ucx_staging::DecodeChunkNotice(bytes);
-      (void)ucx_staging::DecodeHello(bytes);
+      (void)ucx_staging::DecodeSlotNotice(bytes);
+      DecodeUcxHello(bytes);
       (void)ucx_staging::DecodeHelloAck(bytes);
       (void)ucx_staging::DecodeChunkAck(bytes);
       (void)ucx_staging::DecodeBye(bytes);

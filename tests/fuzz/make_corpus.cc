@@ -298,9 +298,22 @@ void WriteBackendCodecs() {
   write_chunk("ucx_chunk", {&unit, 1}, 1, 2, {item, item});
   write_chunk("ucx_chunk_whole_latent", {}, 4, 6, {256, 256});
   write(7, "ucx_hello", Bytes(ucx_staging::Encode(ucx_staging::Hello{.sender = 1, .link = 2})));
+  write(7, "ucx_hello_offer",
+        Bytes(ucx_staging::Encode(ucx_staging::Hello{.sender = 1,
+                                                     .link = 2,
+                                                     .slots_base = uint64_t{1} << 40,
+                                                     .slot_bytes = 1 << 20,
+                                                     .slots = 8,
+                                                     .key_bytes = 96})));
+  write(7, "ucx_slot_notice",
+        Bytes(ucx_staging::Encode(ucx_staging::SlotNotice{
+            .notice = {.sender = 1, .link = 2, .write = 3, .chunk = 1},
+            .slot = 5,
+            .payload_bytes = 4096})));
   write(7, "ucx_hello_ack",
         Bytes(ucx_staging::Encode(
-            ucx_staging::HelloAck{.receiver = 1, .link = 2, .slots = 4, .slot_bytes = 1 << 20})));
+            ucx_staging::HelloAck{
+                .receiver = 1, .link = 2, .slots = 4, .slot_bytes = 1 << 20, .in_place = true})));
   write(7, "ucx_chunk_ack",
         Bytes(ucx_staging::Encode(ucx_staging::ChunkAck{.link = 2, .write = 3, .chunk = 1})));
   write(7, "ucx_bye", Bytes(ucx_staging::Encode(ucx_staging::Bye{.sender = 1, .link = 2})));

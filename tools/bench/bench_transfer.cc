@@ -132,7 +132,8 @@ struct TransferOptions {
   std::string device;  // "cuda:N"; empty: cuda:0 for cuda_ipc, host pools otherwise
   std::string ucx_cuda_mode = "staged";
   int ucx_staging_slots = 8;
-  std::string ucx_staging_slot_bytes = "4MiB";
+  std::string ucx_staging_slot_bytes = "16MiB";
+  bool ucx_staging_in_place = true;
   int64_t peer_items = 16384;  // per-page / batch peers: items timed (0: all)
   double layer_time_us = 200;  // simulated forward: spin per layer
   int layerwise_requests = 10;
@@ -309,7 +310,8 @@ struct SideConfig {
   int device = 0;
   std::string ucx_cuda_mode = "staged";
   int ucx_staging_slots = 8;
-  int64_t ucx_staging_slot_bytes = int64_t{4} << 20;
+  int64_t ucx_staging_slot_bytes = int64_t{16} << 20;
+  bool ucx_staging_in_place = true;
   int64_t layer_time_ns = 200000;
   int spin_blocks = 0;
   int64_t device_spin_us = -1;  // prefill EngineOptions::device_spin; < 0: the engine's default
@@ -337,6 +339,7 @@ struct SideConfig {
             {"ucx_cuda_mode", ucx_cuda_mode},
             {"ucx_staging_slots", ucx_staging_slots},
             {"ucx_staging_slot_bytes", ucx_staging_slot_bytes},
+            {"ucx_staging_in_place", ucx_staging_in_place},
             {"layer_time_ns", layer_time_ns},
             {"spin_blocks", spin_blocks},
             {"device_spin_us", device_spin_us}};
@@ -365,7 +368,8 @@ struct SideConfig {
       c.device = j.value("device", 0);
       c.ucx_cuda_mode = j.value("ucx_cuda_mode", std::string("staged"));
       c.ucx_staging_slots = j.value("ucx_staging_slots", 8);
-      c.ucx_staging_slot_bytes = j.value("ucx_staging_slot_bytes", int64_t{4} << 20);
+      c.ucx_staging_slot_bytes = j.value("ucx_staging_slot_bytes", int64_t{16} << 20);
+      c.ucx_staging_in_place = j.value("ucx_staging_in_place", true);
       c.layer_time_ns = j.value("layer_time_ns", int64_t{200000});
       c.spin_blocks = j.value("spin_blocks", 0);
       c.device_spin_us = j.value("device_spin_us", int64_t{-1});
@@ -387,6 +391,7 @@ struct SideConfig {
         KVT_ASSIGN_OR_RETURN(ucx->cuda_mode, transfer::ParseUcxCudaMode(ucx_cuda_mode));
         ucx->staging_slots = ucx_staging_slots;
         ucx->staging_slot_bytes = static_cast<size_t>(ucx_staging_slot_bytes);
+        ucx->staging_in_place = ucx_staging_in_place;
       }
     }
     return transfer::CreateBackend(config);
@@ -2281,6 +2286,7 @@ Status RunGpuPageSize(const TransferOptions& o, int pt, int device, int64_t per_
   c.ucx_cuda_mode = o.ucx_cuda_mode;
   c.ucx_staging_slots = o.ucx_staging_slots;
   KVT_ASSIGN_OR_RETURN(c.ucx_staging_slot_bytes, ParseBytes(o.ucx_staging_slot_bytes));
+  c.ucx_staging_in_place = o.ucx_staging_in_place;
   c.layer_time_ns = static_cast<int64_t>(std::llround(o.layer_time_us * 1000));
   c.spin_blocks = o.spin_blocks;
   c.device_spin_us = o.device_spin_us;
@@ -2379,6 +2385,7 @@ Status RunTransferGpu(const TransferOptions& o, int device) {
            {"ucx_cuda_mode", o.ucx_cuda_mode},
            {"ucx_staging_slots", o.ucx_staging_slots},
            {"ucx_staging_slot_bytes", o.ucx_staging_slot_bytes},
+           {"ucx_staging_in_place", o.ucx_staging_in_place},
            {"peer_items", o.peer_items},
            {"layer_time_us", o.layer_time_us},
            {"layerwise_requests", o.layerwise_requests},
@@ -2758,6 +2765,10 @@ void AddTransferCommand(CLI::App& app, int& exit_code) {
       ->capture_default_str();
   cmd->add_option("--ucx-staging-slot-bytes", opts->ucx_staging_slot_bytes,
                   "ucx staging: bytes per slot")
+      ->capture_default_str();
+  cmd->add_option("--ucx-staging-in-place", opts->ucx_staging_in_place,
+                  "ucx staging on one host: the receiver reads the sender's slots in place "
+                  "(UcxOptions::staging_in_place; 0: chunks travel as payloads)")
       ->capture_default_str();
   cmd->add_option("--peer-items", opts->peer_items,
                   "CUDA pools: (buffer, page) items timed for the per-page cudaMemcpyAsync and "

@@ -180,7 +180,7 @@ inline std::string TransportsTestName(const ::testing::TestParamInfo<std::string
   if (info.param.empty()) return std::string("default");
   std::string name = info.param;
   for (char& c : name) {
-    if (c == ',') c = '_';
+    if (c == ',' || c == '+') c = '_';
   }
   return name;
 }

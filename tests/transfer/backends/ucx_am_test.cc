@@ -299,6 +299,7 @@ class RawSender {
   const std::string& own_address() const { return own_address_; }
   std::vector<std::pair<ucx_staging::ChunkAck, std::string>> acks;
   bool hello_acked = false;
+  bool in_place = false;  // the hello ack said the receiver reads our slots in place
 
  private:
   static ucs_status_t OnAck(void* arg, const void* header, size_t header_length, void* data,
@@ -314,6 +315,7 @@ class RawSender {
                                  size_t, const ucp_am_recv_param_t*) {
     auto ack = ucx_staging::DecodeHelloAck({static_cast<const uint8_t*>(header), header_length});
     static_cast<RawSender*>(arg)->hello_acked = ack.ok() && ack->code == StatusCode::kOk;
+    static_cast<RawSender*>(arg)->in_place = ack.ok() && ack->in_place;
     return UCS_OK;
   }
 
@@ -382,6 +384,53 @@ TEST_F(UcxAmTest, MalformedAndOutOfRangeRunMessagesAreRefusedAndTheRealPeerIsUnd
   ASSERT_TRUE(WaitFor(*sender_, *w).ok());
   sender_->Release(*w);
   ExpectLanded(runs);
+}
+
+// A staged receiver reads a sender's slots in place only where it mapped them for it: an offer
+// whose key is no key is answered "not in place", and slot notices it did not accept, or on a
+// link no hello opened, are refused with an ack naming the slot or the link; nothing lands.
+TEST_F(UcxAmTest, SlotNoticesTheReceiverDidNotAcceptAreRefusedNamingTheSlot) {
+  UcxOptions staged = Tcp();
+  staged.cuda_mode = UcxCudaMode::kStaged;
+  staged.staging_slots = 2;
+  staged.staging_slot_bytes = 1 << 20;
+  UcxTestHooks hooks;
+  hooks.stage_host_memory = true;
+  auto receiver = CreateUcxBackendForTest(staged, hooks);
+  ASSERT_TRUE(receiver.ok()) << receiver.status();
+  dst_.assign(kBuffers * kBufferBytes, kPoison);
+  auto descriptor = (*receiver)->Register(DstRegions());
+  ASSERT_TRUE(descriptor.ok()) << descriptor.status();
+  const ucx_staging::SplitAddress split = ucx_staging::SplitPeerAddress(descriptor->address);
+
+  RawSender raw;
+  ASSERT_TRUE(raw.Start(split.worker_address));
+  const uint64_t instance = 0x51a7;
+  ucx_staging::Hello hello{instance, 1, ucx_staging::LinkMode::kStaged};
+  hello.slots_base = uint64_t{1} << 40;
+  hello.slot_bytes = 65536;
+  hello.slots = 4;
+  hello.key_bytes = 16;
+  ASSERT_TRUE(raw.Send(ucx_staging::kAmHello, ucx_staging::Encode(hello),
+                       raw.own_address() + std::string(16, '\x7f')));
+  ASSERT_TRUE(raw.Progress([&] { return raw.hello_acked; }));
+  EXPECT_FALSE(raw.in_place);
+
+  using ucx_staging::SlotNotice;
+  ASSERT_TRUE(raw.Send(ucx_staging::kAmSlotChunk,
+                       ucx_staging::Encode(SlotNotice{{instance, 1, 5, 0}, 2, 4096}), ""));
+  ASSERT_TRUE(raw.Send(ucx_staging::kAmSlotChunk,
+                       ucx_staging::Encode(SlotNotice{{instance, 9, 5, 1}, 0, 4096}), ""));
+  ASSERT_TRUE(raw.Progress([&] { return raw.acks.size() >= 2; }));
+  ASSERT_EQ(raw.acks.size(), 2u);
+  EXPECT_EQ(raw.acks[0].first.code, StatusCode::kFailedPrecondition);
+  EXPECT_EQ(raw.acks[0].first.chunk, 0u);
+  EXPECT_NE(raw.acks[0].second.find("names slot 2"), std::string::npos) << raw.acks[0].second;
+  EXPECT_NE(raw.acks[0].second.find("in place"), std::string::npos) << raw.acks[0].second;
+  EXPECT_EQ(raw.acks[1].first.code, StatusCode::kAborted);
+  EXPECT_NE(raw.acks[1].second.find("link 9 is not open"), std::string::npos)
+      << raw.acks[1].second;
+  EXPECT_TRUE(std::all_of(dst_.begin(), dst_.end(), [](uint8_t b) { return b == kPoison; }));
 }
 
 TEST_F(UcxAmTest, FencedSendersLinksLandNothingMoreAndANewLinkDoes) {

@@ -480,6 +480,88 @@ TEST(StagingWire, HelloNamesItsModeAndRefusesUnknownOnes) {
   EXPECT_NE(refused.status().message().find("link mode 5"), std::string::npos);
 }
 
+TEST(StagingWire, SlotOffersAndSlotNoticesRoundTripAndRefuseWhatCannotBeRight) {
+  using namespace ucx_staging;
+  const Hello offer{7, 8, LinkMode::kStaged, 0x7f0000000000, 16 << 20, 8, 112};
+  auto decoded = DecodeHello(Encode(offer));
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  EXPECT_EQ(*decoded, offer);
+  const HelloAck in_place{1, 2, StatusCode::kOk, 8, 16 << 20, true};
+  EXPECT_EQ(*DecodeHelloAck(Encode(in_place)), in_place);
+  const SlotNotice notice{{1, 2, 3, 4}, 5, 4096};
+  EXPECT_EQ(*DecodeSlotNotice(Encode(notice)), notice);
+
+  // Each refusal names what is wrong.
+  auto refused = [](Hello h) {
+    auto r = DecodeHello(Encode(h));
+    EXPECT_EQ(r.status().code(), StatusCode::kDataLoss);
+    return r.ok() ? std::string() : std::string(r.status().message());
+  };
+  Hello keyless = offer;
+  keyless.key_bytes = 0;
+  EXPECT_NE(refused(keyless).find("8 slots with a key of 0 bytes"), std::string::npos);
+  Hello big_key = offer;
+  big_key.key_bytes = kMaxKeyBytes + 1;
+  EXPECT_NE(refused(big_key).find("key of 4097 bytes"), std::string::npos);
+  Hello many = offer;
+  many.slots = kMaxOfferedSlots + 1;
+  EXPECT_NE(refused(many).find("offers 1025 slots"), std::string::npos);
+  Hello tiny = offer;
+  tiny.slot_bytes = 100;
+  EXPECT_NE(refused(tiny).find("slots of 100 bytes"), std::string::npos);
+  Hello wraps = offer;
+  wraps.slots_base = ~uint64_t{0} - 4096;
+  EXPECT_NE(refused(wraps).find("end inside the address space"), std::string::npos);
+
+  std::vector<uint8_t> flags = Encode(in_place);
+  flags[28] = 3;
+  auto odd_ack = DecodeHelloAck(flags);
+  ASSERT_FALSE(odd_ack.ok());
+  EXPECT_NE(odd_ack.status().message().find("flags 3"), std::string::npos);
+  std::vector<uint8_t> reserved = Encode(notice);
+  reserved[36] = 1;
+  auto odd_notice = DecodeSlotNotice(reserved);
+  ASSERT_FALSE(odd_notice.ok());
+  EXPECT_NE(odd_notice.status().message().find("reserved field is 1"), std::string::npos);
+  // Not a chunk notice, nor the other way round.
+  EXPECT_FALSE(DecodeChunkNotice(Encode(notice)).ok());
+  EXPECT_FALSE(DecodeSlotNotice(Encode(notice.notice)).ok());
+}
+
+// A chunk read in place is checked from a copy of its prefix: the same result as the whole
+// payload, and a prefix cut short or a size that disagrees is refused.
+TEST(StagingWire, APrefixDecodesLikeTheWholePayload) {
+  for (bool whole : {false, true}) {
+    EncodedChunk c = MakeChunk(whole);
+    const uint64_t prefix = ucx_staging::ChunkPrefixBytes(c.payload);
+    EXPECT_EQ(prefix, ucx_staging::kChunkHeaderBytes + 4 * sizeof(int32_t) + 16 * c.units.size());
+    const std::vector<uint8_t> head(c.payload.begin(), c.payload.begin() + prefix);
+    auto from_prefix = ucx_staging::DecodeChunkPrefix(head, c.payload.size(), MixedLimits());
+    ASSERT_TRUE(from_prefix.ok()) << from_prefix.status();
+    auto from_whole = ucx_staging::DecodeChunk(c.payload, MixedLimits());
+    ASSERT_TRUE(from_whole.ok());
+    EXPECT_EQ(from_prefix->header, from_whole->header);
+    EXPECT_EQ(from_prefix->dst_pages, from_whole->dst_pages);
+    EXPECT_EQ(from_prefix->layout.data_offset, from_whole->layout.data_offset);
+    EXPECT_GE(from_prefix->layout.data_offset, prefix);
+
+    const std::vector<uint8_t> cut(head.begin(), head.end() - 1);
+    auto short_prefix = ucx_staging::DecodeChunkPrefix(cut, c.payload.size(), MixedLimits());
+    EXPECT_EQ(short_prefix.status().code(), StatusCode::kDataLoss);
+    auto wrong_size = ucx_staging::DecodeChunkPrefix(head, c.payload.size() + 256, MixedLimits());
+    EXPECT_EQ(wrong_size.status().code(), StatusCode::kDataLoss);
+    EXPECT_NE(wrong_size.status().message().find(std::to_string(c.payload.size() + 256) +
+                                                  " bytes arrived"),
+              std::string::npos)
+        << wrong_size.status();
+  }
+  // Counts past the caps are capped, so a hostile header cannot make the receiver copy more.
+  std::vector<uint8_t> huge(ucx_staging::kChunkHeaderBytes, 0xff);
+  EXPECT_EQ(ucx_staging::ChunkPrefixBytes(huge),
+            ucx_staging::kChunkHeaderBytes + ucx_staging::kMaxChunkPages * 4 +
+                16 * ucx_staging::kMaxUnits);
+}
+
 TEST(StagingWire, RunMessagesRoundTripAndRefuseWhatDoesNotDescribeItself) {
   using ucx_staging::RunSegment;
   const std::vector<uint64_t> buffers = {4096, 8192};
@@ -703,12 +785,17 @@ constexpr int32_t kLayers = 4;
 constexpr int64_t kPages = 64;
 constexpr uint64_t kItem = 1024;
 
-// Parameter: UCX transports ("" = UCX's choice).
+// Parameter: UCX transports ("" = UCX's choice), then "+payloads" to keep receivers from
+// reading senders' slots in place.
 class StagedHostProtocol : public ::testing::TestWithParam<std::string> {
  protected:
+  std::string Transports() const { return GetParam().substr(0, GetParam().find('+')); }
+  bool InPlaceAllowed() const { return GetParam().find("+payloads") == std::string::npos; }
+
   UcxOptions Options(int slots, size_t slot_bytes) const {
     UcxOptions options;
-    options.transports = GetParam();
+    options.transports = Transports();
+    options.staging_in_place = InPlaceAllowed();
     options.cuda_mode = UcxCudaMode::kStaged;
     options.staging_slots = slots;
     options.staging_slot_bytes = slot_bytes;
@@ -794,6 +881,26 @@ TEST_P(StagedHostProtocol, PageWritesAcrossLayerBatchesAreByteExact) {
     sender_->Release(w);
   }
   ExpectPoolsEqual(expected);
+}
+
+// Over shared memory the receiver reads the sender's slots in place; over tcp (another host, as
+// far as UCX can tell) or with it switched off, chunks travel as payloads. Both land the same.
+TEST_P(StagedHostProtocol, ReceiversReadSlotsInPlaceWhereTheyMapThere) {
+  Start(/*sender_slots=*/4, /*receiver_slots=*/4, /*slot_bytes=*/16384);
+  std::mt19937 rng(23);
+  const std::vector<int32_t> src = DistinctPages(48, kPages, rng);
+  const std::vector<int32_t> dst = DistinctPages(48, kPages, rng);
+  HostPool expected(kLayers, kPages, kItem, 0xEE);
+  auto w = Post(src, dst, 0, kLayers);
+  ASSERT_TRUE(w.ok()) << w.status();
+  ASSERT_TRUE(WaitFor(*sender_, *w).ok()) << sender_->Check(*w);
+  sender_->Release(*w);
+  expected.Apply(src_, src, dst, 0, kLayers, {});
+  ExpectPoolsEqual(expected);
+  const bool shared_memory = Transports() != "tcp";
+  auto path = UcxPeerPath(*sender_, peer_);
+  ASSERT_TRUE(path.ok()) << path.status();
+  EXPECT_EQ(*path, shared_memory && InPlaceAllowed() ? "staged-in-place" : "staged");
 }
 
 // One write bigger than every slot of both sides together.
@@ -1062,7 +1169,8 @@ TEST_P(StagedHostProtocol, MixedLayoutsMoveEveryBufferOfTheLayersByteExact) {
 
 INSTANTIATE_TEST_SUITE_P(Transports, StagedHostProtocol,
                          ::testing::Values(std::string(""), std::string("tcp"),
-                                           std::string("shm,self")),
+                                           std::string("shm,self"),
+                                           std::string("shm,self+payloads")),
                          testing::TransportsTestName);
 
 }  // namespace

@@ -112,6 +112,7 @@ class UcxBackend final : public Backend {
         cuda_mode_(options.cuda_mode),
         staging_slots_(options.staging_slots),
         staging_slot_bytes_(options.staging_slot_bytes),
+        staging_in_place_(options.staging_in_place),
         host_path_(options.host_path),
         run_options_{options.am_message_bytes, options.am_rendezvous,
                      RunWindow(options.am_message_bytes)},
@@ -272,6 +273,7 @@ class UcxBackend final : public Backend {
       options.slots = static_cast<uint32_t>(std::max(staging_slots_, 0));
       options.slot_bytes = staging_slot_bytes_;
       options.host_copier = regions[0].kind == MemoryKind::kHost;
+      options.in_place = staging_in_place_;
       options.host_copy_delay = std::chrono::microseconds(hooks_.host_copy_delay_us);
       KVT_RETURN_IF_ERROR(staging_->Attach(regions, options).WithContext("staging the pool"));
       for (const LocalRegion& r : regions) {
@@ -668,7 +670,10 @@ class UcxBackend final : public Backend {
     auto it = peers_.find(id);
     if (it == peers_.end()) return NotFound("no UCX peer " + std::to_string(id));
     const Peer& peer = it->second;
-    if (peer.staged) return std::string("staged");
+    if (peer.staged) {
+      return std::string(staging_ != nullptr && staging_->ReadsInPlace(id) ? "staged-in-place"
+                                                                           : "staged");
+    }
     if (peer.runs) return std::string("am");
     return std::string(peer.direct.empty() ? "put" : "copy");
   }
@@ -1357,6 +1362,7 @@ class UcxBackend final : public Backend {
   const UcxCudaMode cuda_mode_;
   const int staging_slots_;
   const size_t staging_slot_bytes_;
+  const bool staging_in_place_;
   const UcxHostPath host_path_;
   const ucx_staging::RunOptions run_options_;
   const UcxTestHooks hooks_;

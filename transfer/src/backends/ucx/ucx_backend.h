@@ -47,7 +47,9 @@ StatusOr<std::unique_ptr<Backend>> CreateUcxBackendForTest(const UcxOptions& opt
                                                            const UcxTestHooks& hooks);
 
 // How writes to a connected peer of a ucx backend move: "copy" (the peer's buffers are mapped
-// here), "put", "am" (copy runs as active messages) or "staged". NotFound for an unknown peer,
+// here), "put", "am" (copy runs as active messages), "staged" or "staged-in-place" (the
+// receiver reads our bounce slots in place; known once the link's hello is acknowledged,
+// "staged" before). NotFound for an unknown peer,
 // InvalidArgument for a backend that is not ucx.
 StatusOr<std::string> UcxPeerPath(Backend& backend, PeerId peer);
 

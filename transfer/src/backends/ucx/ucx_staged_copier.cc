@@ -1,6 +1,7 @@
 #include "backends/ucx/ucx_staged_copier.h"
 
 #include <cstring>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -119,6 +120,9 @@ class CudaCopier final : public StagingCopier {
       if (res_->gate.get() != nullptr) LogIf(res_->gate.Synchronize(), "gate stream");
     }
     res_.reset();
+    for (void* base : peer_slots_) {
+      LogIf(cuda::ToStatus(cudaHostUnregister(base), "cudaHostUnregister"), "a peer's slots");
+    }
     if (registered_send_)
       LogIf(cuda::ToStatus(cudaHostUnregister(slots_.send_base), "cudaHostUnregister"),
             "send slots");
@@ -225,6 +229,21 @@ class CudaCopier final : public StagingCopier {
     return true;
   }
 
+  Status PinPeerSlots(void* base, size_t bytes) override {
+    DeviceGuard guard(device_);
+    KVT_RETURN_IF_ERROR(guard.status());
+    (void)cudaGetLastError();
+    KVT_CUDA_RETURN_IF_ERROR(cudaHostRegister(base, bytes, cudaHostRegisterPortable));
+    peer_slots_.insert(base);
+    return OkStatus();
+  }
+
+  void UnpinPeerSlots(void* base) override {
+    if (peer_slots_.erase(base) == 0) return;
+    DeviceGuard guard(device_);
+    LogIf(cuda::ToStatus(cudaHostUnregister(base), "cudaHostUnregister"), "a peer's slots");
+  }
+
  private:
   struct SendSlot {
     cuda::Stream stream;
@@ -291,9 +310,18 @@ class CudaCopier final : public StagingCopier {
   Status EnqueueScatter(RecvSlot& r, uint32_t slot, const CopierChunk& chunk) {
     (void)cudaGetLastError();
     const uint8_t* host = slots_.recv_base + static_cast<size_t>(slot) * slots_.slot_bytes;
-    KVT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(r.staging.data(), host, chunk.payload_bytes,
-                                             cudaMemcpyHostToDevice, r.stream.get()));
     auto* staging = r.staging.as<uint8_t>();
+    if (chunk.data_source == nullptr) {
+      KVT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(staging, host, chunk.payload_bytes,
+                                               cudaMemcpyHostToDevice, r.stream.get()));
+    } else {
+      // The checked prefix from our slot, the data straight from the peer's.
+      KVT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(staging, host, chunk.data_offset,
+                                               cudaMemcpyHostToDevice, r.stream.get()));
+      KVT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+          staging + chunk.data_offset, chunk.data_source + chunk.data_offset,
+          chunk.payload_bytes - chunk.data_offset, cudaMemcpyHostToDevice, r.stream.get()));
+    }
     const auto* pages = reinterpret_cast<const int32_t*>(staging + chunk.pages_offset);
     const auto* bases = res_->bases.as<const uint64_t>();
     KVT_RETURN_IF_ERROR(ForEachLaunch(
@@ -315,6 +343,7 @@ class CudaCopier final : public StagingCopier {
   bool registered_send_ = false;
   bool registered_recv_ = false;
   uint8_t* send_dev_ = nullptr;      // device view of the send slots (mapped pinned memory)
+  std::set<void*> peer_slots_;       // PinPeerSlots
   void (*notify_)(void*) = nullptr;  // NotifyCompletions
   void* notify_arg_ = nullptr;
   std::unique_ptr<Resources> res_;
@@ -361,6 +390,10 @@ class HostCopier final : public StagingCopier {
 
   Status StartScatter(uint32_t slot, const CopierChunk& chunk) override {
     uint8_t* payload = slots_.recv_base + static_cast<size_t>(slot) * slots_.slot_bytes;
+    if (chunk.data_source != nullptr) {
+      std::memcpy(payload + chunk.data_offset, chunk.data_source + chunk.data_offset,
+                  chunk.payload_bytes - chunk.data_offset);
+    }
     KVT_RETURN_IF_ERROR(ForEachLaunch(
         chunk, pool_,
         [&](kernels::PackArgs& args, const ChunkUnit& unit, uint64_t segment, size_t first_base) {

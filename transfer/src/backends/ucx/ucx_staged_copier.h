@@ -45,6 +45,11 @@ struct CopierChunk {
   std::span<const ChunkUnit> units;
   uint64_t pages_offset = 0;  // scatter: where the page ids sit in the payload
   uint64_t payload_bytes = 0;
+  // Scatter of a chunk read in place: the payload's bytes from data_offset on are at
+  // data_source + data_offset (a peer's slot mapped here and pinned with PinPeerSlots); the
+  // receive slot holds only the prefix before data_offset (checked and owned by this side).
+  const uint8_t* data_source = nullptr;
+  uint64_t data_offset = 0;
 };
 
 class StagingCopier {
@@ -76,6 +81,12 @@ class StagingCopier {
   // destroyed (destruction waits for pending calls). Returns false when the copier cannot do
   // this; its completions are then seen only by polling.
   virtual bool NotifyCompletions(void (*notify)(void*), void* arg) { return false; }
+
+  // Makes a peer's slots mapped here at [base, base + bytes) readable by scatters at full speed
+  // (page-locked for DMA); UnpinPeerSlots undoes it once no scatter reads them. The host copier
+  // needs neither.
+  virtual Status PinPeerSlots(void* base, size_t bytes) { return OkStatus(); }
+  virtual void UnpinPeerSlots(void* base) {}
 
  protected:
   StagingCopier() = default;

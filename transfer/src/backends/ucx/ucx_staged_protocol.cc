@@ -43,6 +43,7 @@ constexpr uint32_t kAckMagic = 0x4b54564b;       // "KVTK"
 constexpr uint32_t kByeMagic = 0x4254564b;       // "KVTB"
 constexpr uint32_t kTrailerMagic = 0x5554564b;   // "KVTU"
 constexpr uint32_t kRunsMagic = 0x5254564b;      // "KVTR"
+constexpr uint32_t kSlotMagic = 0x5354564b;      // "KVTS"
 
 Status CheckMessage(std::span<const uint8_t> bytes, size_t size, uint32_t magic, const char* what) {
   if (bytes.size() != size) {
@@ -292,7 +293,19 @@ Status EncodeChunkPrefix(const ChunkHeader& h, std::span<const int32_t> dst_page
   return OkStatus();
 }
 
+uint64_t ChunkPrefixBytes(std::span<const uint8_t> header) {
+  const uint64_t units = std::min<uint64_t>(Get<uint16_t>(header.data(), 6), kMaxUnits);
+  const uint64_t pages =
+      std::min<uint64_t>(Get<uint32_t>(header.data(), 52), static_cast<uint64_t>(kMaxChunkPages));
+  return kChunkHeaderBytes + pages * sizeof(int32_t) + 16 * units;
+}
+
 StatusOr<DecodedChunk> DecodeChunk(std::span<const uint8_t> payload, const ChunkLimits& limits) {
+  return DecodeChunkPrefix(payload, payload.size(), limits);
+}
+
+StatusOr<DecodedChunk> DecodeChunkPrefix(std::span<const uint8_t> payload, uint64_t payload_bytes,
+                                         const ChunkLimits& limits) {
   if (payload.size() < kChunkHeaderBytes) {
     return DataLoss("chunk payload of " + std::to_string(payload.size()) +
                     " bytes is shorter than its header (" + std::to_string(kChunkHeaderBytes) +
@@ -401,11 +414,11 @@ StatusOr<DecodedChunk> DecodeChunk(std::span<const uint8_t> payload, const Chunk
     }
   }
   chunk.layout = LayoutPayload(h.num_pages, units, page_bytes);
-  if (h.payload_bytes != chunk.layout.payload_bytes || payload.size() != h.payload_bytes) {
+  if (h.payload_bytes != chunk.layout.payload_bytes || payload_bytes != h.payload_bytes) {
     return DataLoss("chunk header payload_bytes = " + std::to_string(h.payload_bytes) +
                     ", its layout over this pool's page bytes " +
                     std::to_string(chunk.layout.payload_bytes) + ", and " +
-                    std::to_string(payload.size()) + " bytes arrived; all three must agree");
+                    std::to_string(payload_bytes) + " bytes arrived; all three must agree");
   }
   return chunk;
 }
@@ -432,6 +445,34 @@ StatusOr<ChunkNotice> DecodeChunkNotice(std::span<const uint8_t> bytes) {
   return m;
 }
 
+std::vector<uint8_t> Encode(const SlotNotice& m) {
+  std::vector<uint8_t> out(kSlotNoticeBytes, 0);
+  Put<uint32_t>(out.data(), 0, kSlotMagic);
+  Put<uint32_t>(out.data(), 4, m.notice.chunk);
+  Put<uint64_t>(out.data(), 8, m.notice.sender);
+  Put<uint64_t>(out.data(), 16, m.notice.link);
+  Put<uint64_t>(out.data(), 24, m.notice.write);
+  Put<uint32_t>(out.data(), 32, m.slot);
+  Put<uint64_t>(out.data(), 40, m.payload_bytes);
+  return out;
+}
+
+StatusOr<SlotNotice> DecodeSlotNotice(std::span<const uint8_t> bytes) {
+  KVT_RETURN_IF_ERROR(CheckMessage(bytes, kSlotNoticeBytes, kSlotMagic, "slot notice"));
+  if (Get<uint32_t>(bytes.data(), 36) != 0) {
+    return DataLoss("slot notice reserved field is " +
+                    std::to_string(Get<uint32_t>(bytes.data(), 36)) + "; expected 0");
+  }
+  SlotNotice m;
+  m.notice.chunk = Get<uint32_t>(bytes.data(), 4);
+  m.notice.sender = Get<uint64_t>(bytes.data(), 8);
+  m.notice.link = Get<uint64_t>(bytes.data(), 16);
+  m.notice.write = Get<uint64_t>(bytes.data(), 24);
+  m.slot = Get<uint32_t>(bytes.data(), 32);
+  m.payload_bytes = Get<uint64_t>(bytes.data(), 40);
+  return m;
+}
+
 std::vector<uint8_t> Encode(const Hello& m) {
   std::vector<uint8_t> out(kHelloBytes, 0);
   Put<uint32_t>(out.data(), 0, kHelloMagic);
@@ -439,6 +480,10 @@ std::vector<uint8_t> Encode(const Hello& m) {
   Put<uint16_t>(out.data(), 6, static_cast<uint16_t>(m.mode));
   Put<uint64_t>(out.data(), 8, m.sender);
   Put<uint64_t>(out.data(), 16, m.link);
+  Put<uint64_t>(out.data(), 24, m.slots_base);
+  Put<uint64_t>(out.data(), 32, m.slot_bytes);
+  Put<uint32_t>(out.data(), 40, m.slots);
+  Put<uint32_t>(out.data(), 44, m.key_bytes);
   return out;
 }
 
@@ -454,8 +499,31 @@ StatusOr<Hello> DecodeHello(std::span<const uint8_t> bytes) {
     return DataLoss("staging hello names link mode " + std::to_string(mode) +
                     "; expected 0 (staged chunks) or 1 (copy runs)");
   }
-  return Hello{Get<uint64_t>(bytes.data(), 8), Get<uint64_t>(bytes.data(), 16),
-               static_cast<LinkMode>(mode)};
+  Hello m;
+  m.sender = Get<uint64_t>(bytes.data(), 8);
+  m.link = Get<uint64_t>(bytes.data(), 16);
+  m.mode = static_cast<LinkMode>(mode);
+  m.slots_base = Get<uint64_t>(bytes.data(), 24);
+  m.slot_bytes = Get<uint64_t>(bytes.data(), 32);
+  m.slots = Get<uint32_t>(bytes.data(), 40);
+  m.key_bytes = Get<uint32_t>(bytes.data(), 44);
+  if (m.slots > kMaxOfferedSlots || m.key_bytes > kMaxKeyBytes ||
+      (m.slots == 0) != (m.key_bytes == 0)) {
+    return DataLoss("staging hello offers " + std::to_string(m.slots) + " slots with a key of " +
+                    std::to_string(m.key_bytes) + " bytes; expected both 0, or at most " +
+                    std::to_string(kMaxOfferedSlots) + " slots and a key of 1.." +
+                    std::to_string(kMaxKeyBytes) + " bytes");
+  }
+  if (m.slots != 0 &&
+      (m.slot_bytes < kMinSlotBytes ||
+       m.slot_bytes > std::numeric_limits<uint64_t>::max() / m.slots ||
+       m.slots_base > std::numeric_limits<uint64_t>::max() - m.slot_bytes * m.slots)) {
+    return DataLoss("staging hello offers " + std::to_string(m.slots) + " slots of " +
+                    std::to_string(m.slot_bytes) + " bytes at " + std::to_string(m.slots_base) +
+                    "; slots must be at least " + std::to_string(kMinSlotBytes) +
+                    " bytes and end inside the address space");
+  }
+  return m;
 }
 
 std::vector<uint8_t> Encode(const HelloAck& m) {
@@ -465,6 +533,7 @@ std::vector<uint8_t> Encode(const HelloAck& m) {
   Put<uint64_t>(out.data(), 8, m.receiver);
   Put<uint64_t>(out.data(), 16, m.link);
   Put<uint32_t>(out.data(), 24, m.slots);
+  Put<uint32_t>(out.data(), 28, m.in_place ? 1 : 0);
   Put<uint64_t>(out.data(), 32, m.slot_bytes);
   return out;
 }
@@ -476,6 +545,12 @@ StatusOr<HelloAck> DecodeHelloAck(std::span<const uint8_t> bytes) {
   m.receiver = Get<uint64_t>(bytes.data(), 8);
   m.link = Get<uint64_t>(bytes.data(), 16);
   m.slots = Get<uint32_t>(bytes.data(), 24);
+  const uint32_t flags = Get<uint32_t>(bytes.data(), 28);
+  if (flags > 1) {
+    return DataLoss("staging hello ack has flags " + std::to_string(flags) +
+                    "; expected 0 or 1 (reads the slots in place)");
+  }
+  m.in_place = flags == 1;
   m.slot_bytes = Get<uint64_t>(bytes.data(), 32);
   return m;
 }

@@ -46,7 +46,8 @@ inline constexpr uint32_t kChunkMagic = 0x4354564b;  // "KVTC"
 // 2: buffers by transfer layer with their own page bytes (1 addressed K l and V L + l).
 // 3: hellos name their mode (staged chunks or copy runs); the trailer may announce a worker for
 // copy runs sent as active messages.
-inline constexpr uint16_t kWireVersion = 3;
+// 4: hellos offer the sender's slots for reading in place (SlotNotice instead of a payload).
+inline constexpr uint16_t kWireVersion = 4;
 inline constexpr uint64_t kChunkHeaderBytes = 72;
 inline constexpr uint64_t kPayloadAlign = 256;
 // Caps that keep per-chunk metadata bounded (device index buffers are sized from them).
@@ -167,6 +168,16 @@ struct DecodedChunk {
 // DataLoss for a payload that does not describe itself consistently, OutOfRange for layers,
 // buffers, pages or units outside the pool; each names the field and its value.
 StatusOr<DecodedChunk> DecodeChunk(std::span<const uint8_t> payload, const ChunkLimits& limits);
+// The same for a payload of `payload_bytes` of which only `prefix` (the header, page ids and
+// units; longer is fine) is at hand: a payload read in place from the sender's slot, whose
+// prefix the receiver copied out to check and to use, so that the sender cannot change it
+// after the check.
+StatusOr<DecodedChunk> DecodeChunkPrefix(std::span<const uint8_t> prefix, uint64_t payload_bytes,
+                                         const ChunkLimits& limits);
+// Bytes of a payload's prefix (header, page ids, units) from the header's counts, the counts
+// capped at kMaxChunkPages and kMaxUnits; at least kChunkHeaderBytes. `header` holds at least
+// kChunkHeaderBytes.
+uint64_t ChunkPrefixBytes(std::span<const uint8_t> header);
 
 // ---- control messages (UCX active-message headers) --------------------------------------------
 
@@ -177,6 +188,7 @@ inline constexpr unsigned kAmHelloAck = 22;
 inline constexpr unsigned kAmChunkAck = 23;
 inline constexpr unsigned kAmBye = 24;
 inline constexpr unsigned kAmRuns = 25;
+inline constexpr unsigned kAmSlotChunk = 26;
 
 // The AM header of a chunk: lets the receiver attribute a payload before it has landed.
 struct ChunkNotice {
@@ -191,23 +203,35 @@ inline constexpr size_t kChunkNoticeBytes = 32;
 // What a connection carries: staged chunks of a CUDA pool, or copy runs of host memory.
 enum class LinkMode : uint16_t { kStaged = 0, kRuns = 1 };
 
-// Sender -> receiver when a connection is made; the AM data is the sender's worker address.
+// Sender -> receiver when a connection is made; the AM data is the sender's worker address
+// followed by key_bytes of packed remote key (ucp_rkey_pack) of its send slots when it offers
+// them (slots > 0): `slots` slots of `slot_bytes` from slots_base in its address space, which a
+// receiver that maps them (the same host) reads chunks from in place.
 struct Hello {
   uint64_t sender = 0;
   uint64_t link = 0;
   LinkMode mode = LinkMode::kStaged;
+  uint64_t slots_base = 0;
+  uint64_t slot_bytes = 0;
+  uint32_t slots = 0;
+  uint32_t key_bytes = 0;
   friend bool operator==(const Hello&, const Hello&) = default;
 };
-inline constexpr size_t kHelloBytes = 24;
+inline constexpr size_t kHelloBytes = 48;
+// Caps on an offer: slots and key bytes.
+inline constexpr uint32_t kMaxOfferedSlots = 1024;
+inline constexpr uint32_t kMaxKeyBytes = 4096;
 
 // Receiver -> sender: accepted (code kOk) with the receiver's slots, or refused with a reason
-// (the AM data).
+// (the AM data). in_place: the receiver reads this sender's chunks from its offered slots
+// (the sender sends SlotNotices and keeps a slot until the chunk's ack).
 struct HelloAck {
   uint64_t receiver = 0;
   uint64_t link = 0;
   StatusCode code = StatusCode::kOk;
   uint32_t slots = 0;
   uint64_t slot_bytes = 0;
+  bool in_place = false;
   friend bool operator==(const HelloAck&, const HelloAck&) = default;
 };
 inline constexpr size_t kHelloAckBytes = 40;
@@ -231,13 +255,25 @@ struct Bye {
 };
 inline constexpr size_t kByeBytes = 24;
 
+// Sender -> receiver on an in-place link: chunk `notice` is gathered in the sender's offered
+// slot `slot`, payload_bytes long; no AM data.
+struct SlotNotice {
+  ChunkNotice notice;
+  uint32_t slot = 0;
+  uint64_t payload_bytes = 0;
+  friend bool operator==(const SlotNotice&, const SlotNotice&) = default;
+};
+inline constexpr size_t kSlotNoticeBytes = 48;
+
 std::vector<uint8_t> Encode(const ChunkNotice& m);
+std::vector<uint8_t> Encode(const SlotNotice& m);
 std::vector<uint8_t> Encode(const Hello& m);
 std::vector<uint8_t> Encode(const HelloAck& m);
 std::vector<uint8_t> Encode(const ChunkAck& m);
 std::vector<uint8_t> Encode(const Bye& m);
 // Each decoder refuses (DataLoss) a buffer of the wrong size or with the wrong magic.
 StatusOr<ChunkNotice> DecodeChunkNotice(std::span<const uint8_t> bytes);
+StatusOr<SlotNotice> DecodeSlotNotice(std::span<const uint8_t> bytes);
 StatusOr<Hello> DecodeHello(std::span<const uint8_t> bytes);
 StatusOr<HelloAck> DecodeHelloAck(std::span<const uint8_t> bytes);
 StatusOr<ChunkAck> DecodeChunkAck(std::span<const uint8_t> bytes);

@@ -293,7 +293,7 @@ ucs_status_t StagedTransport::OnRuns(void* arg, const void* header, size_t heade
   auto refuse = [&](ucs_status_t why, const Status& status) {
     KVT_LOG_WARN("ucx", "refusing a run message: {}", status.ToString());
     if (self->senders_.count(notice.sender) != 0 && self->dropped_.count(notice.sender) == 0) {
-      self->run_acks_.emplace_back(notice, status);
+      self->pending_acks_.emplace_back(notice, status);
     }
     return rndv ? why : UCS_OK;
   };
@@ -328,7 +328,7 @@ ucs_status_t StagedTransport::OnRuns(void* arg, const void* header, size_t heade
     src += piece.length;
   }
   RunsRelease();
-  self->run_acks_.emplace_back(notice, OkStatus());
+  self->pending_acks_.emplace_back(notice, OkStatus());
   return UCS_OK;
 }
 
@@ -338,7 +338,7 @@ void StagedTransport::PumpRunLandings() {
     if (l.request == nullptr) {
       if (dropped_.count(l.notice.sender) != 0 || !LinkOpen(l.notice.sender, l.notice.link)) {
         ucp_am_data_release(worker_, l.data);
-        run_acks_.emplace_back(l.notice, Aborted("its sender was disconnected here"));
+        pending_acks_.emplace_back(l.notice, Aborted("its sender was disconnected here"));
         it = run_landings_.erase(it);
         continue;
       }
@@ -352,7 +352,7 @@ void StagedTransport::PumpRunLandings() {
       l.data = nullptr;  // UCX's from here on
       if (UCS_PTR_IS_ERR(req) || req == nullptr) {
         if (req == nullptr) RunsRelease();
-        run_acks_.emplace_back(l.notice, UCS_PTR_IS_ERR(req)
+        pending_acks_.emplace_back(l.notice, UCS_PTR_IS_ERR(req)
                                              ? UcsStatus(UCS_PTR_STATUS(req),
                                                          "ucp_am_recv_data_nbx of a run message")
                                              : OkStatus());
@@ -368,7 +368,7 @@ void StagedTransport::PumpRunLandings() {
     }
     ucp_request_free(l.request);
     RunsRelease();
-    run_acks_.emplace_back(l.notice, st == UCS_OK ? OkStatus()
+    pending_acks_.emplace_back(l.notice, st == UCS_OK ? OkStatus()
                                                   : UcsStatus(st, "receiving a run message"));
     it = run_landings_.erase(it);
   }

@@ -101,6 +101,7 @@ Status StagedTransport::RegisterHandlers() {
       {kAmHelloAck, &StagedTransport::OnHelloAck, UCP_AM_FLAG_WHOLE_MSG},
       {kAmChunkAck, &StagedTransport::OnChunkAck, UCP_AM_FLAG_WHOLE_MSG},
       {kAmBye, &StagedTransport::OnBye, UCP_AM_FLAG_WHOLE_MSG},
+      {kAmSlotChunk, &StagedTransport::OnSlotChunk, UCP_AM_FLAG_WHOLE_MSG},
       // Run messages: eager data is copied into place inside the callback.
       {kAmRuns, &StagedTransport::OnRuns, UCP_AM_FLAG_WHOLE_MSG},
   };
@@ -258,6 +259,35 @@ Status StagedTransport::Attach(std::span<const LocalRegion> regions,
   limits_ = std::move(limits);
   send_.assign(options.slots, SendSlot{});
   recv_.assign(options.slots, RecvSlot{});
+  in_place_ = options.in_place;
+  // Links opened before offered the slots replaced now: their chunks go as payloads.
+  for (auto& [link, peer] : peers_) peer.in_place = false;
+  if (in_place_ && send_memh_ != nullptr) {
+    void* packed = nullptr;
+    size_t packed_len = 0;
+    Status key = UcsStatus(ucp_rkey_pack(context_, send_memh_, &packed, &packed_len),
+                           "ucp_rkey_pack of the send slots");
+    if (key.ok()) {
+      send_key_.assign(static_cast<const char*>(packed), packed_len);
+      ucp_rkey_buffer_release(packed);
+    } else {
+      KVT_LOG_DEBUG("ucx", "send slots not offered for reading in place: {}", key.ToString());
+    }
+  }
+  // Senders' slots mapped for the previous copier: page-locked again for this one.
+  for (auto it = sender_slots_.begin(); it != sender_slots_.end();) {
+    SenderSlots& m = it->second;
+    Status pinned = in_place_ ? copier_->PinPeerSlots(m.local, m.slot_bytes * m.count)
+                              : FailedPrecondition("reading in place is off");
+    if (pinned.ok()) {
+      m.pinned = true;
+      ++it;
+      continue;
+    }
+    KVT_LOG_WARN("ucx", "a sender's slots are no longer read in place: {}", pinned.ToString());
+    ucp_rkey_destroy(m.rkey);
+    it = sender_slots_.erase(it);
+  }
   KVT_LOG_DEBUG("ucx", "staging attached: {} copier, {} slots of {} bytes each way",
                 copier_->Name(), options.slots, slot_bytes_);
   return OkStatus();
@@ -270,6 +300,8 @@ Status StagedTransport::Detach() {
         "cannot re-register the staged pool while chunks are in flight; release the writes "
         "first");
   }
+  // The copier unpins the senders' slots it page-locked; the mappings stay for the next one.
+  for (auto& [instance, m] : sender_slots_) m.pinned = false;
   copier_.reset();
   notified_ = false;
   FreeSlotMemory();
@@ -281,6 +313,7 @@ Status StagedTransport::Detach() {
 }
 
 void StagedTransport::FreeSlotMemory() {
+  send_key_.clear();
   if (leak_slot_memory_) {
     KVT_LOG_ERROR("ucx",
                   "leaving the staging slots allocated: a transfer into or out of them did "
@@ -327,8 +360,16 @@ Status StagedTransport::AddPeer(PeerId link, std::string_view worker_address,
   ep.err_handler.cb = &OnReverseEndpointError;
   ep.err_handler.arg = nullptr;
   KVT_RETURN_IF_ERROR(UcsStatus(ucp_ep_create(worker_, &ep, &peer.ep), "ucp_ep_create"));
-  Status hello =
-      SendControl(peer.ep, kAmHello, Encode(Hello{instance_, link, mode}), worker_address_);
+  Hello h{instance_, link, mode};
+  std::string data = worker_address_;
+  if (mode == LinkMode::kStaged && !send_key_.empty()) {
+    h.slots_base = reinterpret_cast<uint64_t>(send_base_);
+    h.slot_bytes = slot_bytes_;
+    h.slots = static_cast<uint32_t>(send_.size());
+    h.key_bytes = static_cast<uint32_t>(send_key_.size());
+    data += send_key_;
+  }
+  Status hello = SendControl(peer.ep, kAmHello, Encode(h), std::move(data));
   if (!hello.ok()) {
     CloseEndpointNow(peer.ep, /*force=*/true);
     return hello.WithContext("sending the staging hello");
@@ -389,6 +430,10 @@ void StagedTransport::RemovePeer(PeerId link, bool peer_dead) {
   it = peers_.find(link);
   const ucp_ep_h ep = it->second.ep;
   peers_.erase(it);
+  // Slots the receiver read from: it acknowledged them (graceful), or it is gone.
+  for (SendSlot& slot : send_) {
+    if (slot.lent && slot.link == link) ReturnSlot(link, slot.write, slot.chunk);
+  }
   // Sends still in flight on it complete (cancelled, when forced) and free their slots.
   CloseEndpointNow(ep, peer_dead);
 }
@@ -493,6 +538,9 @@ void StagedTransport::Release(WriteId id) {
                   "may land later",
                   id, held(), kWaitBound.count());
     if (auto p = peers_.find(link); p != peers_.end()) p->second.credits.ReleaseWrite(id);
+    for (SendSlot& slot : send_) {
+      if (slot.lent && slot.write == id) ReturnSlot(slot.link, id, slot.chunk);
+    }
   }
   writes_.erase(id);
   run_writes_.erase(id);
@@ -544,7 +592,8 @@ void StagedTransport::PumpSendSlots() {
       if (st == UCS_INPROGRESS) continue;
       ucp_request_free(s.request);
       s.request = nullptr;
-      s.state = SendSlot::State::kFree;
+      if (st != UCS_OK) s.lent = false;
+      s.state = s.lent ? SendSlot::State::kLent : SendSlot::State::kFree;
       if (st != UCS_OK) FailChunk(s, UcsStatus(st, "UCX send of the chunk"));
     }
   }
@@ -563,18 +612,31 @@ void StagedTransport::SendGathered(uint32_t i) {
   }
   ucp_request_param_t param = {};
   param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_MEMORY_TYPE;
-  // Rendezvous: the receiver pulls the payload when it has a slot for it, straight from ours.
-  param.flags = UCP_AM_SEND_FLAG_RNDV;
   param.memory_type = UCS_MEMORY_TYPE_HOST;
-  ucs_status_ptr_t req = ucp_am_send_nbx(p->second.ep, kAmChunk, s.notice.data(), s.notice.size(),
-                                         SendPayload(i), s.payload_bytes, &param);
+  ucs_status_ptr_t req = nullptr;
+  s.lent = p->second.in_place;
+  if (s.lent) {
+    // The receiver reads the payload from this slot, which stays ours only after the ack.
+    s.notice = Encode(SlotNotice{ChunkNotice{instance_, s.link, s.write, s.chunk}, i,
+                                 s.payload_bytes});
+    param.flags = UCP_AM_SEND_FLAG_EAGER;
+    req = ucp_am_send_nbx(p->second.ep, kAmSlotChunk, s.notice.data(), s.notice.size(), nullptr,
+                          0, &param);
+  } else {
+    // Rendezvous: the receiver pulls the payload when it has a slot for it, straight from ours.
+    param.flags = UCP_AM_SEND_FLAG_RNDV;
+    req = ucp_am_send_nbx(p->second.ep, kAmChunk, s.notice.data(), s.notice.size(),
+                          SendPayload(i), s.payload_bytes, &param);
+  }
   if (UCS_PTR_IS_ERR(req)) {
     s.state = SendSlot::State::kFree;
+    s.lent = false;
     FailChunk(s, UcsStatus(UCS_PTR_STATUS(req), "ucp_am_send_nbx of the chunk"));
     return;
   }
   if (req == nullptr) {
-    s.state = SendSlot::State::kFree;  // sent already; the ack follows
+    // Sent already; the ack follows (and frees a lent slot).
+    s.state = s.lent ? SendSlot::State::kLent : SendSlot::State::kFree;
     return;
   }
   s.request = req;
@@ -679,6 +741,8 @@ void StagedTransport::HandleAck(const ChunkAck& ack, std::string_view message) {
     HandleRunAck(ack, message);
     return;
   }
+  // Whatever the write's state: the receiver no longer reads the slot.
+  ReturnSlot(ack.link, ack.write, ack.chunk);
   auto w = writes_.find(ack.write);
   if (w == writes_.end() || w->second.link != ack.link) return;
   auto p = peers_.find(ack.link);
@@ -695,6 +759,15 @@ void StagedTransport::HandleAck(const ChunkAck& ack, std::string_view message) {
   FailWrite(ack.write, write,
             Status(ack.code, "the receiver failed " + ChunkName(ack.write, ack.chunk) + ": " +
                                  std::string(message)));
+}
+
+void StagedTransport::ReturnSlot(PeerId link, WriteId write, uint32_t chunk) {
+  for (SendSlot& s : send_) {
+    if (!s.lent || s.link != link || s.write != write || s.chunk != chunk) continue;
+    s.lent = false;
+    if (s.state == SendSlot::State::kLent) s.state = SendSlot::State::kFree;
+    // kSending: freed when the notice's send completes.
+  }
 }
 
 // ---- receiving ----------------------------------------------------------------------------------
@@ -718,6 +791,7 @@ void StagedTransport::DropSender(uint64_t instance, bool peer_dead) {
   // Bytes being scattered cannot be stopped; wait for them so none lands after we return.
   // Queued and landing chunks are dropped as they come up (Landed sees the drop).
   WaitForLandings(instance, "a disconnected");
+  if (peer_dead) UnmapSenderSlots(instance);
 }
 
 void StagedTransport::WaitForLandings(uint64_t instance, const char* which) {
@@ -746,6 +820,7 @@ void StagedTransport::FenceSender(uint64_t instance) {
     senders_.erase(sender);
   }
   WaitForLandings(instance, "a fenced");
+  UnmapSenderSlots(instance);
 }
 
 bool StagedTransport::LinkOpen(uint64_t sender, uint64_t link) const {
@@ -808,6 +883,14 @@ void StagedTransport::HandleHellos() {
       ack.slots = slots();
       ack.slot_bytes = slot_bytes_;
       it->second.links.insert(h.hello.link);
+      if (in_place_ && h.hello.slots != 0) {
+        Status mapped = MapSenderSlots(it->second.ep, h.hello, h.key);
+        ack.in_place = mapped.ok();
+        if (!mapped.ok()) {
+          KVT_LOG_DEBUG("ucx", "staged chunks of sender {:x} arrive as payloads: {}",
+                        h.hello.sender, mapped.ToString());
+        }
+      }
     }
     Status sent = SendControl(it->second.ep, kAmHelloAck, Encode(ack), message);
     if (!sent.ok()) KVT_LOG_WARN("ucx", "staging hello ack not sent: {}", sent.ToString());
@@ -825,6 +908,7 @@ void StagedTransport::HandleByes() {
     // Acks of its chunks went out before its bye (it waited for them); close gracefully.
     CloseEndpoint(it->second.ep, /*force=*/false);
     senders_.erase(it);
+    UnmapSenderSlots(bye.sender);
   }
 }
 
@@ -856,6 +940,7 @@ void StagedTransport::PumpRecvSlots() {
     arrivals_.pop_front();
     Land(i, std::move(arrival));
   }
+  if (retired_slots_) UnmapRetiredSlots();
 }
 
 void StagedTransport::Land(uint32_t i, Arrival a) {
@@ -863,6 +948,30 @@ void StagedTransport::Land(uint32_t i, Arrival a) {
   r.notice = a.notice;
   r.length = a.length;
   r.request = nullptr;
+  r.source = nullptr;
+  r.prefix = 0;
+  if (a.in_place) {
+    auto m = sender_slots_.find(a.notice.sender);
+    if (m == sender_slots_.end() || m->second.retired || !m->second.pinned ||
+        a.slot >= m->second.count || a.length > m->second.slot_bytes) {
+      FinishReceive(i, Aborted("the sender's slots are no longer mapped here; reconnect"));
+      return;
+    }
+    // Only the prefix is copied (and then checked and used from our copy): the sender could
+    // rewrite its slot at any time, the data in it can only hurt its own request.
+    const uint8_t* source = m->second.local + size_t{a.slot} * m->second.slot_bytes;
+    const uint64_t head = std::min<uint64_t>(a.length, kChunkHeaderBytes);
+    std::memcpy(RecvPayload(i), source, head);
+    uint64_t prefix = head;
+    if (head == kChunkHeaderBytes) {
+      prefix = std::min<uint64_t>(a.length, ChunkPrefixBytes(Bytes(RecvPayload(i), head)));
+      std::memcpy(RecvPayload(i) + head, source + head, prefix - head);
+    }
+    r.source = source;
+    r.prefix = prefix;
+    Landed(i);
+    return;
+  }
   if (a.rndv) {
     ucp_request_param_t param = {};
     param.op_attr_mask = UCP_OP_ATTR_FIELD_MEMORY_TYPE;
@@ -892,7 +1001,10 @@ void StagedTransport::Landed(uint32_t i) {
     FinishReceive(i, Aborted("the receiver disconnected or fenced this sender; chunk dropped"));
     return;
   }
-  StatusOr<DecodedChunk> decoded = DecodeChunk(Bytes(RecvPayload(i), r.length), limits_);
+  StatusOr<DecodedChunk> decoded =
+      r.source != nullptr
+          ? DecodeChunkPrefix(Bytes(RecvPayload(i), r.prefix), r.length, limits_)
+          : DecodeChunk(Bytes(RecvPayload(i), r.length), limits_);
   if (!decoded.ok()) {
     FinishReceive(i, decoded.status().WithContext("refusing a malformed chunk"));
     return;
@@ -912,6 +1024,8 @@ void StagedTransport::Landed(uint32_t i) {
   cc.units = r.chunk.layout.units;
   cc.pages_offset = r.chunk.pages_offset;
   cc.payload_bytes = r.chunk.header.payload_bytes;
+  cc.data_source = r.source;
+  cc.data_offset = r.chunk.layout.data_offset;
   Status started = copier_->StartScatter(i, cc);
   if (!started.ok()) {
     FinishReceive(i, started.WithContext("scattering the chunk into the pool"));
@@ -923,6 +1037,7 @@ void StagedTransport::Landed(uint32_t i) {
 void StagedTransport::FinishReceive(uint32_t i, const Status& status) {
   RecvSlot& r = recv_[i];
   r.state = RecvSlot::State::kFree;
+  r.source = nullptr;
   if (!status.ok()) {
     KVT_LOG_DEBUG("ucx", "receiving {}: {}", ChunkName(r.notice.write, r.notice.chunk),
                   status.ToString());
@@ -985,6 +1100,153 @@ ucs_status_t StagedTransport::OnChunk(void* arg, const void* header, size_t head
   return (rndv || persistent) ? UCS_INPROGRESS : UCS_OK;
 }
 
+ucs_status_t StagedTransport::OnSlotChunk(void* arg, const void* header, size_t header_length,
+                                          void*, size_t length,
+                                          const ucp_am_recv_param_t* param) {
+  auto* self = static_cast<StagedTransport*>(arg);
+  StatusOr<SlotNotice> notice = DecodeSlotNotice(Bytes(header, header_length));
+  if (!notice.ok() || length != 0 || (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0) {
+    KVT_LOG_WARN("ucx", "ignoring a malformed slot notice: {}",
+                 notice.ok() ? "it carries data" : notice.status().ToString());
+    return UCS_OK;
+  }
+  // Refused with an ack (sent from Pump): the sender's slot and credit come back at once.
+  auto refuse = [&](const Status& why) {
+    KVT_LOG_WARN("ucx", "refusing a staged chunk read in place: {}", why.ToString());
+    self->pending_acks_.emplace_back(notice->notice, why);
+    return UCS_OK;
+  };
+  const uint64_t sender = notice->notice.sender;
+  if (!self->attached()) return refuse(FailedPrecondition("no staged pool registered here"));
+  if (self->dropped_.count(sender) != 0) {
+    return refuse(Aborted("its sender was disconnected here"));
+  }
+  if (!self->LinkOpen(sender, notice->notice.link)) {
+    return refuse(Aborted("its link " + std::to_string(notice->notice.link) +
+                          " is not open here (closed, fenced, or no hello)"));
+  }
+  auto m = self->sender_slots_.find(sender);
+  if (m == self->sender_slots_.end() || m->second.retired) {
+    return refuse(FailedPrecondition(
+        "the chunk names slot " + std::to_string(notice->slot) +
+        " but this receiver reads no slots of its sender in place (its hello ack said so)"));
+  }
+  if (notice->slot >= m->second.count) {
+    return refuse(OutOfRange("the chunk names slot " + std::to_string(notice->slot) + " of the " +
+                             std::to_string(m->second.count) + " its sender offered"));
+  }
+  const uint64_t limit = std::min(m->second.slot_bytes, self->slot_bytes_);
+  if (notice->payload_bytes < kChunkHeaderBytes || notice->payload_bytes > limit) {
+    return refuse(OutOfRange("the chunk's payload_bytes is " +
+                             std::to_string(notice->payload_bytes) + "; expected " +
+                             std::to_string(kChunkHeaderBytes) + ".." + std::to_string(limit) +
+                             " (the slots of both sides)"));
+  }
+  Arrival arrival;
+  arrival.notice = notice->notice;
+  arrival.length = notice->payload_bytes;
+  arrival.in_place = true;
+  arrival.slot = notice->slot;
+  self->arrivals_.push_back(std::move(arrival));
+  return UCS_OK;
+}
+
+Status StagedTransport::MapSenderSlots(ucp_ep_h ep, const Hello& hello, std::string_view key) {
+  const uint64_t bytes = hello.slot_bytes * hello.slots;  // DecodeHello bounded it
+  if (auto it = sender_slots_.find(hello.sender); it != sender_slots_.end()) {
+    const SenderSlots& m = it->second;
+    if (!m.retired && m.remote_base == hello.slots_base && m.slot_bytes == hello.slot_bytes &&
+        m.count == hello.slots) {
+      return m.pinned ? OkStatus() : FailedPrecondition("its slots are mapped but not pinned");
+    }
+    if (SenderSlotsBusy(hello.sender)) {
+      return FailedPrecondition("its earlier slots are still being read");
+    }
+    UnmapSenderSlots(hello.sender, /*force=*/true);
+  }
+  KVT_RETURN_IF_ERROR(ucx_check::CheckPackedRkey(Bytes(key.data(), key.size())));
+  // What is mapped before the key is unpacked: the shared memory it attaches is what is new
+  // afterwards, and the only memory the offered slots may lie in.
+  KVT_ASSIGN_OR_RETURN(const std::vector<ucx_check::Mapping> before, ucx_check::ReadSelfMaps());
+  std::string padded(key);
+  padded.append(ucx_check::kRkeyUnpackPadding, '\0');
+  ucp_rkey_h rkey = nullptr;
+  KVT_RETURN_IF_ERROR(
+      UcsStatus(ucp_ep_rkey_unpack(ep, padded.data(), &rkey), "ucp_ep_rkey_unpack of its slots"));
+  void* first = nullptr;
+  void* last = nullptr;
+  ucs_status_t st = ucp_rkey_ptr(rkey, hello.slots_base, &first);
+  if (st == UCS_OK) st = ucp_rkey_ptr(rkey, hello.slots_base + bytes - 1, &last);
+  Status usable = UcsStatus(st, "ucp_rkey_ptr of its slots (not mapped on this host)");
+  if (usable.ok() &&
+      reinterpret_cast<uintptr_t>(last) - reinterpret_cast<uintptr_t>(first) != bytes - 1) {
+    usable = InvalidArgument("its slots do not map to one range here");
+  }
+  if (usable.ok()) {
+    StatusOr<std::vector<ucx_check::Mapping>> after = ucx_check::ReadSelfMaps();
+    usable = after.status();
+    if (usable.ok()) {
+      usable = ucx_check::CheckMappedForWrite(0, hello.slots_base, bytes,
+                                              reinterpret_cast<uint64_t>(first),
+                                              ucx_check::NewMappings(before, *after), {});
+    }
+  }
+  if (usable.ok()) {
+    usable = copier_->PinPeerSlots(first, bytes).WithContext("page-locking its slots");
+  }
+  if (!usable.ok()) {
+    ucp_rkey_destroy(rkey);
+    return usable;
+  }
+  SenderSlots m;
+  m.rkey = rkey;
+  m.local = static_cast<uint8_t*>(first);
+  m.remote_base = hello.slots_base;
+  m.slot_bytes = hello.slot_bytes;
+  m.count = hello.slots;
+  m.pinned = true;
+  sender_slots_[hello.sender] = m;
+  KVT_LOG_DEBUG("ucx", "reading the {} slots of sender {:x} in place", hello.slots, hello.sender);
+  return OkStatus();
+}
+
+bool StagedTransport::SenderSlotsBusy(uint64_t instance) const {
+  for (const RecvSlot& r : recv_) {
+    if (r.state != RecvSlot::State::kFree && r.source != nullptr && r.notice.sender == instance) {
+      return true;
+    }
+  }
+  return false;
+}
+
+void StagedTransport::UnmapSenderSlots(uint64_t instance, bool force) {
+  auto it = sender_slots_.find(instance);
+  if (it == sender_slots_.end()) return;
+  if (SenderSlotsBusy(instance)) {
+    if (!force) {
+      it->second.retired = true;
+      retired_slots_ = true;
+      return;
+    }
+    KVT_LOG_ERROR("ucx", "leaving the slots of sender {:x} mapped: a chunk read from them did not "
+                  "finish", instance);
+    sender_slots_.erase(it);
+    return;
+  }
+  if (it->second.pinned && copier_ != nullptr) copier_->UnpinPeerSlots(it->second.local);
+  ucp_rkey_destroy(it->second.rkey);
+  sender_slots_.erase(it);
+}
+
+void StagedTransport::UnmapRetiredSlots() {
+  retired_slots_ = false;
+  std::vector<uint64_t> retired;
+  for (const auto& [instance, m] : sender_slots_) {
+    if (m.retired) retired.push_back(instance);
+  }
+  for (uint64_t instance : retired) UnmapSenderSlots(instance);
+}
+
 ucs_status_t StagedTransport::OnHello(void* arg, const void* header, size_t header_length,
                                       void* data, size_t length, const ucp_am_recv_param_t* param) {
   auto* self = static_cast<StagedTransport*>(arg);
@@ -993,9 +1255,16 @@ ucs_status_t StagedTransport::OnHello(void* arg, const void* header, size_t head
     KVT_LOG_WARN("ucx", "ignoring a malformed staging hello");
     return UCS_OK;
   }
+  if (hello->key_bytes >= length) {
+    KVT_LOG_WARN("ucx", "ignoring a staging hello whose key of {} bytes leaves no address in its "
+                 "{} bytes", hello->key_bytes, length);
+    return UCS_OK;
+  }
   // Endpoints cannot be created inside a callback; Pump answers it.
-  self->hellos_.push_back(
-      PendingHello{*hello, std::string(static_cast<const char*>(data), length)});
+  const auto* bytes = static_cast<const char*>(data);
+  const size_t address = length - hello->key_bytes;
+  self->hellos_.push_back(PendingHello{*hello, std::string(bytes, address),
+                                       std::string(bytes + address, hello->key_bytes)});
   return UCS_OK;
 }
 
@@ -1014,6 +1283,7 @@ ucs_status_t StagedTransport::OnHelloAck(void* arg, const void* header, size_t h
     return UCS_OK;
   }
   peer.ready = true;
+  peer.in_place = ack->in_place && peer.mode == LinkMode::kStaged && !self->send_key_.empty();
   peer.credits.SetLimit(peer.mode == LinkMode::kRuns
                             ? std::min(self->run_options_.window, ack->slots)
                             : std::min(peer.remote.slots, ack->slots));
@@ -1141,9 +1411,9 @@ void StagedTransport::Pump() {
   if (!run_sends_.empty()) PumpRunSends();
   if (!run_pending_.empty()) ScheduleRuns(run_options_.pump_bytes);
   if (!run_landings_.empty()) PumpRunLandings();
-  if (!run_acks_.empty()) {
-    std::vector<std::pair<ChunkNotice, Status>> acks = std::move(run_acks_);
-    run_acks_.clear();
+  if (!pending_acks_.empty()) {
+    std::vector<std::pair<ChunkNotice, Status>> acks = std::move(pending_acks_);
+    pending_acks_.clear();
     for (const auto& [notice, status] : acks) SendAck(notice, status);
   }
   if (!control_.empty() || !closing_.empty()) PumpControl();
@@ -1165,7 +1435,7 @@ void StagedTransport::DrainCompletions() {
 bool StagedTransport::NeedsPolling() const {
   // Copier completions wake no UCX event fd: the CUDA copier's announce themselves on
   // completion_fd; the host copier's are seen by the next Pump.
-  if (!hellos_.empty() || !byes_.empty() || !run_acks_.empty()) return true;
+  if (!hellos_.empty() || !byes_.empty() || !pending_acks_.empty()) return true;
   if (!run_pending_.empty() && RunsSendable()) return true;  // sent a budget per Pump
   for (const RunLanding& l : run_landings_) {
     if (l.request == nullptr) return true;  // waiting to be received
@@ -1206,6 +1476,9 @@ void StagedTransport::Quiesce() {
 void StagedTransport::Shutdown() {
   for (auto& [link, peer] : peers_) CloseEndpointNow(peer.ep, /*force=*/false);
   peers_.clear();
+  std::vector<uint64_t> mapped;
+  for (const auto& [instance, m] : sender_slots_) mapped.push_back(instance);
+  for (uint64_t instance : mapped) UnmapSenderSlots(instance, /*force=*/true);
   for (auto& [instance, sender] : senders_) CloseEndpoint(sender.ep, /*force=*/false);
   senders_.clear();
   const auto give_up = Clock::now() + kCloseBound;
@@ -1256,7 +1529,7 @@ void StagedTransport::Shutdown() {
   }
   run_writes_.clear();
   run_pending_.clear();
-  run_acks_.clear();
+  pending_acks_.clear();
   writes_.clear();
   pending_.clear();
   peers_.clear();

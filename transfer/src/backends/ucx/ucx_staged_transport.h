@@ -19,6 +19,16 @@
 // Packing chunk k+1, sending chunk k and unpacking chunk k-1 use different slots and streams,
 // so they overlap.
 //
+// Reading in place (one host): a sender offers its send slots in its hello (their address and a
+// packed remote key). A receiver that can map them (ucp_rkey_ptr: UCX's shared-memory
+// transports reach them) and page-lock the mapping for DMA answers in_place; the sender then
+// sends a SlotNotice (which slot, how many bytes) instead of the payload and keeps the slot
+// until the chunk's ack. The receiver copies the payload's prefix (header, page ids, units) out
+// of the sender's slot into its own, checks and uses that copy, and copies the data to the
+// device straight from the sender's slot: no host-to-host copy, which otherwise bounds this path
+// to what one core copies (UCX's shared-memory rendezvous). Across hosts, or where mapping or
+// page-locking fails, chunks go as payloads as above.
+//
 // The transport runs on a UCP context and worker of its own (active messages only), so that the
 // host path's RMA context is exactly what it was (enabling UCP_FEATURE_AM there crashes UCX
 // 1.13's tcp transport). The owning backend's progress thread progresses both workers.
@@ -82,10 +92,13 @@ struct RunOptions {
 
 struct StagingOptions {
   uint32_t slots = 8;
-  uint64_t slot_bytes = uint64_t{4} << 20;
+  uint64_t slot_bytes = uint64_t{16} << 20;
   // Host pools staged by the CPU (tests); otherwise CUDA pools staged by the kernels.
   bool host_copier = false;
   std::chrono::microseconds host_copy_delay{0};
+  // Offer this side's send slots to receivers for reading in place, and read senders' offered
+  // slots in place where they map here.
+  bool in_place = true;
 };
 
 class StagedTransport {
@@ -143,6 +156,12 @@ class StagedTransport {
   // for or sent, the endpoint is closed by force. Writes that did not complete are Aborted.
   void RemovePeer(PeerId link, bool peer_dead);
   bool HasPeer(PeerId link) const { return peers_.count(link) != 0; }
+  // Whether the receiver of `link` acknowledged reading our slots in place (its chunks go as
+  // SlotNotices); false until the hello is acknowledged.
+  bool ReadsInPlace(PeerId link) const {
+    auto it = peers_.find(link);
+    return it != peers_.end() && it->second.in_place;
+  }
 
   Status PostPages(WriteId id, PeerId link, const PageWrite& write);
   // A write of copy runs to a kRuns peer; `local` are this side's buffers (the runs' sources),
@@ -192,6 +211,7 @@ class StagedTransport {
     AddressTrailer remote;
     std::vector<RemoteRegion> regions;
     bool ready = false;  // hello acknowledged
+    bool in_place = false;  // the receiver reads our slots in place (SlotNotices)
     Status error;        // the receiver refused us
     CreditWindow credits;
   };
@@ -208,7 +228,9 @@ class StagedTransport {
     Status status;
   };
   struct SendSlot {
-    enum class State { kFree, kGathering, kSending } state = State::kFree;
+    // kLent: the receiver reads the chunk from this slot; free again at the chunk's ack.
+    enum class State { kFree, kGathering, kSending, kLent } state = State::kFree;
+    bool lent = false;  // sent as a SlotNotice: the slot waits for the ack
     WriteId write = 0;
     uint32_t chunk = 0;
     PeerId link = 0;
@@ -222,6 +244,8 @@ class StagedTransport {
     size_t length = 0;
     bool rndv = false;
     std::vector<uint8_t> copy;  // data UCX would not keep
+    bool in_place = false;      // a SlotNotice: the payload is in the sender's slot `slot`
+    uint32_t slot = 0;
   };
   struct RecvSlot {
     enum class State { kFree, kLanding, kScattering } state = State::kFree;
@@ -229,6 +253,18 @@ class StagedTransport {
     size_t length = 0;
     void* request = nullptr;
     DecodedChunk chunk;
+    const uint8_t* source = nullptr;  // read in place: the sender's slot mapped here
+    uint64_t prefix = 0;              // read in place: prefix bytes copied into our slot
+  };
+  // A sender's offered send slots, mapped here and page-locked (reading in place).
+  struct SenderSlots {
+    ucp_rkey_h rkey = nullptr;
+    uint8_t* local = nullptr;  // where slot 0 is mapped here
+    uint64_t remote_base = 0;
+    uint64_t slot_bytes = 0;
+    uint32_t count = 0;
+    bool pinned = false;   // by the current copier
+    bool retired = false;  // to unmap once no chunk read from it is in flight
   };
   // A write of copy runs: what is left to send (a cursor into the runs) and what came back.
   struct RunWrite {
@@ -266,6 +302,7 @@ class StagedTransport {
   struct PendingHello {
     Hello hello;
     std::string address;
+    std::string key;  // of the offered slots; empty: none offered
   };
   struct ControlSend {
     std::vector<uint8_t> header;
@@ -293,6 +330,8 @@ class StagedTransport {
                                  size_t length, const ucp_am_recv_param_t* param);
   static ucs_status_t OnRuns(void* arg, const void* header, size_t header_length, void* data,
                              size_t length, const ucp_am_recv_param_t* param);
+  static ucs_status_t OnSlotChunk(void* arg, const void* header, size_t header_length,
+                                  void* data, size_t length, const ucp_am_recv_param_t* param);
   static ucs_status_t OnBye(void* arg, const void* header, size_t header_length, void* data,
                             size_t length, const ucp_am_recv_param_t* param);
 
@@ -304,6 +343,8 @@ class StagedTransport {
   void FailChunk(SendSlot& slot, const Status& status);
   void FailWrite(WriteId id, Write& write, const Status& status);
   void HandleAck(const ChunkAck& ack, std::string_view message);
+  // Frees the send slot lent for the chunk (matching link, write and chunk), if any.
+  void ReturnSlot(PeerId link, WriteId write, uint32_t chunk);
   // Progresses until `done` or the bound; false on timeout.
   template <typename Done>
   bool WaitUntil(Done&& done, std::chrono::milliseconds bound);
@@ -331,6 +372,15 @@ class StagedTransport {
   // Whether `link` of `sender` was opened by a hello and not closed or fenced since.
   bool LinkOpen(uint64_t sender, uint64_t link) const;
   void HandleByes();
+  // Maps and page-locks the slots `hello` offers (its packed key is `key`), replacing an idle
+  // earlier mapping of the same sender; an error when they do not map here (another host) or
+  // the mapping fails a check.
+  Status MapSenderSlots(ucp_ep_h ep, const Hello& hello, std::string_view key);
+  // Unmaps the sender's slots once no chunk read from them is in flight (retires them until
+  // then); force: now, or never (leaked) if a chunk is still read from them.
+  void UnmapSenderSlots(uint64_t instance, bool force = false);
+  bool SenderSlotsBusy(uint64_t instance) const;
+  void UnmapRetiredSlots();
   void Land(uint32_t slot, Arrival arrival);
   void Landed(uint32_t slot);
   void FinishReceive(uint32_t slot, const Status& status);
@@ -364,6 +414,8 @@ class StagedTransport {
   bool notified_ = false;
   static void OnCopierDone(void* self);
   uint64_t slot_bytes_ = 0;
+  bool in_place_ = true;      // StagingOptions::in_place
+  std::string send_key_;      // packed remote key of the send slots (offered); empty: none
   uint8_t* send_base_ = nullptr;
   uint8_t* recv_base_ = nullptr;
   ucp_mem_h send_memh_ = nullptr;  // ucp_mem_map ALLOCATE of the slots, or
@@ -383,6 +435,8 @@ class StagedTransport {
   std::deque<Arrival> arrivals_;
   std::unordered_map<uint64_t, Sender> senders_;
   std::unordered_set<uint64_t> dropped_;
+  std::unordered_map<uint64_t, SenderSlots> sender_slots_;  // by sender instance
+  bool retired_slots_ = false;                              // some are retired
   std::deque<uint64_t> dropped_order_;  // insertion order, to bound dropped_
   std::vector<PendingHello> hellos_;
   std::vector<Bye> byes_;
@@ -395,7 +449,8 @@ class StagedTransport {
   std::set<WriteId> run_pending_;           // run writes with messages not yet sent
   std::list<RunSend> run_sends_;
   std::list<RunLanding> run_landings_;
-  std::vector<std::pair<ChunkNotice, Status>> run_acks_;  // acks to send from Pump
+  // Acks to send from Pump (run messages, and chunks refused inside a callback).
+  std::vector<std::pair<ChunkNotice, Status>> pending_acks_;
 
   std::list<ControlSend> control_;
   std::vector<Closing> closing_;

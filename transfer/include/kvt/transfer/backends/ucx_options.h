@@ -67,9 +67,17 @@ struct UcxOptions {
   // CUDA pools: see UcxCudaMode.
   UcxCudaMode cuda_mode = UcxCudaMode::kAuto;
   // Staging: bounce slots per side (1..4096) and bytes per slot (4 KiB..4 GiB); memory is
-  // bounded by both, and a sender holds a credit per receiver slot.
+  // bounded by both, and a sender holds a credit per receiver slot. A staged pool pins
+  // 2 x slots x slot_bytes of host memory (send and receive slots) and holds slots x slot_bytes
+  // of device memory (256 MiB and 128 MiB by default): slots of 16 MiB keep the fixed cost of
+  // each chunk (kernel launches, a message, an ack) small beside its copies.
   int staging_slots = 8;
-  size_t staging_slot_bytes = size_t{4} << 20;
+  size_t staging_slot_bytes = size_t{16} << 20;
+  // Staging between processes of one host: a receiver reads a sender's bounce slots in place
+  // (mapped through UCX's shared memory and page-locked) and copies them to its device from
+  // there, instead of receiving them into its own slots first (a host-to-host copy by one
+  // thread). Off: chunks always travel as payloads. Both sides must allow it.
+  bool staging_in_place = true;
   // Host memory: see UcxHostPath. Any but kPut gives the backend a second UCP context and
   // worker (active messages only), which peers that send active messages connect to.
   UcxHostPath host_path = UcxHostPath::kAuto;
