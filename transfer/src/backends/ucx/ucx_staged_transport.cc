@@ -27,6 +27,8 @@ constexpr std::chrono::milliseconds kWaitBound{10000};
 // How long an endpoint close or a control message may take before it is abandoned.
 constexpr std::chrono::milliseconds kCloseBound{2000};
 constexpr std::chrono::milliseconds kControlBound{10000};
+// How long the worker must have been idle before it is destroyed (DrainWorker).
+constexpr std::chrono::milliseconds kDrainQuiet{20};
 constexpr size_t kMaxAckMessage = 1024;
 // Disconnected senders remembered (to refuse their late chunks); the oldest are forgotten.
 constexpr size_t kMaxDropped = 4096;
@@ -84,7 +86,10 @@ Status StagedTransport::Init(const std::string& transports) {
 StagedTransport::~StagedTransport() {
   copier_.reset();  // waits for its pending completion callbacks
   if (completion_fd_ >= 0) close(completion_fd_);
-  if (worker_ != nullptr) ucp_worker_destroy(worker_);
+  if (worker_ != nullptr) {
+    DrainWorker(worker_, kDrainQuiet, kCloseBound);
+    ucp_worker_destroy(worker_);
+  }
   if (context_ != nullptr) ucp_cleanup(context_);
 }
 

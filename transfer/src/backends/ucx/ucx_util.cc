@@ -98,4 +98,14 @@ StatusOr<ucp_config_t*> ReadUcpConfig(const std::string& transports) {
   return config;
 }
 
+void DrainWorker(ucp_worker_h worker, std::chrono::milliseconds quiet,
+                 std::chrono::milliseconds bound) {
+  using Clock = std::chrono::steady_clock;
+  const auto give_up = Clock::now() + bound;
+  auto last_work = Clock::now();
+  for (auto now = last_work; now < give_up && now - last_work < quiet; now = Clock::now()) {
+    if (ucp_worker_progress(worker) != 0) last_work = Clock::now();
+  }
+}
+
 }  // namespace kvt::transfer

@@ -6,6 +6,7 @@
 
 #include <ucp/api/ucp.h>
 
+#include <chrono>
 #include <string>
 
 #include "kvt/common/status.h"
@@ -20,5 +21,13 @@ Status UcsStatus(ucs_status_t status, const std::string& what);
 // where the environment does not set them). The caller releases it (ucp_config_release).
 // InvalidArgument for a transport list UCX refuses.
 StatusOr<ucp_config_t*> ReadUcpConfig(const std::string& transports);
+
+// Progresses `worker` until it has done nothing for `quiet` in a row, or for at most `bound`:
+// call before ucp_worker_destroy. UCX 1.13's tcp transport aborts the process there
+// (ucp_ep_purge_lanes: "got REP message") when a wireup reply is still queued on an endpoint UCX
+// made for a peer's connection, which a worker torn down right after a peer connected has; UCX
+// has no call that waits for those replies, so the worker is given the time to send them.
+void DrainWorker(ucp_worker_h worker, std::chrono::milliseconds quiet,
+                 std::chrono::milliseconds bound);
 
 }  // namespace kvt::transfer
