@@ -20,4 +20,8 @@ void AddTransferCommand(CLI::App& app, int& exit_code);
 // the ceiling is the same requests through one prefill and one decode agent.
 void AddLoadCommand(CLI::App& app, int& exit_code);
 
+// `kvt-bench copy`: the ucx shared-memory path's host copy alone (StreamCopyRuns by 1..N threads
+// over random runs) vs one thread's contiguous memcpy of the same bytes: what the machine allows.
+void AddCopyCommand(CLI::App& app, int& exit_code);
+
 }  // namespace kvt::bench

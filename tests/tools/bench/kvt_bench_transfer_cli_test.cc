@@ -3,6 +3,7 @@
 // through TransferLayout::FromBufInfos) and with kvt's own pool, every page size verifies and the
 // JSON says which memory was used; a bad --memory is refused naming the value. With --ucx-tls tcp
 // the table and the JSON carry the plain-socket ceiling and kvt's ratios to it; without, neither.
+// Also `kvt-bench copy`, the same binary's host-copy benchmark.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -111,6 +112,41 @@ TEST(KvtBenchTransferFlags, BadMemoryIsRefusedNamingTheValue) {
   EXPECT_NE(r.exit_code, 0);
   EXPECT_THAT(r.err, HasSubstr("--memory is 'torch'; use pool"));
   EXPECT_THAT(r.err, HasSubstr("external"));
+}
+
+// `kvt-bench copy` (the shared-memory path's host copy alone): a tiny run prints a row per run
+// size, memory and thread count, its JSON carries the figures and the check passed; bad flags
+// are refused naming the value.
+TEST(KvtBenchCopy, TinyRunPrintsEveryRowAndWritesItsJson) {
+  const std::string dir = ::testing::TempDir() + "/kvt-bench-copy-cli-" + std::to_string(getpid());
+  std::filesystem::create_directories(dir);
+  const std::string json = dir + "/copy.json";
+  const ToolResult r = RunTool(Bench(),
+                               "copy --run-bytes 2KiB,64KiB --threads 1,2 --memory shared,private "
+                               "--bytes 4MiB --pool 16MiB --iters 2 --json " + json);
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_THAT(r.out, HasSubstr("ratio"));
+  const nlohmann::json doc = ReadJson(json);
+  ASSERT_TRUE(doc.contains("results")) << doc.dump();
+  ASSERT_EQ(doc["results"].size(), 8u) << doc.dump();
+  for (const auto& row : doc["results"]) {
+    EXPECT_GT(row.value("memcpy_gbps", 0.0), 0.0) << row.dump();
+    EXPECT_GT(row.value("runs_gbps", 0.0), 0.0) << row.dump();
+    EXPECT_EQ(row.value("bytes", 0), 4 << 20) << row.dump();
+  }
+  std::filesystem::remove_all(dir);
+}
+
+TEST(KvtBenchCopy, BadFlagsAreRefusedNamingTheValue) {
+  ToolResult r = RunTool(Bench(), "copy --memory numa");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_THAT(r.err, HasSubstr("--memory has 'numa'; give shared, private or huge"));
+  r = RunTool(Bench(), "copy --run-bytes 8");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_THAT(r.err, HasSubstr("--run-bytes has 8; give at least 64"));
+  r = RunTool(Bench(), "copy --bytes 64MiB --pool 16MiB");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_THAT(r.err, HasSubstr("must hold one run"));
 }
 
 }  // namespace
