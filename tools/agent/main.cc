@@ -90,6 +90,9 @@ int main(int argc, char** argv) {
   int64_t engine_heartbeat_ms = transfer::EngineOptions{}.heartbeat_interval.count();
   uint32_t tp_rank = 0, tp_size = 1, seed = 1;
   int ucx_copy_threads = transfer::UcxOptions{}.copy_threads;
+  int ucx_staging_slots = transfer::UcxOptions{}.staging_slots;
+  int64_t ucx_staging_slot_bytes = static_cast<int64_t>(transfer::UcxOptions{}.staging_slot_bytes);
+  bool ucx_staging_in_place = transfer::UcxOptions{}.staging_in_place;
   bool exit_with_parent = false, no_shuffle = false, no_verify = false, skip_fill = false;
   app.add_option("--role", role, "prefill or decode")->check(CLI::IsMember({"prefill", "decode"}));
   app.add_option("--name", name, "agent (instance) name; default kvt-<role>");
@@ -123,6 +126,19 @@ int main(int argc, char** argv) {
                  "(0: half the cores, 2..8)")
       ->capture_default_str()
       ->check(tools::IntRange(0, 64));
+  app.add_option("--ucx-staging-slots", ucx_staging_slots,
+                 "ucx staging CUDA pools (UCX without CUDA support): bounce slots each way")
+      ->capture_default_str()
+      ->check(tools::IntRange(1, 4096));
+  app.add_option("--ucx-staging-slot-bytes", ucx_staging_slot_bytes,
+                 "ucx staging: bytes per bounce slot (the pool pins 2 x slots x this of host "
+                 "memory and holds slots x this of device memory)")
+      ->capture_default_str()
+      ->check(tools::IntRange(4096, int64_t{1} << 32));
+  app.add_option("--ucx-staging-in-place", ucx_staging_in_place,
+                 "ucx staging on one host: read the sender's slots in place (true) or receive "
+                 "every chunk into this side's slots first (false)")
+      ->capture_default_str();
   app.add_option("--device", device, "pool memory: host or cuda:N (CUDA device N)");
   app.add_option("--layers", layers, "layers")->check(tools::IntRange(1, 4096));
   app.add_option("--heads", heads, "KV heads of this rank")->check(tools::IntRange(1, 65536));
@@ -239,6 +255,9 @@ int main(int argc, char** argv) {
     if (!host_path.ok()) return Fail(host_path.status().WithContext("--ucx-host-path"));
     ucx->host_path = *host_path;
     ucx->copy_threads = ucx_copy_threads;
+    ucx->staging_slots = ucx_staging_slots;
+    ucx->staging_slot_bytes = static_cast<size_t>(ucx_staging_slot_bytes);
+    ucx->staging_in_place = ucx_staging_in_place;
   }
   options.engine.backend = *backend_config;
   options.engine.server.bind_address = listen_at->host;

@@ -515,6 +515,9 @@ TEST(KvtAgentCliTest, RangeErrorsSayFlagRangeAndValuePlainly) {
                         Case{"--tokens 0", "--tokens", "0", ">= 1"},
                         Case{"--deadline-ms 0", "--deadline-ms", "0", "1..3600000"},
                         Case{"--ucx-copy-threads 65", "--ucx-copy-threads", "65", "0..64"},
+                        Case{"--ucx-staging-slots 0", "--ucx-staging-slots", "0", "1..4096"},
+                        Case{"--ucx-staging-slot-bytes 100", "--ucx-staging-slot-bytes", "100",
+                             "4096..4294967296"},
                         Case{"--layer-time-us -5", "--layer-time-us", "-5", ">= 0"},
                         Case{"--page-size 16x", "--page-size", "16x", "1..65536"}}) {
     const ToolResult r = RunTool(KVT_AGENT_PATH, c.args);
