@@ -903,6 +903,47 @@ TEST_P(StagedHostProtocol, ReceiversReadSlotsInPlaceWhereTheyMapThere) {
   EXPECT_EQ(*path, shared_memory && InPlaceAllowed() ? "staged-in-place" : "staged");
 }
 
+// A sender that registers again gets new slot memory (and a new key): the link opened before
+// sends payloads from then on, a new link is read in place from the new slots, and both land
+// byte-exact, also when the new slots sit where the old ones did.
+TEST_P(StagedHostProtocol, ASenderThatRegistersAgainIsReadFromItsNewSlots) {
+  Start(/*sender_slots=*/4, /*receiver_slots=*/4, /*slot_bytes=*/16384);
+  std::mt19937 rng(29);
+  HostPool expected(kLayers, kPages, kItem, 0xEE);
+  auto write = [&](PeerId peer, uint32_t seed) {
+    src_.Randomize(seed);
+    const std::vector<int32_t> src = DistinctPages(32, kPages, rng);
+    const std::vector<int32_t> dst = DistinctPages(32, kPages, rng);
+    PageWrite w;
+    w.src_pages = src;
+    w.dst_pages = dst;
+    w.num_layers = kLayers;
+    w.layer_begin = 0;
+    w.layer_end = kLayers;
+    auto id = sender_->PostPages(peer, w);
+    ASSERT_TRUE(id.ok()) << id.status();
+    ASSERT_TRUE(WaitFor(*sender_, *id).ok()) << sender_->Check(*id);
+    sender_->Release(*id);
+    expected.Apply(src_, src, dst, 0, kLayers, {});
+    ExpectPoolsEqual(expected);
+  };
+  write(peer_, 31);
+  const bool in_place = Transports() != "tcp" && InPlaceAllowed();
+  for (int round = 0; round < 2; ++round) {
+    auto src_regions = src_.Regions();
+    auto again = sender_->Register(src_regions);
+    ASSERT_TRUE(again.ok()) << again.status();
+    auto fresh = sender_->Connect(receiver_descriptor_);
+    ASSERT_TRUE(fresh.ok()) << fresh.status();
+    write(*fresh, 40 + round);
+    EXPECT_EQ(*UcxPeerPath(*sender_, *fresh), in_place ? "staged-in-place" : "staged");
+    write(peer_, 50 + round);  // the older link
+    EXPECT_EQ(*UcxPeerPath(*sender_, peer_), "staged");
+    ASSERT_TRUE(sender_->Disconnect(peer_).ok());
+    peer_ = *fresh;
+  }
+}
+
 // One write bigger than every slot of both sides together.
 TEST_P(StagedHostProtocol, AWriteLargerThanAllSlotsReusesThem) {
   Start(2, 2, 8192);

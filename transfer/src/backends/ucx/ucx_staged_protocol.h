@@ -256,7 +256,8 @@ struct Bye {
 inline constexpr size_t kByeBytes = 24;
 
 // Sender -> receiver on an in-place link: chunk `notice` is gathered in the sender's offered
-// slot `slot`, payload_bytes long; no AM data.
+// slot `slot`, payload_bytes long; the AM data is the payload's prefix (ChunkPrefixBytes of it:
+// header, page ids, units), which the receiver checks and uses instead of reading the slot's.
 struct SlotNotice {
   ChunkNotice notice;
   uint32_t slot = 0;

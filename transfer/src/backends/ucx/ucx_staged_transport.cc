@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -35,6 +36,12 @@ constexpr size_t kMaxDropped = 4096;
 
 std::span<const uint8_t> Bytes(const void* p, size_t n) {
   return {static_cast<const uint8_t*>(p), n};
+}
+
+std::string Hex(uint64_t value) {
+  char text[17];
+  std::snprintf(text, sizeof(text), "%llx", static_cast<unsigned long long>(value));
+  return text;
 }
 
 std::string ChunkName(uint64_t write, uint32_t chunk) {
@@ -275,6 +282,7 @@ Status StagedTransport::Attach(std::span<const LocalRegion> regions,
     if (key.ok()) {
       send_key_.assign(static_cast<const char*>(packed), packed_len);
       ucp_rkey_buffer_release(packed);
+      ++offer_generation_;
     } else {
       KVT_LOG_DEBUG("ucx", "send slots not offered for reading in place: {}", key.ToString());
     }
@@ -289,7 +297,8 @@ Status StagedTransport::Attach(std::span<const LocalRegion> regions,
       ++it;
       continue;
     }
-    KVT_LOG_WARN("ucx", "a sender's slots are no longer read in place: {}", pinned.ToString());
+    KVT_LOG_WARN("ucx", "the slots of sender {:x} are no longer read in place: {}", it->first,
+                 pinned.ToString());
     ucp_rkey_destroy(m.rkey);
     it = sender_slots_.erase(it);
   }
@@ -368,6 +377,7 @@ Status StagedTransport::AddPeer(PeerId link, std::string_view worker_address,
   Hello h{instance_, link, mode};
   std::string data = worker_address_;
   if (mode == LinkMode::kStaged && !send_key_.empty()) {
+    peer.offer = offer_generation_;
     h.slots_base = reinterpret_cast<uint64_t>(send_base_);
     h.slot_bytes = slot_bytes_;
     h.slots = static_cast<uint32_t>(send_.size());
@@ -542,10 +552,9 @@ void StagedTransport::Release(WriteId id) {
                   "released write {} still has {} chunks unacknowledged after {} ms; its bytes "
                   "may land later",
                   id, held(), kWaitBound.count());
+    // Slots the receiver may still read stay lent: a late ack, or the peer's removal, frees
+    // them (filling one with another write's bytes could land those in this write's pages).
     if (auto p = peers_.find(link); p != peers_.end()) p->second.credits.ReleaseWrite(id);
-    for (SendSlot& slot : send_) {
-      if (slot.lent && slot.write == id) ReturnSlot(slot.link, id, slot.chunk);
-    }
   }
   writes_.erase(id);
   run_writes_.erase(id);
@@ -621,12 +630,16 @@ void StagedTransport::SendGathered(uint32_t i) {
   ucs_status_ptr_t req = nullptr;
   s.lent = p->second.in_place;
   if (s.lent) {
-    // The receiver reads the payload from this slot, which stays ours only after the ack.
+    // The receiver reads the payload's data from this slot, which is ours again only after the
+    // ack; its prefix (header, page ids, units) travels with the notice, so that the receiver
+    // never reads our memory with its CPU.
     s.notice = Encode(SlotNotice{ChunkNotice{instance_, s.link, s.write, s.chunk}, i,
                                  s.payload_bytes});
+    const uint64_t prefix = std::min<uint64_t>(
+        s.payload_bytes, ChunkPrefixBytes(std::span<const uint8_t>(SendPayload(i), slot_bytes_)));
     param.flags = UCP_AM_SEND_FLAG_EAGER;
-    req = ucp_am_send_nbx(p->second.ep, kAmSlotChunk, s.notice.data(), s.notice.size(), nullptr,
-                          0, &param);
+    req = ucp_am_send_nbx(p->second.ep, kAmSlotChunk, s.notice.data(), s.notice.size(),
+                          SendPayload(i), prefix, &param);
   } else {
     // Rendezvous: the receiver pulls the payload when it has a slot for it, straight from ours.
     param.flags = UCP_AM_SEND_FLAG_RNDV;
@@ -957,23 +970,26 @@ void StagedTransport::Land(uint32_t i, Arrival a) {
   r.prefix = 0;
   if (a.in_place) {
     auto m = sender_slots_.find(a.notice.sender);
-    if (m == sender_slots_.end() || m->second.retired || !m->second.pinned ||
-        a.slot >= m->second.count || a.length > m->second.slot_bytes) {
-      FinishReceive(i, Aborted("the sender's slots are no longer mapped here; reconnect"));
+    if (m == sender_slots_.end() || m->second.retired || !m->second.pinned) {
+      FinishReceive(i, Aborted("this receiver no longer maps the slots of sender " +
+                               Hex(a.notice.sender) +
+                               " (it registered again, or fenced the sender); reconnect"));
       return;
     }
-    // Only the prefix is copied (and then checked and used from our copy): the sender could
-    // rewrite its slot at any time, the data in it can only hurt its own request.
-    const uint8_t* source = m->second.local + size_t{a.slot} * m->second.slot_bytes;
-    const uint64_t head = std::min<uint64_t>(a.length, kChunkHeaderBytes);
-    std::memcpy(RecvPayload(i), source, head);
-    uint64_t prefix = head;
-    if (head == kChunkHeaderBytes) {
-      prefix = std::min<uint64_t>(a.length, ChunkPrefixBytes(Bytes(RecvPayload(i), head)));
-      std::memcpy(RecvPayload(i) + head, source + head, prefix - head);
+    if (a.slot >= m->second.count || a.length > m->second.slot_bytes) {
+      FinishReceive(i, OutOfRange("slot " + std::to_string(a.slot) + " and " +
+                                  std::to_string(a.length) + " bytes do not fit the " +
+                                  std::to_string(m->second.count) + " slots of " +
+                                  std::to_string(m->second.slot_bytes) + " bytes of sender " +
+                                  Hex(a.notice.sender) + " mapped here"));
+      return;
     }
-    r.source = source;
-    r.prefix = prefix;
+    // The prefix came with the notice and is checked and used from our copy; only the data is
+    // read from the sender's slot, by the device's copy engine (the sender could rewrite it at
+    // any time: that can only hurt its own request).
+    std::memcpy(RecvPayload(i), a.copy.data(), a.copy.size());
+    r.source = m->second.local + size_t{a.slot} * m->second.slot_bytes;
+    r.prefix = a.copy.size();
     Landed(i);
     return;
   }
@@ -1106,14 +1122,18 @@ ucs_status_t StagedTransport::OnChunk(void* arg, const void* header, size_t head
 }
 
 ucs_status_t StagedTransport::OnSlotChunk(void* arg, const void* header, size_t header_length,
-                                          void*, size_t length,
+                                          void* data, size_t length,
                                           const ucp_am_recv_param_t* param) {
   auto* self = static_cast<StagedTransport*>(arg);
   StatusOr<SlotNotice> notice = DecodeSlotNotice(Bytes(header, header_length));
-  if (!notice.ok() || length != 0 || (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0) {
-    KVT_LOG_WARN("ucx", "ignoring a malformed slot notice: {}",
-                 notice.ok() ? "it carries data" : notice.status().ToString());
+  if (!notice.ok()) {
+    KVT_LOG_WARN("ucx", "ignoring a malformed slot notice: {}", notice.status().ToString());
     return UCS_OK;
+  }
+  if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0) {
+    // Its sender waits for the data to be taken: refusing it fails the send.
+    KVT_LOG_WARN("ucx", "refusing a slot notice sent by rendezvous ({} bytes of prefix)", length);
+    return UCS_ERR_INVALID_PARAM;
   }
   // Refused with an ack (sent from Pump): the sender's slot and credit come back at once.
   auto refuse = [&](const Status& why) {
@@ -1134,7 +1154,8 @@ ucs_status_t StagedTransport::OnSlotChunk(void* arg, const void* header, size_t 
   if (m == self->sender_slots_.end() || m->second.retired) {
     return refuse(FailedPrecondition(
         "the chunk names slot " + std::to_string(notice->slot) +
-        " but this receiver reads no slots of its sender in place (its hello ack said so)"));
+        " but this receiver reads no slots of sender " + Hex(sender) +
+        " in place (its hello ack said not to, or it registered again since: reconnect)"));
   }
   if (notice->slot >= m->second.count) {
     return refuse(OutOfRange("the chunk names slot " + std::to_string(notice->slot) + " of the " +
@@ -1147,11 +1168,19 @@ ucs_status_t StagedTransport::OnSlotChunk(void* arg, const void* header, size_t 
                              std::to_string(kChunkHeaderBytes) + ".." + std::to_string(limit) +
                              " (the slots of both sides)"));
   }
+  if (length < kChunkHeaderBytes || length > notice->payload_bytes) {
+    return refuse(DataLoss("the slot notice carries a prefix of " + std::to_string(length) +
+                           " bytes; expected " + std::to_string(kChunkHeaderBytes) + ".." +
+                           std::to_string(notice->payload_bytes) +
+                           " (the chunk's header, page ids and units)"));
+  }
   Arrival arrival;
   arrival.notice = notice->notice;
   arrival.length = notice->payload_bytes;
   arrival.in_place = true;
   arrival.slot = notice->slot;
+  const auto* prefix = static_cast<const uint8_t*>(data);
+  arrival.copy.assign(prefix, prefix + length);
   self->arrivals_.push_back(std::move(arrival));
   return UCS_OK;
 }
@@ -1161,11 +1190,11 @@ Status StagedTransport::MapSenderSlots(ucp_ep_h ep, const Hello& hello, std::str
   if (auto it = sender_slots_.find(hello.sender); it != sender_slots_.end()) {
     const SenderSlots& m = it->second;
     if (!m.retired && m.remote_base == hello.slots_base && m.slot_bytes == hello.slot_bytes &&
-        m.count == hello.slots) {
+        m.count == hello.slots && m.key == key) {
       return m.pinned ? OkStatus() : FailedPrecondition("its slots are mapped but not pinned");
     }
     if (SenderSlotsBusy(hello.sender)) {
-      return FailedPrecondition("its earlier slots are still being read");
+      return FailedPrecondition("its earlier slots are still being read (it registered again)");
     }
     UnmapSenderSlots(hello.sender, /*force=*/true);
   }
@@ -1182,10 +1211,12 @@ Status StagedTransport::MapSenderSlots(ucp_ep_h ep, const Hello& hello, std::str
   void* last = nullptr;
   ucs_status_t st = ucp_rkey_ptr(rkey, hello.slots_base, &first);
   if (st == UCS_OK) st = ucp_rkey_ptr(rkey, hello.slots_base + bytes - 1, &last);
-  Status usable = UcsStatus(st, "ucp_rkey_ptr of its slots (not mapped on this host)");
+  Status usable = UcsStatus(st, "ucp_rkey_ptr of its slots at " + Hex(hello.slots_base) +
+                                     " (not mapped on this host)");
   if (usable.ok() &&
       reinterpret_cast<uintptr_t>(last) - reinterpret_cast<uintptr_t>(first) != bytes - 1) {
-    usable = InvalidArgument("its slots do not map to one range here");
+    usable = InvalidArgument("its " + std::to_string(bytes) + " bytes of slots at " +
+                             Hex(hello.slots_base) + " do not map to one range here");
   }
   if (usable.ok()) {
     StatusOr<std::vector<ucx_check::Mapping>> after = ucx_check::ReadSelfMaps();
@@ -1193,7 +1224,8 @@ Status StagedTransport::MapSenderSlots(ucp_ep_h ep, const Hello& hello, std::str
     if (usable.ok()) {
       usable = ucx_check::CheckMappedForWrite(0, hello.slots_base, bytes,
                                               reinterpret_cast<uint64_t>(first),
-                                              ucx_check::NewMappings(before, *after), {});
+                                              ucx_check::NewMappings(before, *after), {})
+                   .WithContext("its offered send slots (buffer 0 below)");
     }
   }
   if (usable.ok()) {
@@ -1209,6 +1241,7 @@ Status StagedTransport::MapSenderSlots(ucp_ep_h ep, const Hello& hello, std::str
   m.remote_base = hello.slots_base;
   m.slot_bytes = hello.slot_bytes;
   m.count = hello.slots;
+  m.key.assign(key);
   m.pinned = true;
   sender_slots_[hello.sender] = m;
   KVT_LOG_DEBUG("ucx", "reading the {} slots of sender {:x} in place", hello.slots, hello.sender);
@@ -1220,6 +1253,10 @@ bool StagedTransport::SenderSlotsBusy(uint64_t instance) const {
     if (r.state != RecvSlot::State::kFree && r.source != nullptr && r.notice.sender == instance) {
       return true;
     }
+  }
+  // Queued notices were checked against the current mapping.
+  for (const Arrival& a : arrivals_) {
+    if (a.in_place && a.notice.sender == instance) return true;
   }
   return false;
 }
@@ -1288,7 +1325,9 @@ ucs_status_t StagedTransport::OnHelloAck(void* arg, const void* header, size_t h
     return UCS_OK;
   }
   peer.ready = true;
-  peer.in_place = ack->in_place && peer.mode == LinkMode::kStaged && !self->send_key_.empty();
+  // Only for the slots this link offered: the pool may have been registered again since.
+  peer.in_place = ack->in_place && peer.mode == LinkMode::kStaged && peer.offer != 0 &&
+                  peer.offer == self->offer_generation_ && !self->send_key_.empty();
   peer.credits.SetLimit(peer.mode == LinkMode::kRuns
                             ? std::min(self->run_options_.window, ack->slots)
                             : std::min(peer.remote.slots, ack->slots));
@@ -1406,8 +1445,10 @@ void StagedTransport::CloseEndpointNow(ucp_ep_h ep, bool force) {
 }
 
 void StagedTransport::Pump() {
-  if (!hellos_.empty()) HandleHellos();
+  // Byes first: a sender that re-registered and reconnected in one go has its old slots
+  // unmapped before its new offer is looked at.
   if (!byes_.empty()) HandleByes();
+  if (!hellos_.empty()) HandleHellos();
   if (copier_ != nullptr) {
     PumpSendSlots();
     ScheduleChunks();
@@ -1470,7 +1511,10 @@ void StagedTransport::Quiesce() {
   if (!idle) {
     KVT_LOG_ERROR("ucx", "staging slots still busy after {} ms at shutdown", kWaitBound.count());
     for (const SendSlot& s : send_) {
-      if (s.state == SendSlot::State::kSending) leak_slot_memory_ = true;
+      // kLent: a receiver reads it in place; some mappings (xpmem) do not outlive ours.
+      if (s.state == SendSlot::State::kSending || s.state == SendSlot::State::kLent) {
+        leak_slot_memory_ = true;
+      }
     }
     for (const RecvSlot& r : recv_) {
       if (r.state == RecvSlot::State::kLanding) leak_slot_memory_ = true;

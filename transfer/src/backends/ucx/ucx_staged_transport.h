@@ -22,12 +22,13 @@
 // Reading in place (one host): a sender offers its send slots in its hello (their address and a
 // packed remote key). A receiver that can map them (ucp_rkey_ptr: UCX's shared-memory
 // transports reach them) and page-lock the mapping for DMA answers in_place; the sender then
-// sends a SlotNotice (which slot, how many bytes) instead of the payload and keeps the slot
-// until the chunk's ack. The receiver copies the payload's prefix (header, page ids, units) out
-// of the sender's slot into its own, checks and uses that copy, and copies the data to the
-// device straight from the sender's slot: no host-to-host copy, which otherwise bounds this path
-// to what one core copies (UCX's shared-memory rendezvous). Across hosts, or where mapping or
-// page-locking fails, chunks go as payloads as above.
+// sends a SlotNotice (which slot, how many bytes) with the payload's prefix (header, page ids,
+// units) as its data instead of the payload, and keeps the slot until the chunk's ack. The
+// receiver checks and uses its copy of the prefix, and copies the data to the device straight
+// from the sender's slot (DMA only: its CPU never reads the sender's memory): no host-to-host
+// copy, which otherwise bounds this path to what one core copies (UCX's shared-memory
+// rendezvous). Across hosts, or where mapping or page-locking fails, chunks go as payloads as
+// above.
 //
 // The transport runs on a UCP context and worker of its own (active messages only), so that the
 // host path's RMA context is exactly what it was (enabling UCP_FEATURE_AM there crashes UCX
@@ -212,6 +213,7 @@ class StagedTransport {
     std::vector<RemoteRegion> regions;
     bool ready = false;  // hello acknowledged
     bool in_place = false;  // the receiver reads our slots in place (SlotNotices)
+    uint64_t offer = 0;     // offer_generation_ of the slots the hello offered; 0: none
     Status error;        // the receiver refused us
     CreditWindow credits;
   };
@@ -263,6 +265,7 @@ class StagedTransport {
     uint64_t remote_base = 0;
     uint64_t slot_bytes = 0;
     uint32_t count = 0;
+    std::string key;       // the packed key they were offered with
     bool pinned = false;   // by the current copier
     bool retired = false;  // to unmap once no chunk read from it is in flight
   };
@@ -416,6 +419,7 @@ class StagedTransport {
   uint64_t slot_bytes_ = 0;
   bool in_place_ = true;      // StagingOptions::in_place
   std::string send_key_;      // packed remote key of the send slots (offered); empty: none
+  uint64_t offer_generation_ = 0;  // counts the slot memories offered (Attach)
   uint8_t* send_base_ = nullptr;
   uint8_t* recv_base_ = nullptr;
   ucp_mem_h send_memh_ = nullptr;  // ucp_mem_map ALLOCATE of the slots, or
