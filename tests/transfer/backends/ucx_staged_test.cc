@@ -835,6 +835,11 @@ class StagedHostProtocol : public ::testing::TestWithParam<std::string> {
 
   StatusOr<WriteId> Post(const std::vector<int32_t>& src, const std::vector<int32_t>& dst,
                          int32_t begin, int32_t end, const std::vector<PageUnit>& units = {}) {
+    return PostTo(peer_, src, dst, begin, end, units);
+  }
+  StatusOr<WriteId> PostTo(PeerId peer, const std::vector<int32_t>& src,
+                           const std::vector<int32_t>& dst, int32_t begin, int32_t end,
+                           const std::vector<PageUnit>& units = {}) {
     PageWrite w;
     w.src_pages = src;
     w.dst_pages = dst;
@@ -842,7 +847,7 @@ class StagedHostProtocol : public ::testing::TestWithParam<std::string> {
     w.layer_begin = begin;
     w.layer_end = end;
     w.units = units;
-    return sender_->PostPages(peer_, w);
+    return sender_->PostPages(peer, w);
   }
 
   void ExpectPoolsEqual(const HostPool& expected) {
@@ -914,13 +919,7 @@ TEST_P(StagedHostProtocol, ASenderThatRegistersAgainIsReadFromItsNewSlots) {
     src_.Randomize(seed);
     const std::vector<int32_t> src = DistinctPages(32, kPages, rng);
     const std::vector<int32_t> dst = DistinctPages(32, kPages, rng);
-    PageWrite w;
-    w.src_pages = src;
-    w.dst_pages = dst;
-    w.num_layers = kLayers;
-    w.layer_begin = 0;
-    w.layer_end = kLayers;
-    auto id = sender_->PostPages(peer, w);
+    auto id = PostTo(peer, src, dst, 0, kLayers);
     ASSERT_TRUE(id.ok()) << id.status();
     ASSERT_TRUE(WaitFor(*sender_, *id).ok()) << sender_->Check(*id);
     sender_->Release(*id);
