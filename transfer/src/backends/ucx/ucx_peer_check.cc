@@ -92,12 +92,6 @@ std::string Short(const std::string& what, size_t needed, size_t remaining) {
          " remain";
 }
 
-std::string Hex(uint64_t value) {
-  char text[24];
-  std::snprintf(text, sizeof(text), "0x%llx", static_cast<unsigned long long>(value));
-  return text;
-}
-
 // A length or index packed in the bits of `mask` of a byte; in v2 the all-ones value of the mask
 // means the value is the next byte (ucp_address_unpack_byte_extended).
 bool Extended(Reader& r, uint8_t first, uint8_t mask, uint8_t version, uint8_t* value) {
@@ -215,6 +209,12 @@ bool Readable(uint64_t address) {
 }
 
 }  // namespace
+
+std::string Hex(uint64_t value) {
+  char text[24];
+  std::snprintf(text, sizeof(text), "0x%llx", static_cast<unsigned long long>(value));
+  return text;
+}
 
 Status CheckWorkerAddress(std::span<const uint8_t> address) {
   Reader r(address);

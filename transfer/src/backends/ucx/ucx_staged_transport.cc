@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -38,11 +37,7 @@ std::span<const uint8_t> Bytes(const void* p, size_t n) {
   return {static_cast<const uint8_t*>(p), n};
 }
 
-std::string Hex(uint64_t value) {
-  char text[17];
-  std::snprintf(text, sizeof(text), "%llx", static_cast<unsigned long long>(value));
-  return text;
-}
+using ucx_check::Hex;
 
 std::string ChunkName(uint64_t write, uint32_t chunk) {
   return "chunk " + std::to_string(chunk) + " of write " + std::to_string(write);
@@ -272,8 +267,8 @@ Status StagedTransport::Attach(std::span<const LocalRegion> regions,
   send_.assign(options.slots, SendSlot{});
   recv_.assign(options.slots, RecvSlot{});
   in_place_ = options.in_place;
-  // Links opened before offered the slots replaced now: their chunks go as payloads.
-  for (auto& [link, peer] : peers_) peer.in_place = false;
+  // New slot memory: offers made for the old one no longer hold (ReadsInPlace).
+  ++offer_generation_;
   if (in_place_ && send_memh_ != nullptr) {
     void* packed = nullptr;
     size_t packed_len = 0;
@@ -282,7 +277,6 @@ Status StagedTransport::Attach(std::span<const LocalRegion> regions,
     if (key.ok()) {
       send_key_.assign(static_cast<const char*>(packed), packed_len);
       ucp_rkey_buffer_release(packed);
-      ++offer_generation_;
     } else {
       KVT_LOG_DEBUG("ucx", "send slots not offered for reading in place: {}", key.ToString());
     }
@@ -628,7 +622,7 @@ void StagedTransport::SendGathered(uint32_t i) {
   param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_MEMORY_TYPE;
   param.memory_type = UCS_MEMORY_TYPE_HOST;
   ucs_status_ptr_t req = nullptr;
-  s.lent = p->second.in_place;
+  s.lent = ReadsInPlace(s.link);
   if (s.lent) {
     // The receiver reads the payload's data from this slot, which is ours again only after the
     // ack; its prefix (header, page ids, units) travels with the notice, so that the receiver
@@ -1325,9 +1319,7 @@ ucs_status_t StagedTransport::OnHelloAck(void* arg, const void* header, size_t h
     return UCS_OK;
   }
   peer.ready = true;
-  // Only for the slots this link offered: the pool may have been registered again since.
-  peer.in_place = ack->in_place && peer.mode == LinkMode::kStaged && peer.offer != 0 &&
-                  peer.offer == self->offer_generation_ && !self->send_key_.empty();
+  peer.in_place = ack->in_place;
   peer.credits.SetLimit(peer.mode == LinkMode::kRuns
                             ? std::min(self->run_options_.window, ack->slots)
                             : std::min(peer.remote.slots, ack->slots));

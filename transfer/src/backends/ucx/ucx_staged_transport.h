@@ -157,11 +157,13 @@ class StagedTransport {
   // for or sent, the endpoint is closed by force. Writes that did not complete are Aborted.
   void RemovePeer(PeerId link, bool peer_dead);
   bool HasPeer(PeerId link) const { return peers_.count(link) != 0; }
-  // Whether the receiver of `link` acknowledged reading our slots in place (its chunks go as
-  // SlotNotices); false until the hello is acknowledged.
+  // Whether the receiver of `link` reads our slots in place (its chunks go as SlotNotices): it
+  // acknowledged the slots the link's hello offered, and they are still this side's slots (the
+  // pool was not registered again since); false until the hello is acknowledged.
   bool ReadsInPlace(PeerId link) const {
     auto it = peers_.find(link);
-    return it != peers_.end() && it->second.in_place;
+    return it != peers_.end() && it->second.in_place && it->second.offer != 0 &&
+           it->second.offer == offer_generation_;
   }
 
   Status PostPages(WriteId id, PeerId link, const PageWrite& write);
@@ -212,7 +214,7 @@ class StagedTransport {
     AddressTrailer remote;
     std::vector<RemoteRegion> regions;
     bool ready = false;  // hello acknowledged
-    bool in_place = false;  // the receiver reads our slots in place (SlotNotices)
+    bool in_place = false;  // the receiver accepted the offered slots (ReadsInPlace)
     uint64_t offer = 0;     // offer_generation_ of the slots the hello offered; 0: none
     Status error;        // the receiver refused us
     CreditWindow credits;
@@ -419,7 +421,7 @@ class StagedTransport {
   uint64_t slot_bytes_ = 0;
   bool in_place_ = true;      // StagingOptions::in_place
   std::string send_key_;      // packed remote key of the send slots (offered); empty: none
-  uint64_t offer_generation_ = 0;  // counts the slot memories offered (Attach)
+  uint64_t offer_generation_ = 0;  // counts the slot memories (Attach)
   uint8_t* send_base_ = nullptr;
   uint8_t* recv_base_ = nullptr;
   ucp_mem_h send_memh_ = nullptr;  // ucp_mem_map ALLOCATE of the slots, or
