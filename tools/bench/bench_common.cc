@@ -57,11 +57,17 @@ StatusOr<int64_t> ParseBytes(const std::string& text) {
   return static_cast<int64_t>(std::llround(bytes));
 }
 
-StatusOr<std::vector<int>> ParseIntList(const std::string& text) {
-  std::vector<int> out;
+std::vector<std::string> SplitList(const std::string& text) {
+  std::vector<std::string> out;
   std::stringstream ss(text);
   std::string item;
-  while (std::getline(ss, item, ',')) {
+  while (std::getline(ss, item, ',')) out.push_back(item);
+  return out;
+}
+
+StatusOr<std::vector<int>> ParseIntList(const std::string& text) {
+  std::vector<int> out;
+  for (const std::string& item : SplitList(text)) {
     try {
       size_t pos = 0;
       int v = std::stoi(item, &pos);

@@ -2,6 +2,7 @@
 // the machine description, and JSON output. Not thread-safe (single-threaded tool).
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -16,6 +17,14 @@ StatusOr<int64_t> ParseBytes(const std::string& text);
 
 // "1,16,64" -> {1, 16, 64}; every value must be > 0.
 StatusOr<std::vector<int>> ParseIntList(const std::string& text);
+
+// "a,b,c" -> {"a", "b", "c"} (empty items kept, so that the caller's check names them).
+std::vector<std::string> SplitList(const std::string& text);
+
+// A steady-clock duration in milliseconds.
+inline double Ms(std::chrono::steady_clock::duration d) {
+  return std::chrono::duration<double, std::milli>(d).count();
+}
 
 double Median(std::vector<double> values);
 

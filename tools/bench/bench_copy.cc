@@ -90,8 +90,6 @@ int64_t AnonHugeKiB() {
   return -1;
 }
 
-double Ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
-
 Status RunSize(const CopyOptions& o, int64_t run, const std::string& memory,
                const std::vector<int>& threads, int64_t bytes, int64_t pool, std::mt19937& rng,
                json& results) {
@@ -170,23 +168,22 @@ Status RunCopy(const CopyOptions& o) {
   KVT_ASSIGN_OR_RETURN(int64_t pool, ParseBytes(o.pool));
   KVT_ASSIGN_OR_RETURN(std::vector<int> threads, ParseIntList(o.threads));
   std::vector<int64_t> run_sizes;
-  for (size_t start = 0; start <= o.run_bytes.size();) {
-    const size_t comma = std::min(o.run_bytes.find(',', start), o.run_bytes.size());
-    KVT_ASSIGN_OR_RETURN(int64_t r, ParseBytes(o.run_bytes.substr(start, comma - start)));
+  for (const std::string& item : SplitList(o.run_bytes)) {
+    KVT_ASSIGN_OR_RETURN(int64_t r, ParseBytes(item));
     if (r < 64) return InvalidArgument(fmt::format("--run-bytes has {}; give at least 64", r));
     run_sizes.push_back(r);
-    start = comma + 1;
   }
-  std::vector<std::string> memories;
-  for (size_t start = 0; start <= o.memory.size();) {
-    const size_t comma = std::min(o.memory.find(',', start), o.memory.size());
-    const std::string m = o.memory.substr(start, comma - start);
+  const std::vector<std::string> memories = SplitList(o.memory);
+  if (run_sizes.empty() || memories.empty()) {
+    return InvalidArgument(fmt::format(
+        "--run-bytes ('{}') and --memory ('{}') each need at least one value", o.run_bytes,
+        o.memory));
+  }
+  for (const std::string& m : memories) {
     if (m != "shared" && m != "private" && m != "huge") {
       return InvalidArgument(fmt::format(
           "--memory has '{}'; give shared, private or huge (comma-separated)", m));
     }
-    memories.push_back(m);
-    start = comma + 1;
   }
   for (int n : threads) {
     if (n > 256) return InvalidArgument(fmt::format("--threads has {}; at most 256", n));

@@ -146,7 +146,6 @@ struct TransferOptions {
 
 constexpr int64_t kGpuRequestBytes = int64_t{1} << 30;  // default request size on CUDA pools
 
-double Ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
 
 // Nearest-rank percentile (p in [0, 1]) of unsorted values.
 double Percentile(std::vector<double> values, double p) {
