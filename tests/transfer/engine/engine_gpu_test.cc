@@ -286,6 +286,14 @@ TEST_P(EngineGpuTest, GatedWriteCostsNoCpuWhileItWaits) {
   std::mt19937 rng(14);
   const auto src = RandomPages(rng, num_pages(), 32);
   const auto dst = RandomPages(rng, num_pages(), 32);
+  // One request first, so that setting the link up (a staged receiver maps and page-locks the
+  // sender's bounce slots when their first hello arrives) is not timed as waiting.
+  ASSERT_TRUE(decode_->Receive("warm-up", peer_, dst).ok());
+  ASSERT_TRUE(prefill_->Send("warm-up", src).ok());
+  ASSERT_TRUE(prefill_->LayersReady("warm-up", layers()).ok());
+  auto warm = decode_->WaitRequest("warm-up", 20s);
+  ASSERT_TRUE(warm.ok()) << warm.status();
+  ASSERT_EQ(warm->state, RequestState::kSuccess) << warm->status;
   DevicePattern pattern = DevicePattern::Make(*src_pool_, 15, src);
   ASSERT_TRUE(decode_->Receive("gated", peer_, dst).ok());
   ASSERT_TRUE(prefill_->Send("gated", src).ok());
