@@ -1330,7 +1330,10 @@ class UcxBackend final : public Backend {
         last_work = now;
         continue;
       }
-      if (now - last_work < spin_) continue;
+      if (now - last_work < spin_) {
+        std::this_thread::yield();
+        continue;
+      }
       bool armed;
       {
         std::lock_guard<std::mutex> lock(mutex_);
