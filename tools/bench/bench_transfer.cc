@@ -785,8 +785,15 @@ class PrefillPeer {
     std::lock_guard<std::mutex> lock(mu_);
     std::uniform_int_distribution<size_t> start(0, permutation_.size() - 1);
     const size_t s = start(rng_);
-    std::vector<int32_t> pages(n);
-    for (size_t i = 0; i < n; ++i) pages[i] = permutation_[(s + i) % permutation_.size()];
+    // Two slices of the permutation (the window wraps around once at most): a real engine's
+    // page list is ready when it calls Send, so the callback should not spend a division per page.
+    std::vector<int32_t> pages;
+    pages.reserve(n);
+    const size_t first = std::min(n, permutation_.size() - s);
+    pages.insert(pages.end(), permutation_.begin() + static_cast<std::ptrdiff_t>(s),
+                 permutation_.begin() + static_cast<std::ptrdiff_t>(s + first));
+    pages.insert(pages.end(), permutation_.begin(),
+                 permutation_.begin() + static_cast<std::ptrdiff_t>(n - first));
     return pages;
   }
 
