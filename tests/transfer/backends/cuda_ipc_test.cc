@@ -426,6 +426,69 @@ TEST(CudaIpcProgramTest, BuffersOfDifferentPageSizesGetOneLaunchPerSize) {
   EXPECT_THAT(whole.status().message(), HasSubstr("pass units"));
 }
 
+TEST(CudaIpcProgramTest, AReusedProgramPlansEachWriteAsAFreshOne) {
+  // The backend plans every page write into one CopyProgram: a large write, a refused one and
+  // a small one in turn must each read exactly as if planned alone.
+  std::mt19937 rng(14);
+  HostPool src(kLayers, kPages, 256, 0);
+  HostPool dst(kLayers, kPages, 256, 0xEE);
+  src.Randomize(rng);
+  auto local = src.Local();
+  auto remote = dst.Remote();
+  auto bases = dst.Bases();
+  const std::vector<int32_t> many_src = DistinctPages(20, kPages, rng);
+  const std::vector<int32_t> many_dst = DistinctPages(20, kPages, rng);
+  const std::vector<int32_t> few_src = DistinctPages(3, kPages, rng);
+  const std::vector<int32_t> few_dst = DistinctPages(3, kPages, rng);
+  const std::vector<int32_t> outside = {1, kPages};
+  const std::vector<PageUnit> units = {{0, 0, 64}, {128, 128, 32}};
+  PageWrite large;
+  large.src_pages = many_src;
+  large.dst_pages = many_dst;
+  large.num_layers = kLayers;
+  large.layer_end = kLayers;
+  large.units = units;
+  PageWrite refused = large;
+  refused.src_pages = outside;
+  refused.dst_pages = outside;
+  PageWrite small;
+  small.src_pages = few_src;
+  small.dst_pages = few_dst;
+  small.num_layers = kLayers;
+  small.layer_begin = 2;
+  small.layer_end = 3;
+
+  CopyProgram reused;
+  ASSERT_TRUE(PlanPageWriteInto(large, local, remote, bases, reused).ok());
+  auto fresh_large = PlanPageWrite(large, local, remote, bases);
+  ASSERT_TRUE(fresh_large.ok()) << fresh_large.status();
+  EXPECT_EQ(reused.tables, fresh_large->tables);
+  EXPECT_EQ(reused.launches.size(), fresh_large->launches.size());
+  EXPECT_EQ(reused.bytes, fresh_large->bytes);
+
+  const Status bad = PlanPageWriteInto(refused, local, remote, bases, reused);
+  EXPECT_EQ(bad.code(), StatusCode::kOutOfRange) << bad;
+  EXPECT_THAT(bad.message(), HasSubstr("page " + std::to_string(kPages)));
+  EXPECT_TRUE(reused.launches.empty());
+  EXPECT_EQ(reused.bytes, 0u);
+
+  ASSERT_TRUE(PlanPageWriteInto(small, local, remote, bases, reused).ok());
+  auto fresh_small = PlanPageWrite(small, local, remote, bases);
+  ASSERT_TRUE(fresh_small.ok()) << fresh_small.status();
+  EXPECT_EQ(reused.tables, fresh_small->tables);
+  EXPECT_EQ(reused.src_pages, fresh_small->src_pages);
+  EXPECT_EQ(reused.dst_pages, fresh_small->dst_pages);
+  ASSERT_EQ(reused.launches.size(), 1u);
+  EXPECT_EQ(reused.launches[0].num_buffers, 2);  // K and V of layer 2
+  EXPECT_EQ(reused.bytes, fresh_small->bytes);
+  HostPool expected = dst;
+  ASSERT_TRUE(Execute(reused).ok());
+  ApplyPageWrite(small, src, expected);
+  for (size_t b = 0; b < dst.buffers.size(); ++b) {
+    EXPECT_EQ(dst.buffers[b], expected.buffers[b]) << "buffer " << b;
+  }
+}
+
 TEST(CudaIpcProgramTest, EmptyWritesHaveNoLaunches) {
   HostPool src(kLayers, kPages, 256, 0);
   HostPool dst(kLayers, kPages, 256, 0);

@@ -118,7 +118,11 @@ Status PrefillSide::Send(const std::string& room_id, std::vector<int32_t> src_pa
     SourceChunk chunk;
     chunk.offset = room->src_pages.size();
     chunk.count = src_pages.size();
-    room->src_pages.insert(room->src_pages.end(), src_pages.begin(), src_pages.end());
+    if (room->src_pages.empty()) {
+      room->src_pages = std::move(src_pages);  // the caller's list, not a fresh copy of it
+    } else {
+      room->src_pages.insert(room->src_pages.end(), src_pages.begin(), src_pages.end());
+    }
     room->chunks.push_back(chunk);
     room->last_chunk = options.last;
     if (options.aux_slot >= 0) room->aux_slot = options.aux_slot;

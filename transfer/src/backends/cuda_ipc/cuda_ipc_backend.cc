@@ -618,10 +618,9 @@ class CudaIpcBackend final : public Backend {
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = peers_.find(id);
     if (it == peers_.end()) return UnknownPeer(id);
-    KVT_ASSIGN_OR_RETURN(
-        CopyProgram program,
-        cuda_ipc::PlanPageWrite(write, local_, it->second.regions, it->second.dst_bases));
-    return EnqueueLocked(id, program, write.ready);
+    KVT_RETURN_IF_ERROR(cuda_ipc::PlanPageWriteInto(write, local_, it->second.regions,
+                                                    it->second.dst_bases, program_));
+    return EnqueueLocked(id, program_, write.ready);
   }
 
   StatusOr<WriteId> PostWrite(PeerId id, std::span<const CopyRun> runs) override {
@@ -923,6 +922,7 @@ class CudaIpcBackend final : public Backend {
   std::unordered_map<WriteId, Write> writes_;
   std::vector<std::unique_ptr<Slot>> free_;      // recycled scratch
   std::vector<std::unique_ptr<Slot>> retiring_;  // scratch of failed posts, until their event
+  CopyProgram program_;  // the page write being posted; its storage is reused write after write
   PeerId next_peer_ = 1;
   WriteId next_write_ = 1;
 };

@@ -47,6 +47,18 @@ Status CheckUnits(std::span<const PageUnit> units, uint32_t buffer, uint64_t src
   return OkStatus();
 }
 
+// The smallest and largest page of a non-empty list, branch-free so that the compiler
+// vectorizes it (std::minmax_element does not).
+std::pair<int32_t, int32_t> Bounds(std::span<const int32_t> pages) {
+  int32_t lo = std::numeric_limits<int32_t>::max();
+  int32_t hi = std::numeric_limits<int32_t>::min();
+  for (const int32_t p : pages) {
+    lo = std::min(lo, p);
+    hi = std::max(hi, p);
+  }
+  return {lo, hi};
+}
+
 }  // namespace
 
 kernels::PageCopyArgs LaunchArgs(const CopyProgram& program, const CopyLaunch& launch,
@@ -79,6 +91,19 @@ StatusOr<LocalBuffers> LocalBuffers::Create(std::span<const LocalRegion> regions
 StatusOr<CopyProgram> PlanPageWrite(const PageWrite& write, const LocalBuffers& local,
                                     std::span<const RemoteRegion> remote,
                                     std::span<const uint64_t> dst_bases) {
+  CopyProgram program;
+  KVT_RETURN_IF_ERROR(PlanPageWriteInto(write, local, remote, dst_bases, program));
+  return program;
+}
+
+Status PlanPageWriteInto(const PageWrite& write, const LocalBuffers& local,
+                         std::span<const RemoteRegion> remote, std::span<const uint64_t> dst_bases,
+                         CopyProgram& program) {
+  program.tables.clear();
+  program.launches.clear();
+  program.src_pages = 0;
+  program.dst_pages = 0;
+  program.bytes = 0;
   KVT_RETURN_IF_ERROR(CheckRegionCount(local.size(), remote.size()));
   KVT_RETURN_IF_ERROR(CheckSides(remote, dst_bases));
   const size_t n = write.src_pages.size();
@@ -92,15 +117,12 @@ StatusOr<CopyProgram> PlanPageWrite(const PageWrite& write, const LocalBuffers& 
   if (n > static_cast<size_t>(std::numeric_limits<int32_t>::max())) {
     return InvalidArgument("page write of " + Num(n) + " pages; at most 2^31 - 1 per write");
   }
-  CopyProgram program;
-  if (n == 0 || write.layer_begin == write.layer_end) return program;
+  if (n == 0 || write.layer_begin == write.layer_end) return OkStatus();
 
-  const auto [src_min, src_max] =
-      std::minmax_element(write.src_pages.begin(), write.src_pages.end());
-  const auto [dst_min, dst_max] =
-      std::minmax_element(write.dst_pages.begin(), write.dst_pages.end());
-  if (*src_min < 0 || *dst_min < 0) {
-    return OutOfRange("page write names page " + std::to_string(std::min(*src_min, *dst_min)) +
+  const auto [src_min, src_max] = Bounds(write.src_pages);
+  const auto [dst_min, dst_max] = Bounds(write.dst_pages);
+  if (src_min < 0 || dst_min < 0) {
+    return OutOfRange("page write names page " + std::to_string(std::min(src_min, dst_min)) +
                       "; page indices are >= 0");
   }
 
@@ -117,12 +139,12 @@ StatusOr<CopyProgram> PlanPageWrite(const PageWrite& write, const LocalBuffers& 
     }
     const uint64_t src_page_count = local[b].length / src_item;
     const uint64_t dst_page_count = remote[b].length / dst_item;
-    if (static_cast<uint64_t>(*src_max) >= src_page_count) {
-      return OutOfRange("page write reads page " + std::to_string(*src_max) + " of local buffer " +
+    if (static_cast<uint64_t>(src_max) >= src_page_count) {
+      return OutOfRange("page write reads page " + std::to_string(src_max) + " of local buffer " +
                         Num(b) + ", which holds " + Num(src_page_count) + " pages");
     }
-    if (static_cast<uint64_t>(*dst_max) >= dst_page_count) {
-      return OutOfRange("page write writes page " + std::to_string(*dst_max) +
+    if (static_cast<uint64_t>(dst_max) >= dst_page_count) {
+      return OutOfRange("page write writes page " + std::to_string(dst_max) +
                         " of the peer's buffer " + Num(b) + ", which holds " + Num(dst_page_count) +
                         " pages");
     }
@@ -184,7 +206,7 @@ StatusOr<CopyProgram> PlanPageWrite(const PageWrite& write, const LocalBuffers& 
     g0 = g1;
   }
   if (program.launches.empty()) program.tables.clear();  // only empty units
-  return program;
+  return OkStatus();
 }
 
 StatusOr<CopyProgram> PlanRunWrite(std::span<const CopyRun> runs,
