@@ -251,7 +251,6 @@ Status DecodeSide::Receive(const std::string& room_id, PeerHandle peer_id,
   room.peer = peer_id;
   room.layer_begin = layer_begin;
   room.layer_end = layer_end;
-  room.dst_pages = std::move(dst_pages);
   control::ControlClient* client = peer->second->client.get();
   // Sent under the lock so that the answer cannot overtake the room's state change (the send
   // only queues the frame). Stamped before: the send may write to the socket on this thread, and

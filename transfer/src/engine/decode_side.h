@@ -31,7 +31,6 @@ namespace kvt::transfer::engine {
 
 struct DecodeRoom : RoomCore {
   PeerHandle peer = 0;
-  std::vector<int32_t> dst_pages;
   int64_t aux_slot = -1;  // the slot the prefill side's aux bytes go to; -1: none
 };
 

@@ -791,6 +791,11 @@ void PrefillSide::FinishLocked(PrefillRoom& room) {
       chunk.plan.reset();
     }
   }
+  // Nothing reads a final room's page lists: freed now, not when the room is forgotten minutes
+  // later (retention), so that the next requests' lists reuse this memory instead of faulting in
+  // new pages (tens of µs for the 8192 pages of a 1-token-per-page request).
+  std::vector<int32_t>().swap(room.src_pages);
+  std::vector<int32_t>().swap(room.dst_pages);
 }
 
 void PrefillSide::SendTo(ConnectionId conn, const v1::Envelope& envelope) {
