@@ -26,6 +26,7 @@ void Loop(boost::asio::io_context& io, const BusyPollOptions& busy) {
     // ...then poll without sleeping while handlers keep coming or frames are expected, and for
     // `window` after the last of either.
     auto last = Clock::now();
+    SpinPacer pacer;
     while (true) {
       if (io.poll() > 0) {
         last = Clock::now();
@@ -37,10 +38,7 @@ void Loop(boost::asio::io_context& io, const BusyPollOptions& busy) {
       } else if (Clock::now() - last >= busy.window) {
         break;
       }
-      // Yield, not pause: with more busy threads than cores (two engines polling on a small
-      // machine) a pausing spinner holds its core until the scheduler preempts it, which put
-      // about 1 ms on the tail of a one-page request; a yield costs under a microsecond.
-      std::this_thread::yield();
+      pacer.Wait();
     }
   }
 }

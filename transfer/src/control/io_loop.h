@@ -4,19 +4,11 @@
 #include <boost/asio/io_context.hpp>
 #include <thread>
 
+#include "control/spin.h"
 #include "kvt/common/status.h"
 #include "kvt/transfer/control_options.h"
 
 namespace kvt::control::internal {
-
-// One CPU pause in a spin loop (a yield where there is no pause instruction).
-inline void SpinPause() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#else
-  std::this_thread::yield();
-#endif
-}
 
 // InvalidArgument for a negative window (checked by ControlServer::Create and
 // ControlClient::Connect).

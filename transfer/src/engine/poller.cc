@@ -2,7 +2,7 @@
 
 #include <sys/prctl.h>
 
-#include "control/io_loop.h"
+#include "control/spin.h"
 
 namespace kvt::transfer::engine {
 namespace {
@@ -35,10 +35,11 @@ void Poller::Loop() {
       // seen within microseconds; waking from the notifier costs tens of µs), then run the pass
       // again. A kick (new work, a completion notice) ends the spin early.
       const auto until = std::min(Clock::now() + ctx_.options.device_spin, pass.next);
+      control::internal::SpinPacer pacer;
       while (!ctx_.wakeup.pending() && Clock::now() < until &&
              ctx_.backend->Check(pass.spin_write).code() == StatusCode::kInProgress) {
         const auto next = Clock::now() + kDeviceSpinGap;
-        while (Clock::now() < next) control::internal::SpinPause();
+        while (Clock::now() < next) pacer.Wait();
       }
       (void)ctx_.wakeup.Consume();
       continue;

@@ -67,10 +67,10 @@ struct ConnectionLimits {
 // passed with nothing to do: a CPU core per io thread while polling, for frames handled within
 // microseconds of their arrival. An owner whose hint turns true while the thread sleeps calls
 // Wake(). A server polls only with one io thread (ControlServer refuses more). Polling trades a
-// core for the tens of microseconds a thread woken from epoll after an idle spell costs. Between
-// empty polls the thread yields its core (sched_yield), so that on a machine with fewer cores
+// core for the tens of microseconds a thread woken from epoll after an idle spell costs. A
+// polling thread yields its core (sched_yield) every 10 µs, so that on a machine with fewer cores
 // than busy threads the threads that have work (the caller waiting for a done, the peer's io
-// thread) run at once instead of after the scheduler's time slice of up to milliseconds.
+// thread) run within microseconds instead of after the scheduler's time slice.
 struct BusyPollOptions {
   std::chrono::microseconds window{0};
   // Called often from the io threads, without locks: must be cheap and thread-safe (e.g. an

@@ -31,6 +31,7 @@
 #include "backends/ucx/ucx_staged_protocol.h"
 #include "backends/ucx/ucx_staged_transport.h"
 #include "backends/ucx/ucx_util.h"
+#include "control/spin.h"
 #include "kvt/common/log.h"
 #include "kvt/kernels/cuda_util.h"
 
@@ -1305,6 +1306,7 @@ class UcxBackend final : public Backend {
   // worker's event fd (woken by network activity or by ucp_worker_signal from PostWrite).
   void ProgressLoop() {
     auto last_work = Clock::now();
+    control::internal::SpinPacer pacer;
     while (!stop_.load(std::memory_order_relaxed)) {
       if (api_waiters_.load(std::memory_order_acquire) > 0) {
         std::this_thread::yield();  // an API call wants the worker; it progresses it too
@@ -1331,7 +1333,7 @@ class UcxBackend final : public Backend {
         continue;
       }
       if (now - last_work < spin_) {
-        std::this_thread::yield();
+        pacer.Wait();
         continue;
       }
       bool armed;

@@ -51,8 +51,8 @@ struct UcxOptions {
   // choice (or the UCX_TLS environment variable when set).
   std::string transports{};
   // The progress thread spins this long without work before it sleeps on the worker's event fd;
-  // longer spins trade a CPU core for lower latency. It yields its core between empty passes, so
-  // a spinning progress thread never delays a thread with work on a machine of few cores. 0..1 s.
+  // longer spins trade a CPU core for lower latency. It yields its core every 10 µs while it
+  // spins, so that it delays a thread with work on a machine of few cores by no more. 0..1 s.
   std::chrono::microseconds spin{200};
   // When UCX maps a peer's buffers into this process (shared memory on the same host,
   // ucp_rkey_ptr), write them with plain copies instead of one UCX put per run.
