@@ -8,6 +8,7 @@
 #include <string_view>
 #include <vector>
 
+#include "backends/common/page_bounds.h"
 #include "control/auth.h"
 #include "control/protocol.h"
 
@@ -112,6 +113,10 @@ Status CheckPageIds(std::string_view field, const Pages& pages, uint64_t num_pag
     return InvalidArgument(fmt::format("{} is empty; a transfer needs at least one page", field));
   }
   KVT_RETURN_IF_ERROR(CheckCount(field, pages.size(), limits.max_pages_per_request));
+  if (transfer::PagesInside(pages, 1,
+                            num_pages != 0 ? num_pages : std::numeric_limits<uint64_t>::max())) {
+    return OkStatus();
+  }
   for (int i = 0; i < pages.size(); ++i) {
     const int32_t page = pages[i];
     if (page < 1) {

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include "backends/common/host_identity.h"
+#include "backends/common/page_bounds.h"
 #include "engine/decode_side.h"
 #include "engine/layout_codec.h"
 #include "engine/poller.h"
@@ -223,6 +224,7 @@ class TransferEngine::Impl {
 
   Status CheckOwnPages(const std::vector<int32_t>& pages, const char* side) const {
     const uint64_t num_pages = ctx_.local_layout.num_pages();
+    if (PagesInside(pages, 1, num_pages)) return OkStatus();
     for (size_t i = 0; i < pages.size(); ++i) {
       if (pages[i] < 1 || static_cast<uint64_t>(pages[i]) >= num_pages) {
         return OutOfRange(std::string(side) + " page " + std::to_string(pages[i]) +

@@ -4,6 +4,8 @@
 #include <limits>
 #include <string>
 
+#include "backends/common/page_bounds.h"
+
 namespace kvt::transfer {
 namespace {
 
@@ -24,15 +26,7 @@ std::span<const PlanBuffer> BuffersOf(const PlanSpec& spec, std::vector<PlanBuff
 }
 
 Status CheckPages(std::span<const int32_t> pages, uint64_t num_pages, const char* side) {
-  // A branch-free bounds pass (the compiler vectorizes it) over lists of thousands of pages per
-  // request; the position of a bad page is looked for only when there is one.
-  int32_t lo = std::numeric_limits<int32_t>::max();
-  int32_t hi = std::numeric_limits<int32_t>::min();
-  for (const int32_t p : pages) {
-    lo = std::min(lo, p);
-    hi = std::max(hi, p);
-  }
-  if (pages.empty() || (lo >= 1 && static_cast<uint64_t>(hi) < num_pages)) return OkStatus();
+  if (PagesInside(pages, 1, num_pages)) return OkStatus();
   for (size_t i = 0; i < pages.size(); ++i) {
     const int32_t p = pages[i];
     if (p < 1 || static_cast<uint64_t>(p) >= num_pages) {

@@ -7,6 +7,7 @@
 #include <string>
 #include <utility>
 
+#include "backends/common/page_bounds.h"
 #include "backends/common/run_check.h"
 
 namespace kvt::transfer::cuda_ipc {
@@ -45,18 +46,6 @@ Status CheckUnits(std::span<const PageUnit> units, uint32_t buffer, uint64_t src
     }
   }
   return OkStatus();
-}
-
-// The smallest and largest page of a non-empty list, branch-free so that the compiler
-// vectorizes it (std::minmax_element does not).
-std::pair<int32_t, int32_t> Bounds(std::span<const int32_t> pages) {
-  int32_t lo = std::numeric_limits<int32_t>::max();
-  int32_t hi = std::numeric_limits<int32_t>::min();
-  for (const int32_t p : pages) {
-    lo = std::min(lo, p);
-    hi = std::max(hi, p);
-  }
-  return {lo, hi};
 }
 
 }  // namespace
@@ -119,8 +108,8 @@ Status PlanPageWriteInto(const PageWrite& write, const LocalBuffers& local,
   }
   if (n == 0 || write.layer_begin == write.layer_end) return OkStatus();
 
-  const auto [src_min, src_max] = Bounds(write.src_pages);
-  const auto [dst_min, dst_max] = Bounds(write.dst_pages);
+  const auto [src_min, src_max] = PageBounds(write.src_pages);
+  const auto [dst_min, dst_max] = PageBounds(write.dst_pages);
   if (src_min < 0 || dst_min < 0) {
     return OutOfRange("page write names page " + std::to_string(std::min(src_min, dst_min)) +
                       "; page indices are >= 0");
