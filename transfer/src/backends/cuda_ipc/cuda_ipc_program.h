@@ -88,7 +88,7 @@ StatusOr<CopyProgram> PlanPageWrite(const PageWrite& write, const LocalBuffers& 
 
 // The same, into `program`, whose storage is reused: a poster that keeps one CopyProgram
 // allocates nothing per write once warm. Fresh tables cost page faults on every write (glibc
-// hands a freed block of tens of KiB back to the kernel), about 85 us for the 64 KiB tables of an
+// hands a freed block of tens of KiB back to the kernel), about 85 µs for the 64 KiB tables of an
 // 8192-page write where faults are slow. On error `program` holds no launches.
 Status PlanPageWriteInto(const PageWrite& write, const LocalBuffers& local,
                          std::span<const RemoteRegion> remote, std::span<const uint64_t> dst_bases,
