@@ -724,28 +724,19 @@ class UcxBackend final : public Backend {
     bool all_mapped = true;
     for (size_t i = 0; i < peer.rkeys.size(); ++i) {
       const RemoteRegion& region = peer.regions[i];
-      void* local = nullptr;
-      void* local_last = nullptr;
-      const ucs_status_t first = ucp_rkey_ptr(peer.rkeys[i], region.base, &local);
-      if (first == UCS_ERR_UNREACHABLE) {  // not mapped here: network puts
+      const ucs_status_t st = RkeyPtrRange(peer.rkeys[i], region.base, region.length, &direct[i]);
+      if (st == UCS_ERR_UNREACHABLE) {  // not mapped here: network puts
         all_mapped = false;
         continue;
       }
-      const ucs_status_t last =
-          first == UCS_OK
-              ? ucp_rkey_ptr(peer.rkeys[i], region.base + region.length - 1, &local_last)
-              : first;
-      if (first != UCS_OK || last != UCS_OK ||
-          reinterpret_cast<uintptr_t>(local_last) - reinterpret_cast<uintptr_t>(local) !=
-              region.length - 1) {
+      if (st != UCS_OK) {
         return InvalidArgument("the peer's buffer " + std::to_string(i) + " (base " +
                                std::to_string(region.base) + ", " + std::to_string(region.length) +
                                " bytes) lies outside the memory its key maps (ucp_rkey_ptr: " +
-                               ucs_status_string(first != UCS_OK ? first : last) +
+                               ucs_status_string(st) +
                                "); the peer is not a kvt agent, or its registration changed "
                                "without a new hello");
       }
-      direct[i] = static_cast<uint8_t*>(local);
     }
     if (std::all_of(direct.begin(), direct.end(), [](uint8_t* p) { return p == nullptr; })) {
       return OkStatus();

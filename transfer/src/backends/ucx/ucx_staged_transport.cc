@@ -1201,16 +1201,15 @@ Status StagedTransport::MapSenderSlots(ucp_ep_h ep, const Hello& hello, std::str
   ucp_rkey_h rkey = nullptr;
   KVT_RETURN_IF_ERROR(
       UcsStatus(ucp_ep_rkey_unpack(ep, padded.data(), &rkey), "ucp_ep_rkey_unpack of its slots"));
-  void* first = nullptr;
-  void* last = nullptr;
-  ucs_status_t st = ucp_rkey_ptr(rkey, hello.slots_base, &first);
-  if (st == UCS_OK) st = ucp_rkey_ptr(rkey, hello.slots_base + bytes - 1, &last);
-  Status usable = UcsStatus(st, "ucp_rkey_ptr of its slots at " + Hex(hello.slots_base) +
-                                     " (not mapped on this host)");
-  if (usable.ok() &&
-      reinterpret_cast<uintptr_t>(last) - reinterpret_cast<uintptr_t>(first) != bytes - 1) {
+  uint8_t* first = nullptr;
+  const ucs_status_t st = RkeyPtrRange(rkey, hello.slots_base, bytes, &first);
+  Status usable = OkStatus();
+  if (st == UCS_ERR_OUT_OF_RANGE) {
     usable = InvalidArgument("its " + std::to_string(bytes) + " bytes of slots at " +
                              Hex(hello.slots_base) + " do not map to one range here");
+  } else if (st != UCS_OK) {
+    usable = UcsStatus(st, "ucp_rkey_ptr of its slots at " + Hex(hello.slots_base) +
+                               " (not mapped on this host)");
   }
   if (usable.ok()) {
     StatusOr<std::vector<ucx_check::Mapping>> after = ucx_check::ReadSelfMaps();
@@ -1231,7 +1230,7 @@ Status StagedTransport::MapSenderSlots(ucp_ep_h ep, const Hello& hello, std::str
   }
   SenderSlots m;
   m.rkey = rkey;
-  m.local = static_cast<uint8_t*>(first);
+  m.local = first;
   m.remote_base = hello.slots_base;
   m.slot_bytes = hello.slot_bytes;
   m.count = hello.slots;

@@ -98,6 +98,19 @@ StatusOr<ucp_config_t*> ReadUcpConfig(const std::string& transports) {
   return config;
 }
 
+ucs_status_t RkeyPtrRange(ucp_rkey_h rkey, uint64_t base, uint64_t length, uint8_t** local) {
+  void* first = nullptr;
+  void* last = nullptr;
+  const ucs_status_t st = ucp_rkey_ptr(rkey, base, &first);
+  if (st != UCS_OK) return st;
+  if (ucp_rkey_ptr(rkey, base + length - 1, &last) != UCS_OK ||
+      reinterpret_cast<uintptr_t>(last) - reinterpret_cast<uintptr_t>(first) != length - 1) {
+    return UCS_ERR_OUT_OF_RANGE;
+  }
+  *local = static_cast<uint8_t*>(first);
+  return UCS_OK;
+}
+
 void DrainWorker(ucp_worker_h worker, std::chrono::milliseconds quiet,
                  std::chrono::milliseconds bound) {
   using Clock = std::chrono::steady_clock;

@@ -7,6 +7,7 @@
 #include <ucp/api/ucp.h>
 
 #include <chrono>
+#include <cstdint>
 #include <string>
 
 #include "kvt/common/status.h"
@@ -21,6 +22,13 @@ Status UcsStatus(ucs_status_t status, const std::string& what);
 // where the environment does not set them). The caller releases it (ucp_config_release).
 // InvalidArgument for a transport list UCX refuses.
 StatusOr<ucp_config_t*> ReadUcpConfig(const std::string& transports);
+
+// Where the `length` (> 0) bytes at the peer's address `base` lie in this process, when UCX maps
+// them here (shared memory: ucp_rkey_ptr of the first and the last byte) as one range; *local is
+// set on UCS_OK. UCS_ERR_UNREACHABLE when the first byte is not mapped here (the peer is reached
+// over the network), UCS_ERR_OUT_OF_RANGE when the last byte is not mapped or the two ends are not
+// one range (an address the key does not cover), else ucp_rkey_ptr's own error.
+ucs_status_t RkeyPtrRange(ucp_rkey_h rkey, uint64_t base, uint64_t length, uint8_t** local);
 
 // Progresses `worker` until it has done nothing for `quiet` in a row, or for at most `bound`:
 // call before ucp_worker_destroy. UCX 1.13's tcp transport aborts the process there
