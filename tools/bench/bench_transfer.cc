@@ -1675,6 +1675,7 @@ json PhaseBreakdown(const std::vector<Sample>& samples, const json& timelines, i
   row = fmt::format("{:>6} {:>8}", pt, total.size());
   for (int k = 0; k < 6; ++k) {
     out[std::string(kNames[k]) + "_p50"] = Percentile(phase[k], 0.5);
+    out[std::string(kNames[k]) + "_p99"] = Percentile(phase[k], 0.99);
     row += fmt::format(" {:>10}", Cell(Percentile(phase[k], 0.5), 1));
   }
   row += fmt::format(" {:>10}", Cell(Percentile(total, 0.5), 1));
@@ -1690,10 +1691,10 @@ std::string PhaseColumns() {
                      "total");
 }
 
-// o.latency_requests one-page requests (a few untimed first) into `small`; the prefill peer's
-// stats over them.
+// o.latency_requests one-page requests (a few untimed first) into `small` and `samples`; the
+// prefill peer's stats over them.
 StatusOr<json> RunOnePageRequests(const TransferOptions& o, PeerLink& link, DecodeSide& decode,
-                                  Latencies& small) {
+                                  Latencies& small, std::vector<Sample>& samples) {
   for (int i = 0; i < std::min(o.latency_requests, 20); ++i) {
     KVT_RETURN_IF_ERROR(decode.Request(fmt::format("x{}", i), 1).status());
   }
@@ -1702,6 +1703,7 @@ StatusOr<json> RunOnePageRequests(const TransferOptions& o, PeerLink& link, Deco
   for (int i = 0; i < o.latency_requests; ++i) {
     KVT_ASSIGN_OR_RETURN(Sample s, decode.Request(fmt::format("l{}", i), 1));
     small.Add(s);
+    samples.push_back(std::move(s));
   }
   return link.Call({{"type", "stats"}, {"reset", true}}, std::chrono::seconds(30));
 }
@@ -1842,7 +1844,13 @@ Status RunPageSize(const TransferOptions& o, int pt, int64_t per_token_bytes, js
 
   // One-page requests.
   Latencies small;
-  KVT_ASSIGN_OR_RETURN(json small_post, RunOnePageRequests(o, *link, *decode, small));
+  std::vector<Sample> small_samples;
+  KVT_ASSIGN_OR_RETURN(json small_post,
+                       RunOnePageRequests(o, *link, *decode, small, small_samples));
+  std::string small_phase_row;
+  json small_phases =
+      PhaseBreakdown(small_samples, small_post.at("timelines"), pt, small_phase_row);
+  phase_row += "\n" + small_phase_row + "  (one page)";
 
   if (o.verify) KVT_RETURN_IF_ERROR(VerifyRequests(*decode, pt, pages_per_request, out));
   if (after.at("callback_errors").get<uint64_t>() != 0) {
@@ -1889,6 +1897,7 @@ Status RunPageSize(const TransferOptions& o, int pt, int64_t per_token_bytes, js
   out["one_page"] = small.ToJson(1000.0, "us");
   out["one_page"]["bytes"] = one_page_bytes;
   out["one_page"]["prefill_post_us_p50"] = small_post.at("post_ms_p50").get<double>() * 1000;
+  out["one_page"]["phases"] = small_phases;
 
   bw_row = fmt::format(
       "{:>6} {:>8.0f} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>7} {:>8} {:>8}", pt,
@@ -2157,7 +2166,13 @@ Status RunGpuPageSizeBody(const TransferOptions& o, const SideConfig& c, int64_t
 
   // One-page requests: the fixed cost (control plane, posting, completion) of a request.
   Latencies small;
-  KVT_ASSIGN_OR_RETURN(json small_post, RunOnePageRequests(o, *link, *decode, small));
+  std::vector<Sample> small_samples;
+  KVT_ASSIGN_OR_RETURN(json small_post,
+                       RunOnePageRequests(o, *link, *decode, small, small_samples));
+  std::string small_phase_row;
+  json small_phases =
+      PhaseBreakdown(small_samples, small_post.at("timelines"), pt, small_phase_row);
+  rows.phase += "\n" + small_phase_row + "  (one page)";
 
   // Layerwise: a simulated forward per request.
   double tail_ratio_max = NAN;
@@ -2194,6 +2209,7 @@ Status RunGpuPageSizeBody(const TransferOptions& o, const SideConfig& c, int64_t
   out["one_page"] = small.ToJson(1000.0, "us");
   out["one_page"]["bytes"] = static_cast<double>(request_bytes / pages_per_request);
   out["one_page"]["prefill_post_us_p50"] = small_post.at("post_ms_p50").get<double>() * 1000;
+  out["one_page"]["phases"] = small_phases;
   json ratios = {{"kvt_to_contiguous_d2d", SafeRatio(kvt_gbps, contiguous)}};
   if (!pipelined.is_null()) {
     pipelined["ratio_to_contiguous_d2d"] = SafeRatio(pipe_gbps, contiguous);
