@@ -127,6 +127,73 @@ TEST_P(EngineTest, BusyPollingControlThreadsMoveRequests) {
   EXPECT_EQ(decode_->stats().requests_succeeded, 12u);
 }
 
+// With busy-polling engines WaitRequest polls for the busy-poll window before it sleeps: it
+// sees its own room end while other rooms end around it, sees a room that ends after the window
+// (asleep by then), and its timeout and unknown-room errors are those of the sleeping wait.
+TEST_P(EngineTest, WaitRequestPollsWhileTheEnginesBusyPoll) {
+  busy_poll_ = 2ms;
+  Start();
+  const PeerHandle peer = Connect();
+  auto finish_later = [this](std::string room, std::vector<int32_t> src,
+                             std::chrono::microseconds after) {
+    return std::thread([this, room = std::move(room), src = std::move(src), after] {
+      std::this_thread::sleep_for(after);
+      EXPECT_TRUE(prefill_->Send(room, src).ok()) << room;
+      EXPECT_TRUE(prefill_->LayersReady(room, 4).ok()) << room;
+    });
+  };
+  // Another room ends first (the waiter looks, and goes on polling), then the waited one.
+  std::vector<int32_t> src_a = {1, 2}, dst_a = {10, 11}, src_b = {3, 4}, dst_b = {12, 13};
+  Fill(*src_pool_, 5, src_a);
+  Fill(*src_pool_, 6, src_b);
+  ASSERT_TRUE(decode_->Receive("waited", peer, dst_a).ok());
+  ASSERT_TRUE(decode_->Receive("other", peer, dst_b).ok());
+  std::thread other = finish_later("other", src_b, 100us);
+  other.join();
+  std::thread waited = finish_later("waited", src_a, 300us);
+  auto info = decode_->WaitRequest("waited", 5s);
+  waited.join();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->state, RequestState::kSuccess) << info->status;
+  EXPECT_EQ(Mismatches(*dst_pool_, 5, dst_a), 0u);
+  auto other_info = decode_->WaitRequest("other", 5s);
+  ASSERT_TRUE(other_info.ok()) << other_info.status();
+  EXPECT_EQ(other_info->state, RequestState::kSuccess) << other_info->status;
+  EXPECT_EQ(Mismatches(*dst_pool_, 6, dst_b), 0u);
+
+  // A room that ends well after the window: the waiter has gone to sleep and is woken.
+  std::vector<int32_t> src_c = {7}, dst_c = {20};
+  Fill(*src_pool_, 7, src_c);
+  ASSERT_TRUE(decode_->Receive("late", peer, dst_c).ok());
+  std::thread late = finish_later("late", src_c, 30ms);
+  info = decode_->WaitRequest("late", 5s);
+  late.join();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->state, RequestState::kSuccess) << info->status;
+  EXPECT_EQ(Mismatches(*dst_pool_, 7, dst_c), 0u);
+
+  // A timeout shorter than the window, and none at all: DeadlineExceeded naming it.
+  std::vector<int32_t> dst_d = {21};
+  ASSERT_TRUE(decode_->Receive("never-sent", peer, dst_d).ok());
+  for (const std::chrono::milliseconds timeout : {1ms, 0ms}) {
+    auto waited_out = decode_->WaitRequest("never-sent", timeout);
+    ASSERT_FALSE(waited_out.ok());
+    EXPECT_EQ(waited_out.status().code(), StatusCode::kDeadlineExceeded);
+    EXPECT_NE(waited_out.status().message().find("room 'never-sent' is still "),
+              std::string::npos)
+        << waited_out.status();
+    EXPECT_NE(waited_out.status().message().find(
+                  "after " + std::to_string(timeout.count()) + " ms"),
+              std::string::npos)
+        << waited_out.status();
+  }
+  auto unknown = decode_->WaitRequest("no-such-room", 5s);
+  ASSERT_FALSE(unknown.ok());
+  EXPECT_EQ(unknown.status().code(), StatusCode::kNotFound);
+  EXPECT_NE(unknown.status().message().find("no room 'no-such-room'"), std::string::npos)
+      << unknown.status();
+}
+
 // Busy polling per connection: a decode engine connected to two prefill engines (each
 // connection polls while its own peer has requests in flight) moves requests from both,
 // interleaved, byte-exact, while the other connection idles.

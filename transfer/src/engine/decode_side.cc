@@ -352,7 +352,7 @@ void DecodeSide::SucceedLocked(DecodeRoom& room) {
 void DecodeSide::MarkReusableLocked(DecodeRoom& room) {
   if (room.pages_reusable) return;
   room.pages_reusable = true;
-  ctx_.final_cv.NotifyAll();
+  ctx_.NotifyFinal();
 }
 
 void DecodeSide::AbortLocked(DecodeRoom& room, v1::StatusCode code, Status why) {

@@ -19,6 +19,7 @@
 #include <utility>
 #include <vector>
 
+#include "control/spin.h"
 #include "kvt/common/mutex.h"
 #include "kvt/common/status.h"
 #include "kvt/transfer/engine.h"
@@ -106,7 +107,15 @@ struct EngineContext {
   Wakeup wakeup;                   // the poller's
   std::unique_ptr<Worker> worker;  // blocking work (AfterUnlock::may_block)
   mutable Mutex mu;
-  mutable CondVar final_cv;  // a room became final, or became reusable (WaitRequest)
+  // A room became final, or became reusable: WaitRequest's waiters. Use NotifyFinal().
+  mutable CondVar final_cv;
+  // How many times NotifyFinal ran: a WaitRequest that polls (control_busy_poll > 0) watches it
+  // without taking the mutex, and looks at its room only when it moved.
+  std::atomic<uint64_t> final_events{0};
+  void NotifyFinal() {
+    final_events.fetch_add(1, std::memory_order_release);
+    final_cv.NotifyAll();
+  }
   bool stop KVT_GUARDED_BY(mu) = false;
   EngineStats stats KVT_GUARDED_BY(mu);
   // For the request tables, which are themselves guarded by `mu` where they are declared.
@@ -250,7 +259,7 @@ template <typename Room>
 class RequestTable {
  public:
   explicit RequestTable(EngineContext& ctx)
-      : num_layers_(ctx.num_layers()), stats_(ctx.stats_storage()), final_cv_(ctx.final_cv) {}
+      : num_layers_(ctx.num_layers()), stats_(ctx.stats_storage()), ctx_(ctx) {}
 
   Room* Find(const std::string& id) {
     auto it = rooms_.find(id);
@@ -295,7 +304,7 @@ class RequestTable {
     } else {
       ++stats_.requests_failed;
     }
-    final_cv_.NotifyAll();
+    ctx_.NotifyFinal();
     return true;
   }
 
@@ -368,18 +377,17 @@ class RequestTable {
  private:
   const int32_t num_layers_;
   EngineStats& stats_;  // the context's, under its mutex like the table
-  CondVar& final_cv_;
+  EngineContext& ctx_;  // for NotifyFinal
   std::unordered_map<std::string, Room> rooms_;
   std::set<std::string> active_;         // non-final rooms
   std::atomic<size_t> active_count_{0};  // active_.size()
 };
 
-// Waits until the room is final (its info), or `timeout` (DeadlineExceeded).
+// Waits until the room is final (its info), or `until` (DeadlineExceeded, naming `timeout`).
 template <typename Room>
 StatusOr<RequestInfo> WaitForFinal(EngineContext& ctx, const RequestTable<Room>& table,
-                                   const std::string& id, std::chrono::milliseconds timeout)
-    KVT_REQUIRES(ctx.mu) {
-  const auto until = Clock::now() + timeout;
+                                   const std::string& id, Clock::time_point until,
+                                   std::chrono::milliseconds timeout) KVT_REQUIRES(ctx.mu) {
   while (true) {
     const Room* room = table.Find(id);
     if (room == nullptr) return NotFound("no room '" + id + "' on this engine");
@@ -430,8 +438,36 @@ class SideWithTable : public EngineSide {
   StatusOr<RequestInfo> WaitRequest(const std::string& room,
                                     std::chrono::milliseconds timeout) const override
       KVT_EXCLUDES(ctx_.mu) {
+    const auto until = Clock::now() + timeout;
+    // An engine that busy-polls its control plane is one whose owner spends cores on latency:
+    // its waiters poll as well, for up to that window, instead of sleeping on the condition
+    // variable, whose wake-up (a futex, then a time slice) costs a one-page request tens of
+    // microseconds on a loaded machine. The room is looked at (under the mutex) only when a room
+    // became final since the last look.
+    const auto spin = std::chrono::duration_cast<Clock::duration>(ctx_.options.control_busy_poll);
+    if (spin.count() > 0) {
+      const auto spin_until = std::min(until, Clock::now() + spin);
+      uint64_t seen = ctx_.final_events.load(std::memory_order_acquire);
+      control::internal::SpinPacer pacer;
+      while (true) {
+        {
+          MutexLock lock(ctx_.mu);
+          const Room* r = table_.Find(room);
+          if (r == nullptr || IsFinal(r->state)) {
+            return WaitForFinal(ctx_, table_, room, until, timeout);
+          }
+        }
+        uint64_t now_seen;
+        while ((now_seen = ctx_.final_events.load(std::memory_order_acquire)) == seen &&
+               Clock::now() < spin_until) {
+          std::this_thread::yield();
+        }
+        if (now_seen == seen) break;  // the window passed: sleep below
+        seen = now_seen;
+      }
+    }
     MutexLock lock(ctx_.mu);
-    return WaitForFinal(ctx_, table_, room, timeout);
+    return WaitForFinal(ctx_, table_, room, until, timeout);
   }
   Status Forget(const std::string& room) override KVT_EXCLUDES(ctx_.mu) {
     MutexLock lock(ctx_.mu);

@@ -130,6 +130,7 @@ struct EngineOptions {
   // this long after the last frame or request, they poll their sockets without sleeping
   // (control::BusyPollOptions): a CPU core per polling io thread, for control messages handled
   // within microseconds instead of after a thread wake-up. Needs server.num_threads = 1.
+  // WaitRequest then polls as well, for up to this long, before it sleeps.
   std::chrono::microseconds control_busy_poll{0};
   uint32_t tp_rank = 0;
   uint32_t tp_size = 1;
@@ -227,6 +228,8 @@ class TransferEngine {
   // ---- both sides -----------------------------------------------------------------------------
   StatusOr<RequestInfo> GetRequest(const std::string& room) const;
   // Waits until the room is final (or `timeout`); returns its info (DeadlineExceeded on timeout).
+  // With control_busy_poll > 0 it polls (yielding its core between looks) for up to that window
+  // before it sleeps: a sleeping waiter's wake-up costs a one-page request tens of microseconds.
   StatusOr<RequestInfo> WaitRequest(const std::string& room,
                                     std::chrono::milliseconds timeout) const;
   // Fails the room with Aborted and tells the peer (which acknowledges). NotFound when unknown;
