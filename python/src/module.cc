@@ -160,6 +160,17 @@ std::chrono::milliseconds Millis(double seconds) {
   return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000.0 + 0.5));
 }
 
+// A busy-poll window given in seconds: at most a second (a longer one is a core spent for nothing
+// between requests; the C++ option takes any length, Python callers pass seconds by mistake).
+std::chrono::microseconds BusyPollMicros(double seconds) {
+  if (!(seconds >= 0 && seconds <= 1.0)) {
+    throw py::value_error("control_busy_poll = " + py::str(py::float_(seconds)).cast<std::string>() +
+                          " s: must be in [0, 1] seconds (e.g. 0.001 for 1 ms; 0: the control "
+                          "threads sleep between messages)");
+  }
+  return std::chrono::microseconds(static_cast<int64_t>(seconds * 1e6 + 0.5));
+}
+
 // Seconds on time.monotonic()'s clock (steady_clock is CLOCK_MONOTONIC on Linux, as is
 // Python's monotonic clock); None for a point not reached.
 py::object Seconds(std::chrono::steady_clock::time_point t) {
@@ -274,7 +285,8 @@ class Engine {
   Engine(const Layout& layout, bool prefill, const std::string& backend, const std::string& ucx_tls,
          const std::string& name, const std::string& bind, uint16_t port,
          const std::string& cluster_token, double deadline, double hello_timeout,
-         double peer_timeout, double heartbeat_interval, double retention) {
+         double peer_timeout, double heartbeat_interval, double retention,
+         double control_busy_poll) {
     transfer::EngineOptions o;
     o.name = name;
     o.prefill = prefill;
@@ -288,6 +300,7 @@ class Engine {
     o.peer_timeout = Millis(peer_timeout);
     o.heartbeat_interval = Millis(heartbeat_interval);
     o.retention = Millis(retention);
+    o.control_busy_poll = BusyPollMicros(control_busy_poll);
     StatusOr<std::unique_ptr<transfer::TransferEngine>> engine = [&] {
       py::gil_scoped_release release;
       return transfer::TransferEngine::Create(o, layout.layout);
@@ -705,11 +718,11 @@ PYBIND11_MODULE(_kvt, m) {
   py::class_<Engine>(m, "Engine")
       .def(py::init<const Layout&, bool, const std::string&, const std::string&, const std::string&,
                     const std::string&, uint16_t, const std::string&, double, double, double,
-                    double, double>(),
+                    double, double, double>(),
            py::arg("layout"), py::arg("prefill"), py::arg("backend"), py::arg("ucx_tls"),
            py::arg("name"), py::arg("bind"), py::arg("port"), py::arg("cluster_token"),
            py::arg("deadline"), py::arg("hello_timeout"), py::arg("peer_timeout"),
-           py::arg("heartbeat_interval"), py::arg("retention"))
+           py::arg("heartbeat_interval"), py::arg("retention"), py::arg("control_busy_poll"))
       .def("close", &Engine::Close)
       .def_property_readonly("closed", &Engine::closed)
       .def_property_readonly("port", &Engine::port)

@@ -29,16 +29,16 @@ def layout_of(pool: ReferencePool) -> kvt.TransferLayout:
 
 
 class Pair:
-    def __init__(self, deadline: float = 10.0):
+    def __init__(self, deadline: float = 10.0, **engine_options):
         self.p_pool, self.d_pool = make_pool(aux_slots=4), make_pool(aux_slots=4)
         rng = np.random.default_rng(5)
         for b in range(2 * LAYERS):
             view = self.p_pool.page_view(b)
             view[1:] = rng.integers(0, 256, view[1:].shape, dtype=np.uint8)
         self.prefill = kvt.TransferEngine("prefill", layout_of(self.p_pool), name="p",
-                                          deadline=deadline)
+                                          deadline=deadline, **engine_options)
         self.decode = kvt.TransferEngine("decode", layout_of(self.d_pool), name="d",
-                                         deadline=deadline)
+                                         deadline=deadline, **engine_options)
         self.peer = self.decode.connect("127.0.0.1", self.prefill.port)
 
     def moved(self, src, dst) -> bool:

@@ -163,6 +163,39 @@ def test_a_second_thread_progresses_while_one_waits(pair) -> None:
     assert pair.moved([1, 2], [8, 9])
 
 
+def test_busy_polling_engines_move_requests_and_time_out() -> None:
+    from conftest import Pair
+    busy = Pair(control_busy_poll=0.002)
+    try:
+        for r in range(8):
+            dst, src = [10 + r, 20 + r], [1 + r, 30 - r]
+            req = busy.decode.receive(f"busy-{r}", busy.peer, dst)
+            busy.prefill.send(f"busy-{r}", src)
+            busy.prefill.layers_ready(f"busy-{r}", LAYERS)
+            assert req.wait(10) == kvt.KVPoll.Success
+            assert busy.moved(src, dst)
+        # A room that ends after the polling window: the waiter sleeps, and is woken.
+        late = busy.decode.receive("late", busy.peer, [31])
+        timer = threading.Timer(0.05, lambda: (busy.prefill.send("late", [32]),
+                                               busy.prefill.layers_ready("late", LAYERS)))
+        timer.start()
+        assert late.wait(10) == kvt.KVPoll.Success
+        timer.join()
+        assert busy.moved([32], [31])
+        slow = busy.decode.receive("slow", busy.peer, [9])
+        with pytest.raises(TimeoutError, match="slow"):
+            slow.wait(0.001)
+        slow.abort()
+    finally:
+        busy.close()
+
+
+@pytest.mark.parametrize("value", [-0.001, 2.0, float("inf"), float("nan")])
+def test_bad_busy_poll_window_names_the_value(pair, value) -> None:
+    with pytest.raises(ValueError, match="control_busy_poll"):
+        kvt.TransferEngine("decode", pair.decode.layout, control_busy_poll=value)
+
+
 def test_engine_options_and_close(pair) -> None:
     with pytest.raises(ValueError, match="role"):
         kvt.TransferEngine("middle", pair.prefill.layout)
