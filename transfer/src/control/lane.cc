@@ -1,0 +1,248 @@
+#include "control/lane.h"
+
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <openssl/rand.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstddef>
+#include <cstring>
+#include <new>
+
+namespace kvt::control::internal {
+namespace {
+
+constexpr uint64_t kMagic = 0x656e616c2d74766bULL;  // "kvt-lane", little-endian
+constexpr uint32_t kVersion = 1;
+constexpr char kNamePrefix[] = "/kvt-lane-";
+constexpr size_t kNameHexBytes = 16;  // random bytes in a name (32 hex digits)
+
+struct Header {
+  uint64_t magic;
+  uint32_t version;
+  uint32_t ring_bytes;
+  char nonce[kLaneNonceBytes];
+};
+constexpr size_t kHeaderBytes = 64;
+static_assert(sizeof(Header) <= kHeaderBytes);
+
+bool ValidRingBytes(uint32_t n) {
+  return n >= kMinLaneRingBytes && n <= kMaxLaneRingBytes && (n & (n - 1)) == 0;
+}
+
+std::string Hex(std::string_view bytes) {
+  std::string out;
+  for (unsigned char c : bytes) out += fmt::format("{:02x}", c);
+  return out;
+}
+
+bool ValidName(const std::string& name) {
+  const size_t prefix = sizeof(kNamePrefix) - 1;
+  if (name.size() != prefix + 2 * kNameHexBytes || name.compare(0, prefix, kNamePrefix) != 0) {
+    return false;
+  }
+  for (size_t i = prefix; i < name.size(); ++i) {
+    const char c = name[i];
+    if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+// One direction. The indices count bytes since the lane began (never wrap in practice: 2^64).
+struct LaneRing {
+  alignas(64) std::atomic<uint64_t> head;      // bytes the reader consumed
+  alignas(64) std::atomic<uint64_t> tail;      // bytes the writer published
+  alignas(64) std::atomic<uint32_t> sleeping;  // the reader blocks (wants a doorbell)
+  alignas(64) char data[1];                    // ring_bytes of them
+};
+static_assert(std::atomic<uint64_t>::is_always_lock_free);
+constexpr size_t kRingHeaderBytes = offsetof(LaneRing, data);
+
+namespace {
+size_t SegmentBytes(uint32_t ring_bytes) {
+  return kHeaderBytes + 2 * (kRingHeaderBytes + static_cast<size_t>(ring_bytes));
+}
+}  // namespace
+
+Lane::Lane(std::string name, std::string nonce, uint32_t ring_bytes, void* base, size_t size,
+           bool creator)
+    : name_(std::move(name)),
+      nonce_(std::move(nonce)),
+      ring_bytes_(ring_bytes),
+      base_(base),
+      size_(size),
+      creator_(creator) {
+  char* first = static_cast<char*>(base) + kHeaderBytes;
+  auto* a = reinterpret_cast<LaneRing*>(first);  // creator -> opener
+  auto* b = reinterpret_cast<LaneRing*>(first + kRingHeaderBytes + ring_bytes);
+  out_ = creator ? a : b;
+  in_ = creator ? b : a;
+}
+
+Lane::~Lane() {
+  if (creator_) Unlink();
+  ::munmap(base_, size_);
+}
+
+void Lane::Unlink() {
+  if (unlinked_) return;
+  unlinked_ = true;
+  ::shm_unlink(name_.c_str());  // ENOENT: the peer removed it already
+}
+
+StatusOr<std::unique_ptr<Lane>> Lane::Create(uint32_t ring_bytes) {
+  if (!ValidRingBytes(ring_bytes)) {
+    return InvalidArgument(fmt::format(
+        "lane ring_bytes = {}: must be a power of two in [{}, {}]", ring_bytes, kMinLaneRingBytes,
+        kMaxLaneRingBytes));
+  }
+  std::string random(kNameHexBytes + kLaneNonceBytes, '\0');
+  if (RAND_bytes(reinterpret_cast<unsigned char*>(random.data()),
+                 static_cast<int>(random.size())) != 1) {
+    return Internal("OpenSSL RAND_bytes failed: no randomness for a lane name");
+  }
+  std::string name = kNamePrefix + Hex(std::string_view(random).substr(0, kNameHexBytes));
+  std::string nonce = random.substr(kNameHexBytes);
+  const int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
+  if (fd < 0) {
+    return Unavailable(fmt::format("shm_open({}) for a control lane: {}; the connection keeps "
+                                   "its socket (is /dev/shm mounted and writable?)",
+                                   name, std::strerror(errno)));
+  }
+  const size_t size = SegmentBytes(ring_bytes);
+  void* base = MAP_FAILED;
+  if (::ftruncate(fd, static_cast<off_t>(size)) == 0) {
+    base = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  }
+  const int err = errno;
+  ::close(fd);
+  if (base == MAP_FAILED) {
+    ::shm_unlink(name.c_str());
+    return Unavailable(fmt::format("sizing or mapping the control lane {} ({} bytes): {}", name,
+                                   size, std::strerror(err)));
+  }
+  // A fresh segment reads as zeros: both rings empty, nobody asleep.
+  auto* header = new (base) Header{};
+  header->magic = kMagic;
+  header->version = kVersion;
+  header->ring_bytes = ring_bytes;
+  std::memcpy(header->nonce, nonce.data(), kLaneNonceBytes);
+  return std::unique_ptr<Lane>(
+      new Lane(std::move(name), std::move(nonce), ring_bytes, base, size, /*creator=*/true));
+}
+
+StatusOr<std::unique_ptr<Lane>> Lane::Open(const std::string& name, std::string_view nonce,
+                                           uint32_t ring_bytes) {
+  if (!ValidName(name)) {
+    return InvalidArgument(fmt::format("lane name '{}' is not {}<32 hex digits>", name,
+                                       kNamePrefix));
+  }
+  if (nonce.size() != kLaneNonceBytes || !ValidRingBytes(ring_bytes)) {
+    return InvalidArgument(fmt::format(
+        "lane offer with a {}-byte nonce and ring_bytes = {}: want {} bytes and a power of two "
+        "in [{}, {}]",
+        nonce.size(), ring_bytes, kLaneNonceBytes, kMinLaneRingBytes, kMaxLaneRingBytes));
+  }
+  const int fd = ::shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0);
+  if (fd < 0) {
+    return FailedPrecondition(fmt::format(
+        "lane {} cannot be opened here ({}): the peer is on another host or in another "
+        "shared-memory namespace, or runs as another user",
+        name, std::strerror(errno)));
+  }
+  const size_t size = SegmentBytes(ring_bytes);
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) != size) {
+    ::close(fd);
+    return FailedPrecondition(fmt::format("lane {} is {} bytes, not the {} its offer implies",
+                                          name, static_cast<long long>(st.st_size), size));
+  }
+  void* base = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  const int err = errno;
+  ::close(fd);
+  if (base == MAP_FAILED) {
+    return Unavailable(fmt::format("mapping the control lane {}: {}", name, std::strerror(err)));
+  }
+  Header header;
+  std::memcpy(&header, base, sizeof(header));
+  if (header.magic != kMagic || header.version != kVersion || header.ring_bytes != ring_bytes ||
+      std::memcmp(header.nonce, nonce.data(), kLaneNonceBytes) != 0) {
+    ::munmap(base, size);
+    return FailedPrecondition(fmt::format(
+        "lane {} is not the segment offered (magic {:#x}, version {}, ring_bytes {}, nonce "
+        "{}match)",
+        name, header.magic, header.version, header.ring_bytes,
+        std::memcmp(header.nonce, nonce.data(), kLaneNonceBytes) == 0 ? "" : "does not "));
+  }
+  auto lane = std::unique_ptr<Lane>(
+      new Lane(name, std::string(nonce), ring_bytes, base, size, /*creator=*/false));
+  // Nobody else may open it now; the creator removes the name too (whichever comes first).
+  ::shm_unlink(name.c_str());
+  lane->unlinked_ = true;
+  return lane;
+}
+
+StatusOr<size_t> Lane::Write(std::string_view data) {
+  const uint64_t head = out_->head.load(std::memory_order_acquire);
+  const uint64_t used = tail_ - head;
+  if (head > tail_ || used > ring_bytes_) {
+    return DataLoss(fmt::format(
+        "control lane {}: the reader's index {} is impossible (written {}, ring {} bytes): the "
+        "peer corrupted the shared segment",
+        name_, head, tail_, ring_bytes_));
+  }
+  const size_t n = std::min<size_t>(ring_bytes_ - used, data.size());
+  const size_t mask = ring_bytes_ - 1;
+  const size_t at = static_cast<size_t>(tail_) & mask;
+  const size_t first = std::min(n, ring_bytes_ - at);
+  std::memcpy(out_->data + at, data.data(), first);
+  std::memcpy(out_->data, data.data() + first, n - first);
+  tail_ += n;
+  out_->tail.store(tail_, std::memory_order_release);
+  return n;
+}
+
+bool Lane::PeerSleeping() const {
+  // Pairs with the fence in Sleep(): either the reader sees the bytes just published, or this
+  // sees its flag (or both).
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  return out_->sleeping.load(std::memory_order_relaxed) != 0;
+}
+
+StatusOr<size_t> Lane::Read(char* out, size_t capacity) {
+  const uint64_t tail = in_->tail.load(std::memory_order_acquire);
+  const uint64_t avail = tail - head_;
+  if (tail < head_ || avail > ring_bytes_) {
+    return DataLoss(fmt::format(
+        "control lane {}: the writer's index {} is impossible (read {}, ring {} bytes): the "
+        "peer corrupted the shared segment",
+        name_, tail, head_, ring_bytes_));
+  }
+  const size_t n = std::min<size_t>(avail, capacity);
+  const size_t mask = ring_bytes_ - 1;
+  const size_t at = static_cast<size_t>(head_) & mask;
+  const size_t first = std::min(n, ring_bytes_ - at);
+  std::memcpy(out, in_->data + at, first);
+  std::memcpy(out + first, in_->data, n - first);
+  head_ += n;
+  in_->head.store(head_, std::memory_order_release);
+  return n;
+}
+
+bool Lane::Readable() const { return in_->tail.load(std::memory_order_acquire) != head_; }
+
+bool Lane::Sleep() {
+  in_->sleeping.store(1, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  return Readable();
+}
+
+void Lane::Wake() { in_->sleeping.store(0, std::memory_order_relaxed); }
+
+}  // namespace kvt::control::internal
