@@ -210,7 +210,7 @@ TEST(LaneTest, ASleepingReaderNeverMissesABellAndBytes) {
     for (int i = 0; i < kRounds; ++i) {
       while (turn.load() != 2 * i + 1) std::this_thread::yield();
       ASSERT_TRUE(p.creator->Write("x").ok());
-      bell.store(p.creator->PeerSleeping());
+      bell.store(p.creator->TakeDoorbell());
       turn.store(2 * i + 2);
     }
   });

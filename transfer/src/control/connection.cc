@@ -25,6 +25,8 @@ bool IsDriverRequest(v1::Envelope::BodyCase body) {
 }
 
 constexpr size_t kReadChunkBytes = 64u << 10;
+// How soon a connection retries moving frames into a full lane whose reader does not poll.
+constexpr auto kLaneFlushRetry = std::chrono::microseconds(50);
 // How long a connection closed for silence waits for its Error frame to reach the socket.
 constexpr auto kSilentPeerLinger = std::chrono::milliseconds(20);
 
@@ -81,6 +83,8 @@ Connection::Connection(tcp::socket socket, ConnectionConfig config, ConnectionCa
       strand_(socket_.get_executor()),
       decoder_(config_.limits.max_frame_bytes),
       read_buffer_(kReadChunkBytes),
+      lane_decoder_(config_.limits.max_frame_bytes),
+      lane_flush_timer_(strand_),
       handshake_timer_(strand_),
       frame_timer_(strand_),
       idle_timer_(strand_),
@@ -121,6 +125,10 @@ Status Connection::Send(const v1::Envelope& envelope) {
     // Nothing queued and nothing being written: write the frame here, now. What the socket does
     // not take at once (a full send buffer) continues on the strand before any later frame.
     std::unique_lock<std::mutex> lock(write_mu_);
+    if (direct_ok_ && lane_out_ != nullptr) {  // the lane keeps its own order under this lock
+      WriteLaneLocked(std::move(frame));
+      return OkStatus();
+    }
     if (direct_ok_ && !writing_ && write_queue_.empty()) {
       const ssize_t n =
           ::send(socket_.native_handle(), frame.data(), frame.size(), MSG_DONTWAIT | MSG_NOSIGNAL);
@@ -295,6 +303,9 @@ void Connection::OnRead(const boost::system::error_code& ec, size_t bytes) {
     return;
   }
   if (ec) {
+    // What the peer put in the lane before its socket ended came first: handle it.
+    if (lane_in_ && state_ == State::kOpen) DrainLane();
+    if (closing_or_closed()) return;
     const bool eof = ec == asio::error::eof || ec == asio::error::connection_reset;
     Status why = Unavailable(
         eof ? fmt::format("connection {} closed by the peer {}", config_.id, remote_address_)
@@ -308,26 +319,36 @@ void Connection::OnRead(const boost::system::error_code& ec, size_t bytes) {
     return;
   }
   last_receive_ = std::chrono::steady_clock::now();
-  std::string_view data(read_buffer_.data(), bytes);
+  if (!Consume(decoder_, std::string_view(read_buffer_.data(), bytes), /*from_lane=*/false)) {
+    return;
+  }
+  WatchPartialFrame();
+  ReadSome();
+}
+
+bool Connection::Consume(FrameDecoder& decoder, std::string_view data, bool from_lane) {
   while (true) {
-    if (decoder_.frame_ready()) {
+    if (decoder.frame_ready()) {
       v1::Envelope envelope;
-      if (Status s = decoder_.Take(&envelope); !s.ok()) {
-        FailNow(v1::STATUS_CODE_MALFORMED_FRAME, s);
-        return;
+      if (Status s = decoder.Take(&envelope); !s.ok()) {
+        FailNow(v1::STATUS_CODE_MALFORMED_FRAME,
+                from_lane ? s.WithContext("a frame from the shared-memory lane") : s);
+        return false;
       }
-      frame_in_progress_ = false;
+      if (!from_lane) frame_in_progress_ = false;
       if (!first_frame_received_) {
         first_frame_received_ = true;
         // A server without a token: the first frame completes the handshake.
         if (state_ == State::kOpen) CancelTimer(handshake_timer_);
       }
+      frame_from_lane_ = from_lane;
       HandleFrame(envelope);
-      if (closing_or_closed()) return;
+      frame_from_lane_ = false;
+      if (closing_or_closed()) return false;
       continue;
     }
-    if (data.empty()) break;
-    StatusOr<size_t> used = decoder_.Feed(data);
+    if (data.empty()) return true;
+    StatusOr<size_t> used = decoder.Feed(data);
     if (!used.ok()) {
       Status why = used.status();
       if (state_ == State::kAwaitAuthResponse) {
@@ -335,13 +356,12 @@ void Connection::OnRead(const boost::system::error_code& ec, size_t bytes) {
             "{}; before authentication only an auth_response (a few hundred bytes) may be sent",
             why.message()));
       }
+      if (from_lane) why = why.WithContext("the shared-memory lane");
       FailNow(v1::STATUS_CODE_MALFORMED_FRAME, why);
-      return;
+      return false;
     }
     data.remove_prefix(*used);
   }
-  WatchPartialFrame();
-  ReadSome();
 }
 
 void Connection::HandleFrame(const v1::Envelope& envelope) {
@@ -403,6 +423,11 @@ void Connection::HandleFrame(const v1::Envelope& envelope) {
     return;
   }
   if (body == v1::Envelope::kHeartbeatAck) return;
+  if (body == v1::Envelope::kLaneOffer || body == v1::Envelope::kLaneReply ||
+      body == v1::Envelope::kLaneSwitch || body == v1::Envelope::kLaneDoorbell) {
+    HandleLaneFrame(envelope);
+    return;
+  }
   if (body == v1::Envelope::kHello) peer_ = PeerContextFrom(envelope.hello().peer());
   if (body == v1::Envelope::kHelloAck) peer_ = PeerContextFrom(envelope.hello_ack().peer());
 
@@ -414,7 +439,267 @@ void Connection::HandleFrame(const v1::Envelope& envelope) {
   } catch (...) {
     result = Internal("message handler threw a non-standard exception");
   }
-  if (!result.ok()) FailNow(ToProtoCode(result.code()), result);
+  if (!result.ok()) {
+    FailNow(ToProtoCode(result.code()), result);
+    return;
+  }
+  // The peer speaks this protocol version (its HelloAck passed): it knows lanes.
+  if (body == v1::Envelope::kHelloAck && !closing_or_closed()) OfferLane();
+}
+
+void Connection::OfferLane() {
+  if (config_.lanes == nullptr || config_.side != Side::kClient || lane_ != nullptr) return;
+  StatusOr<std::unique_ptr<Lane>> lane = Lane::Create(config_.lane_ring_bytes);
+  if (!lane.ok()) {
+    KVT_LOG_INFO("ctl", "connection {} ({}): no shared-memory lane, frames stay on the socket: {}",
+                 config_.id, remote_address_, lane.status().ToString());
+    return;
+  }
+  v1::Envelope offer;
+  v1::LaneOffer* o = offer.mutable_lane_offer();
+  o->set_name((*lane)->name());
+  o->set_nonce((*lane)->nonce());
+  o->set_ring_bytes((*lane)->ring_bytes());
+  if (!SendNow(offer, /*bypass_limits=*/false).ok()) return;  // a full queue: no lane, no harm
+  lane_ = std::move(lane).value();
+  lane_offered_ = true;
+}
+
+void Connection::HandleLaneFrame(const v1::Envelope& envelope) {
+  const auto body = envelope.body_case();
+  if (body == v1::Envelope::kLaneDoorbell) {
+    if (!frame_from_lane_) DrainLane();  // through the lane it says nothing
+    return;
+  }
+  auto refuse = [&](std::string_view why) {
+    FailNow(v1::STATUS_CODE_FAILED_PRECONDITION,
+            FailedPrecondition(fmt::format("unexpected {}: {}", BodyName(envelope), why)));
+  };
+  if (frame_from_lane_) return refuse("lane setup frames travel on the socket, not the lane");
+  switch (body) {
+    case v1::Envelope::kLaneOffer: {
+      if (config_.side != Side::kServer) return refuse("only a client offers a lane");
+      if (lane_ != nullptr) return refuse("this connection has a lane already");
+      const v1::LaneOffer& o = envelope.lane_offer();
+      v1::Envelope reply;
+      reply.set_reply_to(envelope.id());
+      v1::LaneReply* r = reply.mutable_lane_reply();
+      std::unique_ptr<Lane> lane;
+      if (config_.lanes == nullptr) {
+        r->set_reason(
+            "this endpoint's io thread does not busy-poll with lanes (busy_poll.window = 0 or "
+            "lanes = false), so frames stay on the socket");
+      } else if (StatusOr<std::unique_ptr<Lane>> opened =
+                     Lane::Open(o.name(), o.nonce(), o.ring_bytes());
+                 opened.ok()) {
+        lane = std::move(opened).value();
+        r->set_accepted(true);
+      } else {
+        r->set_reason(opened.status().message());
+      }
+      // On the socket, ahead of every frame that goes through the lane (the client reads the
+      // lane only once it has this reply).
+      if (Status s = SendNow(reply, /*bypass_limits=*/false); !s.ok()) return;
+      if (lane == nullptr) {
+        KVT_LOG_DEBUG("ctl", "connection {} ({}): lane declined: {}", config_.id, remote_address_,
+                      r->reason());
+        return;
+      }
+      lane_ = std::move(lane);
+      {
+        std::lock_guard<std::mutex> lock(write_mu_);
+        lane_out_ = lane_.get();
+      }
+      ActivateLane();  // its frames arrive after the client's lane_switch
+      return;
+    }
+    case v1::Envelope::kLaneReply: {
+      if (config_.side != Side::kClient || !lane_offered_) return refuse("no lane was offered");
+      lane_offered_ = false;
+      const v1::LaneReply& r = envelope.lane_reply();
+      if (!r.accepted()) {
+        KVT_LOG_INFO("ctl", "connection {} ({}): the peer keeps frames on the socket: {}",
+                     config_.id, remote_address_, r.reason());
+        lane_.reset();  // removes the segment
+        return;
+      }
+      lane_->Unlink();
+      lane_in_ = true;  // the server's frames after this reply are in the lane
+      v1::Envelope lane_switch;
+      lane_switch.mutable_lane_switch();
+      if (Status s = SendNow(lane_switch, /*bypass_limits=*/true); !s.ok()) return;
+      {
+        std::lock_guard<std::mutex> lock(write_mu_);
+        lane_out_ = lane_.get();
+      }
+      ActivateLane();
+      KVT_LOG_DEBUG("ctl", "connection {} ({}): frames go through lane {}", config_.id,
+                    remote_address_, lane_->name());
+      DrainLane();
+      return;
+    }
+    case v1::Envelope::kLaneSwitch: {
+      if (config_.side != Side::kServer || lane_ == nullptr || lane_in_) {
+        return refuse("no accepted lane is waiting for it");
+      }
+      lane_in_ = true;
+      KVT_LOG_DEBUG("ctl", "connection {} ({}): frames go through lane {}", config_.id,
+                    remote_address_, lane_->name());
+      DrainLane();
+      return;
+    }
+    default:
+      return;
+  }
+}
+
+void Connection::ActivateLane() {
+  if (config_.lanes == nullptr || lane_poll_id_ != 0) return;
+  lane_buffer_.resize(kReadChunkBytes);
+  std::weak_ptr<Connection> weak = weak_from_this();
+  LanePollSet::Entry entry;
+  entry.poll = [weak] {
+    std::shared_ptr<Connection> self = weak.lock();
+    if (self == nullptr) return false;
+    const bool flushed = self->FlushLane();
+    return self->DrainLane() || flushed;
+  };
+  entry.sleep = [weak] {
+    std::shared_ptr<Connection> self = weak.lock();
+    return self != nullptr && self->lane_in_ && self->state_ == State::kOpen &&
+           self->lane_->Sleep();
+  };
+  entry.wake = [weak] {
+    std::shared_ptr<Connection> self = weak.lock();
+    if (self != nullptr && self->lane_ != nullptr) self->lane_->Wake();
+  };
+  lane_poll_id_ = config_.lanes->Add(std::move(entry));
+}
+
+bool Connection::DrainLane() {
+  if (!lane_in_ || state_ != State::kOpen || lane_draining_) return false;
+  lane_draining_ = true;
+  bool any = false;
+  while (state_ == State::kOpen) {
+    StatusOr<size_t> n = lane_->Read(lane_buffer_.data(), lane_buffer_.size());
+    if (!n.ok()) {
+      FailNow(v1::STATUS_CODE_MALFORMED_FRAME, n.status());
+      any = true;
+      break;
+    }
+    if (*n == 0) break;
+    any = true;
+    last_receive_ = std::chrono::steady_clock::now();
+    if (!Consume(lane_decoder_, std::string_view(lane_buffer_.data(), *n), /*from_lane=*/true)) {
+      break;
+    }
+  }
+  lane_draining_ = false;
+  return any;
+}
+
+void Connection::WriteLaneLocked(std::string frame) {
+  if (!lane_failure_.ok()) {  // the connection is failing already
+    queued_frames_.fetch_sub(1);
+    queued_bytes_.fetch_sub(frame.size());
+    return;
+  }
+  if (lane_pending_.empty()) {
+    StatusOr<size_t> n = lane_out_->Write(frame);
+    if (!n.ok()) {
+      lane_failure_ = n.status();
+      queued_frames_.fetch_sub(1);
+      queued_bytes_.fetch_sub(frame.size());
+      asio::post(strand_, [self = shared_from_this(), why = n.status()] {
+        self->FailNow(v1::STATUS_CODE_INTERNAL, why);
+      });
+      return;
+    }
+    if (*n > 0) RingDoorbellLocked();
+    queued_bytes_.fetch_sub(*n);
+    if (*n == frame.size()) {
+      queued_frames_.fetch_sub(1);
+      return;
+    }
+    frame.erase(0, *n);
+  }
+  lane_pending_.push_back(std::move(frame));
+  asio::post(strand_, [self = shared_from_this()] { self->ArmLaneFlush(); });
+}
+
+void Connection::RingDoorbellLocked() {
+  if (!lane_out_->TakeDoorbell()) return;
+  // Closing: the socket's end wakes the peer, which reads the lane before it closes.
+  if (!direct_ok_) return;
+  static const std::string kDoorbell = [] {
+    v1::Envelope doorbell;
+    doorbell.mutable_lane_doorbell();
+    std::string frame;
+    (void)AppendFrame(doorbell, kDefaultMaxFrameBytes, &frame);
+    return frame;
+  }();
+  std::string frame = kDoorbell;
+  if (!writing_ && write_queue_.empty()) {
+    const ssize_t n =
+        ::send(socket_.native_handle(), frame.data(), frame.size(), MSG_DONTWAIT | MSG_NOSIGNAL);
+    if (n == static_cast<ssize_t>(frame.size())) return;
+    if (n > 0) frame.erase(0, static_cast<size_t>(n));
+    queued_frames_.fetch_add(1);
+    queued_bytes_.fetch_add(frame.size());
+    writing_ = true;
+    write_queue_.push_back(std::move(frame));
+    asio::post(strand_, [self = shared_from_this()] { self->ResumeWrite(); });
+    return;
+  }
+  queued_frames_.fetch_add(1);
+  queued_bytes_.fetch_add(frame.size());
+  write_queue_.push_back(std::move(frame));  // the write in progress goes on to it
+}
+
+bool Connection::FlushLane() {
+  std::lock_guard<std::mutex> lock(write_mu_);
+  if (lane_out_ == nullptr || lane_pending_.empty()) return false;
+  bool moved = false;
+  while (!lane_pending_.empty() && lane_failure_.ok()) {
+    std::string& front = lane_pending_.front();
+    StatusOr<size_t> n = lane_out_->Write(front);
+    if (!n.ok()) {
+      lane_failure_ = n.status();
+      asio::post(strand_, [self = shared_from_this(), why = n.status()] {
+        self->FailNow(v1::STATUS_CODE_INTERNAL, why);
+      });
+      break;
+    }
+    if (*n == 0) break;
+    moved = true;
+    queued_bytes_.fetch_sub(*n);
+    if (*n < front.size()) {
+      front.erase(0, *n);
+      break;
+    }
+    queued_frames_.fetch_sub(1);
+    lane_pending_.pop_front();
+  }
+  if (moved) RingDoorbellLocked();
+  if (!lane_pending_.empty() && lane_failure_.ok()) {
+    if (!lane_flush_armed_ && state_ != State::kClosed) {
+      lane_flush_armed_ = true;
+      lane_flush_timer_.expires_after(kLaneFlushRetry);
+      lane_flush_timer_.async_wait([self = shared_from_this()](const boost::system::error_code&) {
+        self->lane_flush_armed_ = false;
+        self->FlushLane();
+      });
+    }
+  } else if (state_ == State::kDraining && !writing_ && write_queue_.empty()) {
+    boost::system::error_code ignored;
+    socket_.shutdown(tcp::socket::shutdown_send, ignored);
+  }
+  return moved;
+}
+
+void Connection::ArmLaneFlush() {
+  if (state_ == State::kClosed) return;
+  FlushLane();
 }
 
 void Connection::OnAuthResponse(const v1::Envelope& envelope) {
@@ -657,7 +942,7 @@ void Connection::BeginClose(Status why, bool flush, std::chrono::milliseconds li
   });
   {
     std::lock_guard<std::mutex> lock(write_mu_);
-    if (!writing_ && write_queue_.empty()) {
+    if (!writing_ && write_queue_.empty() && lane_pending_.empty()) {
       boost::system::error_code ignored;
       socket_.shutdown(tcp::socket::shutdown_send, ignored);
     }
@@ -676,10 +961,21 @@ void Connection::FinishClose() {
   CancelTimer(idle_timer_);
   CancelTimer(heartbeat_timer_);
   CancelTimer(linger_timer_);
+  CancelTimer(lane_flush_timer_);
+  if (lane_poll_id_ != 0) {
+    config_.lanes->Remove(lane_poll_id_);
+    lane_poll_id_ = 0;
+  }
   {
     // Under the write lock: no Send() is writing to the descriptor while it closes.
     std::lock_guard<std::mutex> lock(write_mu_);
     direct_ok_ = false;
+    lane_out_ = nullptr;  // the segment lives until the connection goes
+    for (const std::string& rest : lane_pending_) {
+      queued_frames_.fetch_sub(1);
+      queued_bytes_.fetch_sub(rest.size());
+    }
+    lane_pending_.clear();
     boost::system::error_code ignored;
     socket_.shutdown(tcp::socket::shutdown_both, ignored);
     socket_.close(ignored);
@@ -724,6 +1020,10 @@ void Connection::EnqueueFrame(std::string frame) {
     return;
   }
   std::lock_guard<std::mutex> lock(write_mu_);
+  if (lane_out_ != nullptr) {
+    WriteLaneLocked(std::move(frame));
+    return;
+  }
   write_queue_.push_back(std::move(frame));
   if (!writing_) WriteNextLocked();
 }
@@ -731,7 +1031,7 @@ void Connection::EnqueueFrame(std::string frame) {
 void Connection::WriteNextLocked() {
   if (write_queue_.empty()) {
     writing_ = false;
-    if (state_ == State::kDraining) {
+    if (state_ == State::kDraining && lane_pending_.empty()) {
       boost::system::error_code ignored;
       socket_.shutdown(tcp::socket::shutdown_send, ignored);
     }

@@ -21,6 +21,8 @@
 
 #include "control/control_server.h"
 #include "control/framing.h"
+#include "control/io_loop.h"
+#include "control/lane.h"
 #include "control/validate.h"
 #include "kvt/common/status.h"
 #include "kvt/transfer/control_options.h"
@@ -42,6 +44,10 @@ struct ConnectionConfig {
   bool require_server_proof = true;  // client side, with a token: mutual authentication
   ConnectionLimits limits;
   ValidationLimits validation;
+  // Lanes (lane.h): the io thread's set, or null for none. Client: offers the server a lane once
+  // the HelloAck arrived; server: accepts an offered lane it can open.
+  LanePollSet* lanes = nullptr;
+  uint32_t lane_ring_bytes = kDefaultLaneRingBytes;
 };
 
 struct ConnectionCallbacks {
@@ -107,7 +113,22 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void DoStart();
   void ReadSome();
   void OnRead(const boost::system::error_code& ec, size_t bytes);
+  // Decodes `data` with `decoder` and handles each complete frame; false once closing.
+  bool Consume(FrameDecoder& decoder, std::string_view data, bool from_lane);
   void HandleFrame(const v1::Envelope& envelope);
+  // Lanes. Connection-level frames: none reaches on_message.
+  void HandleLaneFrame(const v1::Envelope& envelope);
+  void OfferLane();
+  void ActivateLane();  // reads through the lane's poller from here on
+  // Strand: reads and handles what waits in the lane; whether there was anything.
+  bool DrainLane();
+  // write_mu_ held, lane_out_ set: writes `frame` into the lane (what does not fit waits in
+  // lane_pending_), ringing the doorbell when the reader sleeps.
+  void WriteLaneLocked(std::string frame);
+  void RingDoorbellLocked();
+  // Strand: moves lane_pending_ into the ring as space frees; whether it moved anything.
+  bool FlushLane();
+  void ArmLaneFlush();
   void OnAuthResponse(const v1::Envelope& envelope);
   void OnChallenge(const v1::Envelope& envelope);
   void OnAuthResult(const v1::Envelope& envelope);
@@ -166,6 +187,17 @@ class Connection : public std::enable_shared_from_this<Connection> {
   std::chrono::steady_clock::time_point last_receive_;
   uint64_t heartbeat_sequence_ = 0;
   bool first_frame_received_ = false;
+  bool frame_from_lane_ = false;  // the frame being handled came through the lane
+  // The lane (strand; lane_out_ below is the writers' view of it).
+  std::unique_ptr<Lane> lane_;
+  bool lane_offered_ = false;  // client: LaneOffer sent, no LaneReply yet
+  bool lane_in_ = false;       // frames arrive through the lane
+  uint64_t lane_poll_id_ = 0;  // in config_.lanes
+  FrameDecoder lane_decoder_;
+  std::vector<char> lane_buffer_;
+  bool lane_flush_armed_ = false;
+  bool lane_draining_ = false;  // in DrainLane (a doorbell handled inside it does not recurse)
+  asio::steady_timer lane_flush_timer_;
   bool frame_in_progress_ = false;  // bytes of an incomplete frame are buffered
   bool frame_timer_armed_ = false;
   std::chrono::steady_clock::time_point frame_started_;  // first read of the incomplete frame
@@ -182,6 +214,11 @@ class Connection : public std::enable_shared_from_this<Connection> {
   std::deque<std::string> write_queue_;  // guarded by write_mu_
   bool writing_ = false;                 // guarded by write_mu_; a frame is being written
   bool direct_ok_ = false;               // guarded by write_mu_; open, and the socket is not closed
+  // Guarded by write_mu_: once set, every frame goes into the lane (in order: after what waits in
+  // lane_pending_), and the socket carries only doorbells. Lives in lane_.
+  Lane* lane_out_ = nullptr;
+  std::deque<std::string> lane_pending_;  // guarded by write_mu_; the front may be partly written
+  Status lane_failure_;                   // guarded by write_mu_; the lane's segment is corrupt
   // Shared with Send() callers on other threads.
   std::atomic<bool> closing_{false};
   std::atomic<bool> awaiting_authentication_{false};

@@ -44,6 +44,8 @@ struct ControlClient::Impl {
   const ControlClientOptions options;
   Handler* const handler;
   asio::io_context io;  // declared first: destroyed last
+  // The io thread's lanes (busy polling with lanes allowed), else null.
+  std::unique_ptr<internal::LanePollSet> lanes = internal::MakeLanePollSet(options.busy_poll);
   std::optional<asio::executor_work_guard<asio::io_context::executor_type>> work;
   std::thread thread;
   std::shared_ptr<internal::Connection> connection;
@@ -98,7 +100,9 @@ StatusOr<std::unique_ptr<ControlClient>> ControlClient::Connect(const ControlCli
   // From here on, `client` owns the thread: every early return joins it.
   std::unique_ptr<ControlClient> client(new ControlClient(std::move(impl)));
   raw->thread = std::thread(
-      [raw] { internal::RunIoLoop(raw->io, raw->options.busy_poll, "control client"); });
+      [raw] {
+        internal::RunIoLoop(raw->io, raw->options.busy_poll, "control client", raw->lanes.get());
+      });
 
   // 1. Resolve and connect, bounded by connect_timeout. Everything runs on one strand, so the
   // timer and the completions see `timed_out` consistently.
@@ -167,6 +171,8 @@ StatusOr<std::unique_ptr<ControlClient>> ControlClient::Connect(const ControlCli
   config.require_server_proof = options.require_server_proof;
   config.limits = options.limits;
   config.validation = options.validation;
+  config.lanes = raw->lanes.get();
+  config.lane_ring_bytes = options.busy_poll.lane_ring_bytes;
 
   internal::ConnectionCallbacks callbacks;
   callbacks.on_open = [raw](const ConnectionInfo& info) {

@@ -75,6 +75,8 @@ struct ControlServer::Impl {
   ControlHandler* const handler;
   // Declared first so that it is destroyed last: sockets and timers need it while they die.
   asio::io_context io;
+  // The io thread's lanes (busy polling with lanes allowed), else null.
+  std::unique_ptr<internal::LanePollSet> lanes;
   std::optional<asio::executor_work_guard<asio::io_context::executor_type>> work;
   asio::strand<asio::io_context::executor_type> accept_strand;
   tcp::acceptor acceptor;                 // used on accept_strand only
@@ -137,6 +139,8 @@ void ControlServer::Impl::OnAccept(const boost::system::error_code& ec, tcp::soc
   config.cluster_token = options.cluster_token;
   config.limits = options.limits;
   config.validation = options.validation;
+  config.lanes = lanes.get();
+  config.lane_ring_bytes = options.busy_poll.lane_ring_bytes;
 
   internal::ConnectionCallbacks callbacks;
   callbacks.on_open = [this, id](const ConnectionInfo& info) { handler->OnConnect(id, info); };
@@ -282,11 +286,15 @@ StatusOr<std::unique_ptr<ControlServer>> ControlServer::Create(const ControlServ
                internal::EndpointString(tcp::endpoint(address, impl->port)),
                options.cluster_token.empty() ? "no authentication" : "HMAC authentication");
   Impl* raw = impl.get();
+  raw->lanes = internal::MakeLanePollSet(options.busy_poll);
   asio::post(raw->accept_strand, [raw] { raw->StartAccept(); });
   try {
     for (size_t i = 0; i < options.num_threads; ++i) {
       raw->threads.emplace_back(
-          [raw] { internal::RunIoLoop(raw->io, raw->options.busy_poll, "control server"); });
+          [raw] {
+            internal::RunIoLoop(raw->io, raw->options.busy_poll, "control server",
+                                raw->lanes.get());
+          });
     }
   } catch (const std::system_error& e) {
     auto server = std::unique_ptr<ControlServer>(new ControlServer(std::move(impl)));

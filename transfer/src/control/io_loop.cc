@@ -6,6 +6,7 @@
 #include <exception>
 #include <thread>
 
+#include "control/lane.h"
 #include "kvt/common/log.h"
 
 namespace kvt::control::internal {
@@ -14,21 +15,31 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 // Returns when `io` is stopped (or out of work).
-void Loop(boost::asio::io_context& io, const BusyPollOptions& busy) {
+void Loop(boost::asio::io_context& io, const BusyPollOptions& busy, LanePollSet* lanes) {
   if (busy.window.count() <= 0) {
     io.run();
     return;
   }
   auto expecting = [&busy] { return busy.hint && busy.hint(); };
   while (!io.stopped()) {
-    // Sleep in the reactor until something happens, unless frames are expected...
-    if (!expecting() && io.run_one() == 0) return;
+    // Sleep in the reactor until something happens, unless frames are expected (or wait in a
+    // lane: its writer saw no sleeper, so rang no doorbell)...
+    if (!expecting()) {
+      if (lanes != nullptr && lanes->Sleep()) {
+        lanes->Wake();
+      } else {
+        const size_t ran = io.run_one();
+        if (lanes != nullptr) lanes->Wake();
+        if (ran == 0) return;
+      }
+    }
     // ...then poll without sleeping while handlers keep coming or frames are expected, and for
     // `window` after the last of either.
     auto last = Clock::now();
     SpinPacer pacer;
     while (true) {
-      if (io.poll() > 0) {
+      const bool handled = io.poll() > 0;
+      if ((lanes != nullptr && lanes->Poll()) || handled) {
         last = Clock::now();
         continue;
       }
@@ -46,15 +57,81 @@ void Loop(boost::asio::io_context& io, const BusyPollOptions& busy) {
 }  // namespace
 
 Status CheckBusyPoll(const BusyPollOptions& busy) {
-  if (busy.window.count() >= 0) return OkStatus();
-  return InvalidArgument(
-      fmt::format("busy_poll.window = {} us: must be >= 0 (0: no polling)", busy.window.count()));
+  if (busy.window.count() < 0) {
+    return InvalidArgument(fmt::format("busy_poll.window = {} us: must be >= 0 (0: no polling)",
+                                       busy.window.count()));
+  }
+  const uint32_t n = busy.lane_ring_bytes;
+  if (busy.lanes && (n < kMinLaneRingBytes || n > kMaxLaneRingBytes || (n & (n - 1)) != 0)) {
+    return InvalidArgument(fmt::format(
+        "busy_poll.lane_ring_bytes = {}: must be a power of two in [{}, {}] (or lanes = false)",
+        n, kMinLaneRingBytes, kMaxLaneRingBytes));
+  }
+  return OkStatus();
 }
 
-void RunIoLoop(boost::asio::io_context& io, const BusyPollOptions& busy, const char* who) {
+std::unique_ptr<LanePollSet> MakeLanePollSet(const BusyPollOptions& busy) {
+  if (busy.window.count() <= 0 || !busy.lanes) return nullptr;
+  return std::make_unique<LanePollSet>();
+}
+
+uint64_t LanePollSet::Add(Entry entry) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const uint64_t id = next_id_++;
+  entries_.emplace_back(id, std::make_shared<Entry>(std::move(entry)));
+  version_.fetch_add(1, std::memory_order_release);
+  return id;
+}
+
+void LanePollSet::Remove(uint64_t id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::erase_if(entries_, [id](const auto& e) { return e.first == id; });
+  version_.fetch_add(1, std::memory_order_release);
+}
+
+void LanePollSet::Snapshot() {
+  const uint64_t version = version_.load(std::memory_order_acquire);
+  if (version == seen_version_) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  snapshot_.clear();
+  for (const auto& e : entries_) snapshot_.push_back(e.second);
+  seen_version_ = version;
+}
+
+bool LanePollSet::Poll() {
+  Snapshot();
+  bool any = false;
+  // By index over a copy that only this thread replaces: a callback that removes its entry
+  // changes entries_, not the snapshot, until the next pass.
+  for (size_t i = 0; i < snapshot_.size(); ++i) {
+    std::shared_ptr<Entry> entry = snapshot_[i];
+    if (entry->poll()) any = true;
+  }
+  return any;
+}
+
+bool LanePollSet::Sleep() {
+  Snapshot();
+  bool readable = false;
+  for (size_t i = 0; i < snapshot_.size(); ++i) {
+    std::shared_ptr<Entry> entry = snapshot_[i];
+    if (entry->sleep()) readable = true;
+  }
+  return readable;
+}
+
+void LanePollSet::Wake() {
+  for (size_t i = 0; i < snapshot_.size(); ++i) {
+    std::shared_ptr<Entry> entry = snapshot_[i];
+    entry->wake();
+  }
+}
+
+void RunIoLoop(boost::asio::io_context& io, const BusyPollOptions& busy, const char* who,
+               LanePollSet* lanes) {
   while (true) {
     try {
-      Loop(io, busy);
+      Loop(io, busy, lanes);
       return;
     } catch (const std::exception& e) {
       KVT_LOG_ERROR("ctl", "exception escaped a {} io handler: {}", who, e.what());

@@ -208,11 +208,12 @@ StatusOr<size_t> Lane::Write(std::string_view data) {
   return n;
 }
 
-bool Lane::PeerSleeping() const {
+bool Lane::TakeDoorbell() {
   // Pairs with the fence in Sleep(): either the reader sees the bytes just published, or this
   // sees its flag (or both).
   std::atomic_thread_fence(std::memory_order_seq_cst);
-  return out_->sleeping.load(std::memory_order_relaxed) != 0;
+  if (out_->sleeping.load(std::memory_order_relaxed) == 0) return false;
+  return out_->sleeping.exchange(0, std::memory_order_relaxed) != 0;
 }
 
 StatusOr<size_t> Lane::Read(char* out, size_t capacity) {

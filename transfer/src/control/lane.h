@@ -14,7 +14,7 @@
 // other side writes (a peer that corrupts them fails its own connection, nothing more).
 //
 // Thread contract: one writer (under the connection's write mutex) and one reader (the
-// connection's strand) per direction; Sleep/Wake are the reader's, PeerSleeping the writer's.
+// connection's strand) per direction; Sleep/Wake are the reader's, TakeDoorbell the writer's.
 #pragma once
 
 #include <atomic>
@@ -30,10 +30,9 @@ namespace kvt::control::internal {
 
 struct LaneRing;  // one direction's shared indices and bytes (lane.cc)
 
-// Ring size per direction: big enough that a busy connection's frames (a TransferRequest of a
-// million pages is 4 MiB) rarely wait for the reader; bytes beyond it wait in the connection's
-// queue, in order.
-inline constexpr uint32_t kDefaultLaneRingBytes = 1u << 20;
+// Ring size per direction (BusyPollOptions::lane_ring_bytes): a TransferRequest of 8192 pages
+// is 32 KiB; bytes that do not fit wait in the connection's queue, in order, and stream through.
+inline constexpr uint32_t kDefaultLaneRingBytes = 256u << 10;
 inline constexpr uint32_t kMinLaneRingBytes = 4u << 10;
 inline constexpr uint32_t kMaxLaneRingBytes = 64u << 20;
 inline constexpr size_t kLaneNonceBytes = 16;
@@ -62,8 +61,10 @@ class Lane {
   // Writer: copies as much of `data` as fits; how much. DataLoss when the reader's index is
   // impossible (the peer corrupted the segment).
   StatusOr<size_t> Write(std::string_view data);
-  // Writer, after a Write: whether the reader sleeps (it then needs a doorbell on the socket).
-  bool PeerSleeping() const;
+  // Writer, after a Write: whether the reader sleeps, in which case the writer must ring the
+  // doorbell on the socket. Clears the reader's flag: one doorbell per sleep (the reader reads
+  // everything that waits when it wakes, and marks itself asleep again before it next blocks).
+  bool TakeDoorbell();
 
   // Reader: copies up to `capacity` received bytes to `out`; how many (0: none). DataLoss when
   // the writer's index is impossible.

@@ -20,7 +20,9 @@ namespace kvt::control {
 // 2: TransferRequest carries its page list in dst_page_ids_le32.
 // 3: Layout carries KV groups (draft models, latent buffers) and aux slots; TransferRequest
 //    names an aux slot and TransferDone carries its bytes.
-inline constexpr uint32_t kProtocolVersion = 3;
+// 4: lanes: co-located peers move a connection's frames through shared memory (LaneOffer,
+//    LaneReply, LaneSwitch, LaneDoorbell).
+inline constexpr uint32_t kProtocolVersion = 4;
 
 // kvt::StatusCode <-> kvt.v1.StatusCode. Wire-only codes (UNAUTHENTICATED, ...) map to the
 // closest kvt code; UNSPECIFIED and unknown values map to kInternal.

@@ -481,7 +481,22 @@ Status Validate(const v1::Envelope& envelope, const PeerContext& peer,
                        limits.max_message_bytes);
     case v1::Envelope::kHeartbeat:
     case v1::Envelope::kHeartbeatAck:
+    case v1::Envelope::kLaneSwitch:
+    case v1::Envelope::kLaneDoorbell:
       return OkStatus();
+    case v1::Envelope::kLaneOffer: {
+      // Lane::Open checks the name's form and the ring size, naming them.
+      const v1::LaneOffer& m = envelope.lane_offer();
+      KVT_RETURN_IF_ERROR(CheckSize("lane_offer.name", m.name().size(), 64));
+      if (m.nonce().size() != 16) {
+        return Invalid("lane_offer.nonce", std::to_string(m.nonce().size()) + " bytes",
+                       "must be 16 bytes");
+      }
+      return OkStatus();
+    }
+    case v1::Envelope::kLaneReply:
+      return CheckSize("lane_reply.reason", envelope.lane_reply().reason().size(),
+                       limits.max_message_bytes);
     case v1::Envelope::kError: {
       const v1::Error& m = envelope.error();
       KVT_RETURN_IF_ERROR(CheckEnum("error.code", m.code(), v1::StatusCode_IsValid, false));

@@ -76,6 +76,15 @@ struct BusyPollOptions {
   // Called often from the io threads, without locks: must be cheap and thread-safe (e.g. an
   // atomic load). True while the owner expects frames (requests in flight).
   std::function<bool()> hint;
+  // With a window: a connection whose two ends both poll and share a host (the same POSIX
+  // shared-memory namespace, the same user) moves its frames through a shared-memory lane
+  // instead of the socket, once its Hello is answered (docs/protocol.md, "Lanes"): a copy and
+  // a load per message instead of two system calls and a reactor pass. The socket still carries
+  // the setup, a doorbell when the reader sleeps, and the connection's end. false: never.
+  bool lanes = true;
+  // Bytes per direction of a lane (a power of two in [4 KiB, 64 MiB]); larger frames stream
+  // through it.
+  uint32_t lane_ring_bytes = 256u << 10;
 };
 
 // Bounds for fields whose size a peer chooses. The defaults match the comments in the .proto
