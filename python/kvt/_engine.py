@@ -215,6 +215,9 @@ class TransferEngine:
             poll their sockets (a CPU core each) and :meth:`Request.wait` polls for up to this
             long before it sleeps, so a small request's messages cost microseconds, not a
             thread wake-up each. E.g. 0.001 on a machine with cores to spare.
+        control_lanes: with control_busy_poll, a peer on this host (same shared-memory
+            namespace and user) that polls too exchanges control messages through a
+            shared-memory lane instead of the socket; False keeps the socket.
 
     Raises:
         ValueError: a bad option or layout (naming it); TransferError: the backend or the
@@ -238,6 +241,7 @@ class TransferEngine:
         heartbeat_interval: float = 1.0,
         retention: float = 120.0,
         control_busy_poll: float = 0.0,
+        control_lanes: bool = True,
     ):
         if role not in ("prefill", "decode"):
             raise ValueError(f"role={role!r}: use 'prefill' or 'decode'")
@@ -255,7 +259,7 @@ class TransferEngine:
             cluster_token, _seconds(deadline, "deadline"),
             _seconds(hello_timeout, "hello_timeout"), _seconds(peer_timeout, "peer_timeout"),
             _seconds(heartbeat_interval, "heartbeat_interval"), _seconds(retention, "retention"),
-            _seconds(control_busy_poll, "control_busy_poll"))
+            _seconds(control_busy_poll, "control_busy_poll"), bool(control_lanes))
 
     def _native_engine(self) -> Any:
         return self._engine

@@ -286,7 +286,7 @@ class Engine {
          const std::string& name, const std::string& bind, uint16_t port,
          const std::string& cluster_token, double deadline, double hello_timeout,
          double peer_timeout, double heartbeat_interval, double retention,
-         double control_busy_poll) {
+         double control_busy_poll, bool control_lanes) {
     transfer::EngineOptions o;
     o.name = name;
     o.prefill = prefill;
@@ -301,6 +301,7 @@ class Engine {
     o.heartbeat_interval = Millis(heartbeat_interval);
     o.retention = Millis(retention);
     o.control_busy_poll = BusyPollMicros(control_busy_poll);
+    o.control_lanes = control_lanes;
     StatusOr<std::unique_ptr<transfer::TransferEngine>> engine = [&] {
       py::gil_scoped_release release;
       return transfer::TransferEngine::Create(o, layout.layout);
@@ -718,11 +719,12 @@ PYBIND11_MODULE(_kvt, m) {
   py::class_<Engine>(m, "Engine")
       .def(py::init<const Layout&, bool, const std::string&, const std::string&, const std::string&,
                     const std::string&, uint16_t, const std::string&, double, double, double,
-                    double, double, double>(),
+                    double, double, double, bool>(),
            py::arg("layout"), py::arg("prefill"), py::arg("backend"), py::arg("ucx_tls"),
            py::arg("name"), py::arg("bind"), py::arg("port"), py::arg("cluster_token"),
            py::arg("deadline"), py::arg("hello_timeout"), py::arg("peer_timeout"),
-           py::arg("heartbeat_interval"), py::arg("retention"), py::arg("control_busy_poll"))
+           py::arg("heartbeat_interval"), py::arg("retention"), py::arg("control_busy_poll"),
+           py::arg("control_lanes"))
       .def("close", &Engine::Close)
       .def_property_readonly("closed", &Engine::closed)
       .def_property_readonly("port", &Engine::port)

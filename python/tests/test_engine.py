@@ -163,9 +163,10 @@ def test_a_second_thread_progresses_while_one_waits(pair) -> None:
     assert pair.moved([1, 2], [8, 9])
 
 
-def test_busy_polling_engines_move_requests_and_time_out() -> None:
+@pytest.mark.parametrize("lanes", [True, False])
+def test_busy_polling_engines_move_requests_and_time_out(lanes) -> None:
     from conftest import Pair
-    busy = Pair(control_busy_poll=0.002)
+    busy = Pair(control_busy_poll=0.002, control_lanes=lanes)
     try:
         for r in range(8):
             dst, src = [10 + r, 20 + r], [1 + r, 30 - r]

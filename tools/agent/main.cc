@@ -93,7 +93,8 @@ int main(int argc, char** argv) {
   int ucx_staging_slots = transfer::UcxOptions{}.staging_slots;
   int64_t ucx_staging_slot_bytes = static_cast<int64_t>(transfer::UcxOptions{}.staging_slot_bytes);
   bool ucx_staging_in_place = transfer::UcxOptions{}.staging_in_place;
-  bool exit_with_parent = false, no_shuffle = false, no_verify = false, skip_fill = false;
+  bool exit_with_parent = false, no_shuffle = false, no_verify = false, skip_fill = false,
+       no_control_lanes = false;
   app.add_option("--role", role, "prefill or decode")->check(CLI::IsMember({"prefill", "decode"}));
   app.add_option("--name", name, "agent (instance) name; default kvt-<role>");
   app.add_option("--listen", listen, "engine control address (prefill), host:port");
@@ -168,6 +169,9 @@ int main(int argc, char** argv) {
                  "engine control threads poll instead of sleeping while requests are in flight "
                  "and this long after (0: sleep; default: 1000 on CUDA pools, whose nodes have "
                  "cores to spare, 0 on host pools)");
+  app.add_flag("--no-control-lanes", no_control_lanes,
+               "keep control messages on the TCP socket even with a busy-polling peer on this "
+               "host (default: such peers use a shared-memory lane)");
   app.add_option("--seed", seed, "page shuffling seed");
   app.add_flag("--no-shuffle", no_shuffle, "hand pages out in ascending order");
   app.add_flag("--no-verify", no_verify, "decode: skip the byte check (benchmarks)");
@@ -281,6 +285,7 @@ int main(int argc, char** argv) {
     control_busy_poll_us = device_spec->cuda() ? 1000 : 0;
   }
   options.engine.control_busy_poll = std::chrono::microseconds(control_busy_poll_us);
+  options.engine.control_lanes = !no_control_lanes;
   options.engine.tp_rank = tp_rank;
   options.engine.tp_size = tp_size;
   options.shuffle_pages = !no_shuffle;

@@ -112,6 +112,7 @@ struct TransferOptions {
   std::string ucx_host_path = "auto";  // UcxOptions::host_path (both sides)
   std::string ucx_am_message_bytes = "1MiB";  // UcxOptions::am_message_bytes (both sides)
   int64_t control_busy_poll_us = 0;  // both engines' EngineOptions::control_busy_poll
+  bool control_lanes = true;         // both engines' EngineOptions::control_lanes
   std::string page_tokens = "1,16,64";
   int64_t tokens = 0;  // 0: 1024 on host pools, >= 1 GiB per request on CUDA pools
   int iters = 10;
@@ -296,6 +297,7 @@ struct SideConfig {
   std::string ucx_host_path = "auto";
   int64_t ucx_am_message_bytes = int64_t{1} << 20;
   int64_t control_busy_poll_us = 0;
+  bool control_lanes = true;
   int page_tokens = 0;
   int64_t pool_tokens = 0;
   std::string memory = "pool";  // TransferOptions::memory
@@ -323,6 +325,7 @@ struct SideConfig {
             {"ucx_host_path", ucx_host_path},
             {"ucx_am_message_bytes", ucx_am_message_bytes},
             {"control_busy_poll_us", control_busy_poll_us},
+            {"control_lanes", control_lanes},
             {"page_tokens", page_tokens},
             {"pool_tokens", pool_tokens},
             {"memory", memory},
@@ -353,6 +356,7 @@ struct SideConfig {
       c.ucx_host_path = j.value("ucx_host_path", std::string("auto"));
       c.ucx_am_message_bytes = j.value("ucx_am_message_bytes", int64_t{1} << 20);
       c.control_busy_poll_us = j.value("control_busy_poll_us", int64_t{0});
+      c.control_lanes = j.value("control_lanes", true);
       c.page_tokens = j.at("page_tokens");
       c.pool_tokens = j.at("pool_tokens");
       c.memory = j.at("memory");
@@ -729,6 +733,7 @@ class PrefillPeer {
     // Final rooms are kept for the timelines the stats reply carries (pipelined runs last seconds).
     e.retention = std::chrono::minutes(2);
     e.control_busy_poll = std::chrono::microseconds(config_.control_busy_poll_us);
+    e.control_lanes = config_.control_lanes;
     if (config_.device_spin_us >= 0) {
       e.device_spin = std::chrono::microseconds(config_.device_spin_us);
     }
@@ -1353,6 +1358,7 @@ class DecodeSide {
     e.prefill = false;
     e.default_deadline = std::chrono::seconds(c.timeout_s);
     e.control_busy_poll = std::chrono::microseconds(c.control_busy_poll_us);
+    e.control_lanes = c.control_lanes;
     KVT_ASSIGN_OR_RETURN(d->engine_, d->memory_->CreateEngine(e, backend));
     KVT_ASSIGN_OR_RETURN(d->peer_, d->engine_->ConnectPeer("127.0.0.1", port));
     return d;
@@ -1510,6 +1516,7 @@ SideConfig BaseSideConfig(const TransferOptions& o, int pt, int64_t pool_tokens,
   const StatusOr<int64_t> am_bytes = ParseBytes(o.ucx_am_message_bytes);
   c.ucx_am_message_bytes = am_bytes.ok() ? *am_bytes : int64_t{1} << 20;
   c.control_busy_poll_us = o.control_busy_poll_us;
+  c.control_lanes = o.control_lanes;
   c.page_tokens = pt;
   c.pool_tokens = pool_tokens;
   c.memory = o.memory;
@@ -2351,6 +2358,7 @@ json CommonConfig(const TransferOptions& o, DType dtype, int64_t row_bytes, int6
               {"inflight", o.inflight},
               {"pipelined_requests", o.pipelined_requests},
               {"control_busy_poll_us", o.control_busy_poll_us},
+              {"control_lanes", o.control_lanes},
               {"seed", o.seed}};
 }
 
@@ -2724,6 +2732,11 @@ void AddTransferCommand(CLI::App& app, int& exit_code) {
                   "the library's default; kvt-agent uses 1000 on CUDA pools)")
       ->capture_default_str()
       ->check(CLI::Range(int64_t{0}, int64_t{60'000'000}));
+  cmd->add_option("--control-lanes", opts->control_lanes,
+                  "both engines' EngineOptions::control_lanes: with busy polling, the two "
+                  "processes' control messages go through a shared-memory lane (1) or stay on "
+                  "the TCP socket (0)")
+      ->capture_default_str();
   cmd->add_option("--ucx-spin-us", opts->ucx_spin_us,
                   "UCX progress thread spin before it sleeps (UcxOptions::spin)")
       ->capture_default_str();

@@ -4,6 +4,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
+#include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/time.h>
 #include <unistd.h>
@@ -22,6 +24,7 @@
 #include "control/control_client.h"
 #include "control/control_server.h"
 #include "control/framing.h"
+#include "control/lane.h"
 #include "control/protocol.h"
 #include "test_messages.h"
 
@@ -999,6 +1002,279 @@ TEST(ControlServerOptionsTest, LocalhostAndIpv6LoopbackAreLoopback) {
   auto server = ControlServer::Create(options, &handler);
   ASSERT_TRUE(server.ok()) << server.status();
   EXPECT_NE((*server)->port(), 0);
+}
+
+// ---- Lanes (BusyPollOptions::lanes): shared memory between co-located polling endpoints ----
+
+// A HelloAck of `num_layers` layers (about 240 bytes per layer): the client offers its lane once
+// one comes back (the echo handler returns it).
+v1::Envelope LaneHelloAck(uint32_t num_layers = 4) {
+  v1::Envelope ack;
+  ack.mutable_hello_ack()->set_protocol_version(kProtocolVersion);
+  *ack.mutable_hello_ack()->mutable_peer() = testing::MakePeerInfo("decode-0", num_layers);
+  return ack;
+}
+
+// True once `done` holds (within 5 s).
+bool Eventually(const std::function<bool()>& done) {
+  const auto give_up = std::chrono::steady_clock::now() + kWait;
+  while (!done()) {
+    if (std::chrono::steady_clock::now() > give_up) return false;
+    std::this_thread::sleep_for(1ms);
+  }
+  return true;
+}
+
+class LaneTest : public ControlServerTest {
+ protected:
+  // Both ends poll for `window` after each frame and then sleep (no hint): frames that arrive
+  // while a reader sleeps take the doorbell.
+  void StartPolling(uint32_t ring_bytes = 4u << 10, std::chrono::microseconds window = 300us) {
+    ControlServerOptions options;
+    options.busy_poll.window = window;
+    options.busy_poll.lane_ring_bytes = ring_bytes;
+    StartServer(options);
+    copts_ = ClientOptions();
+    copts_.busy_poll.window = window;
+    copts_.busy_poll.lane_ring_bytes = ring_bytes;
+  }
+
+  std::unique_ptr<ControlClient> ConnectWithLane() {
+    std::unique_ptr<ControlClient> client = Connect(copts_);
+    if (client == nullptr) return nullptr;
+    EXPECT_TRUE(client->Send(LaneHelloAck()).ok());
+    StatusOr<v1::Envelope> echo = client->Receive(kWait);
+    EXPECT_TRUE(echo.ok() && echo->has_hello_ack()) << echo.status();
+    EXPECT_TRUE(Eventually([&] { return client->using_lane(); })) << "no lane";
+    return client;
+  }
+
+  ControlClientOptions copts_;
+};
+
+// Frames go both ways through the lane, in order, byte-exact, including frames several times
+// the ring's size (they stream through it) sent back to back, and frames sent while the other
+// end sleeps (the doorbell wakes it).
+TEST_F(LaneTest, FramesFlowThroughTheLaneInOrderAndWakeASleepingReader) {
+  StartPolling();
+  std::unique_ptr<ControlClient> client = ConnectWithLane();
+  ASSERT_NE(client, nullptr);
+  ASSERT_TRUE(Eventually([&] { return server_->lane_count() == 1; }));
+  // 60 frames back to back, every third one ~15 KiB (a 64-layer HelloAck) through a 4 KiB ring.
+  std::vector<v1::Envelope> sent;
+  for (uint64_t i = 1; i <= 60; ++i) {
+    v1::Envelope e = i % 3 == 0 ? LaneHelloAck(64) : testing::MakeAgentRegistration();
+    e.set_id(1000 + i);
+    ASSERT_TRUE(client->Send(e).ok()) << i;
+    sent.push_back(e);
+  }
+  for (const v1::Envelope& e : sent) {
+    StatusOr<v1::Envelope> echo = client->Receive(kWait);
+    ASSERT_TRUE(echo.ok()) << echo.status();
+    EXPECT_EQ(echo->reply_to(), e.id());
+    v1::Envelope expected = e;
+    expected.set_reply_to(e.id());
+    EXPECT_EQ(echo->SerializeAsString(), expected.SerializeAsString()) << e.id();
+  }
+  // Both io threads go to sleep (nothing expected, the window passes); each frame then rings.
+  for (uint64_t id = 1; id <= 5; ++id) {
+    std::this_thread::sleep_for(20ms);
+    ExpectEcho(*client, id);
+  }
+  EXPECT_TRUE(client->using_lane());
+  EXPECT_EQ(server_->lane_count(), 1u);
+}
+
+// What a client put in the lane before it closed arrives before the disconnect.
+TEST_F(LaneTest, FramesInTheLaneBeforeTheSocketEndsAreHandledFirst) {
+  StartPolling();
+  std::unique_ptr<ControlClient> client = ConnectWithLane();
+  ASSERT_NE(client, nullptr);
+  ASSERT_TRUE(Eventually([&] { return server_->lane_count() == 1; }));
+  handler_.set_server(nullptr);  // no echoes: the client is going away
+  const size_t before = handler_.messages().size();
+  for (uint64_t i = 1; i <= 100; ++i) {
+    v1::Envelope e = i % 10 == 0 ? LaneHelloAck(64) : testing::MakeAgentRegistration();
+    e.set_id(i);
+    ASSERT_TRUE(client->Send(e).ok());
+  }
+  client->Close();
+  ASSERT_TRUE(handler_.WaitFor([&] { return handler_.disconnects_locked() == 1; }));
+  const auto messages = handler_.messages();
+  ASSERT_EQ(messages.size(), before + 100);
+  for (uint64_t i = 1; i <= 100; ++i) EXPECT_EQ(messages[before + i - 1].second.id(), i);
+}
+
+// A server that does not poll declines: frames stay on the socket and flow as before; so with
+// lanes turned off on either side.
+TEST_F(LaneTest, EndpointsThatDoNotPollOrRefuseLanesKeepTheSocket) {
+  StartServer();  // sleeps in epoll
+  ControlClientOptions polling = ClientOptions();
+  polling.busy_poll.window = 300us;
+  std::unique_ptr<ControlClient> client = Connect(polling);
+  ASSERT_NE(client, nullptr);
+  ASSERT_TRUE(client->Send(LaneHelloAck()).ok());
+  ASSERT_TRUE(client->Receive(kWait).ok());
+  for (uint64_t id = 1; id <= 3; ++id) ExpectEcho(*client, id);
+  EXPECT_FALSE(client->using_lane());
+  EXPECT_EQ(server_->lane_count(), 0u);
+  server_->Stop();
+
+  ControlServerOptions no_lanes;
+  no_lanes.busy_poll.window = 300us;
+  no_lanes.busy_poll.lanes = false;
+  StartServer(no_lanes);
+  polling.port = server_->port();
+  client = Connect(polling);
+  ASSERT_NE(client, nullptr);
+  ASSERT_TRUE(client->Send(LaneHelloAck()).ok());
+  ASSERT_TRUE(client->Receive(kWait).ok());
+  for (uint64_t id = 4; id <= 6; ++id) ExpectEcho(*client, id);
+  EXPECT_FALSE(client->using_lane());
+}
+
+// A raw peer's lane frames: offers the server cannot open are declined with the reason and the
+// connection goes on; a malformed offer and a switch to a lane nobody accepted close it, naming
+// the rule.
+TEST_F(LaneTest, BadLaneFramesAreDeclinedOrRefusedNamingWhy) {
+  StartPolling();
+  RawClient raw(server_->port());
+  ASSERT_TRUE(raw.connected());
+  ASSERT_TRUE(raw.SendEnvelope(LaneHelloAck()));
+  auto reply_to = [&](const v1::Envelope& offer) -> StatusOr<v1::LaneReply> {
+    if (!raw.SendEnvelope(offer)) return Unavailable("send failed");
+    for (int i = 0; i < 10; ++i) {
+      KVT_ASSIGN_OR_RETURN(v1::Envelope e, raw.ReadFrame());
+      if (e.has_lane_reply()) return e.lane_reply();
+      if (e.has_error()) return Internal(e.error().message());
+    }
+    return Internal("no lane_reply");
+  };
+  v1::Envelope missing;
+  missing.mutable_lane_offer()->set_name("/kvt-lane-0123456789abcdef0123456789abcdef");
+  missing.mutable_lane_offer()->set_nonce(std::string(16, 'n'));
+  missing.mutable_lane_offer()->set_ring_bytes(4096);
+  StatusOr<v1::LaneReply> declined = reply_to(missing);
+  ASSERT_TRUE(declined.ok()) << declined.status();
+  EXPECT_FALSE(declined->accepted());
+  EXPECT_THAT(declined->reason(), HasSubstr("cannot be opened here"));
+  v1::Envelope escape = missing;
+  escape.mutable_lane_offer()->set_name("/../../etc/passwd");
+  declined = reply_to(escape);
+  ASSERT_TRUE(declined.ok()) << declined.status();
+  EXPECT_FALSE(declined->accepted());
+  EXPECT_THAT(declined->reason(), HasSubstr("lane name '/../../etc/passwd' is not /kvt-lane-"));
+  v1::Envelope odd_ring = missing;
+  odd_ring.mutable_lane_offer()->set_ring_bytes(5000);
+  declined = reply_to(odd_ring);
+  ASSERT_TRUE(declined.ok()) << declined.status();
+  EXPECT_THAT(declined->reason(), HasSubstr("ring_bytes = 5000"));
+  // Still serving.
+  v1::Envelope registration = testing::MakeAgentRegistration();
+  registration.set_id(9);
+  ASSERT_TRUE(raw.SendEnvelope(registration));
+  StatusOr<v1::Envelope> echo = raw.ReadFrame();
+  ASSERT_TRUE(echo.ok()) << echo.status();
+  EXPECT_EQ(echo->reply_to(), 9u);
+  // A switch to no lane: refused, and the connection closes.
+  v1::Envelope lane_switch;
+  lane_switch.mutable_lane_switch();
+  ASSERT_TRUE(raw.SendEnvelope(lane_switch));
+  StatusOr<v1::Error> error = raw.ReadError();
+  ASSERT_TRUE(error.ok()) << error.status();
+  EXPECT_EQ(error->code(), v1::STATUS_CODE_FAILED_PRECONDITION);
+  EXPECT_THAT(error->message(),
+              HasSubstr("unexpected lane_switch: no accepted lane is waiting for it"));
+  EXPECT_TRUE(raw.WaitForClose());
+
+  RawClient short_nonce(server_->port());
+  ASSERT_TRUE(short_nonce.connected());
+  v1::Envelope bad = missing;
+  bad.mutable_lane_offer()->set_nonce("abc");
+  ASSERT_TRUE(short_nonce.SendEnvelope(bad));
+  error = short_nonce.ReadError();
+  ASSERT_TRUE(error.ok()) << error.status();
+  EXPECT_THAT(error->message(), HasSubstr("lane_offer.nonce = 3 bytes: must be 16 bytes"));
+}
+
+// A peer that corrupts the shared segment (an impossible index) or writes garbage into it fails
+// its own connection, with the reason; another connection goes on.
+TEST_F(LaneTest, ACorruptedLaneFailsOnlyItsConnection) {
+  StartPolling();
+  std::unique_ptr<ControlClient> good = ConnectWithLane();
+  ASSERT_NE(good, nullptr);
+  for (const bool garbage : {false, true}) {
+    SCOPED_TRACE(garbage ? "garbage frame" : "impossible index");
+    const size_t disconnects = handler_.disconnects().size();
+    RawClient raw(server_->port());
+    ASSERT_TRUE(raw.connected());
+    ASSERT_TRUE(raw.SendEnvelope(LaneHelloAck()));
+    auto lane = internal::Lane::Create(4096);
+    ASSERT_TRUE(lane.ok()) << lane.status();
+    // The test's second view of the segment, taken before the server removes its name.
+    const int fd = ::shm_open((*lane)->name().c_str(), O_RDWR, 0);
+    ASSERT_GE(fd, 0);
+    const size_t size = 64 + 2 * (192 + 4096);
+    void* view = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    ::close(fd);
+    ASSERT_NE(view, MAP_FAILED);
+    v1::Envelope offer;
+    offer.mutable_lane_offer()->set_name((*lane)->name());
+    offer.mutable_lane_offer()->set_nonce((*lane)->nonce());
+    offer.mutable_lane_offer()->set_ring_bytes(4096);
+    ASSERT_TRUE(raw.SendEnvelope(offer));
+    bool accepted = false;
+    for (int i = 0; i < 10 && !accepted; ++i) {
+      StatusOr<v1::Envelope> e = raw.ReadFrame();
+      ASSERT_TRUE(e.ok()) << e.status();
+      if (e->has_lane_reply()) {
+        ASSERT_TRUE(e->lane_reply().accepted()) << e->lane_reply().reason();
+        accepted = true;
+      }
+    }
+    ASSERT_TRUE(accepted);
+    v1::Envelope lane_switch;
+    lane_switch.mutable_lane_switch();
+    ASSERT_TRUE(raw.SendEnvelope(lane_switch));
+    if (garbage) {
+      ASSERT_TRUE((*lane)->Write(std::string("\0\0\0\0junk", 8)).ok());  // a zero length prefix
+    } else {
+      auto* tail = reinterpret_cast<std::atomic<uint64_t>*>(static_cast<char*>(view) + 64 + 64);
+      tail->store(1u << 20);  // more than the 4 KiB ring can hold
+    }
+    v1::Envelope doorbell;
+    doorbell.mutable_lane_doorbell();
+    ASSERT_TRUE(raw.SendEnvelope(doorbell));
+    ASSERT_TRUE(handler_.WaitFor([&] { return handler_.disconnects_locked() == disconnects + 1; }));
+    const Status why = handler_.disconnects().back().second;
+    EXPECT_THAT(why.message(), HasSubstr(garbage ? "the shared-memory lane"
+                                                 : "the writer's index 1048576 is impossible"))
+        << why;
+    EXPECT_TRUE(raw.WaitForClose());
+    ::munmap(view, size);
+    ExpectEcho(*good, 50 + (garbage ? 1 : 0));
+    EXPECT_TRUE(good->using_lane());
+  }
+}
+
+TEST(ControlServerOptionsTest, BadLaneRingSizesAreRefused) {
+  RecordingHandler handler;
+  ControlServerOptions options;
+  options.bind_address = "127.0.0.1";
+  options.busy_poll.window = 100us;
+  options.busy_poll.lane_ring_bytes = 3000;
+  auto server = ControlServer::Create(options, &handler);
+  ASSERT_FALSE(server.ok());
+  EXPECT_THAT(server.status().message(),
+              HasSubstr("busy_poll.lane_ring_bytes = 3000: must be a power of two"));
+  ControlClientOptions copts;
+  copts.port = 1;
+  copts.busy_poll.lane_ring_bytes = 1u << 30;
+  auto client = ControlClient::Connect(copts);
+  ASSERT_FALSE(client.ok());
+  EXPECT_THAT(client.status().message(), HasSubstr("busy_poll.lane_ring_bytes = 1073741824"));
+  options.busy_poll.lanes = false;  // the size does not matter then
+  EXPECT_TRUE(ControlServer::Create(options, &handler).ok());
 }
 
 }  // namespace

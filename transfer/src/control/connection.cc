@@ -533,6 +533,7 @@ void Connection::HandleLaneFrame(const v1::Envelope& envelope) {
         lane_out_ = lane_.get();
       }
       ActivateLane();
+      lane_active_.store(true);
       KVT_LOG_DEBUG("ctl", "connection {} ({}): frames go through lane {}", config_.id,
                     remote_address_, lane_->name());
       DrainLane();
@@ -543,6 +544,7 @@ void Connection::HandleLaneFrame(const v1::Envelope& envelope) {
         return refuse("no accepted lane is waiting for it");
       }
       lane_in_ = true;
+      lane_active_.store(true);
       KVT_LOG_DEBUG("ctl", "connection {} ({}): frames go through lane {}", config_.id,
                     remote_address_, lane_->name());
       DrainLane();
@@ -971,6 +973,7 @@ void Connection::FinishClose() {
     std::lock_guard<std::mutex> lock(write_mu_);
     direct_ok_ = false;
     lane_out_ = nullptr;  // the segment lives until the connection goes
+    lane_active_.store(false);
     for (const std::string& rest : lane_pending_) {
       queued_frames_.fetch_sub(1);
       queued_bytes_.fetch_sub(rest.size());

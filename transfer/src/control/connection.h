@@ -97,6 +97,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
   bool closing() const { return closing_.load(); }
 
   ConnectionId id() const { return config_.id; }
+  // Thread-safe: frames go through the lane both ways.
+  bool lane_active() const { return lane_active_.load(std::memory_order_relaxed); }
   const std::string& remote_address() const { return remote_address_; }
 
  private:
@@ -222,6 +224,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // Shared with Send() callers on other threads.
   std::atomic<bool> closing_{false};
   std::atomic<bool> awaiting_authentication_{false};
+  std::atomic<bool> lane_active_{false};
   std::atomic<size_t> queued_frames_{0};
   std::atomic<size_t> queued_bytes_{0};
 };

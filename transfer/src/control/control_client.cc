@@ -259,6 +259,11 @@ bool ControlClient::connected() const {
   return impl_->open && !impl_->closed;
 }
 
+bool ControlClient::using_lane() const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  return impl_->connection != nullptr && impl_->connection->lane_active();
+}
+
 const std::string& ControlClient::server_id() const {
   std::lock_guard<std::mutex> lock(impl_->mutex);
   return impl_->server_id;

@@ -74,6 +74,8 @@ class ControlClient {
 
   // False once the connection has closed (either side).
   bool connected() const;
+  // Whether its frames go through a shared-memory lane (BusyPollOptions::lanes; thread-safe).
+  bool using_lane() const;
 
   // With busy polling (options.busy_poll): gets the io thread out of the reactor's sleep so that
   // it polls, e.g. right after a request went out whose answer is expected (busy_poll.hint now

@@ -336,6 +336,13 @@ size_t ControlServer::connection_count() const {
   return impl_->connections.size();
 }
 
+size_t ControlServer::lane_count() const {
+  std::lock_guard<std::mutex> lock(impl_->connections_mutex);
+  size_t n = 0;
+  for (const auto& [id, connection] : impl_->connections) n += connection->lane_active() ? 1 : 0;
+  return n;
+}
+
 void ControlServer::Stop() {
   Impl& impl = *impl_;
   std::lock_guard<std::mutex> stop_lock(impl.stop_mutex);

@@ -95,6 +95,8 @@ class ControlServer {
 
   // Connections currently open (handshake done or in progress).
   size_t connection_count() const;
+  // Of those, the ones whose frames go through a shared-memory lane (BusyPollOptions::lanes).
+  size_t lane_count() const;
 
   // Stops accepting, closes every connection (OnDisconnect with Aborted), joins the threads.
   // Idempotent; do not call from a handler.

@@ -114,6 +114,7 @@ StatusOr<PeerHandle> DecodeSide::Connect(const std::string& host, uint16_t port,
   // A connection polls while its own peer has requests in flight (not the whole engine's: a
   // decode engine with many prefill peers would spin a core per peer).
   copts.busy_poll.window = ctx_.options.control_busy_poll;
+  copts.busy_poll.lanes = ctx_.options.control_lanes;
   copts.busy_poll.hint = [raw] { return raw->in_flight.load(std::memory_order_relaxed) > 0; };
   auto client = control::ControlClient::Connect(copts, raw->handler.get());
   if (!client.ok()) {

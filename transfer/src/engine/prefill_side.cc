@@ -60,6 +60,7 @@ Status PrefillSide::Start() {
   server.limits.idle_timeout = ctx_.options.peer_timeout;
   // The server polls while any request of the engine is not final.
   server.busy_poll.window = ctx_.options.control_busy_poll;
+  server.busy_poll.lanes = ctx_.options.control_lanes;
   server.busy_poll.hint = [this] { return ActiveRooms() > 0; };
   KVT_ASSIGN_OR_RETURN(server_, control::ControlServer::Create(server, this));
   return OkStatus();

@@ -132,6 +132,10 @@ struct EngineOptions {
   // within microseconds instead of after a thread wake-up. Needs server.num_threads = 1.
   // WaitRequest then polls as well, for up to this long, before it sleeps.
   std::chrono::microseconds control_busy_poll{0};
+  // With control_busy_poll: a control connection to a peer on this host (the same shared-memory
+  // namespace and user) that polls too carries its messages through a shared-memory lane instead
+  // of the socket (control::BusyPollOptions::lanes; docs/protocol.md, "Lanes"). false: never.
+  bool control_lanes = true;
   uint32_t tp_rank = 0;
   uint32_t tp_size = 1;
   // Prefill: called (on a control thread, without engine locks held) when a TransferRequest
