@@ -626,6 +626,7 @@ void Connection::WriteLaneLocked(std::string frame) {
     frame.erase(0, *n);
   }
   lane_pending_.push_back(std::move(frame));
+  lane_has_pending_.store(true, std::memory_order_release);
   asio::post(strand_, [self = shared_from_this()] { self->ArmLaneFlush(); });
 }
 
@@ -659,6 +660,8 @@ void Connection::RingDoorbellLocked() {
 }
 
 bool Connection::FlushLane() {
+  // The poller asks on every pass; the lock is taken only when something waits.
+  if (!lane_has_pending_.load(std::memory_order_acquire)) return false;
   std::lock_guard<std::mutex> lock(write_mu_);
   if (lane_out_ == nullptr || lane_pending_.empty()) return false;
   bool moved = false;
@@ -682,6 +685,7 @@ bool Connection::FlushLane() {
     queued_frames_.fetch_sub(1);
     lane_pending_.pop_front();
   }
+  lane_has_pending_.store(!lane_pending_.empty(), std::memory_order_release);
   if (moved) RingDoorbellLocked();
   if (!lane_pending_.empty() && lane_failure_.ok()) {
     if (!lane_flush_armed_ && state_ != State::kClosed) {
@@ -979,6 +983,7 @@ void Connection::FinishClose() {
       queued_bytes_.fetch_sub(rest.size());
     }
     lane_pending_.clear();
+    lane_has_pending_.store(false);
     boost::system::error_code ignored;
     socket_.shutdown(tcp::socket::shutdown_both, ignored);
     socket_.close(ignored);

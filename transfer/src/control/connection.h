@@ -225,6 +225,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   std::atomic<bool> closing_{false};
   std::atomic<bool> awaiting_authentication_{false};
   std::atomic<bool> lane_active_{false};
+  std::atomic<bool> lane_has_pending_{false};  // lane_pending_ is not empty
   std::atomic<size_t> queued_frames_{0};
   std::atomic<size_t> queued_bytes_{0};
 };
