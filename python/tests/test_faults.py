@@ -5,23 +5,29 @@ from __future__ import annotations
 import multiprocessing as mp
 import time
 
+import pytest
+
 import kvt
 from conftest import layout_of, make_pool
 
 
-def test_killed_peer_fails_the_request_with_its_reason() -> None:
+# busy_poll > 0: both engines poll, so their control messages go through a shared-memory lane;
+# the socket's end still tells the decode side that the peer is gone.
+@pytest.mark.parametrize("busy_poll", [0.0, 0.002])
+def test_killed_peer_fails_the_request_with_its_reason(busy_poll) -> None:
     import transfer_worker
 
     cfg = {"size": 32 * 4, "page_size": 4, "head_num": 2, "head_dim": 16, "layer_num": 2,
            "dtype": "fp16", "use_torch": False}
     ctx = mp.get_context("spawn")
     port_q = ctx.Queue()
-    prefill = ctx.Process(target=transfer_worker.idle_prefill_main, args=(cfg, port_q))
+    prefill = ctx.Process(target=transfer_worker.idle_prefill_main, args=(cfg, port_q, busy_poll))
     prefill.start()
     try:
         port = port_q.get(timeout=60)
         pool = make_pool()
-        with kvt.TransferEngine("decode", layout_of(pool), deadline=60) as decode:
+        with kvt.TransferEngine("decode", layout_of(pool), deadline=60,
+                                control_busy_poll=busy_poll) as decode:
             peer = decode.connect("127.0.0.1", port)
             req = decode.receive("doomed", peer, [1, 2, 3])
             prefill.kill()

@@ -131,12 +131,13 @@ def decode_main(cfg: dict, plan: list[dict], port_q, result_q) -> None:
         result_q.put(("error", traceback.format_exc()))
 
 
-def idle_prefill_main(cfg: dict, port_q) -> None:
+def idle_prefill_main(cfg: dict, port_q, busy_poll: float = 0.0) -> None:
     """A prefill engine that accepts requests and never sends (to be killed by the test)."""
     import time
 
     pool = ReferencePool(**cfg)
-    engine = kvt.TransferEngine("prefill", _layout(pool), name="py-doomed", deadline=60)
+    engine = kvt.TransferEngine("prefill", _layout(pool), name="py-doomed", deadline=60,
+                                control_busy_poll=busy_poll)
     port_q.put(engine.port)
     time.sleep(120)
     engine.close()
