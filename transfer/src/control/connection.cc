@@ -497,19 +497,16 @@ void Connection::HandleLaneFrame(const v1::Envelope& envelope) {
       } else {
         r->set_reason(opened.status().message());
       }
-      // On the socket, ahead of every frame that goes through the lane (the client reads the
-      // lane only once it has this reply).
-      if (Status s = SendNow(reply, /*bypass_limits=*/false); !s.ok()) return;
       if (lane == nullptr) {
         KVT_LOG_DEBUG("ctl", "connection {} ({}): lane declined: {}", config_.id, remote_address_,
                       r->reason());
+        (void)SendNow(reply, /*bypass_limits=*/false);
         return;
       }
+      // On the socket, ahead of every frame that goes through the lane (the client reads the
+      // lane only once it has this reply).
       lane_ = std::move(lane);
-      {
-        std::lock_guard<std::mutex> lock(write_mu_);
-        lane_out_ = lane_.get();
-      }
+      if (Status s = SendThenSwitchToLane(reply); !s.ok()) return FailNow(ToProtoCode(s.code()), s);
       ActivateLane();  // its frames arrive after the client's lane_switch
       return;
     }
@@ -527,10 +524,8 @@ void Connection::HandleLaneFrame(const v1::Envelope& envelope) {
       lane_in_ = true;  // the server's frames after this reply are in the lane
       v1::Envelope lane_switch;
       lane_switch.mutable_lane_switch();
-      if (Status s = SendNow(lane_switch, /*bypass_limits=*/true); !s.ok()) return;
-      {
-        std::lock_guard<std::mutex> lock(write_mu_);
-        lane_out_ = lane_.get();
+      if (Status s = SendThenSwitchToLane(lane_switch); !s.ok()) {
+        return FailNow(ToProtoCode(s.code()), s);
       }
       ActivateLane();
       lane_active_.store(true);
@@ -553,6 +548,20 @@ void Connection::HandleLaneFrame(const v1::Envelope& envelope) {
     default:
       return;
   }
+}
+
+Status Connection::SendThenSwitchToLane(const v1::Envelope& envelope) {
+  std::string frame;
+  KVT_RETURN_IF_ERROR(AppendFrame(envelope, config_.limits.max_frame_bytes, &frame));
+  queued_frames_.fetch_add(1);
+  queued_bytes_.fetch_add(frame.size());
+  // One critical section: a frame another thread sends goes either before this one on the
+  // socket or after it through the lane, never between the two on the socket.
+  std::lock_guard<std::mutex> lock(write_mu_);
+  write_queue_.push_back(std::move(frame));
+  if (!writing_) WriteNextLocked();
+  lane_out_ = lane_.get();
+  return OkStatus();
 }
 
 void Connection::ActivateLane() {

@@ -121,6 +121,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // Lanes. Connection-level frames: none reaches on_message.
   void HandleLaneFrame(const v1::Envelope& envelope);
   void OfferLane();
+  // Strand: queues `envelope` on the socket and, in the same critical section, sends every later
+  // frame through the lane.
+  Status SendThenSwitchToLane(const v1::Envelope& envelope);
   void ActivateLane();  // reads through the lane's poller from here on
   // Strand: reads and handles what waits in the lane; whether there was anything.
   bool DrainLane();

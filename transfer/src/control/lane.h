@@ -91,6 +91,8 @@ class Lane {
   LaneRing* in_;   // the ring this side reads
   uint64_t tail_ = 0;  // what this side wrote (its own count: the shared copy is only published)
   uint64_t head_ = 0;  // what this side read
+  void* tsan_out_ = nullptr;  // ThreadSanitizer builds: see lane.cc
+  void* tsan_in_ = nullptr;
 };
 
 }  // namespace kvt::control::internal
