@@ -146,15 +146,20 @@ StatusOr<std::unique_ptr<Lane>> Lane::Create(uint32_t ring_bytes) {
   }
   const size_t size = SegmentBytes(ring_bytes);
   void* base = MAP_FAILED;
-  if (::ftruncate(fd, static_cast<off_t>(size)) == 0) {
+  // Allocated now, not on first touch: a full /dev/shm (a container's is often 64 MiB) must fail
+  // here, not raise SIGBUS on a later store into the ring.
+  int err = ::posix_fallocate(fd, 0, static_cast<off_t>(size));
+  if (err == 0) {
     base = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (base == MAP_FAILED) err = errno;
   }
-  const int err = errno;
   ::close(fd);
   if (base == MAP_FAILED) {
     ::shm_unlink(name.c_str());
-    return Unavailable(fmt::format("sizing or mapping the control lane {} ({} bytes): {}", name,
-                                   size, std::strerror(err)));
+    return Unavailable(fmt::format(
+        "allocating or mapping the control lane {} ({} bytes): {}; the connection keeps its "
+        "socket (is /dev/shm full? `df /dev/shm`)",
+        name, size, std::strerror(err)));
   }
   // A fresh segment reads as zeros: both rings empty, nobody asleep.
   auto* header = new (base) Header{};
