@@ -641,8 +641,6 @@ void Connection::WriteLaneLocked(std::string frame) {
 
 void Connection::RingDoorbellLocked() {
   if (!lane_out_->TakeDoorbell()) return;
-  // Closing: the socket's end wakes the peer, which reads the lane before it closes.
-  if (!direct_ok_) return;
   static const std::string kDoorbell = [] {
     v1::Envelope doorbell;
     doorbell.mutable_lane_doorbell();
@@ -651,6 +649,20 @@ void Connection::RingDoorbellLocked() {
     return frame;
   }();
   std::string frame = kDoorbell;
+  if (!direct_ok_) {
+    // Closing (then this runs on the strand: Send() writes the lane only while direct_ok_): the
+    // goodbye's frames still stream through the lane, so their doorbells go through the queue;
+    // the socket's shutdown waits for both.
+    if (state_ == State::kClosed) return;
+    queued_frames_.fetch_add(1);
+    queued_bytes_.fetch_add(frame.size());
+    write_queue_.push_back(std::move(frame));
+    if (!writing_) {
+      writing_ = true;
+      StartWriteLocked();
+    }
+    return;
+  }
   if (!writing_ && write_queue_.empty()) {
     const ssize_t n =
         ::send(socket_.native_handle(), frame.data(), frame.size(), MSG_DONTWAIT | MSG_NOSIGNAL);
