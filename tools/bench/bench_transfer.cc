@@ -1698,21 +1698,35 @@ std::string PhaseColumns() {
                      "total");
 }
 
-// o.latency_requests one-page requests (a few untimed first) into `small` and `samples`; the
-// prefill peer's stats over them.
-StatusOr<json> RunOnePageRequests(const TransferOptions& o, PeerLink& link, DecodeSide& decode,
-                                  Latencies& small, std::vector<Sample>& samples) {
+// One-page requests: their latencies, the prefill peer's stats over them, and where their time
+// went (PhaseBreakdown, its table row marked "(one page)").
+struct OnePage {
+  Latencies latencies;
+  json prefill_stats;
+  json phases;
+  std::string phase_row;
+};
+
+// o.latency_requests one-page requests (a few untimed first) of `pt` tokens per page.
+StatusOr<OnePage> RunOnePageRequests(const TransferOptions& o, PeerLink& link, DecodeSide& decode,
+                                     int pt) {
   for (int i = 0; i < std::min(o.latency_requests, 20); ++i) {
     KVT_RETURN_IF_ERROR(decode.Request(fmt::format("x{}", i), 1).status());
   }
   KVT_RETURN_IF_ERROR(
       link.Call({{"type", "stats"}, {"reset", true}}, std::chrono::seconds(30)).status());
+  OnePage out;
+  std::vector<Sample> samples;
   for (int i = 0; i < o.latency_requests; ++i) {
     KVT_ASSIGN_OR_RETURN(Sample s, decode.Request(fmt::format("l{}", i), 1));
-    small.Add(s);
+    out.latencies.Add(s);
     samples.push_back(std::move(s));
   }
-  return link.Call({{"type", "stats"}, {"reset", true}}, std::chrono::seconds(30));
+  KVT_ASSIGN_OR_RETURN(out.prefill_stats,
+                       link.Call({{"type", "stats"}, {"reset", true}}, std::chrono::seconds(30)));
+  out.phases = PhaseBreakdown(samples, out.prefill_stats.at("timelines"), pt, out.phase_row);
+  out.phase_row += "  (one page)";
+  return out;
 }
 
 // A whole and a one-page request whose bytes the decode side checks; out["verified_mismatches"].
@@ -1850,14 +1864,10 @@ Status RunPageSize(const TransferOptions& o, int pt, int64_t per_token_bytes, js
   if (!pipe_phase_row.empty()) phase_row += "\n" + pipe_phase_row;
 
   // One-page requests.
-  Latencies small;
-  std::vector<Sample> small_samples;
-  KVT_ASSIGN_OR_RETURN(json small_post,
-                       RunOnePageRequests(o, *link, *decode, small, small_samples));
-  std::string small_phase_row;
-  json small_phases =
-      PhaseBreakdown(small_samples, small_post.at("timelines"), pt, small_phase_row);
-  phase_row += "\n" + small_phase_row + "  (one page)";
+  KVT_ASSIGN_OR_RETURN(OnePage one_page, RunOnePageRequests(o, *link, *decode, pt));
+  const Latencies& small = one_page.latencies;
+  const json& small_post = one_page.prefill_stats;
+  phase_row += "\n" + one_page.phase_row;
 
   if (o.verify) KVT_RETURN_IF_ERROR(VerifyRequests(*decode, pt, pages_per_request, out));
   if (after.at("callback_errors").get<uint64_t>() != 0) {
@@ -1904,7 +1914,7 @@ Status RunPageSize(const TransferOptions& o, int pt, int64_t per_token_bytes, js
   out["one_page"] = small.ToJson(1000.0, "us");
   out["one_page"]["bytes"] = one_page_bytes;
   out["one_page"]["prefill_post_us_p50"] = small_post.at("post_ms_p50").get<double>() * 1000;
-  out["one_page"]["phases"] = small_phases;
+  out["one_page"]["phases"] = one_page.phases;
 
   bw_row = fmt::format(
       "{:>6} {:>8.0f} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>7} {:>8} {:>8}", pt,
@@ -2172,14 +2182,10 @@ Status RunGpuPageSizeBody(const TransferOptions& o, const SideConfig& c, int64_t
   const double pipe_gbps = pipelined.is_null() ? NAN : pipelined.at("gbps").get<double>();
 
   // One-page requests: the fixed cost (control plane, posting, completion) of a request.
-  Latencies small;
-  std::vector<Sample> small_samples;
-  KVT_ASSIGN_OR_RETURN(json small_post,
-                       RunOnePageRequests(o, *link, *decode, small, small_samples));
-  std::string small_phase_row;
-  json small_phases =
-      PhaseBreakdown(small_samples, small_post.at("timelines"), pt, small_phase_row);
-  rows.phase += "\n" + small_phase_row + "  (one page)";
+  KVT_ASSIGN_OR_RETURN(OnePage one_page, RunOnePageRequests(o, *link, *decode, pt));
+  const Latencies& small = one_page.latencies;
+  const json& small_post = one_page.prefill_stats;
+  rows.phase += "\n" + one_page.phase_row;
 
   // Layerwise: a simulated forward per request.
   double tail_ratio_max = NAN;
@@ -2216,7 +2222,7 @@ Status RunGpuPageSizeBody(const TransferOptions& o, const SideConfig& c, int64_t
   out["one_page"] = small.ToJson(1000.0, "us");
   out["one_page"]["bytes"] = static_cast<double>(request_bytes / pages_per_request);
   out["one_page"]["prefill_post_us_p50"] = small_post.at("post_ms_p50").get<double>() * 1000;
-  out["one_page"]["phases"] = small_phases;
+  out["one_page"]["phases"] = one_page.phases;
   json ratios = {{"kvt_to_contiguous_d2d", SafeRatio(kvt_gbps, contiguous)}};
   if (!pipelined.is_null()) {
     pipelined["ratio_to_contiguous_d2d"] = SafeRatio(pipe_gbps, contiguous);

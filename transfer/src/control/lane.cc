@@ -14,32 +14,20 @@
 #include <functional>
 #include <new>
 
-// ThreadSanitizer sees the two ends of a lane in one process (tests) as two mappings at
-// different addresses, so the release/acquire on a ring's index orders nothing for it and every
-// frame's payload looks racy. Both ends also report the hand-over on one address of this
-// process chosen from the segment's nonce and the direction.
-#if defined(__SANITIZE_THREAD__)
-#define KVT_LANE_TSAN 1
-#elif defined(__has_feature)
-#if __has_feature(thread_sanitizer)
-#define KVT_LANE_TSAN 1
-#endif
-#endif
-#ifdef KVT_LANE_TSAN
-extern "C" void __tsan_acquire(void* addr);
-extern "C" void __tsan_release(void* addr);
-#endif
+#include "tsan_annotations.h"
 
 namespace kvt::control::internal {
 namespace {
 
-#ifdef KVT_LANE_TSAN
+// ThreadSanitizer sees the two ends of a lane in one process (tests) as two mappings at
+// different addresses, so the release/acquire on a ring's index orders nothing for it and every
+// frame's payload looks racy. Both ends also report the hand-over on one address of this process
+// chosen from the segment's nonce and the direction.
 char tsan_sync[4096];
 void* TsanSync(std::string_view nonce, int direction) {
   size_t h = std::hash<std::string_view>{}(nonce);
   return &tsan_sync[(h * 2 + static_cast<size_t>(direction)) % sizeof(tsan_sync)];
 }
-#endif
 
 constexpr uint64_t kMagic = 0x656e616c2d74766bULL;  // "kvt-lane", little-endian
 constexpr uint32_t kVersion = 1;
@@ -108,10 +96,8 @@ Lane::Lane(std::string name, std::string nonce, uint32_t ring_bytes, void* base,
   auto* b = reinterpret_cast<LaneRing*>(first + kRingHeaderBytes + ring_bytes);
   out_ = creator ? a : b;
   in_ = creator ? b : a;
-#ifdef KVT_LANE_TSAN
   tsan_out_ = TsanSync(nonce_, creator ? 0 : 1);
   tsan_in_ = TsanSync(nonce_, creator ? 1 : 0);
-#endif
 }
 
 Lane::~Lane() {
@@ -238,9 +224,7 @@ StatusOr<size_t> Lane::Write(std::string_view data) {
   std::memcpy(out_->data + at, data.data(), first);
   std::memcpy(out_->data, data.data() + first, n - first);
   tail_ += n;
-#ifdef KVT_LANE_TSAN
-  __tsan_release(tsan_out_);
-#endif
+  transfer::internal::TsanRelease(tsan_out_);
   out_->tail.store(tail_, std::memory_order_release);
   return n;
 }
@@ -255,9 +239,7 @@ bool Lane::TakeDoorbell() {
 
 StatusOr<size_t> Lane::Read(char* out, size_t capacity) {
   const uint64_t tail = in_->tail.load(std::memory_order_acquire);
-#ifdef KVT_LANE_TSAN
-  __tsan_acquire(tsan_in_);
-#endif
+  transfer::internal::TsanAcquire(tsan_in_);
   const uint64_t avail = tail - head_;
   if (tail < head_ || avail > ring_bytes_) {
     return DataLoss(fmt::format(

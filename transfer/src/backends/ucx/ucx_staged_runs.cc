@@ -10,36 +10,21 @@
 #include "backends/ucx/ucx_staged_transport.h"
 #include "backends/ucx/ucx_util.h"
 #include "kvt/common/log.h"
+#include "tsan_annotations.h"
 
 // What a sender did before it sent a message happens before the receiver's copy, and the copy
 // before the sender sees the acknowledgement, through UCX's own synchronisation, which
 // ThreadSanitizer cannot see (UCX is not instrumented). When both sides run in one process
 // (tests), these annotations tell it: released before each send and after each copy into the
 // pool, acquired before each copy and before an acknowledgement counts.
-#if defined(__SANITIZE_THREAD__)
-#define KVT_TSAN 1
-#elif defined(__has_feature)
-#if __has_feature(thread_sanitizer)
-#define KVT_TSAN 1
-#endif
-#endif
-#ifdef KVT_TSAN
-extern "C" void __tsan_acquire(void* addr);
-extern "C" void __tsan_release(void* addr);
-#endif
 
 namespace kvt::transfer {
 namespace ucx_staging {
 namespace {
 
-#ifdef KVT_TSAN
 char runs_tag;
-void RunsRelease() { __tsan_release(&runs_tag); }
-void RunsAcquire() { __tsan_acquire(&runs_tag); }
-#else
-void RunsRelease() {}
-void RunsAcquire() {}
-#endif
+void RunsRelease() { internal::TsanRelease(&runs_tag); }
+void RunsAcquire() { internal::TsanAcquire(&runs_tag); }
 
 std::string MessageName(uint64_t write, uint32_t message) {
   return "run message " + std::to_string(message) + " of write " + std::to_string(write);
