@@ -401,6 +401,7 @@ class Engine {
     d["bytes"] = s.bytes;
     d["writes_posted"] = s.writes_posted;
     d["runs_posted"] = s.runs_posted;
+    d["control_lanes"] = s.control_lanes;
     return d;
   }
 

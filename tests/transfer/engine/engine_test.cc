@@ -122,6 +122,9 @@ TEST_P(EngineTest, BusyPollingControlThreadsMoveRequests) {
     ASSERT_EQ(info->state, RequestState::kSuccess) << info->status;
     EXPECT_EQ(Mismatches(*dst_pool_, 100 + r, dst), 0u) << room;
   }
+  // Both engines poll on one host: their connection moved to a shared-memory lane.
+  EXPECT_EQ(decode_->stats().control_lanes, 1u);
+  EXPECT_EQ(prefill_->stats().control_lanes, 1u);
   std::vector<int32_t> dst = {3};
   ASSERT_TRUE(decode_->Receive("left-in-flight", peer, dst).ok());
   EXPECT_EQ(decode_->stats().requests_succeeded, 12u);

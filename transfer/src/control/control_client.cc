@@ -260,7 +260,7 @@ bool ControlClient::connected() const {
 }
 
 bool ControlClient::using_lane() const {
-  std::lock_guard<std::mutex> lock(impl_->mutex);
+  // Like Send(): `connection` is set before Connect returns and reset only by Close.
   return impl_->connection != nullptr && impl_->connection->lane_active();
 }
 

@@ -618,4 +618,11 @@ void DecodeSide::LivenessLoop() {
   }
 }
 
+uint64_t DecodeSide::ControlLanes() const {
+  MutexLock lock(ctx_.mu);
+  uint64_t n = 0;
+  for (const auto& [id, peer] : peers_) n += peer->client != nullptr && peer->client->using_lane();
+  return n;
+}
+
 }  // namespace kvt::transfer::engine

@@ -202,8 +202,13 @@ class TransferEngine::Impl {
   engine::EngineSide& side() const { return *side_; }
 
   EngineStats stats() const {
-    MutexLock lock(ctx_.mu);
-    return ctx_.stats;
+    EngineStats stats;
+    {
+      MutexLock lock(ctx_.mu);
+      stats = ctx_.stats;
+    }
+    stats.control_lanes = side().ControlLanes();
+    return stats;
   }
 
  private:

@@ -831,4 +831,8 @@ std::vector<CopyRun> PrefillSide::TakeSpareRunsLocked() {
   return runs;
 }
 
+uint64_t PrefillSide::ControlLanes() const {
+  return server_ != nullptr ? server_->lane_count() : 0;
+}
+
 }  // namespace kvt::transfer::engine

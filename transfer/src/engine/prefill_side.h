@@ -75,6 +75,7 @@ class PrefillSide final : public SideWithTable<PrefillRoom>, public control::Con
   Status Abort(const std::string& room, const std::string& reason) override KVT_EXCLUDES(ctx_.mu);
   PollResult PollPass(Clock::time_point now) override KVT_EXCLUDES(ctx_.mu);
   void Shutdown() override KVT_EXCLUDES(ctx_.mu);
+  uint64_t ControlLanes() const override KVT_EXCLUDES(ctx_.mu);
 
   // control::ControlHandler (the server's io threads).
   void OnConnect(control::ConnectionId id, const control::ConnectionInfo& info) override;

@@ -422,6 +422,10 @@ class EngineSide {
   // Stops the side: every room not final fails, writes are quiesced, peers are told, sessions
   // close. Called once, after the poller stopped.
   virtual void Shutdown() = 0;
+
+  // Control connections whose frames go through a lane now (EngineStats::control_lanes). Called
+  // without the engine's mutex held.
+  virtual uint64_t ControlLanes() const = 0;
 };
 
 // What both sides share: the context and their table, and the calls that only read or drop

@@ -91,6 +91,8 @@ struct EngineStats {
   uint64_t bytes = 0;  // bytes of successful requests
   uint64_t writes_posted = 0;
   uint64_t runs_posted = 0;  // coalesced copy runs
+  // Control connections whose messages go through a shared-memory lane now (control_lanes).
+  uint64_t control_lanes = 0;
 };
 
 // A peer as seen by a decode engine.
