@@ -197,6 +197,38 @@ TEST(LaneTest, TheCreatorRemovesTheNameWhenItGoesAway) {
   EXPECT_EQ(::shm_open(name.c_str(), O_RDWR, 0), -1);
 }
 
+// A lane file nobody removed (its creator died before the peer opened it) goes at the next
+// Create once it is a minute old; a younger one, and files that are not lanes, stay.
+TEST(LaneTest, CreateRemovesLaneFilesLeftForAMinute) {
+  auto file = [](const std::string& name, time_t age_s) {
+    const int fd = ::shm_open(name.c_str(), O_CREAT | O_RDWR, 0600);
+    if (fd < 0) return false;
+    const timespec when[2] = {{::time(nullptr) - age_s, 0}, {::time(nullptr) - age_s, 0}};
+    const bool ok = ::futimens(fd, when) == 0;
+    ::close(fd);
+    return ok;
+  };
+  auto exists = [](const std::string& name) {
+    const int fd = ::shm_open(name.c_str(), O_RDONLY, 0);
+    if (fd >= 0) ::close(fd);
+    return fd >= 0;
+  };
+  const std::string stale = "/kvt-lane-5ca1e5ca1e5ca1e5ca1e5ca1e5ca1e00";
+  const std::string young = "/kvt-lane-5ca1e5ca1e5ca1e5ca1e5ca1e5ca1e01";
+  const std::string other = "/kvt-lane-test-not-a-lane";
+  ASSERT_TRUE(file(stale, 120));
+  ASSERT_TRUE(file(young, 5));
+  ASSERT_TRUE(file(other, 120));
+  auto created = Lane::Create(kMinLaneRingBytes);
+  ASSERT_TRUE(created.ok()) << created.status();
+  EXPECT_FALSE(exists(stale));
+  EXPECT_TRUE(exists(young));
+  EXPECT_TRUE(exists(other));
+  EXPECT_TRUE(exists((*created)->name()));
+  ::shm_unlink(young.c_str());
+  ::shm_unlink(other.c_str());
+}
+
 // Dekker on the sleep flag: for every byte written, either the sleeping reader sees it in
 // Sleep() or the writer sees the reader asleep (and would ring): never neither.
 TEST(LaneTest, ASleepingReaderNeverMissesABellAndBytes) {

@@ -8,12 +8,16 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
+#include <ctime>
 #include <cerrno>
 #include <cstddef>
 #include <cstring>
+#include <filesystem>
 #include <functional>
 #include <new>
 
+#include "kvt/common/log.h"
 #include "tsan_annotations.h"
 
 namespace kvt::control::internal {
@@ -63,6 +67,32 @@ bool ValidName(const std::string& name) {
     if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) return false;
   }
   return true;
+}
+
+// A name lives from the creator's shm_open until the peer opens it (one round trip) or the
+// creator is told no: a lane file older than this was left by a process that died in that
+// window. Removing a younger one by mistake would only make its offer be declined.
+constexpr auto kStaleLaneAge = std::chrono::seconds(60);
+
+// Removes this user's lane files older than kStaleLaneAge from /dev/shm (where glibc keeps POSIX
+// shared memory); best effort.
+void RemoveStaleLanes() {
+  std::error_code ec;
+  std::filesystem::directory_iterator it("/dev/shm", ec);
+  const uid_t uid = ::geteuid();
+  const time_t now = ::time(nullptr);
+  for (; !ec && it != std::filesystem::directory_iterator(); it.increment(ec)) {
+    std::string name(1, '/');  // shm_unlink's form of the file name
+    name += it->path().filename().native();
+    if (!ValidName(name)) continue;
+    struct stat st {};
+    if (::stat(it->path().c_str(), &st) != 0 || st.st_uid != uid) continue;
+    if (now - st.st_mtime < kStaleLaneAge.count()) continue;
+    if (::shm_unlink(name.c_str()) == 0) {
+      KVT_LOG_INFO("ctl", "removed {}: a control lane left by a process that died before its "
+                   "peer opened it", name);
+    }
+  }
 }
 
 }  // namespace
@@ -122,6 +152,7 @@ StatusOr<std::unique_ptr<Lane>> Lane::Create(uint32_t ring_bytes) {
                  static_cast<int>(random.size())) != 1) {
     return Internal("OpenSSL RAND_bytes failed: no randomness for a lane name");
   }
+  RemoveStaleLanes();
   std::string name = kNamePrefix + Hex(std::string_view(random).substr(0, kNameHexBytes));
   std::string nonce = random.substr(kNameHexBytes);
   const int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
