@@ -3,7 +3,7 @@
 // one per direction; a connection that has switched to its lane writes its frames into the
 // outgoing ring instead of the socket and reads the incoming ring with the same frame decoder,
 // so a control message costs a copy into shared memory and a load on the other side instead of
-// a send and a receive system call and a reactor pass (about 5 and 10 µs on a small VM).
+// a send and a receive system call and a reactor pass (docs/performance.md has the figures).
 //
 // The socket stays: it carries the handshake, the lane's setup, doorbells for a reader that
 // sleeps, and its close ends the connection as before. See docs/protocol.md, "Lanes".
