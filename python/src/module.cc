@@ -164,9 +164,10 @@ std::chrono::milliseconds Millis(double seconds) {
 // between requests; the C++ option takes any length, Python callers pass seconds by mistake).
 std::chrono::microseconds BusyPollMicros(double seconds) {
   if (!(seconds >= 0 && seconds <= 1.0)) {
-    throw py::value_error("control_busy_poll = " + py::str(py::float_(seconds)).cast<std::string>() +
-                          " s: must be in [0, 1] seconds (e.g. 0.001 for 1 ms; 0: the control "
-                          "threads sleep between messages)");
+    throw py::value_error(
+        "control_busy_poll = " + py::str(py::float_(seconds)).cast<std::string>() +
+        " s: must be in [0, 1] seconds (e.g. 0.001 for 1 ms; 0: the control "
+        "threads sleep between messages)");
   }
   return std::chrono::microseconds(static_cast<int64_t>(seconds * 1e6 + 0.5));
 }
@@ -285,8 +286,8 @@ class Engine {
   Engine(const Layout& layout, bool prefill, const std::string& backend, const std::string& ucx_tls,
          const std::string& name, const std::string& bind, uint16_t port,
          const std::string& cluster_token, double deadline, double hello_timeout,
-         double peer_timeout, double heartbeat_interval, double retention,
-         double control_busy_poll, bool control_lanes) {
+         double peer_timeout, double heartbeat_interval, double retention, double control_busy_poll,
+         bool control_lanes) {
     transfer::EngineOptions o;
     o.name = name;
     o.prefill = prefill;

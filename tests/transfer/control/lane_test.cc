@@ -140,8 +140,8 @@ TEST(LaneTest, CorruptedIndicesFailWithDataLoss) {
   auto* bytes = static_cast<char*>(raw);
   // Ring a (creator -> opener): head at +64, tail at +128. Ring b: after a's data.
   auto* a_head = reinterpret_cast<std::atomic<uint64_t>*>(bytes + 64);
-  auto* b_tail = reinterpret_cast<std::atomic<uint64_t>*>(bytes + 64 + 192 + kMinLaneRingBytes +
-                                                           64);
+  auto* b_tail =
+      reinterpret_cast<std::atomic<uint64_t>*>(bytes + 64 + 192 + kMinLaneRingBytes + 64);
   a_head->store(1u << 30);  // the "reader" claims to have read more than was ever written
   auto w = creator.Write("hello");
   ASSERT_FALSE(w.ok());
@@ -167,8 +167,8 @@ TEST(LaneTest, OnlyTheOfferedSegmentOpens) {
   auto wrong_size = Lane::Open(lane.name(), lane.nonce(), 2 * kMinLaneRingBytes);
   ASSERT_FALSE(wrong_size.ok());
   EXPECT_THAT(wrong_size.status().message(), HasSubstr("not the"));
-  auto missing = Lane::Open("/kvt-lane-00000000000000000000000000000000", lane.nonce(),
-                            kMinLaneRingBytes);
+  auto missing =
+      Lane::Open("/kvt-lane-00000000000000000000000000000000", lane.nonce(), kMinLaneRingBytes);
   ASSERT_FALSE(missing.ok());
   EXPECT_EQ(missing.status().code(), StatusCode::kFailedPrecondition);
   EXPECT_THAT(missing.status().message(), HasSubstr("another host"));

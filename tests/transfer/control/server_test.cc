@@ -1,10 +1,10 @@
 // ControlServer and ControlClient over 127.0.0.1. Every wait is bounded; raw POSIX sockets play
 // the misbehaving peers.
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
-#include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/time.h>

@@ -182,12 +182,11 @@ TEST_P(EngineTest, WaitRequestPollsWhileTheEnginesBusyPoll) {
     auto waited_out = decode_->WaitRequest("never-sent", timeout);
     ASSERT_FALSE(waited_out.ok());
     EXPECT_EQ(waited_out.status().code(), StatusCode::kDeadlineExceeded);
-    EXPECT_NE(waited_out.status().message().find("room 'never-sent' is still "),
-              std::string::npos)
+    EXPECT_NE(waited_out.status().message().find("room 'never-sent' is still "), std::string::npos)
         << waited_out.status();
-    EXPECT_NE(waited_out.status().message().find(
-                  "after " + std::to_string(timeout.count()) + " ms"),
-              std::string::npos)
+    EXPECT_NE(
+        waited_out.status().message().find("after " + std::to_string(timeout.count()) + " ms"),
+        std::string::npos)
         << waited_out.status();
   }
   auto unknown = decode_->WaitRequest("no-such-room", 5s);

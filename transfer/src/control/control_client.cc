@@ -99,10 +99,9 @@ StatusOr<std::unique_ptr<ControlClient>> ControlClient::Connect(const ControlCli
   Impl* raw = impl.get();
   // From here on, `client` owns the thread: every early return joins it.
   std::unique_ptr<ControlClient> client(new ControlClient(std::move(impl)));
-  raw->thread = std::thread(
-      [raw] {
-        internal::RunIoLoop(raw->io, raw->options.busy_poll, "control client", raw->lanes.get());
-      });
+  raw->thread = std::thread([raw] {
+    internal::RunIoLoop(raw->io, raw->options.busy_poll, "control client", raw->lanes.get());
+  });
 
   // 1. Resolve and connect, bounded by connect_timeout. Everything runs on one strand, so the
   // timer and the completions see `timed_out` consistently.

@@ -290,11 +290,9 @@ StatusOr<std::unique_ptr<ControlServer>> ControlServer::Create(const ControlServ
   asio::post(raw->accept_strand, [raw] { raw->StartAccept(); });
   try {
     for (size_t i = 0; i < options.num_threads; ++i) {
-      raw->threads.emplace_back(
-          [raw] {
-            internal::RunIoLoop(raw->io, raw->options.busy_poll, "control server",
-                                raw->lanes.get());
-          });
+      raw->threads.emplace_back([raw] {
+        internal::RunIoLoop(raw->io, raw->options.busy_poll, "control server", raw->lanes.get());
+      });
     }
   } catch (const std::system_error& e) {
     auto server = std::unique_ptr<ControlServer>(new ControlServer(std::move(impl)));

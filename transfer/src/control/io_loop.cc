@@ -58,14 +58,14 @@ void Loop(boost::asio::io_context& io, const BusyPollOptions& busy, LanePollSet*
 
 Status CheckBusyPoll(const BusyPollOptions& busy) {
   if (busy.window.count() < 0) {
-    return InvalidArgument(fmt::format("busy_poll.window = {} us: must be >= 0 (0: no polling)",
-                                       busy.window.count()));
+    return InvalidArgument(
+        fmt::format("busy_poll.window = {} us: must be >= 0 (0: no polling)", busy.window.count()));
   }
   const uint32_t n = busy.lane_ring_bytes;
   if (busy.lanes && (n < kMinLaneRingBytes || n > kMaxLaneRingBytes || (n & (n - 1)) != 0)) {
     return InvalidArgument(fmt::format(
-        "busy_poll.lane_ring_bytes = {}: must be a power of two in [{}, {}] (or lanes = false)",
-        n, kMinLaneRingBytes, kMaxLaneRingBytes));
+        "busy_poll.lane_ring_bytes = {}: must be a power of two in [{}, {}] (or lanes = false)", n,
+        kMinLaneRingBytes, kMaxLaneRingBytes));
   }
   return OkStatus();
 }

@@ -1,8 +1,8 @@
 // The io threads' loop of ControlServer and ControlClient (private to the control plane).
 #pragma once
 
-#include <boost/asio/io_context.hpp>
 #include <atomic>
+#include <boost/asio/io_context.hpp>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -44,7 +44,7 @@ class LanePollSet {
   std::mutex mu_;
   uint64_t next_id_ = 1;
   std::vector<std::pair<uint64_t, std::shared_ptr<Entry>>> entries_;  // guarded by mu_
-  std::atomic<uint64_t> version_{0};  // bumped by Add/Remove
+  std::atomic<uint64_t> version_{0};                                  // bumped by Add/Remove
   // The loop thread's copy (callbacks run without mu_: they may Remove themselves).
   uint64_t seen_version_ = 0;
   std::vector<std::shared_ptr<Entry>> snapshot_;

@@ -8,11 +8,11 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <chrono>
-#include <ctime>
 #include <cerrno>
+#include <chrono>
 #include <cstddef>
 #include <cstring>
+#include <ctime>
 #include <filesystem>
 #include <functional>
 #include <new>
@@ -89,8 +89,10 @@ void RemoveStaleLanes() {
     if (::stat(it->path().c_str(), &st) != 0 || st.st_uid != uid) continue;
     if (now - st.st_mtime < kStaleLaneAge.count()) continue;
     if (::shm_unlink(name.c_str()) == 0) {
-      KVT_LOG_INFO("ctl", "removed {}: a control lane left by a process that died before its "
-                   "peer opened it", name);
+      KVT_LOG_INFO("ctl",
+                   "removed {}: a control lane left by a process that died before its "
+                   "peer opened it",
+                   name);
     }
   }
 }
@@ -143,9 +145,8 @@ void Lane::Unlink() {
 
 StatusOr<std::unique_ptr<Lane>> Lane::Create(uint32_t ring_bytes) {
   if (!ValidRingBytes(ring_bytes)) {
-    return InvalidArgument(fmt::format(
-        "lane ring_bytes = {}: must be a power of two in [{}, {}]", ring_bytes, kMinLaneRingBytes,
-        kMaxLaneRingBytes));
+    return InvalidArgument(fmt::format("lane ring_bytes = {}: must be a power of two in [{}, {}]",
+                                       ring_bytes, kMinLaneRingBytes, kMaxLaneRingBytes));
   }
   std::string random(kNameHexBytes + kLaneNonceBytes, '\0');
   if (RAND_bytes(reinterpret_cast<unsigned char*>(random.data()),
@@ -157,9 +158,10 @@ StatusOr<std::unique_ptr<Lane>> Lane::Create(uint32_t ring_bytes) {
   std::string nonce = random.substr(kNameHexBytes);
   const int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
   if (fd < 0) {
-    return Unavailable(fmt::format("shm_open({}) for a control lane: {}; the connection keeps "
-                                   "its socket (is /dev/shm mounted and writable?)",
-                                   name, std::strerror(errno)));
+    return Unavailable(
+        fmt::format("shm_open({}) for a control lane: {}; the connection keeps "
+                    "its socket (is /dev/shm mounted and writable?)",
+                    name, std::strerror(errno)));
   }
   const size_t size = SegmentBytes(ring_bytes);
   void* base = MAP_FAILED;
@@ -191,8 +193,8 @@ StatusOr<std::unique_ptr<Lane>> Lane::Create(uint32_t ring_bytes) {
 StatusOr<std::unique_ptr<Lane>> Lane::Open(const std::string& name, std::string_view nonce,
                                            uint32_t ring_bytes) {
   if (!ValidName(name)) {
-    return InvalidArgument(fmt::format("lane name '{}' is not {}<32 hex digits>", name,
-                                       kNamePrefix));
+    return InvalidArgument(
+        fmt::format("lane name '{}' is not {}<32 hex digits>", name, kNamePrefix));
   }
   if (nonce.size() != kLaneNonceBytes || !ValidRingBytes(ring_bytes)) {
     return InvalidArgument(fmt::format(
@@ -202,17 +204,17 @@ StatusOr<std::unique_ptr<Lane>> Lane::Open(const std::string& name, std::string_
   }
   const int fd = ::shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0);
   if (fd < 0) {
-    return FailedPrecondition(fmt::format(
-        "lane {} cannot be opened here ({}): the peer is on another host or in another "
-        "shared-memory namespace, or runs as another user",
-        name, std::strerror(errno)));
+    return FailedPrecondition(
+        fmt::format("lane {} cannot be opened here ({}): the peer is on another host or in another "
+                    "shared-memory namespace, or runs as another user",
+                    name, std::strerror(errno)));
   }
   const size_t size = SegmentBytes(ring_bytes);
   struct stat st {};
   if (::fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) != size) {
     ::close(fd);
-    return FailedPrecondition(fmt::format("lane {} is {} bytes, not the {} its offer implies",
-                                          name, static_cast<long long>(st.st_size), size));
+    return FailedPrecondition(fmt::format("lane {} is {} bytes, not the {} its offer implies", name,
+                                          static_cast<long long>(st.st_size), size));
   }
   void* base = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   const int err = errno;

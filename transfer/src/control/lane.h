@@ -87,8 +87,8 @@ class Lane {
   size_t size_;
   bool creator_;
   bool unlinked_ = false;
-  LaneRing* out_;  // the ring this side writes
-  LaneRing* in_;   // the ring this side reads
+  LaneRing* out_;      // the ring this side writes
+  LaneRing* in_;       // the ring this side reads
   uint64_t tail_ = 0;  // what this side wrote (its own count: the shared copy is only published)
   uint64_t head_ = 0;  // what this side read
   void* tsan_out_ = nullptr;  // ThreadSanitizer builds: see lane.cc
