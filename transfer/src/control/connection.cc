@@ -130,22 +130,7 @@ Status Connection::Send(const v1::Envelope& envelope) {
       return OkStatus();
     }
     if (direct_ok_ && !writing_ && write_queue_.empty()) {
-      const ssize_t n =
-          ::send(socket_.native_handle(), frame.data(), frame.size(), MSG_DONTWAIT | MSG_NOSIGNAL);
-      if (n == static_cast<ssize_t>(frame.size())) {
-        queued_frames_.fetch_sub(1);
-        queued_bytes_.fetch_sub(frame.size());
-        return OkStatus();
-      }
-      if (n > 0) {
-        queued_bytes_.fetch_sub(static_cast<size_t>(n));
-        frame.erase(0, static_cast<size_t>(n));
-      }
-      // n < 0 (EAGAIN, or an error the strand's write will meet and report): the strand retries.
-      writing_ = true;
-      write_queue_.push_back(std::move(frame));
-      lock.unlock();
-      asio::post(strand_, [self = shared_from_this()] { self->ResumeWrite(); });
+      WriteSocketLocked(std::move(frame));
       return OkStatus();
     }
   }
@@ -304,7 +289,7 @@ void Connection::OnRead(const boost::system::error_code& ec, size_t bytes) {
   }
   if (ec) {
     // What the peer put in the lane before its socket ended came first: handle it.
-    if (lane_in_ && state_ == State::kOpen) DrainLane();
+    DrainLane();
     if (closing_or_closed()) return;
     const bool eof = ec == asio::error::eof || ec == asio::error::connection_reset;
     Status why = Unavailable(
@@ -341,9 +326,7 @@ bool Connection::Consume(FrameDecoder& decoder, std::string_view data, bool from
         // A server without a token: the first frame completes the handshake.
         if (state_ == State::kOpen) CancelTimer(handshake_timer_);
       }
-      frame_from_lane_ = from_lane;
-      HandleFrame(envelope);
-      frame_from_lane_ = false;
+      HandleFrame(envelope, from_lane);
       if (closing_or_closed()) return false;
       continue;
     }
@@ -364,7 +347,7 @@ bool Connection::Consume(FrameDecoder& decoder, std::string_view data, bool from
   }
 }
 
-void Connection::HandleFrame(const v1::Envelope& envelope) {
+void Connection::HandleFrame(const v1::Envelope& envelope, bool from_lane) {
   const auto body = envelope.body_case();
   // The version comes first: a newer peer's Hello may fail validation for reasons the version
   // explains.
@@ -425,7 +408,7 @@ void Connection::HandleFrame(const v1::Envelope& envelope) {
   if (body == v1::Envelope::kHeartbeatAck) return;
   if (body == v1::Envelope::kLaneOffer || body == v1::Envelope::kLaneReply ||
       body == v1::Envelope::kLaneSwitch || body == v1::Envelope::kLaneDoorbell) {
-    HandleLaneFrame(envelope);
+    HandleLaneFrame(envelope, from_lane);
     return;
   }
   if (body == v1::Envelope::kHello) peer_ = PeerContextFrom(envelope.hello().peer());
@@ -461,21 +444,20 @@ void Connection::OfferLane() {
   o->set_nonce((*lane)->nonce());
   o->set_ring_bytes((*lane)->ring_bytes());
   if (!SendNow(offer, /*bypass_limits=*/false).ok()) return;  // a full queue: no lane, no harm
-  lane_ = std::move(lane).value();
-  lane_offered_ = true;
+  lane_ = std::move(lane).value();  // offered: the reply decides
 }
 
-void Connection::HandleLaneFrame(const v1::Envelope& envelope) {
+void Connection::HandleLaneFrame(const v1::Envelope& envelope, bool from_lane) {
   const auto body = envelope.body_case();
   if (body == v1::Envelope::kLaneDoorbell) {
-    if (!frame_from_lane_) DrainLane();  // through the lane it says nothing
+    if (!from_lane) DrainLane();  // through the lane it says nothing
     return;
   }
   auto refuse = [&](std::string_view why) {
     FailNow(v1::STATUS_CODE_FAILED_PRECONDITION,
             FailedPrecondition(fmt::format("unexpected {}: {}", BodyName(envelope), why)));
   };
-  if (frame_from_lane_) return refuse("lane setup frames travel on the socket, not the lane");
+  if (from_lane) return refuse("lane setup frames travel on the socket, not the lane");
   switch (body) {
     case v1::Envelope::kLaneOffer: {
       if (config_.side != Side::kServer) return refuse("only a client offers a lane");
@@ -511,8 +493,10 @@ void Connection::HandleLaneFrame(const v1::Envelope& envelope) {
       return;
     }
     case v1::Envelope::kLaneReply: {
-      if (config_.side != Side::kClient || !lane_offered_) return refuse("no lane was offered");
-      lane_offered_ = false;
+      // A client's lane_ is an offer until the reply accepts it (lane_in_).
+      if (config_.side != Side::kClient || lane_ == nullptr || lane_in_) {
+        return refuse("no lane was offered");
+      }
       const v1::LaneReply& r = envelope.lane_reply();
       if (!r.accepted()) {
         KVT_LOG_INFO("ctl", "connection {} ({}): the peer keeps frames on the socket: {}",
@@ -558,8 +542,7 @@ Status Connection::SendThenSwitchToLane(const v1::Envelope& envelope) {
   // One critical section: a frame another thread sends goes either before this one on the
   // socket or after it through the lane, never between the two on the socket.
   std::lock_guard<std::mutex> lock(write_mu_);
-  write_queue_.push_back(std::move(frame));
-  if (!writing_) WriteNextLocked();
+  QueueFrameLocked(std::move(frame));
   lane_out_ = lane_.get();
   return OkStatus();
 }
@@ -610,87 +593,26 @@ bool Connection::DrainLane() {
 }
 
 void Connection::WriteLaneLocked(std::string frame) {
-  if (!lane_failure_.ok()) {  // the connection is failing already
-    queued_frames_.fetch_sub(1);
-    queued_bytes_.fetch_sub(frame.size());
-    return;
-  }
-  if (lane_pending_.empty()) {
-    StatusOr<size_t> n = lane_out_->Write(frame);
-    if (!n.ok()) {
-      lane_failure_ = n.status();
-      queued_frames_.fetch_sub(1);
-      queued_bytes_.fetch_sub(frame.size());
-      asio::post(strand_, [self = shared_from_this(), why = n.status()] {
-        self->FailNow(v1::STATUS_CODE_INTERNAL, why);
-      });
-      return;
-    }
-    if (*n > 0) RingDoorbellLocked();
-    queued_bytes_.fetch_sub(*n);
-    if (*n == frame.size()) {
-      queued_frames_.fetch_sub(1);
-      return;
-    }
-    frame.erase(0, *n);
-  }
   lane_pending_.push_back(std::move(frame));
-  lane_has_pending_.store(true, std::memory_order_release);
-  asio::post(strand_, [self = shared_from_this()] { self->ArmLaneFlush(); });
+  MoveIntoLaneLocked();
+  if (!lane_pending_.empty()) {
+    // Room frees as the reader reads: the strand retries (FlushLane).
+    asio::post(strand_, [self = shared_from_this()] { self->FlushLane(); });
+  }
 }
 
-void Connection::RingDoorbellLocked() {
-  if (!lane_out_->TakeDoorbell()) return;
-  static const std::string kDoorbell = [] {
-    v1::Envelope doorbell;
-    doorbell.mutable_lane_doorbell();
-    std::string frame;
-    (void)AppendFrame(doorbell, kDefaultMaxFrameBytes, &frame);
-    return frame;
-  }();
-  std::string frame = kDoorbell;
-  if (!direct_ok_) {
-    // Closing (then this runs on the strand: Send() writes the lane only while direct_ok_): the
-    // goodbye's frames still stream through the lane, so their doorbells go through the queue;
-    // the socket's shutdown waits for both.
-    if (state_ == State::kClosed) return;
-    queued_frames_.fetch_add(1);
-    queued_bytes_.fetch_add(frame.size());
-    write_queue_.push_back(std::move(frame));
-    if (!writing_) {
-      writing_ = true;
-      StartWriteLocked();
-    }
-    return;
-  }
-  if (!writing_ && write_queue_.empty()) {
-    const ssize_t n =
-        ::send(socket_.native_handle(), frame.data(), frame.size(), MSG_DONTWAIT | MSG_NOSIGNAL);
-    if (n == static_cast<ssize_t>(frame.size())) return;
-    if (n > 0) frame.erase(0, static_cast<size_t>(n));
-    queued_frames_.fetch_add(1);
-    queued_bytes_.fetch_add(frame.size());
-    writing_ = true;
-    write_queue_.push_back(std::move(frame));
-    asio::post(strand_, [self = shared_from_this()] { self->ResumeWrite(); });
-    return;
-  }
-  queued_frames_.fetch_add(1);
-  queued_bytes_.fetch_add(frame.size());
-  write_queue_.push_back(std::move(frame));  // the write in progress goes on to it
-}
-
-bool Connection::FlushLane() {
-  // The poller asks on every pass; the lock is taken only when something waits.
-  if (!lane_has_pending_.load(std::memory_order_acquire)) return false;
-  std::lock_guard<std::mutex> lock(write_mu_);
-  if (lane_out_ == nullptr || lane_pending_.empty()) return false;
+bool Connection::MoveIntoLaneLocked() {
   bool moved = false;
-  while (!lane_pending_.empty() && lane_failure_.ok()) {
+  while (!lane_pending_.empty()) {
     std::string& front = lane_pending_.front();
     StatusOr<size_t> n = lane_out_->Write(front);
     if (!n.ok()) {
-      lane_failure_ = n.status();
+      // The peer corrupted the segment: nothing more can go through it, and the connection fails.
+      for (const std::string& rest : lane_pending_) {
+        queued_frames_.fetch_sub(1);
+        queued_bytes_.fetch_sub(rest.size());
+      }
+      lane_pending_.clear();
       asio::post(strand_, [self = shared_from_this(), why = n.status()] {
         self->FailNow(v1::STATUS_CODE_INTERNAL, why);
       });
@@ -706,10 +628,40 @@ bool Connection::FlushLane() {
     queued_frames_.fetch_sub(1);
     lane_pending_.pop_front();
   }
-  lane_has_pending_.store(!lane_pending_.empty(), std::memory_order_release);
   if (moved) RingDoorbellLocked();
-  if (!lane_pending_.empty() && lane_failure_.ok()) {
-    if (!lane_flush_armed_ && state_ != State::kClosed) {
+  lane_has_pending_.store(!lane_pending_.empty(), std::memory_order_release);
+  return moved;
+}
+
+void Connection::RingDoorbellLocked() {
+  if (!lane_out_->TakeDoorbell()) return;
+  static const std::string kDoorbell = [] {
+    v1::Envelope doorbell;
+    doorbell.mutable_lane_doorbell();
+    std::string frame;
+    (void)AppendFrame(doorbell, kDefaultMaxFrameBytes, &frame);
+    return frame;
+  }();
+  queued_frames_.fetch_add(1);
+  queued_bytes_.fetch_add(kDoorbell.size());
+  if (direct_ok_) {
+    WriteSocketLocked(kDoorbell);
+    return;
+  }
+  // Closing (then this runs on the strand: Send() writes the lane only while direct_ok_): the
+  // goodbye's frames still stream through the lane, so their doorbells go through the queue; the
+  // socket's shutdown waits for both.
+  QueueFrameLocked(kDoorbell);
+}
+
+bool Connection::FlushLane() {
+  // The poller asks on every pass; the lock is taken only when something waits.
+  if (!lane_has_pending_.load(std::memory_order_acquire)) return false;
+  std::lock_guard<std::mutex> lock(write_mu_);
+  if (lane_out_ == nullptr || lane_pending_.empty()) return false;
+  const bool moved = MoveIntoLaneLocked();
+  if (!lane_pending_.empty()) {
+    if (!lane_flush_armed_) {
       lane_flush_armed_ = true;
       lane_flush_timer_.expires_after(kLaneFlushRetry);
       lane_flush_timer_.async_wait([self = shared_from_this()](const boost::system::error_code&) {
@@ -722,11 +674,6 @@ bool Connection::FlushLane() {
     socket_.shutdown(tcp::socket::shutdown_send, ignored);
   }
   return moved;
-}
-
-void Connection::ArmLaneFlush() {
-  if (state_ == State::kClosed) return;
-  FlushLane();
 }
 
 void Connection::OnAuthResponse(const v1::Envelope& envelope) {
@@ -1053,8 +1000,34 @@ void Connection::EnqueueFrame(std::string frame) {
     WriteLaneLocked(std::move(frame));
     return;
   }
+  QueueFrameLocked(std::move(frame));
+}
+
+void Connection::QueueFrameLocked(std::string frame) {
   write_queue_.push_back(std::move(frame));
   if (!writing_) WriteNextLocked();
+}
+
+void Connection::WriteSocketLocked(std::string frame) {
+  if (writing_ || !write_queue_.empty()) {
+    write_queue_.push_back(std::move(frame));  // the write in progress goes on to it
+    return;
+  }
+  const ssize_t n =
+      ::send(socket_.native_handle(), frame.data(), frame.size(), MSG_DONTWAIT | MSG_NOSIGNAL);
+  if (n == static_cast<ssize_t>(frame.size())) {
+    queued_frames_.fetch_sub(1);
+    queued_bytes_.fetch_sub(frame.size());
+    return;
+  }
+  if (n > 0) {
+    queued_bytes_.fetch_sub(static_cast<size_t>(n));
+    frame.erase(0, static_cast<size_t>(n));
+  }
+  // n < 0 (EAGAIN, or an error the strand's write will meet and report): the strand retries.
+  writing_ = true;
+  write_queue_.push_back(std::move(frame));
+  asio::post(strand_, [self = shared_from_this()] { self->ResumeWrite(); });
 }
 
 void Connection::WriteNextLocked() {

@@ -117,9 +117,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void OnRead(const boost::system::error_code& ec, size_t bytes);
   // Decodes `data` with `decoder` and handles each complete frame; false once closing.
   bool Consume(FrameDecoder& decoder, std::string_view data, bool from_lane);
-  void HandleFrame(const v1::Envelope& envelope);
+  void HandleFrame(const v1::Envelope& envelope, bool from_lane);
   // Lanes. Connection-level frames: none reaches on_message.
-  void HandleLaneFrame(const v1::Envelope& envelope);
+  void HandleLaneFrame(const v1::Envelope& envelope, bool from_lane);
   void OfferLane();
   // Strand: queues `envelope` on the socket and, in the same critical section, sends every later
   // frame through the lane.
@@ -130,10 +130,13 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // write_mu_ held, lane_out_ set: writes `frame` into the lane (what does not fit waits in
   // lane_pending_), ringing the doorbell when the reader sleeps.
   void WriteLaneLocked(std::string frame);
+  // write_mu_ held, lane_out_ set: moves what lane_pending_ holds into the ring as far as it fits
+  // (ringing the doorbell); whether it moved anything. A corrupt segment drops the rest and
+  // fails the connection.
+  bool MoveIntoLaneLocked();
   void RingDoorbellLocked();
   // Strand: moves lane_pending_ into the ring as space frees; whether it moved anything.
   bool FlushLane();
-  void ArmLaneFlush();
   void OnAuthResponse(const v1::Envelope& envelope);
   void OnChallenge(const v1::Envelope& envelope);
   void OnAuthResult(const v1::Envelope& envelope);
@@ -149,6 +152,12 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // Queues a frame built on the strand; `bypass_limits` for the final Error frame.
   Status SendNow(const v1::Envelope& envelope, bool bypass_limits);
   void EnqueueFrame(std::string frame);
+  // write_mu_ held: queues a counted frame behind the socket's queue and starts writing if idle.
+  void QueueFrameLocked(std::string frame);
+  // write_mu_ held, direct_ok_: a counted frame to the socket now, on this thread, when nothing is
+  // queued or being written (what the socket does not take continues on the strand); else behind
+  // the write in progress.
+  void WriteSocketLocked(std::string frame);
   // write_mu_ held: writes the queue's next frame, or marks writing done.
   void WriteNextLocked();
   // write_mu_ held, writing_ set: starts the asynchronous write of the queue's front frame.
@@ -192,10 +201,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
   std::chrono::steady_clock::time_point last_receive_;
   uint64_t heartbeat_sequence_ = 0;
   bool first_frame_received_ = false;
-  bool frame_from_lane_ = false;  // the frame being handled came through the lane
   // The lane (strand; lane_out_ below is the writers' view of it).
   std::unique_ptr<Lane> lane_;
-  bool lane_offered_ = false;  // client: LaneOffer sent, no LaneReply yet
   bool lane_in_ = false;       // frames arrive through the lane
   uint64_t lane_poll_id_ = 0;  // in config_.lanes
   FrameDecoder lane_decoder_;
@@ -223,7 +230,6 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // lane_pending_), and the socket carries only doorbells. Lives in lane_.
   Lane* lane_out_ = nullptr;
   std::deque<std::string> lane_pending_;  // guarded by write_mu_; the front may be partly written
-  Status lane_failure_;                   // guarded by write_mu_; the lane's segment is corrupt
   // Shared with Send() callers on other threads.
   std::atomic<bool> closing_{false};
   std::atomic<bool> awaiting_authentication_{false};

@@ -62,7 +62,7 @@ Status CheckBusyPoll(const BusyPollOptions& busy) {
         fmt::format("busy_poll.window = {} us: must be >= 0 (0: no polling)", busy.window.count()));
   }
   const uint32_t n = busy.lane_ring_bytes;
-  if (busy.lanes && (n < kMinLaneRingBytes || n > kMaxLaneRingBytes || (n & (n - 1)) != 0)) {
+  if (busy.lanes && !ValidLaneRingBytes(n)) {
     return InvalidArgument(fmt::format(
         "busy_poll.lane_ring_bytes = {}: must be a power of two in [{}, {}] (or lanes = false)", n,
         kMinLaneRingBytes, kMaxLaneRingBytes));
@@ -98,33 +98,26 @@ void LanePollSet::Snapshot() {
   seen_version_ = version;
 }
 
+bool LanePollSet::Any(const std::function<bool()> Entry::*call) {
+  // Over a copy that only this thread replaces (in Snapshot): a callback that removes its entry
+  // changes entries_, not the snapshot, until the next pass. Every entry is called.
+  bool any = false;
+  for (const std::shared_ptr<Entry>& entry : snapshot_) any = ((*entry).*call)() || any;
+  return any;
+}
+
 bool LanePollSet::Poll() {
   Snapshot();
-  bool any = false;
-  // By index over a copy that only this thread replaces: a callback that removes its entry
-  // changes entries_, not the snapshot, until the next pass.
-  for (size_t i = 0; i < snapshot_.size(); ++i) {
-    std::shared_ptr<Entry> entry = snapshot_[i];
-    if (entry->poll()) any = true;
-  }
-  return any;
+  return Any(&Entry::poll);
 }
 
 bool LanePollSet::Sleep() {
   Snapshot();
-  bool readable = false;
-  for (size_t i = 0; i < snapshot_.size(); ++i) {
-    std::shared_ptr<Entry> entry = snapshot_[i];
-    if (entry->sleep()) readable = true;
-  }
-  return readable;
+  return Any(&Entry::sleep);
 }
 
 void LanePollSet::Wake() {
-  for (size_t i = 0; i < snapshot_.size(); ++i) {
-    std::shared_ptr<Entry> entry = snapshot_[i];
-    entry->wake();
-  }
+  for (const std::shared_ptr<Entry>& entry : snapshot_) entry->wake();
 }
 
 void RunIoLoop(boost::asio::io_context& io, const BusyPollOptions& busy, const char* who,

@@ -41,6 +41,8 @@ class LanePollSet {
 
  private:
   void Snapshot();
+  // Calls `call` of every entry of the snapshot; whether any returned true.
+  bool Any(const std::function<bool()> Entry::*call);
   std::mutex mu_;
   uint64_t next_id_ = 1;
   std::vector<std::pair<uint64_t, std::shared_ptr<Entry>>> entries_;  // guarded by mu_

@@ -47,10 +47,6 @@ struct Header {
 constexpr size_t kHeaderBytes = 64;
 static_assert(sizeof(Header) <= kHeaderBytes);
 
-bool ValidRingBytes(uint32_t n) {
-  return n >= kMinLaneRingBytes && n <= kMaxLaneRingBytes && (n & (n - 1)) == 0;
-}
-
 std::string Hex(std::string_view bytes) {
   std::string out;
   for (unsigned char c : bytes) out += fmt::format("{:02x}", c);
@@ -144,7 +140,7 @@ void Lane::Unlink() {
 }
 
 StatusOr<std::unique_ptr<Lane>> Lane::Create(uint32_t ring_bytes) {
-  if (!ValidRingBytes(ring_bytes)) {
+  if (!ValidLaneRingBytes(ring_bytes)) {
     return InvalidArgument(fmt::format("lane ring_bytes = {}: must be a power of two in [{}, {}]",
                                        ring_bytes, kMinLaneRingBytes, kMaxLaneRingBytes));
   }
@@ -196,7 +192,7 @@ StatusOr<std::unique_ptr<Lane>> Lane::Open(const std::string& name, std::string_
     return InvalidArgument(
         fmt::format("lane name '{}' is not {}<32 hex digits>", name, kNamePrefix));
   }
-  if (nonce.size() != kLaneNonceBytes || !ValidRingBytes(ring_bytes)) {
+  if (nonce.size() != kLaneNonceBytes || !ValidLaneRingBytes(ring_bytes)) {
     return InvalidArgument(fmt::format(
         "lane offer with a {}-byte nonce and ring_bytes = {}: want {} bytes and a power of two "
         "in [{}, {}]",

@@ -37,6 +37,11 @@ inline constexpr uint32_t kMinLaneRingBytes = 4u << 10;
 inline constexpr uint32_t kMaxLaneRingBytes = 64u << 20;
 inline constexpr size_t kLaneNonceBytes = 16;
 
+// Whether `n` is a ring size lanes take: a power of two in [kMinLaneRingBytes, kMaxLaneRingBytes].
+inline bool ValidLaneRingBytes(uint32_t n) {
+  return n >= kMinLaneRingBytes && n <= kMaxLaneRingBytes && (n & (n - 1)) == 0;
+}
+
 class Lane {
  public:
   // The connecting side: creates a segment (POSIX shared memory, mode 0600, a random name) with

@@ -10,6 +10,7 @@
 
 #include "backends/common/page_bounds.h"
 #include "control/auth.h"
+#include "control/lane.h"
 #include "control/protocol.h"
 
 namespace kvt::control {
@@ -488,9 +489,9 @@ Status Validate(const v1::Envelope& envelope, const PeerContext& peer,
       // Lane::Open checks the name's form and the ring size, naming them.
       const v1::LaneOffer& m = envelope.lane_offer();
       KVT_RETURN_IF_ERROR(CheckSize("lane_offer.name", m.name().size(), 64));
-      if (m.nonce().size() != 16) {
+      if (m.nonce().size() != internal::kLaneNonceBytes) {
         return Invalid("lane_offer.nonce", std::to_string(m.nonce().size()) + " bytes",
-                       "must be 16 bytes");
+                       fmt::format("must be {} bytes", internal::kLaneNonceBytes));
       }
       return OkStatus();
     }

@@ -19,7 +19,6 @@
 #include <utility>
 #include <vector>
 
-#include "control/spin.h"
 #include "kvt/common/mutex.h"
 #include "kvt/common/status.h"
 #include "kvt/transfer/engine.h"
@@ -452,7 +451,6 @@ class SideWithTable : public EngineSide {
     if (spin.count() > 0) {
       const auto spin_until = std::min(until, Clock::now() + spin);
       uint64_t seen = ctx_.final_events.load(std::memory_order_acquire);
-      control::internal::SpinPacer pacer;
       while (true) {
         {
           MutexLock lock(ctx_.mu);
