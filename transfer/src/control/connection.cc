@@ -444,7 +444,7 @@ void Connection::OfferLane() {
   o->set_nonce((*lane)->nonce());
   o->set_ring_bytes((*lane)->ring_bytes());
   if (!SendNow(offer, /*bypass_limits=*/false).ok()) return;  // a full queue: no lane, no harm
-  lane_ = std::move(lane).value();  // offered: the reply decides
+  lane_ = std::move(lane).value();                            // offered: the reply decides
 }
 
 void Connection::HandleLaneFrame(const v1::Envelope& envelope, bool from_lane) {
