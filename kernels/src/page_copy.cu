@@ -152,13 +152,28 @@ struct ItemAddr {
   uint64_t dst;
 };
 
+// A table entry: read-only global loads for tables in device memory, plain loads for tables in
+// the launch's parameters (kParam; a generic pointer into param space, which ld.global must not
+// be given).
+template <bool kParam, typename T>
+__device__ __forceinline__ T LoadTable(const T* p) {
+  if constexpr (kParam) {
+    return *p;
+  } else {
+    return __ldg(p);
+  }
+}
+
+template <bool kParam>
 __device__ __forceinline__ uint64_t SideAddr(const CopySide& side, uint64_t b, uint64_t i) {
-  const uint64_t base = side.bases ? __ldg(side.bases + b) : side.base + b * side.buffer_stride;
-  const int64_t page =
-      side.pages ? static_cast<int64_t>(__ldg(side.pages + i)) : static_cast<int64_t>(i);
+  const uint64_t base =
+      side.bases ? LoadTable<kParam>(side.bases + b) : side.base + b * side.buffer_stride;
+  const int64_t page = side.pages ? static_cast<int64_t>(LoadTable<kParam>(side.pages + i))
+                                  : static_cast<int64_t>(i);
   return base + static_cast<uint64_t>(page * side.page_stride + side.offset);
 }
 
+template <bool kParam>
 __device__ __forceinline__ ItemAddr AddrOf(const CopyDesc& d, uint64_t item, bool narrow) {
   // item = outer * inner_count + inner; buffer-major: (b, i), page-major: (i, b).
   const uint64_t inner_count =
@@ -174,7 +189,7 @@ __device__ __forceinline__ ItemAddr AddrOf(const CopyDesc& d, uint64_t item, boo
   }
   const uint64_t b = d.page_major ? inner : outer;
   const uint64_t i = d.page_major ? outer : inner;
-  return ItemAddr{SideAddr(d.src, b, i), SideAddr(d.dst, b, i)};
+  return ItemAddr{SideAddr<kParam>(d.src, b, i), SideAddr<kParam>(d.dst, b, i)};
 }
 
 // One unit of work: a whole item, or chunk `chunk` of it (CopyDesc::chunks_per_item > 1); the
@@ -186,9 +201,10 @@ struct Unit {
   uint32_t chunk;
 };
 
+template <bool kParam>
 __device__ __forceinline__ Unit UnitOf(const CopyDesc& d, uint64_t unit, bool narrow) {
   if (d.chunks_per_item <= 1) {
-    const ItemAddr a = AddrOf(d, unit, narrow);
+    const ItemAddr a = AddrOf<kParam>(d, unit, narrow);
     return Unit{a.src, a.dst, 0};
   }
   uint64_t item;
@@ -201,7 +217,7 @@ __device__ __forceinline__ Unit UnitOf(const CopyDesc& d, uint64_t unit, bool na
     item = unit / d.chunks_per_item;
     chunk = static_cast<uint32_t>(unit - item * d.chunks_per_item);
   }
-  const ItemAddr a = AddrOf(d, item, narrow);
+  const ItemAddr a = AddrOf<kParam>(d, item, narrow);
   const uint64_t off = static_cast<uint64_t>(chunk) * static_cast<uint64_t>(d.chunk_bytes);
   return Unit{a.src + off, a.dst + off, chunk};
 }
@@ -224,7 +240,7 @@ __device__ __forceinline__ void PrefetchL2(uint64_t src, int64_t bytes) {
 // The grid-stride loop over units shared by the kernels: a group of kGroup threads (a warp or
 // more; groups never straddle blocks) copies one unit at a time with copy(src, dst, bytes,
 // lane); the next unit's table reads are issued before the current unit's copy.
-template <int kGroup, typename CopyFn>
+template <int kGroup, bool kParam, typename CopyFn>
 __device__ __forceinline__ void ForEachUnit(const CopyDesc& d, const uint64_t num_units,
                                             CopyFn copy) {
   const int lane = threadIdx.x & (kGroup - 1);
@@ -233,12 +249,12 @@ __device__ __forceinline__ void ForEachUnit(const CopyDesc& d, const uint64_t nu
   const bool narrow = num_units <= 0xFFFFFFFFull;
   uint64_t unit = first;
   if (unit >= num_units) return;
-  Unit cur = UnitOf(d, unit, narrow);
+  Unit cur = UnitOf<kParam>(d, unit, narrow);
   while (true) {
     const uint64_t next = unit + num_groups;
     const bool has_next = next < num_units;
     Unit nxt{0, 0, 0};
-    if (has_next) nxt = UnitOf(d, next, narrow);
+    if (has_next) nxt = UnitOf<kParam>(d, next, narrow);
     const int64_t bytes = UnitBytes(d, cur.chunk);
     if (d.prefetch_l2 && lane == 0) PrefetchL2(cur.src, bytes);
     copy(cur.src, cur.dst, bytes, lane);
@@ -253,8 +269,44 @@ __device__ __forceinline__ void ForEachUnit(const CopyDesc& d, const uint64_t nu
 template <int kUnroll, bool kStreaming, int kGroup>
 __global__ void __launch_bounds__(kMaxPageCopyThreads, kUnroll == 8 ? 1 : 2)
     PageCopyKernel(const CopyDesc d, const uint64_t num_units) {
-  ForEachUnit<kGroup>(d, num_units, [](uint64_t s, uint64_t t, int64_t bytes, int lane) {
+  ForEachUnit<kGroup, false>(d, num_units, [](uint64_t s, uint64_t t, int64_t bytes, int lane) {
     CopyItem<kUnroll, kStreaming, kGroup>(s, t, bytes, lane);
+  });
+}
+
+// Tables carried in the launch's parameters (PageCopyCudaInline): the table block, and where in
+// it each of the description's tables starts (a byte offset, or -1 for none).
+struct InlineTables {
+  int32_t src_bases = -1;
+  int32_t dst_bases = -1;
+  int32_t src_pages = -1;
+  int32_t dst_pages = -1;
+  uint64_t words[kPageCopyInlineTableWords];
+};
+
+// A launch's parameters are limited to 4 KiB where the driver predates CUDA 12.1.
+static_assert(sizeof(InlineTables) + sizeof(CopyDesc) + sizeof(uint64_t) <= 4096,
+              "PageCopyInlineKernel's parameters must fit in 4 KiB");
+
+template <typename T>
+__device__ __forceinline__ const T* InlineTable(const InlineTables& t, int32_t offset) {
+  return offset < 0 ? nullptr
+                    : reinterpret_cast<const T*>(reinterpret_cast<const char*>(t.words) + offset);
+}
+
+// The kernel with its tables in its parameters: __grid_constant__ lets the threads read them in
+// place (param space, no per-thread copy). Only the default tuning's shape (one warp per unit,
+// no streaming hints) is compiled; PageCopyCudaInline only uses the default tuning.
+template <int kUnroll>
+__global__ void __launch_bounds__(kMaxPageCopyThreads, kUnroll == 8 ? 1 : 2)
+    PageCopyInlineKernel(const __grid_constant__ InlineTables tables, CopyDesc d,
+                         const uint64_t num_units) {
+  d.src.bases = InlineTable<uint64_t>(tables, tables.src_bases);
+  d.dst.bases = InlineTable<uint64_t>(tables, tables.dst_bases);
+  d.src.pages = InlineTable<int32_t>(tables, tables.src_pages);
+  d.dst.pages = InlineTable<int32_t>(tables, tables.dst_pages);
+  ForEachUnit<32, true>(d, num_units, [](uint64_t s, uint64_t t, int64_t bytes, int lane) {
+    CopyItem<kUnroll, false, 32>(s, t, bytes, lane);
   });
 }
 
@@ -367,29 +419,110 @@ StatusOr<int> CurrentDeviceSmCount() {
   return sms;
 }
 
-Status CopyDevice(const CopyDesc& desc, const PageCopyTuning& tuning, cudaStream_t stream) {
-  if (desc.num_buffers <= 0 || desc.num_pages <= 0 || desc.bytes <= 0) return OkStatus();
+namespace {
+
+// What one launch of the copy kernel is: the description with the tuning's work split, the
+// units, the grid, and the kernel shape. `grid` 0: nothing to copy.
+struct Launch {
+  CopyDesc d;
+  uint64_t num_units = 0;
+  unsigned grid = 0;
+  int threads = 0;
+  int group = 0;
+  int unroll = 0;
+  bool streaming = false;
+};
+
+StatusOr<Launch> PlanLaunch(const CopyDesc& desc, const PageCopyTuning& tuning) {
+  Launch l;
+  if (desc.num_buffers <= 0 || desc.num_pages <= 0 || desc.bytes <= 0) return l;
   PageCopyTuning t = tuning;
-  CopyDesc d = desc;
-  d.page_major = t.page_major;
-  d.prefetch_l2 = t.prefetch_l2;
+  l.d = desc;
+  l.d.page_major = t.page_major;
+  l.d.prefetch_l2 = t.prefetch_l2;
   const uint64_t num_items =
-      static_cast<uint64_t>(d.num_buffers) * static_cast<uint64_t>(d.num_pages);
-  const UnitSplit split = SplitItems(t, d.bytes);
-  d.chunk_bytes = split.chunk_bytes;
-  d.chunks_per_item = split.chunks_per_item;
-  const uint64_t num_units = num_items * d.chunks_per_item;
-  t.unroll = EffectiveUnroll(t, d.bytes);
+      static_cast<uint64_t>(l.d.num_buffers) * static_cast<uint64_t>(l.d.num_pages);
+  const UnitSplit split = SplitItems(t, l.d.bytes);
+  l.d.chunk_bytes = split.chunk_bytes;
+  l.d.chunks_per_item = split.chunks_per_item;
+  l.num_units = num_items * l.d.chunks_per_item;
+  t.unroll = EffectiveUnroll(t, l.d.bytes);
   KVT_ASSIGN_OR_RETURN(int sms, CurrentDeviceSmCount());
-  const int group = ThreadsPerItem(t, d.chunk_bytes);
+  l.group = ThreadsPerItem(t, l.d.chunk_bytes);
   int fit = 0;  // only a persistent grid without a blocks_per_sm cap asks the occupancy
   if (t.persistent && t.blocks_per_sm == 0) {
-    KVT_ASSIGN_OR_RETURN(fit, BlocksPerSm(t, group));
+    KVT_ASSIGN_OR_RETURN(fit, BlocksPerSm(t, l.group));
   }
-  const unsigned grid = static_cast<unsigned>(
-      GridBlocks(t, num_units, static_cast<uint64_t>(t.threads_per_block / group), sms, fit));
-  PickKernel(t.unroll, t.streaming, group)<<<grid, t.threads_per_block, 0, stream>>>(d, num_units);
+  l.grid = static_cast<unsigned>(
+      GridBlocks(t, l.num_units, static_cast<uint64_t>(t.threads_per_block / l.group), sms, fit));
+  l.threads = t.threads_per_block;
+  l.unroll = t.unroll;
+  l.streaming = t.streaming;
+  return l;
+}
+
+}  // namespace
+
+Status CopyDevice(const CopyDesc& desc, const PageCopyTuning& tuning, cudaStream_t stream) {
+  KVT_ASSIGN_OR_RETURN(const Launch l, PlanLaunch(desc, tuning));
+  if (l.grid == 0) return OkStatus();
+  PickKernel(l.unroll, l.streaming, l.group)<<<l.grid, l.threads, 0, stream>>>(l.d, l.num_units);
   return cuda::LastLaunchStatus("PageCopyKernel");
+}
+
+namespace {
+
+// Byte offset of `table` (`count` entries of T) inside `tables`, or -1 for a null table;
+// InvalidArgument naming the table when it is not wholly inside or not aligned to T.
+template <typename T>
+StatusOr<int32_t> InlineOffset(const char* name, const T* table, int64_t count,
+                               const uint64_t* tables, size_t num_words) {
+  if (table == nullptr) return -1;
+  const auto begin = reinterpret_cast<uintptr_t>(tables);
+  const uintptr_t bytes = num_words * sizeof(uint64_t);
+  const auto at = reinterpret_cast<uintptr_t>(table);
+  const uintptr_t need = static_cast<uintptr_t>(count) * sizeof(T);
+  if (at < begin || at - begin > bytes || need > bytes - (at - begin) ||
+      (at - begin) % alignof(T) != 0) {
+    return InvalidArgument(
+        std::string("PageCopyCudaInline: ") + name + " (" + std::to_string(count) + " entries of " +
+        std::to_string(sizeof(T)) + " bytes) is not an aligned range inside `tables` (" +
+        std::to_string(bytes) + " bytes); point every table of the arguments into `tables`");
+  }
+  return static_cast<int32_t>(at - begin);
+}
+
+}  // namespace
+
+Status CopyDeviceInline(const PageCopyArgs& args, const uint64_t* tables, size_t num_words,
+                        cudaStream_t stream) {
+  if (num_words > kPageCopyInlineTableWords) {
+    return InvalidArgument("PageCopyCudaInline: tables of " + std::to_string(num_words) +
+                           " words; at most " + std::to_string(kPageCopyInlineTableWords) +
+                           " fit in a launch's parameters (use PageCopyCuda with tables in "
+                           "device memory)");
+  }
+  const CopyDesc desc = DescFromPageCopy(args);
+  if (desc.num_buffers <= 0 || desc.num_pages <= 0 || desc.bytes <= 0) return OkStatus();
+  InlineTables t{};
+  KVT_ASSIGN_OR_RETURN(
+      t.src_bases, InlineOffset("src_bases", args.src_bases, args.num_buffers, tables, num_words));
+  KVT_ASSIGN_OR_RETURN(
+      t.dst_bases, InlineOffset("dst_bases", args.dst_bases, args.num_buffers, tables, num_words));
+  KVT_ASSIGN_OR_RETURN(
+      t.src_pages, InlineOffset("src_pages", args.src_pages, args.num_pages, tables, num_words));
+  KVT_ASSIGN_OR_RETURN(
+      t.dst_pages, InlineOffset("dst_pages", args.dst_pages, args.num_pages, tables, num_words));
+  KVT_ASSIGN_OR_RETURN(const Launch l, PlanLaunch(desc, DefaultPageCopyTuning()));
+  if (l.group != 32 || l.streaming) {
+    return Internal("PageCopyCudaInline: the default tuning chose " + std::to_string(l.group) +
+                    "-thread groups" + (l.streaming ? " with streaming hints" : "") +
+                    "; only one warp per unit without them is compiled for inline tables");
+  }
+  std::copy(tables, tables + num_words, t.words);
+  auto* kernel = l.unroll == 8 ? PageCopyInlineKernel<8> : PageCopyInlineKernel<4>;
+  kernel<<<l.grid, l.threads, 0, stream>>>(t, l.d, l.num_units);
+  return cuda::LastLaunchStatus("PageCopyInlineKernel");
 }
 
 }  // namespace internal
@@ -418,6 +551,12 @@ Status UnpackCudaTuned(const PackArgs& args, const PageCopyTuning& tuning, cudaS
 Status PageCopyCuda(const PageCopyArgs& args, cudaStream_t stream) {
   KVT_RETURN_IF_ERROR(internal::ValidatePageCopy(args, "PageCopyCuda"));
   return internal::CopyDevice(internal::DescFromPageCopy(args), DefaultPageCopyTuning(), stream);
+}
+
+Status PageCopyCudaInline(const PageCopyArgs& args, const uint64_t* tables, size_t num_words,
+                          cudaStream_t stream) {
+  KVT_RETURN_IF_ERROR(internal::ValidatePageCopy(args, "PageCopyCudaInline"));
+  return internal::CopyDeviceInline(args, tables, num_words, stream);
 }
 
 Status PackCuda(const PackArgs& args, cudaStream_t stream) {

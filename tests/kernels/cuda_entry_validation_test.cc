@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <vector>
 
 #include "kvt/kernels/kernels.h"
 #include "kvt/kernels/tuning.h"
@@ -57,6 +58,64 @@ TEST(CudaEntryValidationTest, InvalidArgumentsNeverReachTheDevice) {
   tuning.chunk_bytes = -16;
   s = PageCopyCudaTuned(PageCopyArgs{}, tuning, nullptr);
   EXPECT_NE(s.message().find("chunk_bytes is -16"), std::string::npos) << s;
+}
+
+// Inline tables: the block must fit in a launch's parameters and hold every table the arguments
+// name, aligned; each refusal names the value before anything reaches the device.
+TEST(CudaEntryValidationTest, InlineTablesMustFitAndHoldEveryTable) {
+  std::vector<uint64_t> tables(8, 0);
+  PageCopyArgs a;
+  a.num_buffers = 2;
+  a.num_pages = 1;
+  a.bytes = 64;
+  a.src_page_stride = a.dst_page_stride = 64;
+  a.src_bases = tables.data();
+  a.dst_bases = tables.data() + 2;
+  a.src_pages = reinterpret_cast<const int32_t*>(tables.data() + 4);
+  a.dst_pages = a.src_pages + 1;
+
+  std::vector<uint64_t> big(kPageCopyInlineTableWords + 1, 0);
+  Status s = PageCopyCudaInline(a, big.data(), big.size(), nullptr);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("tables of " + std::to_string(big.size()) + " words; at most " +
+                             std::to_string(kPageCopyInlineTableWords)),
+            std::string::npos)
+      << s;
+
+  PageCopyArgs outside = a;
+  outside.dst_bases = tables.data() + 7;  // two entries from the last word: one past the end
+  s = PageCopyCudaInline(outside, tables.data(), tables.size(), nullptr);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("dst_bases (2 entries of 8 bytes) is not an aligned range inside "
+                             "`tables` (64 bytes)"),
+            std::string::npos)
+      << s;
+
+  const std::vector<uint64_t> elsewhere(2, 0);
+  outside = a;
+  outside.src_bases = elsewhere.data();
+  s = PageCopyCudaInline(outside, tables.data(), tables.size(), nullptr);
+  EXPECT_NE(s.message().find("src_bases (2 entries"), std::string::npos) << s;
+
+  PageCopyArgs misaligned = a;
+  misaligned.src_bases =
+      reinterpret_cast<const uint64_t*>(reinterpret_cast<const char*>(tables.data()) + 4);
+  s = PageCopyCudaInline(misaligned, tables.data(), tables.size(), nullptr);
+  EXPECT_NE(s.message().find("src_bases (2 entries"), std::string::npos) << s;
+
+  PageCopyArgs pages = a;
+  pages.num_pages = 9;  // 36 bytes of page list from byte 32: past the 64-byte block
+  s = PageCopyCudaInline(pages, tables.data(), tables.size(), nullptr);
+  EXPECT_NE(s.message().find("src_pages (9 entries of 4 bytes)"), std::string::npos) << s;
+
+  PageCopyArgs negative = a;
+  negative.num_pages = -1;
+  s = PageCopyCudaInline(negative, tables.data(), tables.size(), nullptr);
+  EXPECT_NE(s.message().find("PageCopyCudaInline: num_pages is -1"), std::string::npos) << s;
+
+  PageCopyArgs empty = a;
+  empty.num_pages = 0;  // nothing to copy: no tables needed, nothing launched
+  EXPECT_TRUE(PageCopyCudaInline(empty, nullptr, 0, nullptr).ok());
 }
 
 // The default tuning: a one-pass grid of 512-thread blocks, 16 KiB units, unroll chosen per

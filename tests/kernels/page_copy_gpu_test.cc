@@ -427,6 +427,78 @@ TEST(PackGpuTest, TunedPackAndUnpack) {
   }
 }
 
+// The device tables of `dev` copied into one host block, and the same arguments pointing into
+// it: what PageCopyCudaInline takes. Empty `block` when they would not fit in a launch.
+struct InlineCopy {
+  std::vector<uint64_t> block;
+  PageCopyArgs args;
+};
+
+StatusOr<InlineCopy> ToInline(const PageCopyArgs& dev) {
+  const size_t base_words = static_cast<size_t>(dev.num_buffers);
+  const size_t page_words = (static_cast<size_t>(dev.num_pages) + 1) / 2;
+  InlineCopy c;
+  c.args = dev;
+  c.block.assign(2 * base_words + 2 * page_words, 0);
+  if (c.block.size() > kPageCopyInlineTableWords) return c;
+  const auto fetch = [](void* to, const void* from, size_t bytes) {
+    return cuda::ToStatus(cudaMemcpy(to, from, bytes, cudaMemcpyDeviceToHost), "cudaMemcpy");
+  };
+  uint64_t* words = c.block.data();
+  KVT_RETURN_IF_ERROR(fetch(words, dev.src_bases, base_words * 8));
+  KVT_RETURN_IF_ERROR(fetch(words + base_words, dev.dst_bases, base_words * 8));
+  c.args.src_bases = words;
+  c.args.dst_bases = words + base_words;
+  auto* src_pages = reinterpret_cast<int32_t*>(words + 2 * base_words);
+  auto* dst_pages = reinterpret_cast<int32_t*>(words + 2 * base_words + page_words);
+  const size_t page_bytes = static_cast<size_t>(dev.num_pages) * 4;
+  if (dev.src_pages != nullptr) KVT_RETURN_IF_ERROR(fetch(src_pages, dev.src_pages, page_bytes));
+  if (dev.dst_pages != nullptr) KVT_RETURN_IF_ERROR(fetch(dst_pages, dev.dst_pages, page_bytes));
+  c.args.src_pages = dev.src_pages != nullptr ? src_pages : nullptr;
+  c.args.dst_pages = dev.dst_pages != nullptr ? dst_pages : nullptr;
+  return c;
+}
+
+// Tables in the launch's parameters copy exactly what the same tables in device memory copy:
+// every case whose tables fit (vector and narrow paths, identity sides, offsets, tails), then
+// random layouts. The host block is overwritten right after the launch, before the stream runs:
+// the launch took its own copy.
+TEST(PageCopyInlineGpuTest, MatchesCpuReference) {
+  KVT_SKIP_WITHOUT_GPU();
+  std::vector<CopyCase> cases;
+  for (const CopyCase& c : kCases) cases.push_back(c);
+  std::mt19937 rng(91);
+  auto pick = [&](int64_t lo, int64_t hi) {
+    return std::uniform_int_distribution<int64_t>(lo, hi)(rng);
+  };
+  for (int iter = 0; iter < 30; ++iter) {
+    cases.push_back(CopyCase{
+        "random_inline", static_cast<int32_t>(pick(1, 32)), pick(1, 40),
+        pick(0, 1) ? 16 * pick(1, 2500) : pick(1, 40000), pick(0, 1) ? 0 : pick(0, 40),
+        pick(0, 1) ? 0 : pick(0, 40), 0, 0, static_cast<size_t>(pick(0, 3) ? 0 : pick(0, 15)),
+        static_cast<size_t>(pick(0, 3) ? 0 : pick(0, 15)), pick(0, 3) != 0, pick(0, 3) != 0});
+  }
+  int ran = 0;
+  for (size_t i = 0; i < cases.size(); ++i) {
+    SCOPED_TRACE(::testing::Message() << i << ": " << cases[i].name);
+    bool fits = true;
+    CheckCopy(cases[i], static_cast<uint32_t>(i), [&](const PageCopyArgs& dev, cudaStream_t s) {
+      StatusOr<InlineCopy> c = ToInline(dev);
+      if (!c.ok()) return c.status();
+      if (c->block.size() > kPageCopyInlineTableWords) {
+        fits = false;
+        return PageCopyCuda(dev, s);
+      }
+      const Status launched = PageCopyCudaInline(c->args, c->block.data(), c->block.size(), s);
+      std::fill(c->block.begin(), c->block.end(), ~uint64_t{0});
+      return launched;
+    });
+    if (HasFatalFailure()) return;
+    ran += fits ? 1 : 0;
+  }
+  EXPECT_GE(ran, 30) << "too few cases had tables small enough for the launch's parameters";
+}
+
 TEST(PageCopyGpuTest, EmptyInputsLaunchNothing) {
   KVT_SKIP_WITHOUT_GPU();
   auto stream = cuda::Stream::Create();

@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "kvt/kernels/cuda_util.h"
+#include "kvt/kernels/kernels.h"
 #include "kvt/testing/gpu.h"
 #include "kvt/testing/status.h"
 #include "kvt/transfer/backend.h"
@@ -206,6 +207,41 @@ TEST_F(CudaIpcSameProcess, CopyRunsAreByteExact) {
   KVT_ASSERT_OK(WaitFor(*sender_, *id));
   sender_->Release(*id);
   ApplyRuns(runs, src_image_, expected_, dst_.buffer_bytes());
+  ExpectDestination();
+}
+
+// Small writes pass their tables in the launch's parameters, large ones upload them: a write of
+// 504 runs (over a thousand table words) and a one-page write posted right behind it, both in
+// flight at once, land byte-exact and in order.
+TEST_F(CudaIpcSameProcess, WritesWithUploadedAndInlineTablesAreByteExact) {
+  std::mt19937 rng(8);
+  std::vector<uint64_t> dst_pages(kPages);
+  std::iota(dst_pages.begin(), dst_pages.end(), 0);
+  std::shuffle(dst_pages.begin(), dst_pages.end(), rng);
+  std::vector<CopyRun> runs;
+  for (uint32_t b = 0; b < 2 * kLayers; ++b) {
+    for (uint64_t p = 1; p < static_cast<uint64_t>(kPages); ++p) {
+      runs.push_back({b, p * kItem, dst_pages[p] * kItem, kItem});
+    }
+  }
+  ASSERT_GT(2 * runs.size(), kernels::kPageCopyInlineTableWords);
+  auto large = sender_->PostWrite(peer_, runs);
+  ASSERT_TRUE(large.ok()) << large.status();
+  const int32_t src_page = 7, dst_page = static_cast<int32_t>(dst_pages[9]);  // also a run's
+  PageWrite w;
+  w.src_pages = {&src_page, 1};
+  w.dst_pages = {&dst_page, 1};
+  w.num_layers = kLayers;
+  w.layer_begin = 0;
+  w.layer_end = kLayers;
+  auto small = sender_->PostPages(peer_, w);
+  ASSERT_TRUE(small.ok()) << small.status();
+  KVT_ASSERT_OK(WaitFor(*sender_, *large));
+  KVT_ASSERT_OK(WaitFor(*sender_, *small));
+  sender_->Release(*large);
+  sender_->Release(*small);
+  ApplyRuns(runs, src_image_, expected_, dst_.buffer_bytes());
+  ApplyPageWrite(w, src_image_, expected_, dst_.buffer_bytes(), kItem);
   ExpectDestination();
 }
 

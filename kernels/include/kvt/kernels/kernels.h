@@ -16,6 +16,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstddef>
 #include <cstdint>
 
 #include "kvt/common/dtype.h"
@@ -48,6 +49,18 @@ struct PageCopyArgs {
 };
 Status PageCopyCuda(const PageCopyArgs& args, cudaStream_t stream);
 Status PageCopyCpu(const PageCopyArgs& args);
+
+// The same copy for small tables, without uploading them: the base tables and page lists travel
+// in the launch's own parameters, so nothing has to reach device memory before the kernel can
+// start (a table upload, an event and a stream wait less before a one-page write's kernel).
+// `tables` (`num_words` words of host memory) holds every table `args` names, and args' *_bases
+// and *_pages point into it (host pointers, as for PageCopyCpu); at most
+// kPageCopyInlineTableWords words. The launch copies the tables, so they may be reused as soon
+// as this returns. Default tuning. InvalidArgument, naming the value, when `tables` is too large
+// or a table of `args` does not lie inside it (or is misaligned there).
+inline constexpr size_t kPageCopyInlineTableWords = 480;  // the launch's parameters stay < 4 KiB
+Status PageCopyCudaInline(const PageCopyArgs& args, const uint64_t* tables, size_t num_words,
+                          cudaStream_t stream);
 
 // Staging layout used by pack/unpack: buffer-major, i.e. staging + (b * num_pages + i) * bytes.
 // Pack gathers pages of every buffer into `staging`; unpack scatters them back.

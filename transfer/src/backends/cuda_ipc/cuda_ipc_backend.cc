@@ -742,9 +742,9 @@ class CudaIpcBackend final : public Backend {
     write.slot.reset();
   }
 
-  // Scratch of at least `bytes` for a write: a free one, else a new or regrown one (the only
-  // place that allocates device or pinned memory; once warm, writes reuse). mutex_ held, our
-  // device current.
+  // Scratch of at least `bytes` for a write (0: only its events): a free one, else a new or
+  // regrown one (the only place that allocates device or pinned memory; once warm, writes
+  // reuse). mutex_ held, our device current.
   StatusOr<std::unique_ptr<Slot>> AcquireSlotLocked(size_t bytes) {
     SweepRetiringLocked();
     size_t best = free_.size();
@@ -767,6 +767,7 @@ class CudaIpcBackend final : public Backend {
       slot = std::make_unique<Slot>();
       KVT_ASSIGN_OR_RETURN(slot->staged, cuda::Event::Create(/*timing=*/false));
       KVT_ASSIGN_OR_RETURN(slot->done, cuda::Event::Create(/*timing=*/false));
+      if (bytes == 0) return slot;  // tables in the launch's parameters: only the events
     }
     const size_t capacity = std::bit_ceil(std::max(bytes, kMinScratchBytes));
     slot->host = cuda::PinnedBuffer();
@@ -807,12 +808,13 @@ class CudaIpcBackend final : public Backend {
     return WaitForEvent(marker.get(), kGpuWaitLimit, what);
   }
 
-  // Stages the program's tables, waits for `ready` on the GPU, launches and records the
-  // completion event. mutex_ held.
+  // Stages the program's tables (or, when they are small, passes them in the launches'
+  // parameters), waits for `ready` on the GPU, launches and records the completion event.
+  // mutex_ held.
   StatusOr<WriteId> EnqueueLocked(PeerId peer, const CopyProgram& program, cudaEvent_t ready) {
-    Write write;
-    write.peer = peer;
     if (program.launches.empty()) {
+      Write write;
+      write.peer = peer;
       write.status = OkStatus();  // nothing to move
       const WriteId id = next_write_++;
       writes_.emplace(id, std::move(write));
@@ -820,12 +822,15 @@ class CudaIpcBackend final : public Backend {
     }
     DeviceGuard guard(device_);
     KVT_RETURN_IF_ERROR(guard.status());
-    const size_t bytes = program.table_bytes();
+    // Small tables (a one-page write's: two base tables and two one-entry page lists) ride in
+    // the launch's parameters: no upload, event and stream wait before the kernel can start.
+    const bool inline_tables = program.tables.size() <= kernels::kPageCopyInlineTableWords;
+    const size_t bytes = inline_tables ? 0 : program.table_bytes();
     KVT_ASSIGN_OR_RETURN(std::unique_ptr<Slot> slot, AcquireSlotLocked(bytes));
-    std::memcpy(slot->host.data(), program.tables.data(), bytes);
-    const cudaStream_t stream = stream_.get();
     // A launch error left on this thread by the caller's own work must not be reported as ours.
     (void)cudaGetLastError();
+    if (inline_tables) return LaunchLocked(peer, program, ready, std::move(slot), /*tables=*/0);
+    std::memcpy(slot->host.data(), program.tables.data(), bytes);
     // The tables go up on the copy stream, so the upload overlaps the copies already queued on
     // the transfer stream instead of sitting between two of them; the transfer stream waits
     // for it first thing (so the completion event covers it).
@@ -834,7 +839,7 @@ class CudaIpcBackend final : public Backend {
                                    "cudaMemcpyAsync of the write's tables");
     if (staged.ok()) staged = slot->staged.Record(copy_stream_.get());
     if (staged.ok()) {
-      staged = cuda::ToStatus(cudaStreamWaitEvent(stream, slot->staged.get(), 0),
+      staged = cuda::ToStatus(cudaStreamWaitEvent(stream_.get(), slot->staged.get(), 0),
                               "cudaStreamWaitEvent on the tables' upload");
     }
     if (!staged.ok()) {
@@ -846,6 +851,16 @@ class CudaIpcBackend final : public Backend {
       }
       return staged;
     }
+    const uint64_t tables = reinterpret_cast<uint64_t>(slot->device.data());
+    return LaunchLocked(peer, program, ready, std::move(slot), tables);
+  }
+
+  // Waits for `ready`, launches the program reading its tables at `tables` (device memory the
+  // transfer stream already waits for; 0: in the launches' parameters), records the completion
+  // event and arms the notifier. mutex_ held, our device current.
+  StatusOr<WriteId> LaunchLocked(PeerId peer, const CopyProgram& program, cudaEvent_t ready,
+                                 std::unique_ptr<Slot> slot, uint64_t tables) {
+    const cudaStream_t stream = stream_.get();
     Status posted = OkStatus();
     if (ready != nullptr) {
       const cudaError_t err = cudaStreamWaitEvent(stream, ready, 0);
@@ -854,10 +869,14 @@ class CudaIpcBackend final : public Backend {
                      .WithContext("waiting for PageWrite::ready, which must be a live cudaEvent_t");
       }
     }
-    const uint64_t tables = reinterpret_cast<uint64_t>(slot->device.data());
+    const uint64_t host_tables = reinterpret_cast<uint64_t>(program.tables.data());
     for (size_t i = 0; posted.ok() && i < program.launches.size(); ++i) {
+      const cuda_ipc::CopyLaunch& launch = program.launches[i];
       posted =
-          kernels::PageCopyCuda(cuda_ipc::LaunchArgs(program, program.launches[i], tables), stream);
+          tables != 0
+              ? kernels::PageCopyCuda(cuda_ipc::LaunchArgs(program, launch, tables), stream)
+              : kernels::PageCopyCudaInline(cuda_ipc::LaunchArgs(program, launch, host_tables),
+                                            program.tables.data(), program.tables.size(), stream);
       if (!posted.ok()) {
         posted = posted.WithContext("launch " + Num(i) + " of " + Num(program.launches.size()) +
                                     " of a cuda_ipc write");
@@ -875,6 +894,8 @@ class CudaIpcBackend final : public Backend {
       retiring_.push_back(std::move(slot));  // the staging copy may still read it
       return posted;
     }
+    Write write;
+    write.peer = peer;
     // Wake the caller once the GPU passes the completion event: a host function (run on CUDA's
     // callback thread; it only flags the caller) on a side stream that waits for the event, so
     // the transfer stream's next copy never waits for the callback thread.
