@@ -22,6 +22,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <numeric>
 #include <optional>
 #include <random>
@@ -291,6 +292,75 @@ TEST_F(CudaIpcSameProcess, CopyWaitsOnTheGpuForTheReadyEvent) {
   sender_->Release(*id);
   ApplyPageWrite(w, fresh, expected_, dst_.buffer_bytes(), kItem);
   ExpectDestination();
+  KVT_ASSERT_OK(producer->Synchronize());
+}
+
+// Every write sends a notice by default; with notices on demand none comes until the caller arms
+// one, and then exactly one, once the oldest write in flight completes (a write gated on a
+// producer here, so the notice provably waits for it).
+TEST_F(CudaIpcSameProcess, NoticesComePerWriteOrOnlyWhenArmed) {
+  auto notices = std::make_shared<std::atomic<int>>(0);
+  sender_->SetCompletionNotifier([notices] { notices->fetch_add(1); });
+  const auto settle = [] { std::this_thread::sleep_for(std::chrono::milliseconds(100)); };
+  const int32_t src_page = 3, dst_page = 5;
+  PageWrite w;
+  w.src_pages = {&src_page, 1};
+  w.dst_pages = {&dst_page, 1};
+  w.num_layers = kLayers;
+  w.layer_begin = 0;
+  w.layer_end = kLayers;
+
+  auto id = sender_->PostPages(peer_, w);
+  ASSERT_TRUE(id.ok()) << id.status();
+  KVT_ASSERT_OK(WaitFor(*sender_, *id));
+  sender_->Release(*id);
+  settle();
+  EXPECT_EQ(notices->load(), 1) << "a write without on-demand notices notifies once";
+
+  sender_->SetNoticesOnDemand(true);
+  id = sender_->PostPages(peer_, w);
+  ASSERT_TRUE(id.ok()) << id.status();
+  KVT_ASSERT_OK(WaitFor(*sender_, *id));
+  sender_->Release(*id);
+  sender_->ArmCompletionNotice();  // nothing in flight: nothing to notify
+  settle();
+  EXPECT_EQ(notices->load(), 1) << "an unarmed or finished write sent a notice";
+
+  auto producer = cuda::Stream::Create(0);
+  ASSERT_TRUE(producer.ok()) << producer.status();
+  auto ready = cuda::Event::Create(/*timing=*/false);
+  ASSERT_TRUE(ready.ok()) << ready.status();
+  Gate gate;
+  KVT_ASSERT_OK(gate.Close(producer->get()));
+  KVT_ASSERT_OK(ready->Record(producer->get()));
+  w.ready = ready->get();
+  auto gated = sender_->PostPages(peer_, w);
+  if (!gated.ok()) gate.Open();
+  ASSERT_TRUE(gated.ok()) << gated.status();
+  w.ready = nullptr;
+  auto behind = sender_->PostPages(peer_, w);  // queued behind the gated write
+  if (!behind.ok()) gate.Open();
+  ASSERT_TRUE(behind.ok()) << behind.status();
+  sender_->ArmCompletionNotice();
+  sender_->ArmCompletionNotice();  // armed already behind the same write: no second notice
+  settle();
+  const int while_gated = notices->load();
+  const Status held = sender_->Check(*gated);
+  gate.Open();
+  EXPECT_EQ(while_gated, 1) << "a notice came before the armed write completed";
+  EXPECT_EQ(held.code(), StatusCode::kInProgress) << held;
+  const auto give_up = Clock::now() + std::chrono::seconds(10);
+  while (notices->load() < 2 && Clock::now() < give_up) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  KVT_ASSERT_OK(WaitFor(*sender_, *gated));
+  KVT_ASSERT_OK(WaitFor(*sender_, *behind));
+  settle();
+  EXPECT_EQ(notices->load(), 2) << "one armed notice, for the oldest write in flight";
+  EXPECT_FALSE(gate.timed_out());
+  sender_->Release(*gated);
+  sender_->Release(*behind);
+  sender_->SetCompletionNotifier(nullptr);
   KVT_ASSERT_OK(producer->Synchronize());
 }
 

@@ -95,6 +95,9 @@ class TransferEngine::Impl {
     if (ctx_.notified) {
       // Never blocks (a CUDA host function may call it).
       ctx_.backend->SetCompletionNotifier([this] { ctx_.wakeup.Kick(); });
+      // The poller watches a write that can run and asks for a notice only before it sleeps
+      // (Poller::Loop), so a post does not pay for a notice nobody waits for.
+      ctx_.backend->SetNoticesOnDemand(true);
     }
     ctx_.local_info =
         MakePeerInfo(options.name, options.prefill, ctx_.local_layout, descriptor, regions);

@@ -44,6 +44,9 @@ void Poller::Loop() {
       (void)ctx_.wakeup.Consume();
       continue;
     }
+    // Writes in flight that nobody watches now: the backend's notice wakes the poller when the
+    // oldest completes (a write posted after this kicks the poller itself).
+    if (ctx_.notified) ctx_.backend->ArmCompletionNotice();
     ctx_.wakeup.WaitUntil(pass.next);
   }
 }

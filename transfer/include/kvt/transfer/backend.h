@@ -159,6 +159,16 @@ class Backend {
   // the backend. Once this returns, the previous notifier is no longer running or called.
   virtual void SetCompletionNotifier(std::function<void()> notify) {}
 
+  // Notices on demand, for a caller that watches its writes itself while they run and wants a
+  // notice only when it stops watching (the engine's poller: it spins on a device write that can
+  // run, and sleeps otherwise). After SetNoticesOnDemand(true) a backend whose notices cost
+  // something per write (cuda_ipc: a CUDA host function, about 4 µs of the posting thread) sends
+  // none by itself; ArmCompletionNotice then asks for one notice when the oldest write in flight
+  // completes (at once if it has). Backends whose notices cost nothing per write ignore both and
+  // keep notifying. Thread-safe; never blocks on the GPU.
+  virtual void SetNoticesOnDemand(bool on_demand) {}
+  virtual void ArmCompletionNotice() {}
+
   // Frees a write's handle. A write still in flight is cancelled first and waited for, so after
   // Release no byte of it lands later.
   virtual void Release(WriteId write) = 0;

@@ -26,6 +26,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <chrono>
 #include <cstdio>
@@ -896,19 +897,26 @@ class CudaIpcBackend final : public Backend {
     }
     Write write;
     write.peer = peer;
-    // Wake the caller once the GPU passes the completion event: a host function (run on CUDA's
-    // callback thread; it only flags the caller) on a side stream that waits for the event, so
-    // the transfer stream's next copy never waits for the callback thread.
-    if (cudaStreamWaitEvent(notify_stream_.get(), slot->done.get(), 0) != cudaSuccess ||
+    const WriteId id = next_write_++;
+    if (!notices_on_demand_.load(std::memory_order_relaxed)) {
+      NoticeAfterLocked(slot->done.get());
+      armed_write_ = id;
+    }
+    write.slot = std::move(slot);
+    write.status = InProgress();
+    writes_.emplace(id, std::move(write));
+    return id;
+  }
+
+  // Wakes the caller once the GPU passes `done`: a host function (run on CUDA's callback thread;
+  // it only flags the caller) on a side stream that waits for the event, so the transfer
+  // stream's next copy never waits for the callback thread. mutex_ held, our device current.
+  void NoticeAfterLocked(cudaEvent_t done) {
+    if (cudaStreamWaitEvent(notify_stream_.get(), done, 0) != cudaSuccess ||
         cudaLaunchHostFunc(notify_stream_.get(), &CudaIpcBackend::NotifyFromStream, this) !=
             cudaSuccess) {
       (void)cudaGetLastError();  // the caller's poll still sees the write complete
     }
-    write.slot = std::move(slot);
-    write.status = InProgress();
-    const WriteId id = next_write_++;
-    writes_.emplace(id, std::move(write));
-    return id;
   }
 
   // CUDA host function (no CUDA calls allowed): tells the installed notifier, if any.
@@ -924,6 +932,28 @@ class CudaIpcBackend final : public Backend {
     notify_ = std::move(notify);
   }
 
+  void SetNoticesOnDemand(bool on_demand) override {
+    notices_on_demand_.store(on_demand, std::memory_order_relaxed);
+  }
+
+  // One notice behind the oldest write in flight, unless one is armed behind it already (writes
+  // complete in the transfer stream's order, so the oldest completes first).
+  void ArmCompletionNotice() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    WriteId oldest = 0;
+    for (const auto& [id, write] : writes_) {
+      if (write.status.code() == StatusCode::kInProgress && write.slot &&
+          (oldest == 0 || id < oldest)) {
+        oldest = id;
+      }
+    }
+    if (oldest == 0 || oldest <= armed_write_) return;
+    DeviceGuard guard(device_);
+    if (!guard.status().ok()) return;  // the caller's next poll still sees the write complete
+    NoticeAfterLocked(writes_.at(oldest).slot->done.get());
+    armed_write_ = oldest;
+  }
+
  private:
   const uint64_t instance_;
 
@@ -932,6 +962,7 @@ class CudaIpcBackend final : public Backend {
   // drained (no host function pending) before the backend goes away.
   std::mutex notify_mutex_;
   std::function<void()> notify_;
+  std::atomic<bool> notices_on_demand_{false};
 
   std::mutex mutex_;            // guards everything below
   int device_ = -1;             // the registered buffers' device; -1 before Register
@@ -946,6 +977,7 @@ class CudaIpcBackend final : public Backend {
   CopyProgram program_;  // the page write being posted; its storage is reused write after write
   PeerId next_peer_ = 1;
   WriteId next_write_ = 1;
+  WriteId armed_write_ = 0;  // the newest write a notice waits behind (0: none yet)
 };
 
 }  // namespace
