@@ -24,4 +24,8 @@ void AddLoadCommand(CLI::App& app, int& exit_code);
 // over random runs) vs one thread's contiguous memcpy of the same bytes: what the machine allows.
 void AddCopyCommand(CLI::App& app, int& exit_code);
 
+// `kvt-bench cuda-calls`: the CUDA runtime calls of a one-page cuda_ipc write, each timed alone,
+// and the launch's latency until its completion is seen: the floor under a one-page request.
+void AddCudaCallsCommand(CLI::App& app, int& exit_code);
+
 }  // namespace kvt::bench

@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "kvt/testing/gpu.h"
 #include "kvt/testing/run_tool.h"
 #include "tool_util.h"
 
@@ -147,6 +148,45 @@ TEST(KvtBenchCopy, BadFlagsAreRefusedNamingTheValue) {
   r = RunTool(Bench(), "copy --bytes 64MiB --pool 16MiB");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_THAT(r.err, HasSubstr("must hold one run"));
+}
+
+// `kvt-bench cuda-calls`: bad flags are refused naming the value before any CUDA call; without
+// a device it says so and exits 1; with one, a short run prints every figure and its JSON holds
+// them, each positive.
+TEST(KvtBenchCudaCalls, RefusesBadFlagsAndRunsWhereThereIsADevice) {
+  ToolResult r = RunTool(Bench(), "cuda-calls --buffers 0");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_THAT(r.err, HasSubstr("--buffers is 0; give 1..200"));
+  r = RunTool(Bench(), "cuda-calls --iters 3");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_THAT(r.err, HasSubstr("--iters is 3; give at least 10"));
+  r = RunTool(Bench(), "cuda-calls --page-bytes 8");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_THAT(r.err, HasSubstr("--page-bytes is 8; give 16 B..64 MiB"));
+
+  const std::string dir =
+      ::testing::TempDir() + "/kvt-bench-cuda-calls-cli-" + std::to_string(getpid());
+  std::filesystem::create_directories(dir);
+  const std::string json = dir + "/calls.json";
+  r = RunTool(Bench(), "cuda-calls --iters 50 --json " + json);
+  if (!::kvt::cuda::HasDevice()) {
+    EXPECT_EQ(r.exit_code, 1) << r.out << r.err;
+    EXPECT_THAT(r.err, HasSubstr("needs a CUDA device"));
+    std::filesystem::remove_all(dir);
+    GTEST_SKIP() << "no CUDA device: only the refusals were checked";
+  }
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_THAT(r.out, HasSubstr("launch -> completion seen"));
+  const nlohmann::json doc = ReadJson(json);
+  ASSERT_TRUE(doc.contains("results")) << doc.dump();
+  for (const char* key : {"launch_call", "record_call", "query_call", "notice_calls",
+                          "launch_to_seen", "launch_to_notified"}) {
+    ASSERT_TRUE(doc["results"].contains(key)) << key << ": " << doc.dump();
+    EXPECT_GT(doc["results"][key].value("inline_p50", 0.0), 0.0) << key;
+    EXPECT_GT(doc["results"][key].value("upload_p50", 0.0), 0.0) << key;
+  }
+  EXPECT_GT(doc["results"]["upload_calls"].value("upload_p50", 0.0), 0.0);
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace
