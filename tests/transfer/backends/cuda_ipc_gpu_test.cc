@@ -72,6 +72,18 @@ void ApplyRuns(std::span<const CopyRun> runs, const std::vector<uint8_t>& src,
   }
 }
 
+// A write of one page (`src` to `dst`, which must outlive it) over layers [begin, end).
+PageWrite OnePage(const int32_t& src, const int32_t& dst, int32_t begin = 0,
+                  int32_t end = kLayers) {
+  PageWrite w;
+  w.src_pages = {&src, 1};
+  w.dst_pages = {&dst, 1};
+  w.num_layers = kLayers;
+  w.layer_begin = begin;
+  w.layer_end = end;
+  return w;
+}
+
 std::unique_ptr<Backend> NewBackend() {
   auto backend = CreateBackend("cuda_ipc");
   EXPECT_TRUE(backend.ok()) << backend.status();
@@ -229,12 +241,7 @@ TEST_F(CudaIpcSameProcess, WritesWithUploadedAndInlineTablesAreByteExact) {
   auto large = sender_->PostWrite(peer_, runs);
   ASSERT_TRUE(large.ok()) << large.status();
   const int32_t src_page = 7, dst_page = static_cast<int32_t>(dst_pages[9]);  // also a run's
-  PageWrite w;
-  w.src_pages = {&src_page, 1};
-  w.dst_pages = {&dst_page, 1};
-  w.num_layers = kLayers;
-  w.layer_begin = 0;
-  w.layer_end = kLayers;
+  PageWrite w = OnePage(src_page, dst_page);
   auto small = sender_->PostPages(peer_, w);
   ASSERT_TRUE(small.ok()) << small.status();
   KVT_ASSERT_OK(WaitFor(*sender_, *large));
@@ -303,12 +310,7 @@ TEST_F(CudaIpcSameProcess, NoticesComePerWriteOrOnlyWhenArmed) {
   sender_->SetCompletionNotifier([notices] { notices->fetch_add(1); });
   const auto settle = [] { std::this_thread::sleep_for(std::chrono::milliseconds(100)); };
   const int32_t src_page = 3, dst_page = 5;
-  PageWrite w;
-  w.src_pages = {&src_page, 1};
-  w.dst_pages = {&dst_page, 1};
-  w.num_layers = kLayers;
-  w.layer_begin = 0;
-  w.layer_end = kLayers;
+  PageWrite w = OnePage(src_page, dst_page);
 
   auto id = sender_->PostPages(peer_, w);
   ASSERT_TRUE(id.ok()) << id.status();
@@ -442,12 +444,7 @@ TEST_F(CudaIpcSameProcess, ManyWritesFromTwoThreadsReuseScratch) {
     for (int32_t p = 1; p < kPages; ++p) {
       const int32_t src_page = p;
       const int32_t dst_page = kPages - p;
-      PageWrite w;
-      w.src_pages = {&src_page, 1};
-      w.dst_pages = {&dst_page, 1};
-      w.num_layers = kLayers;
-      w.layer_begin = layer;
-      w.layer_end = layer + 1;
+      const PageWrite w = OnePage(src_page, dst_page, layer, layer + 1);
       auto id = sender_->PostPages(peer_, w);
       ASSERT_TRUE(id.ok()) << id.status();
       KVT_ASSERT_OK(WaitFor(*sender_, *id));
@@ -460,12 +457,7 @@ TEST_F(CudaIpcSameProcess, ManyWritesFromTwoThreadsReuseScratch) {
   for (int32_t layer : {0, 3}) {
     for (int32_t p = 1; p < kPages; ++p) {
       const int32_t src_page = p, dst_page = kPages - p;
-      PageWrite w;
-      w.src_pages = {&src_page, 1};
-      w.dst_pages = {&dst_page, 1};
-      w.num_layers = kLayers;
-      w.layer_begin = layer;
-      w.layer_end = layer + 1;
+      const PageWrite w = OnePage(src_page, dst_page, layer, layer + 1);
       ApplyPageWrite(w, src_image_, expected_, dst_.buffer_bytes(), kItem);
     }
   }
