@@ -116,6 +116,20 @@ class Gate {
   std::atomic<bool> timed_out_{false};
 };
 
+// A producer whose `ready` event stays pending until gate.Open(): its stream is held behind the
+// gate and the event recorded after it.
+struct HeldProducer {
+  Status Hold() {
+    KVT_ASSIGN_OR_RETURN(stream, cuda::Stream::Create(0));
+    KVT_ASSIGN_OR_RETURN(ready, cuda::Event::Create(/*timing=*/false));
+    KVT_RETURN_IF_ERROR(gate.Close(stream.get()));
+    return ready.Record(stream.get());
+  }
+  cuda::Stream stream;
+  cuda::Event ready;
+  Gate gate;
+};
+
 // ---- Same process -------------------------------------------------------------------------
 
 class CudaIpcSameProcess : public ::testing::Test {
@@ -328,29 +342,24 @@ TEST_F(CudaIpcSameProcess, NoticesComePerWriteOrOnlyWhenArmed) {
   settle();
   EXPECT_EQ(notices->load(), 1) << "an unarmed or finished write sent a notice";
 
-  auto producer = cuda::Stream::Create(0);
-  ASSERT_TRUE(producer.ok()) << producer.status();
-  auto ready = cuda::Event::Create(/*timing=*/false);
-  ASSERT_TRUE(ready.ok()) << ready.status();
-  Gate gate;
-  KVT_ASSERT_OK(gate.Close(producer->get()));
-  KVT_ASSERT_OK(ready->Record(producer->get()));
-  w.ready = ready->get();
+  HeldProducer held;
+  KVT_ASSERT_OK(held.Hold());
+  w.ready = held.ready.get();
   auto gated = sender_->PostPages(peer_, w);
-  if (!gated.ok()) gate.Open();
+  if (!gated.ok()) held.gate.Open();
   ASSERT_TRUE(gated.ok()) << gated.status();
   w.ready = nullptr;
   auto behind = sender_->PostPages(peer_, w);  // queued behind the gated write
-  if (!behind.ok()) gate.Open();
+  if (!behind.ok()) held.gate.Open();
   ASSERT_TRUE(behind.ok()) << behind.status();
   sender_->ArmCompletionNotice();
   sender_->ArmCompletionNotice();  // armed already behind the same write: no second notice
   settle();
   const int while_gated = notices->load();
-  const Status held = sender_->Check(*gated);
-  gate.Open();
+  const Status gated_status = sender_->Check(*gated);
+  held.gate.Open();
   EXPECT_EQ(while_gated, 1) << "a notice came before the armed write completed";
-  EXPECT_EQ(held.code(), StatusCode::kInProgress) << held;
+  EXPECT_EQ(gated_status.code(), StatusCode::kInProgress) << gated_status;
   const auto give_up = Clock::now() + std::chrono::seconds(10);
   while (notices->load() < 2 && Clock::now() < give_up) {
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -359,21 +368,16 @@ TEST_F(CudaIpcSameProcess, NoticesComePerWriteOrOnlyWhenArmed) {
   KVT_ASSERT_OK(WaitFor(*sender_, *behind));
   settle();
   EXPECT_EQ(notices->load(), 2) << "one armed notice, for the oldest write in flight";
-  EXPECT_FALSE(gate.timed_out());
+  EXPECT_FALSE(held.gate.timed_out());
   sender_->Release(*gated);
   sender_->Release(*behind);
   sender_->SetCompletionNotifier(nullptr);
-  KVT_ASSERT_OK(producer->Synchronize());
+  KVT_ASSERT_OK(held.stream.Synchronize());
 }
 
 TEST_F(CudaIpcSameProcess, DisconnectWaitsForWritesInFlightAndAbortsThem) {
-  auto producer = cuda::Stream::Create(0);
-  ASSERT_TRUE(producer.ok()) << producer.status();
-  auto ready = cuda::Event::Create(/*timing=*/false);
-  ASSERT_TRUE(ready.ok()) << ready.status();
-  Gate gate;
-  KVT_ASSERT_OK(gate.Close(producer->get()));
-  KVT_ASSERT_OK(ready->Record(producer->get()));
+  HeldProducer held;
+  KVT_ASSERT_OK(held.Hold());
   const std::vector<int32_t> pages = {3, 4, 5, 9};
   PageWrite w;
   w.src_pages = pages;
@@ -381,13 +385,13 @@ TEST_F(CudaIpcSameProcess, DisconnectWaitsForWritesInFlightAndAbortsThem) {
   w.num_layers = kLayers;
   w.layer_begin = 0;
   w.layer_end = kLayers;
-  w.ready = ready->get();
+  w.ready = held.ready.get();
   auto id = sender_->PostPages(peer_, w);
-  if (!id.ok()) gate.Open();
+  if (!id.ok()) held.gate.Open();
   ASSERT_TRUE(id.ok()) << id.status();
   std::thread opener([&] {
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
-    gate.Open();
+    held.gate.Open();
   });
   const Status disconnected = sender_->Disconnect(peer_, Backend::DisconnectMode::kGraceful);
   opener.join();
@@ -403,17 +407,12 @@ TEST_F(CudaIpcSameProcess, DisconnectWaitsForWritesInFlightAndAbortsThem) {
   EXPECT_EQ(again.status().code(), StatusCode::kNotFound);
   EXPECT_THAT(again.status().message(), HasSubstr("disconnected"));
   EXPECT_EQ(sender_->Disconnect(peer_).code(), StatusCode::kNotFound);
-  KVT_ASSERT_OK(producer->Synchronize());
+  KVT_ASSERT_OK(held.stream.Synchronize());
 }
 
 TEST_F(CudaIpcSameProcess, ReleaseOfAWriteInFlightWaitsForIt) {
-  auto producer = cuda::Stream::Create(0);
-  ASSERT_TRUE(producer.ok()) << producer.status();
-  auto ready = cuda::Event::Create(/*timing=*/false);
-  ASSERT_TRUE(ready.ok()) << ready.status();
-  Gate gate;
-  KVT_ASSERT_OK(gate.Close(producer->get()));
-  KVT_ASSERT_OK(ready->Record(producer->get()));
+  HeldProducer held;
+  KVT_ASSERT_OK(held.Hold());
   const std::vector<int32_t> src_pages = {10, 11, 12};
   const std::vector<int32_t> dst_pages = {50, 2, 33};
   PageWrite w;
@@ -422,21 +421,21 @@ TEST_F(CudaIpcSameProcess, ReleaseOfAWriteInFlightWaitsForIt) {
   w.num_layers = kLayers;
   w.layer_begin = 1;
   w.layer_end = 2;
-  w.ready = ready->get();
+  w.ready = held.ready.get();
   auto id = sender_->PostPages(peer_, w);
-  if (!id.ok()) gate.Open();
+  if (!id.ok()) held.gate.Open();
   ASSERT_TRUE(id.ok()) << id.status();
   EXPECT_EQ(sender_->Check(*id).code(), StatusCode::kInProgress);
   std::thread opener([&] {
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
-    gate.Open();
+    held.gate.Open();
   });
   sender_->Release(*id);  // blocks until the copy ran; no byte of it lands later
   opener.join();
   ApplyPageWrite(w, src_image_, expected_, dst_.buffer_bytes(), kItem);
   ExpectDestination();
   EXPECT_EQ(sender_->Check(*id).code(), StatusCode::kNotFound);
-  KVT_ASSERT_OK(producer->Synchronize());
+  KVT_ASSERT_OK(held.stream.Synchronize());
 }
 
 TEST_F(CudaIpcSameProcess, ManyWritesFromTwoThreadsReuseScratch) {
