@@ -28,6 +28,9 @@ inline double Ms(std::chrono::steady_clock::duration d) {
 
 double Median(std::vector<double> values);
 
+// Nearest-rank percentile (p in [0, 1]) of unsorted values; 0 for none.
+double Percentile(std::vector<double> values, double p);
+
 // UTC, ISO 8601 to the second.
 std::string NowUtc();
 

@@ -38,15 +38,7 @@ struct CudaCallsOptions {
   std::string json_path;
 };
 
-double Us(Clock::time_point a, Clock::time_point b) {
-  return std::chrono::duration<double, std::micro>(b - a).count();
-}
-
-double Quantile(std::vector<double> v, double q) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v[std::min(v.size() - 1, static_cast<size_t>(q * static_cast<double>(v.size())))];
-}
+double Us(Clock::time_point a, Clock::time_point b) { return Ms(b - a) * 1e3; }
 
 // A CUDA host function: flags that it ran (no CUDA calls allowed here).
 void CUDART_CB MarkRan(void* flag) {
@@ -172,8 +164,8 @@ Status RunCudaCalls(const CudaCallsOptions& o) {
     }
   }
   for (int k = 0; k < kFigures; ++k) {
-    const double values[4] = {Quantile(figures[0][k], 0.5), Quantile(figures[0][k], 0.9),
-                              Quantile(figures[1][k], 0.5), Quantile(figures[1][k], 0.9)};
+    const double values[4] = {Percentile(figures[0][k], 0.5), Percentile(figures[0][k], 0.9),
+                              Percentile(figures[1][k], 0.5), Percentile(figures[1][k], 0.9)};
     if (k == kUpload) {
       fmt::print("{:<46} {:>10} {:>10} {:>10.2f} {:>10.2f}\n", names[k], "-", "-", values[2],
                  values[3]);

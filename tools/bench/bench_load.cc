@@ -99,13 +99,6 @@ struct LoadOptions {
   bool keep_logs = false;
 };
 
-double Percentile(std::vector<double> v, double p) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const size_t rank = static_cast<size_t>(std::ceil(p * static_cast<double>(v.size())));
-  return v[std::min(v.size() - 1, rank == 0 ? 0 : rank - 1)];
-}
-
 // "VmHWM" of /proc/<pid>/status in KiB (pid 0: this process); -1 when unreadable.
 int64_t PeakRssKiB(pid_t pid) {
   std::ifstream in(pid > 0 ? "/proc/" + std::to_string(pid) + "/status" : "/proc/self/status");

@@ -147,15 +147,6 @@ struct TransferOptions {
 
 constexpr int64_t kGpuRequestBytes = int64_t{1} << 30;  // default request size on CUDA pools
 
-
-// Nearest-rank percentile (p in [0, 1]) of unsorted values.
-double Percentile(std::vector<double> values, double p) {
-  if (values.empty()) return 0;
-  std::sort(values.begin(), values.end());
-  const size_t rank = static_cast<size_t>(std::ceil(p * static_cast<double>(values.size())));
-  return values[std::clamp<size_t>(rank, 1, values.size()) - 1];
-}
-
 struct AlignedFree {
   void operator()(uint8_t* p) const { std::free(p); }
 };
