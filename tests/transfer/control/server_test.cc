@@ -670,6 +670,98 @@ TEST(ControlClientTest, SendQueueIsBounded) {
   ::close(listener);
 }
 
+// Frames one thread sends arrive in the order it sent them, also while the socket backs up
+// and the connection switches between writing on the caller's thread and on its strand (a
+// reader that reads in small bursts with pauses keeps the send buffer full and emptying).
+TEST(ControlClientTest, FramesFromOneThreadArriveInOrderAgainstASlowReader) {
+  int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(::listen(listener, 1), 0);
+  socklen_t len = sizeof(addr);
+  ::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len);
+  // A small receive window, so that the sender's socket backs up within a few frames.
+  const int window = 8 << 10;
+  ::setsockopt(listener, SOL_SOCKET, SO_RCVBUF, &window, sizeof(window));
+  constexpr uint64_t kFrames = 20000;
+  std::vector<uint64_t> ids;
+  std::string failure;
+  std::thread reader([&] {
+    int fd = ::accept(listener, nullptr, nullptr);
+    if (fd < 0) {
+      failure = "accept failed";
+      return;
+    }
+    v1::Envelope challenge;
+    challenge.mutable_auth_challenge()->set_server_id("slow");
+    const std::string frame = *EncodeFrame(challenge);
+    (void)::send(fd, frame.data(), frame.size(), MSG_NOSIGNAL);
+    timeval tv{};
+    tv.tv_sec = 5;
+    ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    FrameDecoder decoder;
+    std::string pending;
+    char buffer[2048];
+    size_t since_pause = 0;
+    const auto deadline = std::chrono::steady_clock::now() + 30s;
+    while (ids.size() < kFrames && std::chrono::steady_clock::now() < deadline) {
+      const ssize_t n = ::recv(fd, buffer, sizeof(buffer), 0);
+      if (n <= 0) {
+        failure = "recv ended after " + std::to_string(ids.size()) + " frames";
+        break;
+      }
+      pending.append(buffer, static_cast<size_t>(n));
+      while (!pending.empty()) {
+        StatusOr<size_t> used = decoder.Feed(pending);
+        if (!used.ok()) {
+          failure = used.status().ToString();
+          break;
+        }
+        pending.erase(0, *used);
+        if (!decoder.frame_ready()) break;
+        v1::Envelope envelope;
+        if (Status taken = decoder.Take(&envelope); !taken.ok()) {
+          failure = taken.ToString();
+          break;
+        }
+        if (envelope.has_transfer_request()) ids.push_back(envelope.id());
+      }
+      if (!failure.empty()) break;
+      since_pause += static_cast<size_t>(n);
+      if (since_pause > (8u << 10)) {  // a pause every 8 KiB: the sender's buffer fills again
+        since_pause = 0;
+        std::this_thread::sleep_for(20us);
+      }
+    }
+    ::close(fd);
+  });
+  ControlClientOptions options;
+  options.port = ntohs(addr.sin_port);
+  options.limits.max_queued_bytes = 256u << 20;
+  options.limits.max_queued_frames = 2 * kFrames;
+  options.limits.close_linger = 100ms;
+  auto client = ControlClient::Connect(options);
+  ASSERT_TRUE(client.ok()) << client.status();
+  v1::Envelope request = testing::MakeTransferRequest("ordered");
+  for (int page = 0; page < 600; ++page) request.mutable_transfer_request()->add_dst_page_ids(page);
+  for (uint64_t id = 1; id <= kFrames; ++id) {
+    request.set_id(id);
+    Status sent = (*client)->Send(request);
+    ASSERT_TRUE(sent.ok()) << "frame " << id << ": " << sent;
+  }
+  reader.join();
+  (*client)->Close();
+  ::close(listener);
+  EXPECT_EQ(failure, "");
+  ASSERT_EQ(ids.size(), kFrames);
+  for (uint64_t i = 0; i < kFrames; ++i) {
+    ASSERT_EQ(ids[i], i + 1) << "the reader's frame number " << i + 1 << " is the one sent as "
+                             << ids[i] << ": out of order";
+  }
+}
+
 TEST(ControlClientTest, ConnectToAClosedPortFailsFast) {
   int probe = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};

@@ -122,22 +122,25 @@ Status Connection::Send(const v1::Envelope& envelope) {
         config_.limits.max_queued_frames, config_.limits.max_queued_bytes));
   }
   {
-    // Nothing queued and nothing being written: write the frame here, now. What the socket does
-    // not take at once (a full send buffer) continues on the strand before any later frame.
+    // Open: the frame goes out here, in order under this lock, whichever thread sends it: into
+    // the lane, or to the socket now when nothing waits (else behind the queue, which the
+    // write in progress goes on to). Only frames sent before the connection opened (or while it
+    // closes) go through the strand, and while any of them waits, later ones follow it there.
     std::unique_lock<std::mutex> lock(write_mu_);
-    if (direct_ok_ && lane_out_ != nullptr) {  // the lane keeps its own order under this lock
-      WriteLaneLocked(std::move(frame));
+    if (direct_ok_ && dispatched_ == 0) {
+      if (lane_out_ != nullptr) {
+        WriteLaneLocked(std::move(frame));
+      } else {
+        WriteSocketLocked(std::move(frame));
+      }
       return OkStatus();
     }
-    if (direct_ok_ && !writing_ && write_queue_.empty()) {
-      WriteSocketLocked(std::move(frame));
-      return OkStatus();
-    }
+    ++dispatched_;
   }
-  // dispatch, not post: a handler that replies from the strand (the usual case) queues its reply
-  // at once, ahead of anything the rest of the current read produces (e.g. an Error frame).
+  // dispatch, not post: a handler that replies from the strand queues its reply at once, ahead of
+  // anything the rest of the current read produces (e.g. an Error frame).
   asio::dispatch(strand_, [self = shared_from_this(), frame = std::move(frame)]() mutable {
-    self->EnqueueFrame(std::move(frame));
+    self->EnqueueFrame(std::move(frame), /*dispatched=*/true);
   });
   return OkStatus();
 }
@@ -988,14 +991,15 @@ Status Connection::SendNow(const v1::Envelope& envelope, bool bypass_limits) {
   return OkStatus();
 }
 
-void Connection::EnqueueFrame(std::string frame) {
+void Connection::EnqueueFrame(std::string frame, bool dispatched) {
+  std::lock_guard<std::mutex> lock(write_mu_);
+  if (dispatched) --dispatched_;
   // Nothing follows the goodbye: once closing, only the Error frame queued before it goes out.
   if (closing_or_closed()) {
     queued_frames_.fetch_sub(1);
     queued_bytes_.fetch_sub(frame.size());
     return;
   }
-  std::lock_guard<std::mutex> lock(write_mu_);
   if (lane_out_ != nullptr) {
     WriteLaneLocked(std::move(frame));
     return;

@@ -151,7 +151,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void FinishClose();
   // Queues a frame built on the strand; `bypass_limits` for the final Error frame.
   Status SendNow(const v1::Envelope& envelope, bool bypass_limits);
-  void EnqueueFrame(std::string frame);
+  // Strand: queues a counted frame (into the lane once switched); `dispatched` for a frame
+  // Send() handed over (counted in dispatched_). Dropped once closing.
+  void EnqueueFrame(std::string frame, bool dispatched = false);
   // write_mu_ held: queues a counted frame behind the socket's queue and starts writing if idle.
   void QueueFrameLocked(std::string frame);
   // write_mu_ held, direct_ok_: a counted frame to the socket now, on this thread, when nothing is
@@ -226,6 +228,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
   std::deque<std::string> write_queue_;  // guarded by write_mu_
   bool writing_ = false;                 // guarded by write_mu_; a frame is being written
   bool direct_ok_ = false;               // guarded by write_mu_; open, and the socket is not closed
+  // Guarded by write_mu_: frames Send() handed to the strand that it has not queued yet. While
+  // any is, later frames follow them through the strand (no frame overtakes an earlier one).
+  size_t dispatched_ = 0;
   // Guarded by write_mu_: once set, every frame goes into the lane (in order: after what waits in
   // lane_pending_), and the socket carries only doorbells. Lives in lane_.
   Lane* lane_out_ = nullptr;
