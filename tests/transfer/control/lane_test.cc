@@ -187,6 +187,33 @@ TEST(LaneTest, OnlyTheOfferedSegmentOpens) {
   EXPECT_TRUE(opened.ok()) << opened.status();
 }
 
+// A segment others may open, or that another user owns, is refused before it is mapped: its
+// owner could truncate it under the mapping.
+TEST(LaneTest, OnlyAPrivateSegmentOfThisUserOpens) {
+  auto created = Lane::Create(kMinLaneRingBytes);
+  ASSERT_TRUE(created.ok());
+  const Lane& lane = **created;
+  const int fd = ::shm_open(lane.name().c_str(), O_RDWR, 0);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::fchmod(fd, 0644), 0);
+  auto shared = Lane::Open(lane.name(), lane.nonce(), kMinLaneRingBytes);
+  ASSERT_FALSE(shared.ok());
+  EXPECT_EQ(shared.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_THAT(shared.status().message(), HasSubstr("with mode 0644"));
+  EXPECT_THAT(shared.status().message(), HasSubstr("keeps its socket"));
+  ASSERT_EQ(::fchmod(fd, 0600), 0);
+  if (::geteuid() == 0) {  // only root can give the segment to another user
+    ASSERT_EQ(::fchown(fd, 65534, static_cast<gid_t>(-1)), 0);
+    auto foreign = Lane::Open(lane.name(), lane.nonce(), kMinLaneRingBytes);
+    ASSERT_FALSE(foreign.ok());
+    EXPECT_THAT(foreign.status().message(), HasSubstr("belongs to uid 65534"));
+    ASSERT_EQ(::fchown(fd, 0, static_cast<gid_t>(-1)), 0);
+  }
+  ::close(fd);
+  auto opened = Lane::Open(lane.name(), lane.nonce(), kMinLaneRingBytes);
+  EXPECT_TRUE(opened.ok()) << opened.status();
+}
+
 TEST(LaneTest, TheCreatorRemovesTheNameWhenItGoesAway) {
   std::string name;
   {

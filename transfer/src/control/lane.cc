@@ -212,11 +212,30 @@ StatusOr<std::unique_ptr<Lane>> Lane::Open(const std::string& name, std::string_
     return FailedPrecondition(fmt::format("lane {} is {} bytes, not the {} its offer implies", name,
                                           static_cast<long long>(st.st_size), size));
   }
-  void* base = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  const int err = errno;
+  // Lanes are private to one user, as Create makes them (0600). A segment another user owns, or
+  // that others may open, could be truncated under our mapping, and a store into it would then
+  // kill this process with SIGBUS.
+  if (st.st_uid != ::geteuid() || (st.st_mode & 077) != 0) {
+    ::close(fd);
+    return FailedPrecondition(fmt::format(
+        "lane {} belongs to uid {} with mode {:04o}; lanes are private to one user (uid {}, mode "
+        "0600): the peer runs as another user or the segment was altered, so the connection "
+        "keeps its socket",
+        name, static_cast<unsigned>(st.st_uid), static_cast<unsigned>(st.st_mode & 07777),
+        static_cast<unsigned>(::geteuid())));
+  }
+  void* base = MAP_FAILED;
+  // Every page allocated before the first store, as Create does: a segment left sparse would
+  // raise SIGBUS on a store once /dev/shm is full.
+  int err = ::posix_fallocate(fd, 0, static_cast<off_t>(size));
+  if (err == 0) {
+    base = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (base == MAP_FAILED) err = errno;
+  }
   ::close(fd);
   if (base == MAP_FAILED) {
-    return Unavailable(fmt::format("mapping the control lane {}: {}", name, std::strerror(err)));
+    return Unavailable(
+        fmt::format("allocating or mapping the control lane {}: {}", name, std::strerror(err)));
   }
   Header header;
   std::memcpy(&header, base, sizeof(header));
