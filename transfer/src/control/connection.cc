@@ -607,33 +607,43 @@ void Connection::WriteLaneLocked(std::string frame) {
 bool Connection::MoveIntoLaneLocked() {
   bool moved = false;
   while (!lane_pending_.empty()) {
-    std::string& front = lane_pending_.front();
-    StatusOr<size_t> n = lane_out_->Write(front);
+    const std::string& front = lane_pending_.front();
+    // A frame larger than the free room goes in pieces; what went is skipped, not erased (a
+    // frame of megabytes through a small ring would otherwise be moved again for every piece).
+    StatusOr<size_t> n = lane_out_->Write(std::string_view(front).substr(lane_front_sent_));
     if (!n.ok()) {
-      // The peer corrupted the segment: nothing more can go through it, and the connection fails.
-      for (const std::string& rest : lane_pending_) {
-        queued_frames_.fetch_sub(1);
-        queued_bytes_.fetch_sub(rest.size());
-      }
-      lane_pending_.clear();
+      // The peer corrupted the segment: nothing more can go through it, and the connection
+      // fails; its Error frame goes out on the socket.
+      DropLanePendingLocked();
+      lane_out_ = nullptr;
       asio::post(strand_, [self = shared_from_this(), why = n.status()] {
         self->FailNow(v1::STATUS_CODE_INTERNAL, why);
       });
-      break;
+      return moved;
     }
     if (*n == 0) break;
     moved = true;
     queued_bytes_.fetch_sub(*n);
-    if (*n < front.size()) {
-      front.erase(0, *n);
-      break;
-    }
+    lane_front_sent_ += *n;
+    if (lane_front_sent_ < front.size()) break;
+    lane_front_sent_ = 0;
     queued_frames_.fetch_sub(1);
     lane_pending_.pop_front();
   }
   if (moved) RingDoorbellLocked();
   lane_has_pending_.store(!lane_pending_.empty(), std::memory_order_release);
   return moved;
+}
+
+void Connection::DropLanePendingLocked() {
+  for (const std::string& frame : lane_pending_) {
+    queued_frames_.fetch_sub(1);
+    queued_bytes_.fetch_sub(frame.size() -
+                            (&frame == &lane_pending_.front() ? lane_front_sent_ : 0));
+  }
+  lane_pending_.clear();
+  lane_front_sent_ = 0;
+  lane_has_pending_.store(false, std::memory_order_release);
 }
 
 void Connection::RingDoorbellLocked() {
@@ -949,12 +959,7 @@ void Connection::FinishClose() {
     direct_ok_ = false;
     lane_out_ = nullptr;  // the segment lives until the connection goes
     lane_active_.store(false);
-    for (const std::string& rest : lane_pending_) {
-      queued_frames_.fetch_sub(1);
-      queued_bytes_.fetch_sub(rest.size());
-    }
-    lane_pending_.clear();
-    lane_has_pending_.store(false);
+    DropLanePendingLocked();
     boost::system::error_code ignored;
     socket_.shutdown(tcp::socket::shutdown_both, ignored);
     socket_.close(ignored);

@@ -135,6 +135,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // fails the connection.
   bool MoveIntoLaneLocked();
   void RingDoorbellLocked();
+  // write_mu_ held: forgets the frames waiting for the lane (uncounting them).
+  void DropLanePendingLocked();
   // Strand: moves lane_pending_ into the ring as space frees; whether it moved anything.
   bool FlushLane();
   void OnAuthResponse(const v1::Envelope& envelope);
@@ -235,6 +237,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // lane_pending_), and the socket carries only doorbells. Lives in lane_.
   Lane* lane_out_ = nullptr;
   std::deque<std::string> lane_pending_;  // guarded by write_mu_; the front may be partly written
+  size_t lane_front_sent_ = 0;            // guarded by write_mu_; bytes of the front written
   // Shared with Send() callers on other threads.
   std::atomic<bool> closing_{false};
   std::atomic<bool> awaiting_authentication_{false};
