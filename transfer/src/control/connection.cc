@@ -25,8 +25,10 @@ bool IsDriverRequest(v1::Envelope::BodyCase body) {
 }
 
 constexpr size_t kReadChunkBytes = 64u << 10;
-// How soon a connection retries moving frames into a full lane whose reader does not poll.
+// How soon a connection retries moving frames into a full lane whose reader does not poll, and
+// how far the delay grows while the reader takes nothing.
 constexpr auto kLaneFlushRetry = std::chrono::microseconds(50);
+constexpr auto kLaneFlushRetryMax = std::chrono::microseconds(10000);
 // How long a connection closed for silence waits for its Error frame to reach the socket.
 constexpr auto kSilentPeerLinger = std::chrono::milliseconds(20);
 
@@ -577,8 +579,13 @@ bool Connection::DrainLane() {
   if (!lane_in_ || state_ != State::kOpen || lane_draining_) return false;
   lane_draining_ = true;
   bool any = false;
-  while (state_ == State::kOpen) {
-    StatusOr<size_t> n = lane_->Read(lane_buffer_.data(), lane_buffer_.size());
+  // At most one ring's bytes per call (all that can have been in it when the call began): a peer
+  // that writes as fast as this reads cannot keep the io thread here, away from its other
+  // connections and timers; the poll loop comes back for the rest.
+  size_t budget = lane_->ring_bytes();
+  while (state_ == State::kOpen && budget > 0) {
+    StatusOr<size_t> n =
+        lane_->Read(lane_buffer_.data(), std::min<size_t>(lane_buffer_.size(), budget));
     if (!n.ok()) {
       FailNow(v1::STATUS_CODE_MALFORMED_FRAME, n.status());
       any = true;
@@ -586,6 +593,7 @@ bool Connection::DrainLane() {
     }
     if (*n == 0) break;
     any = true;
+    budget -= *n;
     last_receive_ = std::chrono::steady_clock::now();
     if (!Consume(lane_decoder_, std::string_view(lane_buffer_.data(), *n), /*from_lane=*/true)) {
       break;
@@ -674,9 +682,12 @@ bool Connection::FlushLane() {
   if (lane_out_ == nullptr || lane_pending_.empty()) return false;
   const bool moved = MoveIntoLaneLocked();
   if (!lane_pending_.empty()) {
+    lane_flush_delay_ = moved || lane_flush_delay_.count() == 0
+                            ? kLaneFlushRetry
+                            : std::min(2 * lane_flush_delay_, kLaneFlushRetryMax);
     if (!lane_flush_armed_) {
       lane_flush_armed_ = true;
-      lane_flush_timer_.expires_after(kLaneFlushRetry);
+      lane_flush_timer_.expires_after(lane_flush_delay_);
       lane_flush_timer_.async_wait([self = shared_from_this()](const boost::system::error_code&) {
         self->lane_flush_armed_ = false;
         self->FlushLane();

@@ -125,7 +125,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // frame through the lane.
   Status SendThenSwitchToLane(const v1::Envelope& envelope);
   void ActivateLane();  // reads through the lane's poller from here on
-  // Strand: reads and handles what waits in the lane; whether there was anything.
+  // Strand: reads and handles what waits in the lane, at most one ring's bytes (the poll loop
+  // comes back for more); whether there was anything.
   bool DrainLane();
   // write_mu_ held, lane_out_ set: writes `frame` into the lane (what does not fit waits in
   // lane_pending_), ringing the doorbell when the reader sleeps.
@@ -212,6 +213,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
   FrameDecoder lane_decoder_;
   std::vector<char> lane_buffer_;
   bool lane_flush_armed_ = false;
+  // The retry's delay: kLaneFlushRetry, doubling while retries move nothing (a reader that stopped
+  // reading costs a wake-up per kLaneFlushRetryMax, not a busy core).
+  std::chrono::microseconds lane_flush_delay_{0};
   bool lane_draining_ = false;  // in DrainLane (a doorbell handled inside it does not recurse)
   asio::steady_timer lane_flush_timer_;
   bool frame_in_progress_ = false;  // bytes of an incomplete frame are buffered
