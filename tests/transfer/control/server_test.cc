@@ -1349,6 +1349,50 @@ TEST_F(LaneTest, ACorruptedLaneFailsOnlyItsConnection) {
   }
 }
 
+// A frame begun in the lane and never finished hits frame_timeout as one on the socket does,
+// and the error says it came through the lane.
+TEST_F(LaneTest, AFrameLeftIncompleteInTheLaneHitsTheFrameTimeout) {
+  ControlServerOptions options;
+  options.busy_poll.window = 300us;
+  options.busy_poll.lane_ring_bytes = 4096;
+  options.limits.frame_timeout = 300ms;
+  StartServer(options);
+  RawClient raw(server_->port());
+  ASSERT_TRUE(raw.connected());
+  ASSERT_TRUE(raw.SendEnvelope(LaneHelloAck()));
+  auto lane = internal::Lane::Create(4096);
+  ASSERT_TRUE(lane.ok()) << lane.status();
+  v1::Envelope offer;
+  offer.mutable_lane_offer()->set_name((*lane)->name());
+  offer.mutable_lane_offer()->set_nonce((*lane)->nonce());
+  offer.mutable_lane_offer()->set_ring_bytes(4096);
+  ASSERT_TRUE(raw.SendEnvelope(offer));
+  bool accepted = false;
+  for (int i = 0; i < 10 && !accepted; ++i) {
+    StatusOr<v1::Envelope> e = raw.ReadFrame();
+    ASSERT_TRUE(e.ok()) << e.status();
+    if (e->has_lane_reply()) {
+      ASSERT_TRUE(e->lane_reply().accepted()) << e->lane_reply().reason();
+      accepted = true;
+    }
+  }
+  ASSERT_TRUE(accepted);
+  v1::Envelope lane_switch;
+  lane_switch.mutable_lane_switch();
+  ASSERT_TRUE(raw.SendEnvelope(lane_switch));
+  const size_t disconnects = handler_.disconnects().size();
+  ASSERT_TRUE((*lane)->Write(Header(100) + std::string(10, 'x')).ok());  // 10 of 100 bytes
+  v1::Envelope doorbell;
+  doorbell.mutable_lane_doorbell();
+  ASSERT_TRUE(raw.SendEnvelope(doorbell));
+  ASSERT_TRUE(handler_.WaitFor([&] { return handler_.disconnects_locked() == disconnects + 1; }));
+  const Status why = handler_.disconnects().back().second;
+  EXPECT_THAT(why.message(), HasSubstr("frame incomplete after 300 ms (frame_timeout)")) << why;
+  EXPECT_THAT(why.message(), HasSubstr("14 bytes of it arrived through the shared-memory lane"))
+      << why;
+  EXPECT_TRUE(raw.WaitForClose());
+}
+
 TEST(ControlServerOptionsTest, BadLaneRingSizesAreRefused) {
   RecordingHandler handler;
   ControlServerOptions options;

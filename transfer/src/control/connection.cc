@@ -240,14 +240,16 @@ void Connection::LimitFramesForHandshake() {
   decoder_.set_max_frame_bytes(limit, "max_handshake_frame_bytes");
 }
 
-void Connection::WatchPartialFrame() {
-  if (decoder_.buffered_bytes() == 0) {
-    frame_in_progress_ = false;
+void Connection::WatchPartialFrame(bool from_lane) {
+  const FrameDecoder& decoder = from_lane ? lane_decoder_ : decoder_;
+  const int path = from_lane ? 1 : 0;
+  if (decoder.buffered_bytes() == 0) {
+    frame_in_progress_[path] = false;
     return;
   }
-  if (frame_in_progress_) return;
-  frame_in_progress_ = true;
-  frame_started_ = std::chrono::steady_clock::now();
+  if (frame_in_progress_[path]) return;
+  frame_in_progress_[path] = true;
+  frame_started_[path] = std::chrono::steady_clock::now();
   if (!frame_timer_armed_) ArmFrameTimer(config_.limits.frame_timeout);
 }
 
@@ -256,15 +258,27 @@ void Connection::ArmFrameTimer(std::chrono::steady_clock::duration after) {
   frame_timer_.expires_after(after);
   frame_timer_.async_wait([self = shared_from_this()](const boost::system::error_code& ec) {
     self->frame_timer_armed_ = false;
-    if (ec || self->closing_or_closed() || !self->frame_in_progress_) return;
+    if (ec || self->closing_or_closed()) return;
+    // The older of the two paths' incomplete frames decides.
+    int path = -1;
+    for (int p = 0; p < 2; ++p) {
+      if (self->frame_in_progress_[p] &&
+          (path < 0 || self->frame_started_[p] < self->frame_started_[path])) {
+        path = p;
+      }
+    }
+    if (path < 0) return;
     const auto limit = self->config_.limits.frame_timeout;
-    const auto taken = std::chrono::steady_clock::now() - self->frame_started_;
+    const auto taken = std::chrono::steady_clock::now() - self->frame_started_[path];
     if (taken >= limit) {
-      self->FailNow(v1::STATUS_CODE_DEADLINE_EXCEEDED,
-                    DeadlineExceeded(fmt::format(
-                        "frame incomplete after {} ms (frame_timeout): {} bytes of it arrived; "
-                        "a frame must arrive whole within frame_timeout once it has begun",
-                        Ms(limit), self->decoder_.buffered_bytes())));
+      self->FailNow(
+          v1::STATUS_CODE_DEADLINE_EXCEEDED,
+          DeadlineExceeded(fmt::format(
+              "frame incomplete after {} ms (frame_timeout): {} bytes of it arrived{}; a frame "
+              "must arrive whole within frame_timeout once it has begun",
+              Ms(limit),
+              path == 1 ? self->lane_decoder_.buffered_bytes() : self->decoder_.buffered_bytes(),
+              path == 1 ? " through the shared-memory lane" : "")));
       return;
     }
     self->ArmFrameTimer(limit - taken);  // a younger frame than the one this timer was set for
@@ -312,7 +326,7 @@ void Connection::OnRead(const boost::system::error_code& ec, size_t bytes) {
   if (!Consume(decoder_, std::string_view(read_buffer_.data(), bytes), /*from_lane=*/false)) {
     return;
   }
-  WatchPartialFrame();
+  WatchPartialFrame(/*from_lane=*/false);
   ReadSome();
 }
 
@@ -325,7 +339,7 @@ bool Connection::Consume(FrameDecoder& decoder, std::string_view data, bool from
                 from_lane ? s.WithContext("a frame from the shared-memory lane") : s);
         return false;
       }
-      if (!from_lane) frame_in_progress_ = false;
+      frame_in_progress_[from_lane ? 1 : 0] = false;
       if (!first_frame_received_) {
         first_frame_received_ = true;
         // A server without a token: the first frame completes the handshake.
@@ -600,6 +614,7 @@ bool Connection::DrainLane() {
     }
   }
   lane_draining_ = false;
+  if (any && state_ == State::kOpen) WatchPartialFrame(/*from_lane=*/true);
   return any;
 }
 

@@ -175,8 +175,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
 
   void ArmIdleTimer(std::chrono::steady_clock::duration after);
   void OnHandshakeTimeout();
-  // After a read: starts the frame_timeout clock when a frame is left incomplete.
-  void WatchPartialFrame();
+  // After a read from the socket or the lane: starts that path's frame_timeout clock when a frame
+  // is left incomplete.
+  void WatchPartialFrame(bool from_lane);
   void ArmFrameTimer(std::chrono::steady_clock::duration after);
   // Before authentication a frame may be at most max_handshake_frame_bytes; after it,
   // max_frame_bytes.
@@ -218,9 +219,10 @@ class Connection : public std::enable_shared_from_this<Connection> {
   std::chrono::microseconds lane_flush_delay_{0};
   bool lane_draining_ = false;  // in DrainLane (a doorbell handled inside it does not recurse)
   asio::steady_timer lane_flush_timer_;
-  bool frame_in_progress_ = false;  // bytes of an incomplete frame are buffered
+  // Per path (0: the socket, 1: the lane): bytes of an incomplete frame are buffered, since when.
+  bool frame_in_progress_[2] = {false, false};
+  std::chrono::steady_clock::time_point frame_started_[2];
   bool frame_timer_armed_ = false;
-  std::chrono::steady_clock::time_point frame_started_;  // first read of the incomplete frame
   asio::steady_timer handshake_timer_;
   asio::steady_timer frame_timer_;
   asio::steady_timer idle_timer_;
