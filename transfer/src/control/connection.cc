@@ -671,6 +671,10 @@ void Connection::DropLanePendingLocked() {
 
 void Connection::RingDoorbellLocked() {
   if (!lane_out_->TakeDoorbell()) return;
+  // Open, a frame still waiting for the socket (a doorbell, or the switch itself) reaches the
+  // reader and makes it read the lane: one more would add nothing. So a peer that keeps its sleep
+  // flag set gets at most one doorbell in the queue, not one per frame against the queue's limits.
+  if (direct_ok_ && (writing_ || !write_queue_.empty())) return;
   static const std::string kDoorbell = [] {
     v1::Envelope doorbell;
     doorbell.mutable_lane_doorbell();
