@@ -580,17 +580,29 @@ TEST_F(ControlServerTest, ClientWithTokenRefusesUnauthenticatedServer) {
   ExpectEcho(*lenient);
 }
 
-// A fake server that knows a different token: the client's mutual check must catch it.
-TEST(ControlClientTest, RefusesServerThatCannotProveTheToken) {
-  int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+// A TCP listener on 127.0.0.1 with a port of the kernel's choice (`*port`); -1 on failure.
+int LoopbackListener(uint16_t* port) {
+  const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  ASSERT_EQ(::listen(listener, 1), 0);
   socklen_t len = sizeof(addr);
-  ::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len);
-  const uint16_t port = ntohs(addr.sin_port);
+  if (listener < 0 || ::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      ::listen(listener, 1) != 0 ||
+      ::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    if (listener >= 0) ::close(listener);
+    return -1;
+  }
+  *port = ntohs(addr.sin_port);
+  return listener;
+}
+
+// A fake server that knows a different token: the client's mutual check must catch it.
+TEST(ControlClientTest, RefusesServerThatCannotProveTheToken) {
+  uint16_t listen_port = 0;
+  const int listener = LoopbackListener(&listen_port);
+  ASSERT_GE(listener, 0);
+  const uint16_t port = listen_port;
 
   std::thread fake([listener] {
     int fd = ::accept(listener, nullptr, nullptr);
@@ -629,14 +641,9 @@ TEST(ControlClientTest, RefusesServerThatCannotProveTheToken) {
 // A peer that greets without authentication and then never reads: the client's send queue must
 // fill up and refuse, not grow without bound.
 TEST(ControlClientTest, SendQueueIsBounded) {
-  int listener = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  ASSERT_EQ(::listen(listener, 1), 0);
-  socklen_t len = sizeof(addr);
-  ::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len);
+  uint16_t listen_port = 0;
+  const int listener = LoopbackListener(&listen_port);
+  ASSERT_GE(listener, 0);
   std::atomic<bool> done{false};
   std::thread silent([listener, &done] {
     int fd = ::accept(listener, nullptr, nullptr);
@@ -652,7 +659,7 @@ TEST(ControlClientTest, SendQueueIsBounded) {
     ::close(fd);
   });
   ControlClientOptions options;
-  options.port = ntohs(addr.sin_port);
+  options.port = listen_port;
   options.limits.max_queued_bytes = 4u << 20;
   options.limits.close_linger = 100ms;
   auto client = ControlClient::Connect(options);
@@ -674,14 +681,9 @@ TEST(ControlClientTest, SendQueueIsBounded) {
 // and the connection switches between writing on the caller's thread and on its strand (a
 // reader that reads in small bursts with pauses keeps the send buffer full and emptying).
 TEST(ControlClientTest, FramesFromOneThreadArriveInOrderAgainstASlowReader) {
-  int listener = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  ASSERT_EQ(::listen(listener, 1), 0);
-  socklen_t len = sizeof(addr);
-  ::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len);
+  uint16_t listen_port = 0;
+  const int listener = LoopbackListener(&listen_port);
+  ASSERT_GE(listener, 0);
   // A small receive window, so that the sender's socket backs up within a few frames.
   const int window = 8 << 10;
   ::setsockopt(listener, SOL_SOCKET, SO_RCVBUF, &window, sizeof(window));
@@ -738,7 +740,7 @@ TEST(ControlClientTest, FramesFromOneThreadArriveInOrderAgainstASlowReader) {
     ::close(fd);
   });
   ControlClientOptions options;
-  options.port = ntohs(addr.sin_port);
+  options.port = listen_port;
   options.limits.max_queued_bytes = 256u << 20;
   options.limits.max_queued_frames = 2 * kFrames;
   options.limits.close_linger = 100ms;
@@ -1141,6 +1143,28 @@ class LaneTest : public ControlServerTest {
     return client;
   }
 
+  // A raw client's side of the lane setup: offers `lane` (4 KiB rings), waits for the server to
+  // accept it and switches its own frames to it.
+  static Status SwitchToLane(RawClient& raw, const internal::Lane& lane) {
+    v1::Envelope offer;
+    offer.mutable_lane_offer()->set_name(lane.name());
+    offer.mutable_lane_offer()->set_nonce(lane.nonce());
+    offer.mutable_lane_offer()->set_ring_bytes(lane.ring_bytes());
+    if (!raw.SendEnvelope(offer)) return Unavailable("sending the lane offer failed");
+    for (int i = 0; i < 10; ++i) {
+      KVT_ASSIGN_OR_RETURN(v1::Envelope e, raw.ReadFrame());
+      if (!e.has_lane_reply()) continue;
+      if (!e.lane_reply().accepted()) {
+        return FailedPrecondition("lane declined: " + e.lane_reply().reason());
+      }
+      v1::Envelope lane_switch;
+      lane_switch.mutable_lane_switch();
+      if (!raw.SendEnvelope(lane_switch)) return Unavailable("sending the lane switch failed");
+      return OkStatus();
+    }
+    return Internal("no lane reply among 10 frames");
+  }
+
   ControlClientOptions copts_;
 };
 
@@ -1310,24 +1334,8 @@ TEST_F(LaneTest, ACorruptedLaneFailsOnlyItsConnection) {
     void* view = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     ::close(fd);
     ASSERT_NE(view, MAP_FAILED);
-    v1::Envelope offer;
-    offer.mutable_lane_offer()->set_name((*lane)->name());
-    offer.mutable_lane_offer()->set_nonce((*lane)->nonce());
-    offer.mutable_lane_offer()->set_ring_bytes(4096);
-    ASSERT_TRUE(raw.SendEnvelope(offer));
-    bool accepted = false;
-    for (int i = 0; i < 10 && !accepted; ++i) {
-      StatusOr<v1::Envelope> e = raw.ReadFrame();
-      ASSERT_TRUE(e.ok()) << e.status();
-      if (e->has_lane_reply()) {
-        ASSERT_TRUE(e->lane_reply().accepted()) << e->lane_reply().reason();
-        accepted = true;
-      }
-    }
-    ASSERT_TRUE(accepted);
-    v1::Envelope lane_switch;
-    lane_switch.mutable_lane_switch();
-    ASSERT_TRUE(raw.SendEnvelope(lane_switch));
+    const Status switched = SwitchToLane(raw, **lane);
+    ASSERT_TRUE(switched.ok()) << switched;
     if (garbage) {
       ASSERT_TRUE((*lane)->Write(std::string("\0\0\0\0junk", 8)).ok());  // a zero length prefix
     } else {
@@ -1362,24 +1370,8 @@ TEST_F(LaneTest, AFrameLeftIncompleteInTheLaneHitsTheFrameTimeout) {
   ASSERT_TRUE(raw.SendEnvelope(LaneHelloAck()));
   auto lane = internal::Lane::Create(4096);
   ASSERT_TRUE(lane.ok()) << lane.status();
-  v1::Envelope offer;
-  offer.mutable_lane_offer()->set_name((*lane)->name());
-  offer.mutable_lane_offer()->set_nonce((*lane)->nonce());
-  offer.mutable_lane_offer()->set_ring_bytes(4096);
-  ASSERT_TRUE(raw.SendEnvelope(offer));
-  bool accepted = false;
-  for (int i = 0; i < 10 && !accepted; ++i) {
-    StatusOr<v1::Envelope> e = raw.ReadFrame();
-    ASSERT_TRUE(e.ok()) << e.status();
-    if (e->has_lane_reply()) {
-      ASSERT_TRUE(e->lane_reply().accepted()) << e->lane_reply().reason();
-      accepted = true;
-    }
-  }
-  ASSERT_TRUE(accepted);
-  v1::Envelope lane_switch;
-  lane_switch.mutable_lane_switch();
-  ASSERT_TRUE(raw.SendEnvelope(lane_switch));
+  const Status switched = SwitchToLane(raw, **lane);
+  ASSERT_TRUE(switched.ok()) << switched;
   const size_t disconnects = handler_.disconnects().size();
   ASSERT_TRUE((*lane)->Write(Header(100) + std::string(10, 'x')).ok());  // 10 of 100 bytes
   v1::Envelope doorbell;
