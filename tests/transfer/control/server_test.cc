@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/time.h>
 #include <unistd.h>
@@ -1383,6 +1384,54 @@ TEST_F(LaneTest, AFrameLeftIncompleteInTheLaneHitsTheFrameTimeout) {
   EXPECT_THAT(why.message(), HasSubstr("14 bytes of it arrived through the shared-memory lane"))
       << why;
   EXPECT_TRUE(raw.WaitForClose());
+}
+
+// A peer that stops reading its lane leaves the server's replies waiting for room in the ring;
+// the server retries less and less often instead of keeping its io thread awake: the process
+// uses a small part of a core meanwhile.
+TEST_F(LaneTest, AReaderThatStopsReadingCostsTheWriterLittleCpu) {
+  StartPolling(4096, 300us);
+  RawClient raw(server_->port());
+  ASSERT_TRUE(raw.connected());
+  ASSERT_TRUE(raw.SendEnvelope(LaneHelloAck()));
+  auto lane = internal::Lane::Create(4096);
+  ASSERT_TRUE(lane.ok()) << lane.status();
+  const Status switched = SwitchToLane(raw, **lane);
+  ASSERT_TRUE(switched.ok()) << switched;
+  // Forty requests of about 1 KiB, written as a client does (a doorbell when the server sleeps):
+  // their echoes overfill the 4 KiB ring nobody reads.
+  const size_t messages = handler_.messages().size();
+  v1::Envelope doorbell;
+  doorbell.mutable_lane_doorbell();
+  const auto give_up = std::chrono::steady_clock::now() + kWait;
+  for (int i = 0; i < 40; ++i) {
+    v1::Envelope request = LaneHelloAck(16);
+    request.set_id(100 + i);
+    std::string frame = *EncodeFrame(request);
+    while (!frame.empty()) {
+      ASSERT_LT(std::chrono::steady_clock::now(), give_up) << "request " << i << " did not fit";
+      StatusOr<size_t> n = (*lane)->Write(frame);
+      ASSERT_TRUE(n.ok()) << n.status();
+      frame.erase(0, *n);
+      if ((*lane)->TakeDoorbell()) ASSERT_TRUE(raw.SendEnvelope(doorbell));
+      if (!frame.empty()) std::this_thread::sleep_for(1ms);  // the server reads it
+    }
+  }
+  ASSERT_TRUE(handler_.WaitFor([&] { return handler_.messages_locked() >= messages + 40; }));
+  std::this_thread::sleep_for(100ms);  // the retries' delay grows
+  rusage before{};
+  ::getrusage(RUSAGE_SELF, &before);
+  std::this_thread::sleep_for(500ms);
+  rusage after{};
+  ::getrusage(RUSAGE_SELF, &after);
+  const auto cpu_us = [](const rusage& r) {
+    return (r.ru_utime.tv_sec + r.ru_stime.tv_sec) * 1000000LL + r.ru_utime.tv_usec +
+           r.ru_stime.tv_usec;
+  };
+  const long long used = cpu_us(after) - cpu_us(before);
+  EXPECT_LT(used, 150000) << "the process used " << used << " µs of CPU in 500 ms while its "
+                          << "only connection waited for a reader that stopped";
+  EXPECT_EQ(server_->connection_count(), 1u);  // waiting is not a failure
 }
 
 TEST(ControlServerOptionsTest, BadLaneRingSizesAreRefused) {
