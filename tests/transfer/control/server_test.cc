@@ -1166,6 +1166,16 @@ class LaneTest : public ControlServerTest {
     return Internal("no lane reply among 10 frames");
   }
 
+  // A raw client's hello-ack, lane (4 KiB rings) and switch: the server polls its lane from now.
+  static StatusOr<std::unique_ptr<internal::Lane>> OpenRawLane(RawClient& raw) {
+    if (!raw.connected() || !raw.SendEnvelope(LaneHelloAck())) {
+      return Unavailable("the raw client could not connect and send its hello-ack");
+    }
+    KVT_ASSIGN_OR_RETURN(std::unique_ptr<internal::Lane> lane, internal::Lane::Create(4096));
+    KVT_RETURN_IF_ERROR(SwitchToLane(raw, *lane));
+    return lane;
+  }
+
   ControlClientOptions copts_;
 };
 
@@ -1367,12 +1377,8 @@ TEST_F(LaneTest, AFrameLeftIncompleteInTheLaneHitsTheFrameTimeout) {
   options.limits.frame_timeout = 300ms;
   StartServer(options);
   RawClient raw(server_->port());
-  ASSERT_TRUE(raw.connected());
-  ASSERT_TRUE(raw.SendEnvelope(LaneHelloAck()));
-  auto lane = internal::Lane::Create(4096);
+  auto lane = OpenRawLane(raw);
   ASSERT_TRUE(lane.ok()) << lane.status();
-  const Status switched = SwitchToLane(raw, **lane);
-  ASSERT_TRUE(switched.ok()) << switched;
   const size_t disconnects = handler_.disconnects().size();
   ASSERT_TRUE((*lane)->Write(Header(100) + std::string(10, 'x')).ok());  // 10 of 100 bytes
   v1::Envelope doorbell;
@@ -1392,12 +1398,8 @@ TEST_F(LaneTest, AFrameLeftIncompleteInTheLaneHitsTheFrameTimeout) {
 TEST_F(LaneTest, AReaderThatStopsReadingCostsTheWriterLittleCpu) {
   StartPolling(4096, 300us);
   RawClient raw(server_->port());
-  ASSERT_TRUE(raw.connected());
-  ASSERT_TRUE(raw.SendEnvelope(LaneHelloAck()));
-  auto lane = internal::Lane::Create(4096);
+  auto lane = OpenRawLane(raw);
   ASSERT_TRUE(lane.ok()) << lane.status();
-  const Status switched = SwitchToLane(raw, **lane);
-  ASSERT_TRUE(switched.ok()) << switched;
   // Forty requests of about 1 KiB, written as a client does (a doorbell when the server sleeps):
   // their echoes overfill the 4 KiB ring nobody reads.
   const size_t messages = handler_.messages().size();
