@@ -659,11 +659,10 @@ bool Connection::MoveIntoLaneLocked() {
 }
 
 void Connection::DropLanePendingLocked() {
-  for (const std::string& frame : lane_pending_) {
-    queued_frames_.fetch_sub(1);
-    queued_bytes_.fetch_sub(frame.size() -
-                            (&frame == &lane_pending_.front() ? lane_front_sent_ : 0));
-  }
+  size_t bytes = 0;
+  for (const std::string& frame : lane_pending_) bytes += frame.size();
+  queued_frames_.fetch_sub(lane_pending_.size());
+  queued_bytes_.fetch_sub(bytes - lane_front_sent_);  // the front's sent bytes left the count
   lane_pending_.clear();
   lane_front_sent_ = 0;
   lane_has_pending_.store(false, std::memory_order_release);
@@ -701,9 +700,9 @@ bool Connection::FlushLane() {
   if (lane_out_ == nullptr || lane_pending_.empty()) return false;
   const bool moved = MoveIntoLaneLocked();
   if (!lane_pending_.empty()) {
-    lane_flush_delay_ = moved || lane_flush_delay_.count() == 0
-                            ? kLaneFlushRetry
-                            : std::min(2 * lane_flush_delay_, kLaneFlushRetryMax);
+    lane_flush_delay_ =
+        moved ? kLaneFlushRetry
+              : std::clamp(2 * lane_flush_delay_, kLaneFlushRetry, kLaneFlushRetryMax);
     if (!lane_flush_armed_) {
       lane_flush_armed_ = true;
       lane_flush_timer_.expires_after(lane_flush_delay_);

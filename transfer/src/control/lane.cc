@@ -106,6 +106,20 @@ static_assert(std::atomic<uint64_t>::is_always_lock_free);
 constexpr size_t kRingHeaderBytes = offsetof(LaneRing, data);
 
 namespace {
+// Allocates every page of the segment `fd` (closed here) and maps it. Allocated now, not on first
+// touch: a full /dev/shm (a container's is often 64 MiB), or a segment left sparse, must fail
+// here, not raise SIGBUS on a later store into the ring. MAP_FAILED with *err set on failure.
+void* AllocateAndMap(int fd, size_t size, int* err) {
+  void* base = MAP_FAILED;
+  *err = ::posix_fallocate(fd, 0, static_cast<off_t>(size));
+  if (*err == 0) {
+    base = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (base == MAP_FAILED) *err = errno;
+  }
+  ::close(fd);
+  return base;
+}
+
 size_t SegmentBytes(uint32_t ring_bytes) {
   return kHeaderBytes + 2 * (kRingHeaderBytes + static_cast<size_t>(ring_bytes));
 }
@@ -160,15 +174,8 @@ StatusOr<std::unique_ptr<Lane>> Lane::Create(uint32_t ring_bytes) {
                     name, std::strerror(errno)));
   }
   const size_t size = SegmentBytes(ring_bytes);
-  void* base = MAP_FAILED;
-  // Allocated now, not on first touch: a full /dev/shm (a container's is often 64 MiB) must fail
-  // here, not raise SIGBUS on a later store into the ring.
-  int err = ::posix_fallocate(fd, 0, static_cast<off_t>(size));
-  if (err == 0) {
-    base = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (base == MAP_FAILED) err = errno;
-  }
-  ::close(fd);
+  int err = 0;
+  void* base = AllocateAndMap(fd, size, &err);
   if (base == MAP_FAILED) {
     ::shm_unlink(name.c_str());
     return Unavailable(fmt::format(
@@ -224,15 +231,8 @@ StatusOr<std::unique_ptr<Lane>> Lane::Open(const std::string& name, std::string_
         name, static_cast<unsigned>(st.st_uid), static_cast<unsigned>(st.st_mode & 07777),
         static_cast<unsigned>(::geteuid())));
   }
-  void* base = MAP_FAILED;
-  // Every page allocated before the first store, as Create does: a segment left sparse would
-  // raise SIGBUS on a store once /dev/shm is full.
-  int err = ::posix_fallocate(fd, 0, static_cast<off_t>(size));
-  if (err == 0) {
-    base = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (base == MAP_FAILED) err = errno;
-  }
-  ::close(fd);
+  int err = 0;
+  void* base = AllocateAndMap(fd, size, &err);
   if (base == MAP_FAILED) {
     return Unavailable(
         fmt::format("allocating or mapping the control lane {}: {}", name, std::strerror(err)));
