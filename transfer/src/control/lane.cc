@@ -227,7 +227,7 @@ StatusOr<std::unique_ptr<Lane>> Lane::Open(const std::string& name, std::string_
     return FailedPrecondition(fmt::format(
         "lane {} belongs to uid {} with mode {:04o}; lanes are private to one user (uid {}, mode "
         "0600): the peer runs as another user or the segment was altered, so the connection "
-        "keeps its socket",
+        "keeps its socket; run both ends as one user to use a lane",
         name, static_cast<unsigned>(st.st_uid), static_cast<unsigned>(st.st_mode & 07777),
         static_cast<unsigned>(::geteuid())));
   }
@@ -235,7 +235,9 @@ StatusOr<std::unique_ptr<Lane>> Lane::Open(const std::string& name, std::string_
   void* base = AllocateAndMap(fd, size, &err);
   if (base == MAP_FAILED) {
     return Unavailable(
-        fmt::format("allocating or mapping the control lane {}: {}", name, std::strerror(err)));
+        fmt::format("allocating or mapping the control lane {}: {}; the connection keeps its "
+                    "socket (is /dev/shm full? `df /dev/shm`)",
+                    name, std::strerror(err)));
   }
   Header header;
   std::memcpy(&header, base, sizeof(header));
