@@ -1368,6 +1368,37 @@ TEST_F(LaneTest, ACorruptedLaneFailsOnlyItsConnection) {
   }
 }
 
+// After a peer's switch its frames come through the lane: a doorbell on the socket is taken,
+// any other frame there would jump the lane's order and closes the connection, naming it;
+// another connection goes on.
+TEST_F(LaneTest, AFrameOnTheSocketAfterTheSwitchIsRefused) {
+  StartPolling();
+  std::unique_ptr<ControlClient> good = ConnectWithLane();
+  ASSERT_NE(good, nullptr);
+  RawClient raw(server_->port());
+  auto lane = OpenRawLane(raw);
+  ASSERT_TRUE(lane.ok()) << lane.status();
+  const size_t messages = handler_.messages().size();
+  const size_t disconnects = handler_.disconnects().size();
+  v1::Envelope doorbell;
+  doorbell.mutable_lane_doorbell();
+  ASSERT_TRUE(raw.SendEnvelope(doorbell));
+  v1::Envelope registration = testing::MakeAgentRegistration();
+  registration.set_id(77);
+  ASSERT_TRUE(raw.SendEnvelope(registration));
+  ASSERT_TRUE(handler_.WaitFor([&] { return handler_.disconnects_locked() == disconnects + 1; }));
+  const Status why = handler_.disconnects().back().second;
+  EXPECT_EQ(why.code(), StatusCode::kFailedPrecondition) << why;
+  EXPECT_THAT(why.message(),
+              HasSubstr("register_agent #77 arrived on the socket after the peer moved its "
+                        "frames to the shared-memory lane"))
+      << why;
+  EXPECT_EQ(handler_.messages().size(), messages) << "the frame was handled";
+  EXPECT_TRUE(raw.WaitForClose());
+  ExpectEcho(*good, 60);
+  EXPECT_TRUE(good->using_lane());
+}
+
 // A frame begun in the lane and never finished hits frame_timeout as one on the socket does,
 // and the error says it came through the lane.
 TEST_F(LaneTest, AFrameLeftIncompleteInTheLaneHitsTheFrameTimeout) {
@@ -1415,7 +1446,9 @@ TEST_F(LaneTest, AReaderThatStopsReadingCostsTheWriterLittleCpu) {
       StatusOr<size_t> n = (*lane)->Write(frame);
       ASSERT_TRUE(n.ok()) << n.status();
       frame.erase(0, *n);
-      if ((*lane)->TakeDoorbell()) ASSERT_TRUE(raw.SendEnvelope(doorbell));
+      if ((*lane)->TakeDoorbell()) {
+        ASSERT_TRUE(raw.SendEnvelope(doorbell));
+      }
       if (!frame.empty()) std::this_thread::sleep_for(1ms);  // the server reads it
     }
   }

@@ -412,6 +412,19 @@ void Connection::HandleFrame(const v1::Envelope& envelope, bool from_lane) {
         FailedPrecondition(fmt::format("unexpected {} after the handshake", BodyName(envelope))));
     return;
   }
+  // Once the peer has moved its frames to the lane, the socket carries only its doorbells and
+  // the Error of a peer whose lane broke. Any other frame there would be handled out of its
+  // order against the lane's frames, so it is refused rather than guessed at.
+  if (!from_lane && lane_in_ && body != v1::Envelope::kLaneDoorbell &&
+      body != v1::Envelope::kError) {
+    FailNow(v1::STATUS_CODE_FAILED_PRECONDITION,
+            FailedPrecondition(fmt::format(
+                "{} #{} arrived on the socket after the peer moved its frames to the "
+                "shared-memory lane; only lane_doorbell and error may follow there (the peer "
+                "breaks the lane protocol: run a kvt peer of this protocol version)",
+                BodyName(envelope), envelope.id())));
+    return;
+  }
   if ((body == v1::Envelope::kHeartbeat || body == v1::Envelope::kHeartbeatAck) &&
       callbacks_.on_heartbeat) {
     callbacks_.on_heartbeat();
