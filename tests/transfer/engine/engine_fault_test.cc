@@ -129,6 +129,50 @@ TEST(EngineFaultTest, PrefillShutdownQuiescesWritesBeforePagesAreReusable) {
   EXPECT_EQ(info->status.code(), StatusCode::kUnavailable) << info->status;
 }
 
+// Both sides abort one room at once: the prefill side's abort is still releasing the room's
+// write (it lands after 400 ms, as a network card that took the data would) when the decode
+// side's Abort arrives for the room that is already over there. Its AbortAck says the writes
+// are quiesced, so it must wait for that release: the decode pages may not change once they
+// are reported reusable.
+TEST(EngineFaultTest, AnAbortAckWaitsForTheReleaseOfAnEarlierAbort) {
+  auto src_pool = MakePool(SmallPoolOptions());
+  auto dst_pool = MakePool(SmallPoolOptions());
+  LoopbackOptions slow;
+  slow.delay = 400ms;
+  slow.release_completes_in_flight = true;
+  auto prefill = TransferEngine::Create(Options("prefill-0", true), src_pool.get(), Loopback(slow));
+  auto decode = TransferEngine::Create(Options("decode-0", false), dst_pool.get(), Loopback({}));
+  ASSERT_TRUE(prefill.ok() && decode.ok());
+  auto peer = (*decode)->ConnectPeer("127.0.0.1", (*prefill)->port());
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  const std::vector<int32_t> src = {3, 4, 5, 9}, dst = {10, 11, 12, 40};
+  Fill(*src_pool, 91, src);
+  ASSERT_TRUE((*decode)->Receive("both", *peer, dst).ok());
+  ASSERT_TRUE((*prefill)->Send("both", src).ok());
+  ASSERT_TRUE((*prefill)->LayersReady("both", 4).ok());
+  for (auto until = Clock::now() + 2s; Clock::now() < until;) {
+    if ((*prefill)->GetRequest("both")->state == RequestState::kTransferring) break;
+    std::this_thread::sleep_for(1ms);
+  }
+  ASSERT_EQ((*prefill)->GetRequest("both")->state, RequestState::kTransferring);
+  ASSERT_TRUE((*prefill)->Abort("both", "prefill gives up").ok());
+  ASSERT_TRUE((*decode)->Abort("both", "decode gives up").ok());
+  std::vector<uint8_t> at_reusable;
+  bool reusable = false;
+  for (auto until = Clock::now() + 5s; Clock::now() < until && !reusable;) {
+    auto info = (*decode)->GetRequest("both");
+    ASSERT_TRUE(info.ok()) << info.status();
+    if (info->pages_reusable) {
+      at_reusable = Snapshot(*dst_pool, dst);
+      reusable = true;
+    }
+  }
+  ASSERT_TRUE(reusable) << "the decode room never became reusable after both aborts";
+  std::this_thread::sleep_for(600ms);  // past the write's delay
+  EXPECT_EQ(Snapshot(*dst_pool, dst), at_reusable)
+      << "bytes landed in the decode pages after they were reported reusable";
+}
+
 // One decode peer's backend teardown blocks for 2 s: another peer's requests still complete and
 // the engine answers queries at once meanwhile.
 TEST(EngineFaultTest, SlowPeerTeardownDoesNotStallOtherPeers) {

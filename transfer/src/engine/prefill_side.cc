@@ -526,11 +526,14 @@ void PrefillSide::OnAbort(ConnectionId conn, const v1::Abort& abort) {
       table_.Fail(*room, Aborted("aborted by the decode side: " + abort.reason()));
       FinishLocked(*room);
     }
-    // Acknowledged once the writes are released (or none were posted).
+    // Acknowledged once the writes are released (or none were posted). A room that ended here
+    // earlier (its own abort, deadline or failure) may still be releasing its writes on the
+    // worker, and an unknown room may be one forgotten meanwhile: the ack then goes through
+    // the worker's queue too (a task), behind those releases, never beside them.
     v1::Envelope ack;
     ack.mutable_abort_ack()->set_room_id(abort.room_id());
     ack.mutable_abort_ack()->set_writes_quiesced(true);
-    after.messages.push_back([this, conn, ack] { SendTo(conn, ack); });
+    after.tasks.push_back([this, conn, ack] { SendTo(conn, ack); });
   }
   Run(after);
 }
