@@ -335,7 +335,8 @@ class TransferEngine:
         """Declares the room's source pages (a chunk of them with ``is_last=False``); the
         transfer starts when the decode side's request is known too and layers are ready
         (:meth:`layers_ready`). ``aux_slot``: this engine's aux slot whose bytes go with the
-        request (write them before the last layers_ready)."""
+        request (write them before ``layers_ready`` with the layer count: they are read once every
+        layer is ready, even when the decode side asked for fewer)."""
         room = str(room)
         self._engine.send(room, _pages(src_pages, "src_pages"), _seconds(deadline, "deadline"),
                           bool(is_last), -1 if aux_slot is None else int(aux_slot))

@@ -481,6 +481,49 @@ TEST_P(EngineLayoutTest, AuxBytesArriveBeforeDone) {
   EXPECT_EQ(after.state, RequestState::kSuccess) << after.status;
 }
 
+// A decode side that asks for fewer layers than the forward pass writes (layer 0 of 2) gets its
+// pages once that layer is ready, but the aux bytes (made at the end of the forward) only once
+// the producer has declared every layer: never the slot's bytes from before.
+TEST_P(EngineLayoutTest, AuxBytesWaitForTheWholeForwardWhenFewerLayersAreAsked) {
+  EngineMemory src({{}}, 4, 8, {16}, 4);
+  EngineMemory dst({{}}, 4, 8, {16}, 4);
+  Start(src.layout, dst.layout);
+  const std::vector<int32_t> pages = {1, 2};
+  FillPages(src, 3, pages);
+  ReceiveOptions r;
+  r.layer_end = 1;
+  r.aux_slot = 3;
+  ASSERT_TRUE(decode_->Receive("early-end", peer_, {5, 6}, r).ok());
+  SendOptions s;
+  s.aux_slot = 1;
+  ASSERT_TRUE(prefill_->Send("early-end", pages, s).ok());
+  ASSERT_TRUE(prefill_->LayersReady("early-end", 1).ok());
+  std::this_thread::sleep_for(200ms);  // the layer's write has long landed
+  auto waiting = decode_->GetRequest("early-end");
+  ASSERT_TRUE(waiting.ok()) << waiting.status();
+  EXPECT_FALSE(IsFinal(waiting->state)) << "done before the aux bytes were written";
+  // The end of the forward: the aux slot, then the last layer.
+  uint8_t* slot = src.aux_blocks[0]->data() + 1 * src.layout.aux[0].item_len;
+  for (uint64_t k = 0; k < src.layout.aux[0].item_len; ++k) slot[k] = PatternByte(7, 0, 0, k);
+  ASSERT_TRUE(prefill_->LayersReady("early-end", 2).ok());
+  auto info = decode_->WaitRequest("early-end", 10s);
+  ASSERT_TRUE(info.ok()) << info.status();
+  ASSERT_EQ(info->state, RequestState::kSuccess) << info->status;
+  const uint8_t* got = dst.aux_blocks[0]->data() + 3 * dst.layout.aux[0].item_len;
+  for (uint64_t k = 0; k < dst.layout.aux[0].item_len; ++k) {
+    ASSERT_EQ(got[k], PatternByte(7, 0, 0, k)) << k;
+  }
+  EXPECT_EQ(PageMismatches(dst, 3, {5, 6}, 0, 1), 0u);
+  // Layer 1 was not asked for: its pages stay as they were (zero).
+  for (const auto& f : dst.Flat()) {
+    if (f.layer != 1) continue;
+    for (int32_t p : {5, 6}) {
+      const uint8_t* page = reinterpret_cast<const uint8_t*>(f.info.ptr + p * f.info.item_len);
+      for (uint64_t k = 0; k < f.info.item_len; ++k) ASSERT_EQ(page[k], 0) << p << " " << k;
+    }
+  }
+}
+
 TEST_P(EngineLayoutTest, MismatchedLayoutsAreRefusedNamingBothSides) {
   EngineMemory src({{KvShape::kKeyValue, 2, 2, 16}, {KvShape::kKeyValue, 1, 2, 16}}, 4, 4, {16});
   EngineMemory dst({{KvShape::kKeyValue, 2, 2, 16}, {KvShape::kLatent, 1, 1, 64}}, 4, 4, {24});
@@ -514,7 +557,9 @@ TEST_P(EngineLayoutTest, ChunkedPrefillMovesLayerByLayer) {
   // Two chunks before the decode side's request, two after.
   size_t position = 0;
   for (size_t c = 0; c < chunks.size(); ++c) {
-    if (c == 2) ASSERT_TRUE(decode_->Receive("chunked", peer_, d).ok());
+    if (c == 2) {
+      ASSERT_TRUE(decode_->Receive("chunked", peer_, d).ok());
+    }
     SendOptions so;
     so.last = c + 1 == chunks.size();
     ASSERT_TRUE(prefill_->Send("chunked", chunks[c], so).ok());
@@ -524,7 +569,9 @@ TEST_P(EngineLayoutTest, ChunkedPrefillMovesLayerByLayer) {
     }
     position += chunks[c].size();
     auto mid = decode_->GetRequest("chunked");
-    if (c + 1 < chunks.size() && mid.ok()) EXPECT_FALSE(IsFinal(mid->state)) << c;
+    if (c + 1 < chunks.size() && mid.ok()) {
+      EXPECT_FALSE(IsFinal(mid->state)) << c;
+    }
   }
   auto info = decode_->WaitRequest("chunked", 10s);
   ASSERT_TRUE(info.ok());

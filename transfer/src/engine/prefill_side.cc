@@ -221,6 +221,12 @@ EngineSide::PollResult PrefillSide::PollPass(Clock::time_point now) {
         AdvanceLocked(*room, after);
         if (!IsFinal(room->state)) result.next = std::min(result.next, now + kEventPoll);
       }
+      // Every layer written, the aux bytes waiting for the producer's last event.
+      if (WaitsForAuxLocked(*room)) {
+        CheckWritesLocked(*room, after);
+        if (!IsFinal(room->state)) result.next = std::min(result.next, now + kEventPoll);
+        continue;
+      }
       if (!room->writes.empty()) {
         CheckWritesLocked(*room, after);
         if (room->writes.empty()) continue;
@@ -688,7 +694,8 @@ StatusOr<WriteId> PrefillSide::PostLayersLocked(PrefillRoom& room, SourceChunk& 
 Clock::time_point PrefillSide::PollByLocked(const PrefillRoom& room) const {
   if (IsFinal(room.state)) return Clock::time_point::max();
   if (!room.writes.empty()) return Clock::time_point::min();  // checked (or watched) now
-  return WaitsForEventLocked(room) ? Clock::time_point::min() : room.deadline;
+  return WaitsForEventLocked(room) || WaitsForAuxLocked(room) ? Clock::time_point::min()
+                                                              : room.deadline;
 }
 
 bool PrefillSide::WaitsForEventLocked(const PrefillRoom& room) const {
@@ -705,15 +712,34 @@ bool PrefillSide::AllPostedLocked(const PrefillRoom& room) const {
   });
 }
 
-Status PrefillSide::ReadAuxLocked(PrefillRoom& room) {
-  if (!room.dst_aux_slot) return OkStatus();
+StatusOr<bool> PrefillSide::AuxReadyLocked(const PrefillRoom& room) const {
+  if (!room.dst_aux_slot) return true;
   if (room.aux_slot < 0) {
     return FailedPrecondition("room '" + room.id + "': the decode side asked for aux data (into " +
                               "its slot " + std::to_string(*room.dst_aux_slot) +
                               ") but the prefill side's Send named no aux slot; pass "
                               "SendOptions::aux_slot");
   }
-  // Host memory the producer wrote before its last LayersReady call (the layout checked it).
+  // Aux bytes come from the end of the forward pass: whatever layer range the decode side
+  // asked for, they are read only once the last chunk is ready in every layer and the
+  // producer's event of that call has completed (a CUDA pool's producer may still be writing
+  // them on its stream).
+  const SourceChunk& last = room.chunks.back();
+  if (last.layers_ready < ctx_.num_layers()) return false;
+  return EventDone(last.ready);
+}
+
+bool PrefillSide::WaitsForAuxLocked(const PrefillRoom& room) const {
+  if (!room.dst_aux_slot || IsFinal(room.state) || !room.writes.empty() || !AllPostedLocked(room)) {
+    return false;
+  }
+  const SourceChunk& last = room.chunks.back();
+  return last.layers_ready >= ctx_.num_layers() && last.ready != nullptr;
+}
+
+Status PrefillSide::ReadAuxLocked(PrefillRoom& room) {
+  if (!room.dst_aux_slot) return OkStatus();
+  // Host memory the producer wrote before its final LayersReady call (the layout checked it).
   room.aux.clear();
   for (const BufferInfo& aux : ctx_.layout.aux) {
     const char* slot = reinterpret_cast<const char*>(
@@ -737,7 +763,11 @@ void PrefillSide::CheckWritesLocked(PrefillRoom& room, AfterUnlock& after) {
     room.last_progress = Clock::now();
   }
   if (AllPostedLocked(room)) {
-    // The KV is visible at the peer; the aux bytes go with the done message.
+    // The KV is visible at the peer; the aux bytes go with the done message once the producer
+    // has written them (LayersReady or the poller comes back for them).
+    StatusOr<bool> aux_ready = AuxReadyLocked(room);
+    if (!aux_ready.ok()) return FailAndReportLocked(room, aux_ready.status(), after);
+    if (!*aux_ready) return;
     Status aux = ReadAuxLocked(room);
     if (!aux.ok()) return FailAndReportLocked(room, aux, after);
     room.status = OkStatus();

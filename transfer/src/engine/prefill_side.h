@@ -129,8 +129,14 @@ class PrefillSide final : public SideWithTable<PrefillRoom>, public control::Con
   Clock::time_point PollByLocked(const PrefillRoom& room) const KVT_REQUIRES(ctx_.mu);
   // Whether layers of the room were declared ready with a producer's event but not posted yet.
   bool WaitsForEventLocked(const PrefillRoom& room) const KVT_REQUIRES(ctx_.mu);
-  // Reads the room's aux slot for its TransferDone; an error when the decode side asked for aux
-  // data the prefill side did not name.
+  // Whether the room's aux bytes may be read (true when it has none): the last chunk is ready
+  // in every layer and its producer's event has completed; an error when the decode side asked
+  // for aux data the prefill side did not name.
+  StatusOr<bool> AuxReadyLocked(const PrefillRoom& room) const KVT_REQUIRES(ctx_.mu);
+  // Whether every layer of the room is written and only its aux bytes wait, for the producer's
+  // event of its final LayersReady call (the poller looks again soon).
+  bool WaitsForAuxLocked(const PrefillRoom& room) const KVT_REQUIRES(ctx_.mu);
+  // Reads the room's aux slot for its TransferDone (AuxReadyLocked said it may).
   Status ReadAuxLocked(PrefillRoom& room) KVT_REQUIRES(ctx_.mu);
   void CheckWritesLocked(PrefillRoom& room, AfterUnlock& after) KVT_REQUIRES(ctx_.mu);
   // Fails the room: its writes are released after the lock (cancelled and waited for), and only

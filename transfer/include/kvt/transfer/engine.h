@@ -155,8 +155,10 @@ struct SendOptions {
   // be sent only once the previous one is ready up to its last layer.
   bool last = true;
   // The room's aux slot in this engine's layout (TransferLayout::aux); -1: none. Given with any
-  // chunk; its bytes are read once the last chunk's layers are all ready and written, so write
-  // them before the last LayersReady call.
+  // chunk. Its bytes are read once the last chunk is ready in every layer of this engine
+  // (LayersReady with the layer count, even when the decode side asked for fewer layers), that
+  // call's event has completed and the pages are written: write them before that call (on a
+  // CUDA pool, on the stream before its event).
   int64_t aux_slot = -1;
 };
 
