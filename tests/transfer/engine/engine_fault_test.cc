@@ -2,6 +2,7 @@
 // prefill engine shutting down mid-transfer, a slow peer teardown, concurrent connects, failed
 // sends, orphaned rooms and lost peers. Each case guards a defect that lost or corrupted data,
 // or stalled unrelated requests.
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -13,8 +14,8 @@
 #include <vector>
 
 #include "engine_test_util.h"
-#include "kvt/transfer/backends.h"
 #include "kvt/testing/tcp_relay.h"
+#include "kvt/transfer/backends.h"
 #include "kvt/transfer/engine.h"
 
 namespace kvt::transfer {
@@ -171,6 +172,50 @@ TEST(EngineFaultTest, AnAbortAckWaitsForTheReleaseOfAnEarlierAbort) {
   std::this_thread::sleep_for(600ms);  // past the write's delay
   EXPECT_EQ(Snapshot(*dst_pool, dst), at_reusable)
       << "bytes landed in the decode pages after they were reported reusable";
+}
+
+// A prefill engine whose connection ends right after its hello-ack (it went away while the
+// decode side was still setting the peer up): ConnectPeer never hands out that dead connection
+// for good. Either it fails naming what happened, or the loss is noticed and the next
+// ConnectPeer to the address connects afresh.
+TEST(EngineFaultTest, AConnectionThatEndsRightAfterTheHelloAckIsNotKept) {
+  auto src_pool = MakePool(SmallPoolOptions());
+  auto dst_pool = MakePool(SmallPoolOptions());
+  auto prefill = TransferEngine::Create(Options("prefill-0", true), src_pool.get(), Loopback({}));
+  auto decode = TransferEngine::Create(Options("decode-0", false), dst_pool.get(), Loopback({}));
+  ASSERT_TRUE(prefill.ok() && decode.ok());
+  kvt::testing::TcpRelay relay((*prefill)->port());
+  ASSERT_NE(relay.port(), 0);
+  relay.CloseAfterReplies(2);  // the handshake's answer, then the hello-ack
+  int refused = 0;
+  for (int attempt = 0; attempt < 10; ++attempt) {
+    auto first = (*decode)->ConnectPeer("127.0.0.1", relay.port());
+    if (!first.ok()) {
+      EXPECT_EQ(first.status().code(), StatusCode::kUnavailable) << first.status();
+      EXPECT_THAT(first.status().message(),
+                  ::testing::HasSubstr("closed the connection right after answering hello"))
+          << first.status();
+      ++refused;
+      continue;
+    }
+    // Handed out before the close was seen: the close makes it lost, so it is not handed out
+    // again, and requests on it fail.
+    std::this_thread::sleep_for(100ms);
+    auto again = (*decode)->ConnectPeer("127.0.0.1", relay.port());
+    EXPECT_TRUE(!again.ok() || *again != *first) << "attempt " << attempt << ": peer " << *first
+                                                 << " handed out again after its connection ended";
+    EXPECT_FALSE((*decode)->Receive("r" + std::to_string(attempt), *first, {7}).ok());
+  }
+  std::printf("%d of 10 connects failed at once, the others were noticed lost\n", refused);
+  // The engine still connects to the prefill engine itself, and moves a request.
+  auto peer = (*decode)->ConnectPeer("127.0.0.1", (*prefill)->port());
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  ASSERT_TRUE((*decode)->Receive("fine", *peer, {7}).ok());
+  ASSERT_TRUE((*prefill)->Send("fine", {3}).ok());
+  ASSERT_TRUE((*prefill)->LayersReady("fine", 4).ok());
+  auto info = (*decode)->WaitRequest("fine", 5s);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->state, RequestState::kSuccess) << info->status;
 }
 
 // One decode peer's backend teardown blocks for 2 s: another peer's requests still complete and

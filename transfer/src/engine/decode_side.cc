@@ -170,12 +170,24 @@ StatusOr<PeerHandle> DecodeSide::Connect(const std::string& host, uint16_t port,
     }
     backend_peer = *joined;
   }
-  MutexLock lock(ctx_.mu);
-  raw->info = reply;
-  raw->backend_peer = backend_peer;
-  raw->alive = true;
-  KVT_LOG_INFO("xfer", "connected to prefill '{}' at {}", reply.name(), address);
-  return id;
+  Status why;
+  {
+    MutexLock lock(ctx_.mu);
+    raw->info = reply;
+    raw->backend_peer = backend_peer;
+    if (!raw->closed_while_connecting) {
+      raw->alive = true;
+      KVT_LOG_INFO("xfer", "connected to prefill '{}' at {}", reply.name(), address);
+      return id;
+    }
+    why = *raw->closed_while_connecting;
+  }
+  // The connection ended after the hello-ack (the prefill engine went away meanwhile): no
+  // disconnect will come for it any more, so it is dropped here, with its backend peer.
+  DropPeer(id);
+  return Unavailable("prefill engine at " + address +
+                     " closed the connection right after answering hello (" + why.ToString() +
+                     "); is it shutting down? Connect again once it is back");
 }
 
 void DecodeSide::DropPeer(PeerHandle id) {
@@ -485,7 +497,11 @@ void DecodeSide::OnPeerDisconnect(PeerHandle peer_id, const Status& why) {
     p.hello_answered = true;
     p.hello_reply.set_value(Unavailable("connection closed before hello-ack: " + why.ToString()));
   }
-  if (!was_alive) return;  // a connect that failed: its caller drops the peer
+  if (!was_alive) {
+    // Connect is still at work (or failed): it drops the peer and says why.
+    if (!p.closed_while_connecting) p.closed_while_connecting = why;
+    return;
+  }
   LostPeer lost;
   lost.id = peer_id;
   lost.host = p.host;

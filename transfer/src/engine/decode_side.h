@@ -83,6 +83,9 @@ class DecodeSide final : public SideWithTable<DecodeRoom> {
     std::optional<PeerId> backend_peer;  // two-sided backends: this side's end of the pair
     bool alive = false;
     bool said_goodbye = false;  // the peer ended the session with its writes quiesced
+    // The connection closed while Connect was still setting the peer up (after its hello-ack):
+    // why. Connect then fails instead of handing out a dead peer.
+    std::optional<Status> closed_while_connecting;
   };
 
   // A lost peer the liveness worker looks after.

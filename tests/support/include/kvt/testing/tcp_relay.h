@@ -55,6 +55,9 @@ class TcpRelay {
   uint16_t port() const { return port_; }
   void Pause() { paused_ = true; }
   void Resume() { paused_ = false; }
+  // From now on every connection closes (both ends) right after the target's n-th reply (read)
+  // was forwarded: a server that answers a request-response exchange n times and goes away.
+  void CloseAfterReplies(int n) { close_after_replies_ = n; }
 
  private:
   static sockaddr_in Loopback(uint16_t port) {
@@ -88,6 +91,7 @@ class TcpRelay {
   void Pipe(int a, int b) {
     char buf[64 * 1024];
     bool open = true;
+    int replies = 0;  // reads from the target forwarded
     while (!stop_ && open) {
       if (paused_) {
         std::this_thread::sleep_for(std::chrono::milliseconds(5));
@@ -111,6 +115,7 @@ class TcpRelay {
           }
           done += w;
         }
+        if (from == b && ++replies == close_after_replies_) open = false;
       }
     }
     close(a);
@@ -122,6 +127,7 @@ class TcpRelay {
   int listen_fd_ = -1;
   std::atomic<bool> stop_{false};
   std::atomic<bool> paused_{false};
+  std::atomic<int> close_after_replies_{0};  // 0: never
   std::mutex mu_;
   std::vector<std::thread> pipes_;
   std::thread acceptor_;
