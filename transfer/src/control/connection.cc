@@ -105,7 +105,7 @@ void Connection::Start() {
   asio::post(strand_, [self = shared_from_this()] { self->DoStart(); });
 }
 
-Status Connection::Send(const v1::Envelope& envelope) {
+Status Connection::Send(const v1::Envelope& envelope, QueueLimit limit) {
   if (closing_.load()) {
     return Unavailable(fmt::format("connection {} to {} is closed", config_.id, remote_address_));
   }
@@ -114,7 +114,8 @@ Status Connection::Send(const v1::Envelope& envelope) {
   // Reserve queue space here, on the caller's thread, so a full queue is reported to the caller.
   const size_t frames = queued_frames_.fetch_add(1) + 1;
   const size_t bytes = queued_bytes_.fetch_add(frame.size()) + frame.size();
-  if (frames > config_.limits.max_queued_frames || bytes > config_.limits.max_queued_bytes) {
+  if (limit == QueueLimit::kEnforced &&
+      (frames > config_.limits.max_queued_frames || bytes > config_.limits.max_queued_bytes)) {
     queued_frames_.fetch_sub(1);
     queued_bytes_.fetch_sub(frame.size());
     return ResourceExhausted(fmt::format(

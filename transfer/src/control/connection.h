@@ -74,7 +74,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void Start();
 
   // Thread-safe: encodes on the caller's thread and queues the frame (see ControlServer::Send).
-  Status Send(const v1::Envelope& envelope);
+  Status Send(const v1::Envelope& envelope, QueueLimit limit = QueueLimit::kEnforced);
 
   // Thread-safe: closes after queued frames are sent (bounded by close_linger).
   void Close(Status why);

@@ -229,9 +229,9 @@ ControlClient::ControlClient(std::unique_ptr<Impl> impl) : impl_(std::move(impl)
 
 ControlClient::~ControlClient() { Close(); }
 
-Status ControlClient::Send(const v1::Envelope& envelope) {
+Status ControlClient::Send(const v1::Envelope& envelope, QueueLimit limit) {
   if (impl_->connection == nullptr) return Unavailable("control client is not connected");
-  return impl_->connection->Send(envelope);
+  return impl_->connection->Send(envelope, limit);
 }
 
 StatusOr<v1::Envelope> ControlClient::Receive(std::chrono::milliseconds timeout) {

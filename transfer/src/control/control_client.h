@@ -64,8 +64,8 @@ class ControlClient {
   ~ControlClient();  // Close()
 
   // Queues one frame. Thread-safe, non-blocking. Unavailable once the connection is closed;
-  // ResourceExhausted when the send queue is full.
-  Status Send(const v1::Envelope& envelope);
+  // ResourceExhausted when the send queue is full (unless `limit` exempts the frame).
+  Status Send(const v1::Envelope& envelope, QueueLimit limit = QueueLimit::kEnforced);
 
   // The next received message, waiting up to `timeout`. Only without a Handler
   // (FailedPrecondition otherwise). DeadlineExceeded when nothing came; once the connection is

@@ -312,12 +312,12 @@ void ControlServer::Wake() {
   if (impl_->options.busy_poll.window.count() > 0) asio::post(impl_->io, [] {});
 }
 
-Status ControlServer::Send(ConnectionId id, const v1::Envelope& envelope) {
+Status ControlServer::Send(ConnectionId id, const v1::Envelope& envelope, QueueLimit limit) {
   std::shared_ptr<internal::Connection> connection = impl_->Find(id);
   if (connection == nullptr) {
     return NotFound(fmt::format("no open control connection {} (it closed or never existed)", id));
   }
-  return connection->Send(envelope);
+  return connection->Send(envelope, limit);
 }
 
 Status ControlServer::Disconnect(ConnectionId id, const Status& why) {

@@ -85,9 +85,10 @@ class ControlServer {
   void Wake();
 
   // Queues one frame for the connection. Thread-safe, non-blocking. NotFound when the
-  // connection is gone; ResourceExhausted when its send queue is full; InvalidArgument when the
-  // envelope is empty or too large.
-  Status Send(ConnectionId id, const v1::Envelope& envelope);
+  // connection is gone; ResourceExhausted when its send queue is full (unless `limit` exempts
+  // the frame); InvalidArgument when the envelope is empty or too large.
+  Status Send(ConnectionId id, const v1::Envelope& envelope,
+              QueueLimit limit = QueueLimit::kEnforced);
 
   // Closes the connection after its queued frames are sent (bounded by limits.close_linger).
   // Thread-safe. NotFound when it is already gone.

@@ -374,14 +374,17 @@ void DecodeSide::AbortLocked(DecodeRoom& room, v1::StatusCode code, Status why) 
   abort.mutable_abort()->set_room_id(room.id);
   abort.mutable_abort()->set_code(code);
   abort.mutable_abort()->set_reason(why.message());
-  (void)SendToPeerLocked(room.peer, abort);
+  // Once per room (it becomes final here); never dropped for a full send queue: the pages
+  // stay held until the prefill side acknowledges.
+  (void)SendToPeerLocked(room.peer, abort, control::QueueLimit::kExempt);
   FailLocked(room, std::move(why));
 }
 
-Status DecodeSide::SendToPeerLocked(PeerHandle peer, const v1::Envelope& envelope) {
+Status DecodeSide::SendToPeerLocked(PeerHandle peer, const v1::Envelope& envelope,
+                                    control::QueueLimit limit) {
   auto it = peers_.find(peer);
   if (it == peers_.end() || !it->second->client) return Unavailable("peer is gone");
-  return it->second->client->Send(envelope);
+  return it->second->client->Send(envelope, limit);
 }
 
 void DecodeSide::OnPeerMessage(PeerHandle peer_id, const v1::Envelope& envelope) {

@@ -133,7 +133,9 @@ class DecodeSide final : public SideWithTable<DecodeRoom> {
   // Fails the room and asks the prefill side to stop (it acknowledges once its writes are
   // quiesced; the pages stay quarantined until then).
   void AbortLocked(DecodeRoom& room, v1::StatusCode code, Status why) KVT_REQUIRES(ctx_.mu);
-  Status SendToPeerLocked(PeerHandle peer, const v1::Envelope& envelope) KVT_REQUIRES(ctx_.mu);
+  Status SendToPeerLocked(PeerHandle peer, const v1::Envelope& envelope,
+                          control::QueueLimit limit = control::QueueLimit::kEnforced)
+      KVT_REQUIRES(ctx_.mu);
 
   std::map<PeerHandle, std::unique_ptr<DecodePeer>> peers_ KVT_GUARDED_BY(ctx_.mu);
   // Connections being made, by address: a second ConnectPeer to the same address waits for the

@@ -178,7 +178,8 @@ Status PrefillSide::Abort(const std::string& room_id, const std::string& reason)
       abort.mutable_abort()->set_code(v1::STATUS_CODE_ABORTED);
       abort.mutable_abort()->set_reason(reason);
       const ConnectionId conn = room->conn;
-      after.messages.push_back([this, conn, abort] { SendTo(conn, abort); });
+      after.messages.push_back(
+          [this, conn, abort] { SendTo(conn, abort, control::QueueLimit::kExempt); });
     }
   }
   Run(after);
@@ -296,7 +297,7 @@ void PrefillSide::Shutdown() {
   goodbye.mutable_goodbye()->set_reason("the prefill engine '" + ctx_.options.name +
                                         "' is shutting down");
   goodbye.mutable_goodbye()->set_writes_quiesced(true);
-  for (ConnectionId conn : conns) SendTo(conn, goodbye);
+  for (ConnectionId conn : conns) SendTo(conn, goodbye, control::QueueLimit::kExempt);
   // Connections flush what was queued (the TransferDones above) before they close; each close
   // comes back through OnDisconnect, which disconnects the session's backend peer.
   if (server_) server_->Stop();
@@ -527,7 +528,8 @@ void PrefillSide::OnAbort(ConnectionId conn, const v1::Abort& abort) {
       session->second.last_heard = Clock::now();
     }
     PrefillRoom* room = table_.Find(abort.room_id());
-    if (room != nullptr && room->have_request && room->conn == conn) {
+    const bool owned = room != nullptr && room->have_request && room->conn == conn;
+    if (owned) {
       TakeWritesLocked(*room, after);
       table_.Fail(*room, Aborted("aborted by the decode side: " + abort.reason()));
       FinishLocked(*room);
@@ -539,7 +541,13 @@ void PrefillSide::OnAbort(ConnectionId conn, const v1::Abort& abort) {
     v1::Envelope ack;
     ack.mutable_abort_ack()->set_room_id(abort.room_id());
     ack.mutable_abort_ack()->set_writes_quiesced(true);
-    after.tasks.push_back([this, conn, ack] { SendTo(conn, ack); });
+    // The first ack of one of this peer's rooms is never dropped for a full send queue (the
+    // peer's pages wait for it); others are held to the queue's limits, so a peer that sends
+    // aborts without reading cannot grow the queue.
+    const bool exempt = owned && !std::exchange(room->abort_acked, true);
+    const control::QueueLimit limit =
+        exempt ? control::QueueLimit::kExempt : control::QueueLimit::kEnforced;
+    after.tasks.push_back([this, conn, ack, limit] { SendTo(conn, ack, limit); });
   }
   Run(after);
 }
@@ -809,7 +817,7 @@ void PrefillSide::QueueDoneLocked(const PrefillRoom& room, AfterUnlock& after) {
   const ConnectionId conn = room.conn;
   ++pending_dones_;
   after.messages.push_back([this, conn, done] {
-    SendTo(conn, done);
+    SendTo(conn, done, control::QueueLimit::kExempt);  // one per room: never dropped
     MutexLock lock(ctx_.mu);
     --pending_dones_;
     dones_cv_.NotifyAll();
@@ -832,9 +840,10 @@ void PrefillSide::FinishLocked(PrefillRoom& room) {
   std::vector<int32_t>().swap(room.dst_pages);
 }
 
-void PrefillSide::SendTo(ConnectionId conn, const v1::Envelope& envelope) {
+void PrefillSide::SendTo(ConnectionId conn, const v1::Envelope& envelope,
+                         control::QueueLimit limit) {
   if (!server_) return;
-  Status sent = server_->Send(conn, envelope);
+  Status sent = server_->Send(conn, envelope, limit);
   if (!sent.ok()) {
     KVT_LOG_DEBUG("xfer", "could not send {} on connection {}: {}", control::BodyName(envelope),
                   conn, sent.ToString());

@@ -45,6 +45,7 @@ struct PrefillRoom : RoomCore {
   bool last_chunk = false;  // the last chunk was sent: src_pages is complete
   int64_t aux_slot = -1;    // this side's aux slot (SendOptions::aux_slot); -1: none
   bool have_request = false;
+  bool abort_acked = false;  // an AbortAck went out exempt from the queue's limits
   control::ConnectionId conn = 0;
   std::vector<int32_t> dst_pages;
   std::vector<PageUnit> units;
@@ -148,7 +149,11 @@ class PrefillSide final : public SideWithTable<PrefillRoom>, public control::Con
   void FinishLocked(PrefillRoom& room) KVT_REQUIRES(ctx_.mu);
   // Does `after` now, or on the engine's worker when it may block.
   void Run(AfterUnlock& after) KVT_EXCLUDES(ctx_.mu) { Dispatch(ctx_, after); }
-  void SendTo(control::ConnectionId conn, const v1::Envelope& envelope);
+  // Sends on the connection (failures logged: a closed connection ends its rooms anyway).
+  // LayerProgress and replies to bad frames are held to the queue's limits; a room's final
+  // messages are exempt (control::QueueLimit).
+  void SendTo(control::ConnectionId conn, const v1::Envelope& envelope,
+              control::QueueLimit limit = control::QueueLimit::kEnforced);
   // Non-final rooms, read without the lock by the control server's io threads (an atomic).
   size_t ActiveRooms() const KVT_NO_THREAD_SAFETY_ANALYSIS {
     return table_.active_counter().load(std::memory_order_relaxed);

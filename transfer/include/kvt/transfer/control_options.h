@@ -27,12 +27,22 @@ inline constexpr uint32_t kDefaultMaxHandshakeFrameBytes = 8u << 10;
 // Smallest max_handshake_frame_bytes accepted: an auth_response with the longest client id.
 inline constexpr uint32_t kMinHandshakeFrameBytes = 1024;
 
+// Whether a frame sent on a connection is held to ConnectionLimits' queue bounds.
+enum class QueueLimit {
+  kEnforced,  // refused (ResourceExhausted) past max_queued_frames / max_queued_bytes
+  // Queued past them: for the few frames whose loss would turn a finished request into a
+  // failure or hold its pages (a room's TransferDone, an abort and its acknowledgement). The
+  // sender bounds how many it sends this way (one or two per room it owns).
+  kExempt,
+};
+
 struct ConnectionLimits {
   // Largest Envelope accepted or sent, in bytes (the length prefix excluded). Checked against
   // the length prefix before any buffer is allocated.
   uint32_t max_frame_bytes = kDefaultMaxFrameBytes;
   // Frames and bytes queued for sending on one connection; Send answers ResourceExhausted
   // beyond either (a slow peer cannot make us buffer without bound).
+  // A frame the protocol cannot do without (QueueLimit::kExempt) is queued past them.
   size_t max_queued_frames = 4096;
   size_t max_queued_bytes = 64u << 20;
   // Largest frame accepted before authentication is done (a server with a cluster token waiting
