@@ -64,8 +64,7 @@ def decode(engine: kvt.TransferEngine, peer: kvt.Peer, pool: Pool, room: str, to
         # failed request whose writes may still land (pages_reusable False) stay reserved.
         pool.release(pages)
         pool.free_slots.append(slot)
-    if state in (kvt.KVPoll.Success, kvt.KVPoll.Failed):
-        request.forget()  # final: kvt may drop the room's record
+        request.forget()  # final and quiet: kvt may drop the room's record
     return {"room": room, "state": state.name, "pages": len(pages), "bytes": info.bytes,
             "errors": errors}
 

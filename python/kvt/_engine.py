@@ -170,7 +170,8 @@ class Request:
         self._engine._native_engine().abort(self.room, reason)
 
     def forget(self) -> None:
-        """Drops the final room's record now (TransferError while it is not final)."""
+        """Drops the final room's record now (TransferError while it is not final, and on a
+        decode engine while a failed room's pages may still be written: ``pages_reusable``)."""
         self._engine._native_engine().forget(self.room)
         self._engine._release_event(self.room)
 

@@ -158,6 +158,10 @@ TEST(EngineFaultTest, AnAbortAckWaitsForTheReleaseOfAnEarlierAbort) {
   ASSERT_EQ((*prefill)->GetRequest("both")->state, RequestState::kTransferring);
   ASSERT_TRUE((*prefill)->Abort("both", "prefill gives up").ok());
   ASSERT_TRUE((*decode)->Abort("both", "decode gives up").ok());
+  // Not forgotten while a late answer may still come: a new room of the id would take it.
+  const Status early = (*decode)->Forget("both");
+  EXPECT_EQ(early.code(), StatusCode::kFailedPrecondition) << early;
+  EXPECT_THAT(early.message(), ::testing::HasSubstr("pages_reusable is false")) << early;
   std::vector<uint8_t> at_reusable;
   bool reusable = false;
   for (auto until = Clock::now() + 5s; Clock::now() < until && !reusable;) {
@@ -172,6 +176,7 @@ TEST(EngineFaultTest, AnAbortAckWaitsForTheReleaseOfAnEarlierAbort) {
   std::this_thread::sleep_for(600ms);  // past the write's delay
   EXPECT_EQ(Snapshot(*dst_pool, dst), at_reusable)
       << "bytes landed in the decode pages after they were reported reusable";
+  EXPECT_TRUE((*decode)->Forget("both").ok());
 }
 
 // A prefill engine whose connection ends right after its hello-ack (it went away while the

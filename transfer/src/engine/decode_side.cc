@@ -321,6 +321,20 @@ EngineSide::PollResult DecodeSide::PollPass(Clock::time_point now) {
   return result;
 }
 
+Status DecodeSide::Forget(const std::string& room_id) {
+  MutexLock lock(ctx_.mu);
+  const DecodeRoom* room = table_.Find(room_id);
+  if (room != nullptr && IsFinal(room->state) && !room->pages_reusable) {
+    return FailedPrecondition(
+        "room '" + room_id +
+        "' failed, but no write into its pages is known to have stopped yet (pages_reusable is "
+        "false: the prefill side's acknowledgement or the lost peer's fencing is awaited); a "
+        "new room of this id would take the late answers of this one for its own. Forget it "
+        "once pages_reusable is true (the engine also drops it itself then, after retention)");
+  }
+  return table_.Forget(room_id);
+}
+
 void DecodeSide::Shutdown() {
   std::vector<std::unique_ptr<DecodePeer>> peers;
   {

@@ -39,6 +39,10 @@ class DecodeSide final : public SideWithTable<DecodeRoom> {
   explicit DecodeSide(EngineContext& ctx) : SideWithTable(ctx) {}
   ~DecodeSide() override;
 
+  // Also refuses a failed room whose pages may still be written (not pages_reusable): a new
+  // room of the same id would take the late answers of this one for its own.
+  Status Forget(const std::string& room) override KVT_EXCLUDES(ctx_.mu);
+
   // Starts the liveness worker.
   Status Start();
 

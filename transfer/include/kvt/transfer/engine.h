@@ -243,7 +243,8 @@ class TransferEngine {
   // Fails the room with Aborted and tells the peer (which acknowledges). NotFound when unknown;
   // OK without effect when it is already final.
   Status Abort(const std::string& room, const std::string& reason = "aborted by the caller");
-  // Drops a final room's record. FailedPrecondition while it is not final.
+  // Drops a final room's record. FailedPrecondition while it is not final, and on a decode
+  // engine while a failed room's pages may still be written (RequestInfo::pages_reusable).
   Status Forget(const std::string& room);
 
   EngineStats stats() const;
