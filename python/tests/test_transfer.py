@@ -15,6 +15,8 @@ PLAN = [
     {"room": "many", "pages": 17, "mode": "whole", "aux": 2},
     {"room": "more", "pages": 24, "mode": "layerwise", "aux": 5},
     {"room": "chunked", "pages": 6, "mode": "whole", "chunked": True},
+    {"room": "chunked-closed", "pages": 4, "mode": "layerwise",
+     "chunked": "closed by an empty send"},
     {"room": "half-layers", "pages": 5, "mode": "layerwise", "layers": (1, 3)},
 ]
 

@@ -52,10 +52,14 @@ def prefill_main(cfg: dict, plan: list[dict], port_q, result_q) -> None:
                 aux_slot = item["aux"]
                 pool.aux_view()[aux_slot] = aux_bytes_for(room, pool.aux_view().shape[1])
             chunks = [pages] if not item.get("chunked") else [pages[: n // 2], pages[n // 2:]]
+            if item.get("chunked") == "closed by an empty send":
+                chunks.append([])  # the chunks hold every page; this one says they are all
             for c, chunk in enumerate(chunks):
                 last = c == len(chunks) - 1
                 request = engine.send(room, _page_list(chunk, i + c), aux_slot=aux_slot,
                                       is_last=last)
+                if not chunk:
+                    continue
                 if item["mode"] == "layerwise":
                     for layer in range(1, pool.layer_num + 1):
                         engine.layers_ready(room, layer)

@@ -636,6 +636,42 @@ TEST_P(EngineLayoutTest, ChunksAreCheckedAgainstTheDecodeRequest) {
               HasSubstr("asked for 3 pages but the prefill side has 2"));
 }
 
+// Chunks sent as "more follow" that turn out to hold every page: an empty last Send closes the
+// room and its bytes arrive. An empty Send that opens a room or promises more is refused.
+TEST_P(EngineLayoutTest, AnEmptyLastChunkClosesAChunkedRoom) {
+  EngineMemory src({{}}, 4, 12);
+  EngineMemory dst({{}}, 4, 12);
+  Start(src.layout, dst.layout);
+  SendOptions more;
+  more.last = false;
+  SendOptions last;
+  Status empty = prefill_->Send("closed", {}, last);
+  EXPECT_EQ(empty.code(), StatusCode::kInvalidArgument) << empty;
+  EXPECT_THAT(empty.message(), HasSubstr("an empty Send may only close a chunked room"));
+  empty = prefill_->Send("closed", {}, more);
+  EXPECT_EQ(empty.code(), StatusCode::kInvalidArgument) << empty;
+  EXPECT_THAT(empty.message(), HasSubstr("may only be the last chunk"));
+  const std::vector<int32_t> s = {4, 5, 6}, d = {1, 2, 3};
+  FillPages(src, 17, {4, 5}, 0);
+  FillPages(src, 17, {6}, 2);
+  ASSERT_TRUE(decode_->Receive("closed", peer_, d).ok());
+  ASSERT_TRUE(prefill_->Send("closed", {4, 5}, more).ok());
+  ASSERT_TRUE(prefill_->LayersReady("closed", 2).ok());
+  ASSERT_TRUE(prefill_->Send("closed", {6}, more).ok());
+  ASSERT_TRUE(prefill_->LayersReady("closed", 2).ok());
+  std::this_thread::sleep_for(50ms);
+  auto open = decode_->GetRequest("closed");
+  ASSERT_TRUE(open.ok());
+  EXPECT_FALSE(IsFinal(open->state)) << "done before the last chunk";
+  ASSERT_TRUE(prefill_->Send("closed", {}, last).ok());
+  auto info = decode_->WaitRequest("closed", 10s);
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->state, RequestState::kSuccess) << info->status;
+  EXPECT_EQ(PageMismatches(dst, 17, d), 0u);
+  // Closed: nothing more, empty or not.
+  EXPECT_EQ(prefill_->Send("closed", {}, last).code(), StatusCode::kAlreadyExists);
+}
+
 TEST_P(EngineLayoutTest, ARoomAbortedBeforeItsRequestTellsTheDecodeSideWhy) {
   EngineMemory src({{}}, 4, 8);
   EngineMemory dst({{}}, 4, 8);

@@ -182,7 +182,12 @@ class TransferEngine::Impl {
       return FailedPrecondition("Send is for prefill engines; this engine is decode");
     }
     if (room.empty()) return InvalidArgument("room id is empty");
-    if (src_pages.empty()) return InvalidArgument("room '" + room + "' names no pages");
+    // An empty list only closes a chunked room whose chunks already hold every page.
+    if (src_pages.empty() && !options.last) {
+      return InvalidArgument("room '" + room +
+                             "' names no pages; an empty Send may only be the last chunk of a "
+                             "chunked room (SendOptions::last = true)");
+    }
     if (deadline.count() < 0) {
       return InvalidArgument("deadline " + std::to_string(deadline.count()) + " ms of room '" +
                              room + "' is negative; pass 0 for the engine's default deadline");

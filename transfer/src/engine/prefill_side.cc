@@ -75,6 +75,11 @@ Status PrefillSide::Send(const std::string& room_id, std::vector<int32_t> src_pa
   {
     MutexLock lock(ctx_.mu);
     PrefillRoom* room = table_.Find(room_id);
+    if (src_pages.empty() && (room == nullptr || room->chunks.empty())) {
+      return InvalidArgument("room '" + room_id +
+                             "' names no pages; an empty Send may only close a chunked room "
+                             "after its chunks");
+    }
     if (room == nullptr) {
       room = &table_.Open(room_id, deadline.count() > 0 ? deadline : ctx_.options.default_deadline);
       if (table_.active_size() == 1 && server_) server_->Wake();
@@ -88,7 +93,7 @@ Status PrefillSide::Send(const std::string& room_id, std::vector<int32_t> src_pa
                              std::to_string(room->src_pages.size()) +
                              "; its last chunk was sent)");
       }
-      if (!room->chunks.empty()) {
+      if (!room->chunks.empty() && !src_pages.empty()) {
         const SourceChunk& previous = room->chunks.back();
         if (previous.layers_ready < ctx_.num_layers()) {
           return FailedPrecondition(
@@ -116,15 +121,19 @@ Status PrefillSide::Send(const std::string& room_id, std::vector<int32_t> src_pa
       // The decode side's request came first; the earlier of the two deadlines holds.
       if (deadline.count() > 0) room->deadline = std::min(room->deadline, Clock::now() + deadline);
     }
-    SourceChunk chunk;
-    chunk.offset = room->src_pages.size();
-    chunk.count = src_pages.size();
-    if (room->src_pages.empty()) {
-      room->src_pages = std::move(src_pages);  // the caller's list, not a fresh copy of it
-    } else {
-      room->src_pages.insert(room->src_pages.end(), src_pages.begin(), src_pages.end());
+    if (!src_pages.empty()) {
+      SourceChunk chunk;
+      chunk.offset = room->src_pages.size();
+      chunk.count = src_pages.size();
+      if (room->src_pages.empty()) {
+        room->src_pages = std::move(src_pages);  // the caller's list, not a fresh copy of it
+      } else {
+        room->src_pages.insert(room->src_pages.end(), src_pages.begin(), src_pages.end());
+      }
+      room->chunks.push_back(chunk);
     }
-    room->chunks.push_back(chunk);
+    // An empty last Send adds no chunk: it says the chunks so far are all (LayersReady still
+    // applies to the latest of them).
     room->last_chunk = options.last;
     if (options.aux_slot >= 0) room->aux_slot = options.aux_slot;
     AdvanceLocked(*room, after);

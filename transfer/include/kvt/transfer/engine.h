@@ -221,7 +221,9 @@ class TransferEngine {
               std::chrono::milliseconds deadline = std::chrono::milliseconds(0));
   // The same with options: a chunk of a chunked prefill (options.last = false), an aux slot.
   // A chunk that would take the room past the decode side's page count is refused (OutOfRange
-  // naming both counts) and changes nothing.
+  // naming both counts) and changes nothing. An empty last chunk (no pages, options.last) closes
+  // a chunked room whose chunks already hold every page; LayersReady goes on applying to its
+  // latest chunk.
   Status Send(const std::string& room, std::vector<int32_t> src_pages, const SendOptions& options);
   // Layers [0, layers_done) of the room are written in the pool; their pages may go out.
   // Monotone; values beyond the layer count are clamped.
