@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <future>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -76,55 +77,83 @@ double MsSince(Clock::time_point t) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
 }
 
+// A prefill engine whose writes land `delay` after they are posted, even once released (as a
+// network card that already took the data would), and a decode engine connected to it.
+struct SlowWrites {
+  explicit SlowWrites(std::chrono::milliseconds delay) {
+    LoopbackOptions slow;
+    slow.delay = delay;
+    slow.release_completes_in_flight = true;
+    auto p = TransferEngine::Create(Options("prefill-0", true), src_pool.get(), Loopback(slow));
+    auto d = TransferEngine::Create(Options("decode-0", false), dst_pool.get(), Loopback({}));
+    EXPECT_TRUE(p.ok()) << p.status();
+    EXPECT_TRUE(d.ok()) << d.status();
+    if (!p.ok() || !d.ok()) return;
+    prefill = std::move(p).value();
+    decode = std::move(d).value();
+    auto handle = decode->ConnectPeer("127.0.0.1", prefill->port());
+    EXPECT_TRUE(handle.ok()) << handle.status();
+    if (handle.ok()) peer = *handle;
+  }
+  bool ready() const { return peer != 0; }
+
+  // Room `room` from `src` (filled with `seed`) to `dst`, every layer ready; true once its
+  // write is in flight.
+  bool Post(const std::string& room, const std::vector<int32_t>& src,
+            const std::vector<int32_t>& dst, uint64_t seed) {
+    Fill(*src_pool, seed, src);
+    if (!decode->Receive(room, peer, dst).ok() || !prefill->Send(room, src).ok() ||
+        !prefill->LayersReady(room, 4).ok()) {
+      return false;
+    }
+    for (auto until = Clock::now() + 2s; Clock::now() < until;) {
+      auto info = prefill->GetRequest(room);
+      if (info.ok() && info->state == RequestState::kTransferring) return true;
+      std::this_thread::sleep_for(1ms);
+    }
+    return false;
+  }
+
+  // The bytes of the decode room's pages at the moment it said they are reusable (the room is
+  // then final); nothing when that did not happen within 5 s.
+  std::optional<std::vector<uint8_t>> BytesOnceReusable(const std::string& room,
+                                                        const std::vector<int32_t>& dst) {
+    for (auto until = Clock::now() + 5s; Clock::now() < until;) {
+      auto info = decode->GetRequest(room);
+      if (!info.ok()) return std::nullopt;
+      if (info->pages_reusable) {
+        EXPECT_TRUE(IsFinal(info->state));
+        return Snapshot(*dst_pool, dst);
+      }
+    }
+    return std::nullopt;
+  }
+
+  std::unique_ptr<pool::KvPool> src_pool = MakePool(SmallPoolOptions());
+  std::unique_ptr<pool::KvPool> dst_pool = MakePool(SmallPoolOptions());
+  std::unique_ptr<TransferEngine> prefill;
+  std::unique_ptr<TransferEngine> decode;
+  PeerHandle peer = 0;
+};
+
 // A prefill engine destroyed while its writes are in flight: the decode side may reuse the pages
 // only once no byte of them can land any more. The loopback backend here models a network card
 // that already took the data: a released write still lands (after its delay). The decode side
 // must not hear "reusable" (nor see the port close) before that.
 TEST(EngineFaultTest, PrefillShutdownQuiescesWritesBeforePagesAreReusable) {
-  auto src_pool = MakePool(SmallPoolOptions());
-  auto dst_pool = MakePool(SmallPoolOptions());
-  LoopbackOptions slow;
-  slow.delay = 400ms;
-  slow.release_completes_in_flight = true;
-  auto prefill = TransferEngine::Create(Options("prefill-0", true), src_pool.get(), Loopback(slow));
-  ASSERT_TRUE(prefill.ok()) << prefill.status();
-  auto decode = TransferEngine::Create(Options("decode-0", false), dst_pool.get(), Loopback({}));
-  ASSERT_TRUE(decode.ok()) << decode.status();
-  auto peer = (*decode)->ConnectPeer("127.0.0.1", (*prefill)->port());
-  ASSERT_TRUE(peer.ok()) << peer.status();
-
-  const std::vector<int32_t> src = {3, 4, 5, 9}, dst = {10, 11, 12, 40};
-  Fill(*src_pool, 77, src);
-  ASSERT_TRUE((*decode)->Receive("room-1", *peer, dst).ok());
-  ASSERT_TRUE((*prefill)->Send("room-1", src).ok());
-  ASSERT_TRUE((*prefill)->LayersReady("room-1", 4).ok());
-  // The write is posted (and will take 400 ms to land).
-  for (auto until = Clock::now() + 2s; Clock::now() < until;) {
-    auto info = (*prefill)->GetRequest("room-1");
-    if (info.ok() && info->state == RequestState::kTransferring) break;
-    std::this_thread::sleep_for(1ms);
-  }
-  ASSERT_EQ((*prefill)->GetRequest("room-1")->state, RequestState::kTransferring);
-
-  std::thread shutdown([&] { prefill->reset(); });
+  SlowWrites w(400ms);
+  ASSERT_TRUE(w.ready());
+  const std::vector<int32_t> dst = {10, 11, 12, 40};
+  ASSERT_TRUE(w.Post("room-1", {3, 4, 5, 9}, dst, 77));  // lands 400 ms after the post
+  std::thread shutdown([&] { w.prefill.reset(); });
   // Watch the decode room: once it says the pages are reusable, they must not change any more.
-  std::vector<uint8_t> at_reusable;
-  bool reusable = false;
-  for (auto until = Clock::now() + 5s; Clock::now() < until && !reusable;) {
-    auto info = (*decode)->GetRequest("room-1");
-    ASSERT_TRUE(info.ok()) << info.status();
-    if (info->pages_reusable) {
-      at_reusable = Snapshot(*dst_pool, dst);
-      reusable = true;
-      EXPECT_TRUE(IsFinal(info->state));
-    }
-  }
+  const auto at_reusable = w.BytesOnceReusable("room-1", dst);
   shutdown.join();
-  ASSERT_TRUE(reusable) << "the decode room never became reusable after the prefill shut down";
+  ASSERT_TRUE(at_reusable) << "the decode room never became reusable after the prefill shut down";
   std::this_thread::sleep_for(600ms);  // past the write's delay
-  EXPECT_EQ(Snapshot(*dst_pool, dst), at_reusable)
+  EXPECT_EQ(Snapshot(*w.dst_pool, dst), *at_reusable)
       << "bytes landed in the decode pages after they were reported reusable";
-  auto info = (*decode)->GetRequest("room-1");
+  auto info = w.decode->GetRequest("room-1");
   ASSERT_TRUE(info.ok());
   EXPECT_EQ(info->state, RequestState::kFailed);
   EXPECT_EQ(info->status.code(), StatusCode::kUnavailable) << info->status;
@@ -136,47 +165,22 @@ TEST(EngineFaultTest, PrefillShutdownQuiescesWritesBeforePagesAreReusable) {
 // are quiesced, so it must wait for that release: the decode pages may not change once they
 // are reported reusable.
 TEST(EngineFaultTest, AnAbortAckWaitsForTheReleaseOfAnEarlierAbort) {
-  auto src_pool = MakePool(SmallPoolOptions());
-  auto dst_pool = MakePool(SmallPoolOptions());
-  LoopbackOptions slow;
-  slow.delay = 400ms;
-  slow.release_completes_in_flight = true;
-  auto prefill = TransferEngine::Create(Options("prefill-0", true), src_pool.get(), Loopback(slow));
-  auto decode = TransferEngine::Create(Options("decode-0", false), dst_pool.get(), Loopback({}));
-  ASSERT_TRUE(prefill.ok() && decode.ok());
-  auto peer = (*decode)->ConnectPeer("127.0.0.1", (*prefill)->port());
-  ASSERT_TRUE(peer.ok()) << peer.status();
-  const std::vector<int32_t> src = {3, 4, 5, 9}, dst = {10, 11, 12, 40};
-  Fill(*src_pool, 91, src);
-  ASSERT_TRUE((*decode)->Receive("both", *peer, dst).ok());
-  ASSERT_TRUE((*prefill)->Send("both", src).ok());
-  ASSERT_TRUE((*prefill)->LayersReady("both", 4).ok());
-  for (auto until = Clock::now() + 2s; Clock::now() < until;) {
-    if ((*prefill)->GetRequest("both")->state == RequestState::kTransferring) break;
-    std::this_thread::sleep_for(1ms);
-  }
-  ASSERT_EQ((*prefill)->GetRequest("both")->state, RequestState::kTransferring);
-  ASSERT_TRUE((*prefill)->Abort("both", "prefill gives up").ok());
-  ASSERT_TRUE((*decode)->Abort("both", "decode gives up").ok());
+  SlowWrites w(400ms);
+  ASSERT_TRUE(w.ready());
+  const std::vector<int32_t> dst = {10, 11, 12, 40};
+  ASSERT_TRUE(w.Post("both", {3, 4, 5, 9}, dst, 91));
+  ASSERT_TRUE(w.prefill->Abort("both", "prefill gives up").ok());
+  ASSERT_TRUE(w.decode->Abort("both", "decode gives up").ok());
   // Not forgotten while a late answer may still come: a new room of the id would take it.
-  const Status early = (*decode)->Forget("both");
+  const Status early = w.decode->Forget("both");
   EXPECT_EQ(early.code(), StatusCode::kFailedPrecondition) << early;
   EXPECT_THAT(early.message(), ::testing::HasSubstr("pages_reusable is false")) << early;
-  std::vector<uint8_t> at_reusable;
-  bool reusable = false;
-  for (auto until = Clock::now() + 5s; Clock::now() < until && !reusable;) {
-    auto info = (*decode)->GetRequest("both");
-    ASSERT_TRUE(info.ok()) << info.status();
-    if (info->pages_reusable) {
-      at_reusable = Snapshot(*dst_pool, dst);
-      reusable = true;
-    }
-  }
-  ASSERT_TRUE(reusable) << "the decode room never became reusable after both aborts";
+  const auto at_reusable = w.BytesOnceReusable("both", dst);
+  ASSERT_TRUE(at_reusable) << "the decode room never became reusable after both aborts";
   std::this_thread::sleep_for(600ms);  // past the write's delay
-  EXPECT_EQ(Snapshot(*dst_pool, dst), at_reusable)
+  EXPECT_EQ(Snapshot(*w.dst_pool, dst), *at_reusable)
       << "bytes landed in the decode pages after they were reported reusable";
-  EXPECT_TRUE((*decode)->Forget("both").ok());
+  EXPECT_TRUE(w.decode->Forget("both").ok());
 }
 
 // A prefill engine whose connection ends right after its hello-ack (it went away while the
@@ -270,40 +274,26 @@ TEST(EngineFaultTest, SlowPeerTeardownDoesNotStallOtherPeers) {
 // A write in flight whose release blocks (the loopback card waits out its delay) does not hold
 // up the engine: an abort of one room does not stall queries of another.
 TEST(EngineFaultTest, ReleasingWritesOfAnAbortedRoomDoesNotStallQueries) {
-  auto src_pool = MakePool(SmallPoolOptions());
-  auto dst_pool = MakePool(SmallPoolOptions());
-  LoopbackOptions slow;
-  slow.delay = 1500ms;
-  slow.release_completes_in_flight = true;
-  auto prefill = TransferEngine::Create(Options("prefill-0", true), src_pool.get(), Loopback(slow));
-  auto decode = TransferEngine::Create(Options("decode-0", false), dst_pool.get(), Loopback({}));
-  ASSERT_TRUE(prefill.ok() && decode.ok());
-  auto peer = (*decode)->ConnectPeer("127.0.0.1", (*prefill)->port());
-  ASSERT_TRUE(peer.ok()) << peer.status();
-  ASSERT_TRUE((*decode)->Receive("slow", *peer, {7}).ok());
-  ASSERT_TRUE((*prefill)->Send("slow", {3}).ok());
-  ASSERT_TRUE((*prefill)->LayersReady("slow", 4).ok());
-  ASSERT_TRUE((*prefill)->Send("other", {4}).ok());
-  for (auto until = Clock::now() + 2s; Clock::now() < until;) {
-    if ((*prefill)->GetRequest("slow")->state == RequestState::kTransferring) break;
-    std::this_thread::sleep_for(1ms);
-  }
-  std::thread abort([&] { ASSERT_TRUE((*prefill)->Abort("slow", "test").ok()); });
+  SlowWrites w(1500ms);
+  ASSERT_TRUE(w.ready());
+  ASSERT_TRUE(w.prefill->Send("other", {4}).ok());
+  ASSERT_TRUE(w.Post("slow", {3}, {7}, 5));
+  std::thread abort([&] { ASSERT_TRUE(w.prefill->Abort("slow", "test").ok()); });
   std::this_thread::sleep_for(50ms);  // the abort is releasing the write (1.5 s)
   const auto start = Clock::now();
-  auto other = (*prefill)->GetRequest("other");
+  auto other = w.prefill->GetRequest("other");
   EXPECT_LT(Clock::now() - start, 100ms) << "GetRequest waited for another room's release";
   ASSERT_TRUE(other.ok());
   abort.join();
   // The decode side hears of the abort only after the write was released.
-  auto info = (*decode)->WaitRequest("slow", 5s);
+  auto info = w.decode->WaitRequest("slow", 5s);
   ASSERT_TRUE(info.ok());
   EXPECT_EQ(info->state, RequestState::kFailed);
   for (auto until = Clock::now() + 2s; Clock::now() < until;) {
-    if ((*decode)->GetRequest("slow")->pages_reusable) break;
+    if (w.decode->GetRequest("slow")->pages_reusable) break;
     std::this_thread::sleep_for(1ms);
   }
-  EXPECT_TRUE((*decode)->GetRequest("slow")->pages_reusable);
+  EXPECT_TRUE(w.decode->GetRequest("slow")->pages_reusable);
 }
 
 // Two threads connecting to one prefill engine at once share one connection.
