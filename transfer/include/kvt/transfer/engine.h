@@ -147,7 +147,9 @@ struct EngineOptions {
 
 // Options of one Send call (a chunk of a room's source pages).
 struct SendOptions {
-  // 0: the engine's default deadline. Counted from the room's first Send or request.
+  // 0: the engine's default deadline. The room's deadline is set by its first Send or request
+  // (the default or the one given, counted from that call); a later call's deadline, counted
+  // from that call, can only bring it forward (the earlier of the two holds).
   std::chrono::milliseconds deadline{0};
   // false: more chunks follow (chunked prefill). Each chunk's pages follow the previous chunks'
   // in token order and go to the next positions of the decode side's page list; each chunk has
