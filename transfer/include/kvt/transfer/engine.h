@@ -64,7 +64,9 @@ struct RequestInfo {
   RequestState state = RequestState::kBootstrapping;
   Status status;              // why it failed (OK otherwise)
   uint64_t bytes = 0;         // bytes written (prefill) / reported delivered (decode)
-  int32_t layers_posted = 0;  // prefill: layers whose writes were posted
+  // prefill: layers whose writes were posted for every page declared so far (a new chunk of a
+  // chunked room starts it again from the room's first layer)
+  int32_t layers_posted = 0;
   // decode: true once no write into the request's pages can land any more (success, or the
   // prefill side confirmed it quiesced, or it is known dead). Pages may be reused only then.
   bool pages_reusable = false;
