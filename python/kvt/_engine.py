@@ -394,7 +394,9 @@ class TransferEngine:
         return dict(self._engine.stats())
 
     def close(self) -> None:
-        """Stops the engine (waits for its threads without holding the GIL). Idempotent."""
+        """Stops the engine (waits for its threads without holding the GIL). Idempotent.
+        Calls on other threads finish first; a ``wait`` there ends within 0.1 s, raising
+        ValueError, and later calls raise ValueError (the engine is closed)."""
         self._engine.close()
         with self._events_lock:
             self._events.clear()

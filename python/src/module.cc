@@ -8,11 +8,13 @@
 //
 // Thread safety: every function may be called from any Python thread; the engine and the
 // registry client are thread-safe (kvt/transfer/engine.h, registry.h).
+#include <cuda_runtime_api.h>
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -21,11 +23,10 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <utility>
 #include <variant>
 #include <vector>
-
-#include <cuda_runtime_api.h>
 
 #include "kvt/common/dtype.h"
 #include "kvt/common/status.h"
@@ -57,9 +58,9 @@ bool Finalizing() {
 
 // Destroys what `owned` holds (engines and backends join their threads) without the GIL, except
 // while the interpreter shuts down; `close` does it at once wherever it is called from.
-template <typename T>
-void DestroyWithoutGil(std::unique_ptr<T>& owned, bool close = false) {
-  std::unique_ptr<T> doomed = std::move(owned);
+template <typename Ptr>
+void DestroyWithoutGil(Ptr& owned, bool close = false) {
+  Ptr doomed = std::move(owned);
   if (doomed == nullptr) return;
   if (close || (PyGILState_Check() && !Finalizing())) {
     py::gil_scoped_release release;
@@ -67,6 +68,26 @@ void DestroyWithoutGil(std::unique_ptr<T>& owned, bool close = false) {
   } else {
     doomed.reset();
   }
+}
+
+// How long one slice of a wait without the GIL lasts: a close() on another thread ends the wait
+// within it (waits that return at once when their request is final cost nothing more).
+constexpr std::chrono::milliseconds kWaitSlice{100};
+
+// Closes a native object that calls on other Python threads may be using without the GIL.
+// Every such call holds a reference (taken with the GIL, before releasing it), so the object is
+// never destroyed under a call in flight: `owned` is emptied at once (new calls see the object
+// closed), `closing` tells waits in flight to give up at their next slice, and the object is
+// destroyed, without the GIL, once the last call in flight has returned its reference.
+template <typename T>
+void CloseShared(std::shared_ptr<T>& owned, std::atomic<bool>& closing) {
+  std::shared_ptr<T> doomed = std::move(owned);
+  if (doomed == nullptr) return;
+  closing.store(true, std::memory_order_release);
+  py::gil_scoped_release release;
+  // No new reference can be taken (that needs the GIL and `owned`): the count only falls.
+  while (doomed.use_count() > 1) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  doomed.reset();
 }
 
 void ThrowIfError(const Status& status, const std::string& room = {}) {
@@ -311,14 +332,18 @@ class Engine {
   }
   ~Engine() { DestroyWithoutGil(engine_); }
 
-  void Close() { DestroyWithoutGil(engine_, /*close=*/true); }
+  void Close() { CloseShared(engine_, closing_); }
   bool closed() const { return engine_ == nullptr; }
 
-  transfer::TransferEngine& get() const {
+  // For calls that keep the GIL.
+  transfer::TransferEngine& get() const { return *hold(); }
+  // For calls that release the GIL: the reference keeps the engine alive through a close() on
+  // another thread.
+  std::shared_ptr<transfer::TransferEngine> hold() const {
     if (engine_ == nullptr) {
       throw py::value_error("the engine is closed; create a new TransferEngine");
     }
-    return *engine_;
+    return engine_;
   }
 
   uint16_t port() const { return get().port(); }
@@ -326,14 +351,16 @@ class Engine {
   py::dict layout() const { return LayoutDict(get().layout()); }
 
   uint64_t Connect(const std::string& host, uint16_t port) {
-    auto& e = get();
+    const auto held = hold();
+    auto& e = *held;
     py::gil_scoped_release release;
     return ValueOrThrow(e.ConnectPeer(host, port));
   }
 
   void Receive(const std::string& room, uint64_t peer, py::handle pages, double deadline,
                int32_t layer_begin, int32_t layer_end, int64_t aux_slot) {
-    auto& e = get();
+    const auto held = hold();
+    auto& e = *held;
     transfer::ReceiveOptions o;
     o.deadline = Millis(deadline);
     o.layer_begin = layer_begin;
@@ -346,7 +373,8 @@ class Engine {
 
   void Send(const std::string& room, py::handle pages, double deadline, bool last,
             int64_t aux_slot) {
-    auto& e = get();
+    const auto held = hold();
+    auto& e = *held;
     transfer::SendOptions o;
     o.deadline = Millis(deadline);
     o.last = last;
@@ -357,13 +385,15 @@ class Engine {
   }
 
   void LayersReady(const std::string& room, int32_t layers_done, uintptr_t event) {
-    auto& e = get();
+    const auto held = hold();
+    auto& e = *held;
     py::gil_scoped_release release;
     ThrowIfError(e.LayersReady(room, layers_done, reinterpret_cast<cudaEvent_t>(event)), room);
   }
 
   py::dict Get(const std::string& room) const {
-    auto& e = get();
+    const auto held = hold();
+    auto& e = *held;
     StatusOr<transfer::RequestInfo> info = [&] {
       py::gil_scoped_release release;
       return e.GetRequest(room);
@@ -373,23 +403,44 @@ class Engine {
 
   // The info once final; None when `timeout` passed first.
   py::object Wait(const std::string& room, double timeout) const {
-    auto& e = get();
+    const auto held = hold();
+    auto& e = *held;
+    const std::chrono::milliseconds limit = Millis(timeout);
+    bool closed_meanwhile = false;
     StatusOr<transfer::RequestInfo> info = [&] {
       py::gil_scoped_release release;
-      return e.WaitRequest(room, Millis(timeout));
+      // In slices, so that a close() on another thread ends the wait.
+      const auto until = std::chrono::steady_clock::now() + limit;
+      while (true) {
+        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+            until - std::chrono::steady_clock::now());
+        StatusOr<transfer::RequestInfo> r =
+            e.WaitRequest(room, std::clamp(left, std::chrono::milliseconds(0), kWaitSlice));
+        const bool timed_out = !r.ok() && r.status().code() == StatusCode::kDeadlineExceeded;
+        if (!timed_out || left <= kWaitSlice) return r;
+        if (closing_.load(std::memory_order_acquire)) {
+          closed_meanwhile = true;
+          return r;
+        }
+      }
     }();
+    if (closed_meanwhile) {
+      throw py::value_error("the engine was closed while waiting for room '" + room + "'");
+    }
     if (!info.ok() && info.status().code() == StatusCode::kDeadlineExceeded) return py::none();
     return InfoDict(ValueOrThrow(std::move(info), room));
   }
 
   void Abort(const std::string& room, const std::string& reason) {
-    auto& e = get();
+    const auto held = hold();
+    auto& e = *held;
     py::gil_scoped_release release;
     ThrowIfError(e.Abort(room, reason), room);
   }
 
   void Forget(const std::string& room) {
-    auto& e = get();
+    const auto held = hold();
+    auto& e = *held;
     py::gil_scoped_release release;
     ThrowIfError(e.Forget(room), room);
   }
@@ -407,7 +458,8 @@ class Engine {
   }
 
  private:
-  std::unique_ptr<transfer::TransferEngine> engine_;
+  std::shared_ptr<transfer::TransferEngine> engine_;
+  std::atomic<bool> closing_{false};
 };
 
 transfer::AgentRole ParseRole(const std::string& role) {
@@ -534,9 +586,9 @@ class RegionWriter {
   }
   ~RegionWriter() { DestroyWithoutGil(backend_); }
 
-  void Close() { DestroyWithoutGil(backend_, /*close=*/true); }
+  void Close() { CloseShared(backend_, closing_); }
 
-  std::string name() const { return std::string(get().Name()); }
+  std::string name() const { return std::string(hold()->Name()); }
 
   // Registers the regions (base, length, device: -1 host, else the CUDA ordinal) once; returns
   // what a peer needs to connect: (backend, address, [(base, length, key)]).
@@ -558,9 +610,10 @@ class RegionWriter {
       regions[i].kind = d[i] < 0 ? transfer::MemoryKind::kHost : transfer::MemoryKind::kCuda;
       regions[i].device = static_cast<int32_t>(d[i]);
     }
+    const auto backend = hold();
     StatusOr<transfer::PeerDescriptor> registered = [&] {
       py::gil_scoped_release release;
-      return get().Register(regions);
+      return backend->Register(regions);
     }();
     transfer::PeerDescriptor descriptor = ValueOrThrow(std::move(registered));
     py::list out;
@@ -590,13 +643,15 @@ class RegionWriter {
       r.key = t[2].cast<std::string>();
       peer.regions.push_back(std::move(r));
     }
+    const auto own = hold();
     py::gil_scoped_release release;
-    return ValueOrThrow(get().Connect(peer));
+    return ValueOrThrow(own->Connect(peer));
   }
 
   void Disconnect(uint64_t peer) {
+    const auto backend = hold();
     py::gil_scoped_release release;
-    ThrowIfError(get().Disconnect(peer));
+    ThrowIfError(backend->Disconnect(peer));
   }
 
   // Writes the runs (rows of [local region, peer region, src offset, dst offset, bytes]) and
@@ -620,8 +675,9 @@ class RegionWriter {
                                   static_cast<uint32_t>(r[1])};
     }
     const std::chrono::milliseconds limit = Millis(timeout);
+    const auto held = hold();
+    transfer::Backend& backend = *held;
     py::gil_scoped_release release;
-    transfer::Backend& backend = get();
     const auto deadline = std::chrono::steady_clock::now() + limit;
     const transfer::WriteId id = ValueOrThrow(backend.PostWrite(peer, runs));
     std::chrono::microseconds pause = 20us;
@@ -632,6 +688,11 @@ class RegionWriter {
       lock.unlock();
       status = backend.Check(id);
       if (status.code() != StatusCode::kInProgress) break;
+      if (closing_.load(std::memory_order_acquire)) {
+        backend.Release(id);  // waits for what cannot be cancelled
+        ThrowIfError(Aborted("the region writer was closed during the write of " +
+                             std::to_string(n) + " runs; the write was released"));
+      }
       if (std::chrono::steady_clock::now() >= deadline) {
         backend.Release(id);  // waits for what cannot be cancelled
         ThrowIfError(DeadlineExceeded("the write of " + std::to_string(n) +
@@ -654,15 +715,17 @@ class RegionWriter {
     uint64_t epoch = 0;
   };
 
-  transfer::Backend& get() const {
+  // The backend, held through a close() on another thread (calls release the GIL).
+  std::shared_ptr<transfer::Backend> hold() const {
     if (backend_ == nullptr) {
       throw py::value_error("the region writer is closed; create a new one");
     }
-    return *backend_;
+    return backend_;
   }
 
   std::shared_ptr<State> state_ = std::make_shared<State>();
-  std::unique_ptr<transfer::Backend> backend_;
+  std::shared_ptr<transfer::Backend> backend_;
+  std::atomic<bool> closing_{false};
 };
 
 // Where a pointer lives: -1 for host memory (pageable or pinned), else its CUDA device ordinal.

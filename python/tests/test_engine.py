@@ -163,6 +163,37 @@ def test_a_second_thread_progresses_while_one_waits(pair) -> None:
     assert pair.moved([1, 2], [8, 9])
 
 
+def test_closing_the_engine_while_another_thread_waits_ends_the_wait() -> None:
+    # The waiter holds the native engine through close(): close() ends its wait (it raises,
+    # saying why) and destroys the engine only after the waiter has let go of it.
+    from conftest import Pair
+    p = Pair()
+    try:
+        req = p.decode.receive("waits", p.peer, [5])
+        result = {}
+
+        def waiter() -> None:
+            try:
+                result["state"] = req.wait(20)
+            except ValueError as e:
+                result["error"] = str(e)
+
+        t = threading.Thread(target=waiter)
+        t.start()
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        p.decode.close()
+        closed_in = time.monotonic() - t0
+        t.join(20)
+        assert not t.is_alive()
+        assert result == {"error": "the engine was closed while waiting for room 'waits'"}
+        assert closed_in < 10, f"close() waited {closed_in:.1f} s for the 20 s wait"
+        with pytest.raises(ValueError, match="the engine is closed"):
+            req.poll()
+    finally:
+        p.close()
+
+
 @pytest.mark.parametrize("lanes", [True, False])
 def test_busy_polling_engines_move_requests_and_time_out(lanes) -> None:
     from conftest import Pair
