@@ -96,21 +96,38 @@ def _pages(pages: Any, what: str) -> Any:
     return pages
 
 
+# The longest duration the engine takes (the wire carries deadlines as 32-bit milliseconds).
+_MAX_SECONDS = 4294967.0
+
+
 def _seconds(value: Optional[float], what: str) -> float:
     if value is None:
         return 0.0
-    if value < 0:
+    if not value >= 0:
         raise ValueError(f"{what} = {value}: must be >= 0 seconds (None: the engine's default)")
+    if not value <= _MAX_SECONDS:
+        raise ValueError(f"{what} = {value}: at most {_MAX_SECONDS:.0f} seconds (49.7 days) "
+                         "is taken; pass None for the engine's default")
     return float(value)
 
 
-def _event_handle(event: Any) -> int:
+def _event_handle(event: Any, cuda_layout: bool) -> int:
     if event is None:
         return 0
+    if isinstance(event, bool):
+        raise TypeError(f"event = {event}: pass a torch.cuda.Event, a raw cudaEvent_t handle "
+                        "(int) or None")
     if isinstance(event, int):
         return event
     handle = getattr(event, "cuda_event", None)  # torch.cuda.Event
-    if isinstance(handle, int):
+    if isinstance(handle, int) and not isinstance(handle, bool):
+        if handle == 0 and cuda_layout:
+            # torch creates an event's CUDA handle when it is first recorded: an unrecorded
+            # event would silently mean "no event", and the copy would not wait for the
+            # producer.
+            raise ValueError("the event has no CUDA handle (cuda_event = 0): a torch.cuda.Event "
+                             "is created when first recorded; call event.record(stream) after "
+                             "the producer's work, then layers_ready")
         return handle
     raise TypeError(f"event must be a torch.cuda.Event, a raw cudaEvent_t handle (int) or None, "
                     f"got {type(event).__name__}")
@@ -152,7 +169,7 @@ class Request:
             KeyError: the engine does not know the room.
         """
         native = self._engine._native_engine()
-        if timeout is None:
+        if timeout is None or timeout == float("inf"):
             while True:
                 d = native.wait(self.room, 3600.0)
                 if d is not None:
@@ -250,17 +267,22 @@ class TransferEngine:
             raise TypeError(f"layout must be a kvt.TransferLayout, got {type(layout).__name__}")
         self.role = role
         self.layout = layout
-        # room -> the latest torch.cuda.Event given to layers_ready, kept alive until the room
-        # is final: the engine waits on it when it posts those layers, which may be later.
-        self._events: dict[str, Any] = {}
+        # room -> every torch.cuda.Event given to layers_ready for it, kept alive until the room
+        # is final: the engine keeps one per chunk and one per posted write and waits on them
+        # when it posts, which may be later. The native engine holds this dict and the layout
+        # and lets go of them only after it is destroyed, whatever order Python frees the
+        # attributes of this object in.
+        self._events: dict[str, list[Any]] = {}
         self._events_lock = threading.Lock()
         self._prune_events_at = 64
+        self._cuda_layout = int(layout.summary()["device"]) >= 0
         self._engine = _kvt.Engine(
             layout._native, role == "prefill", backend, ucx_tls, name, bind, int(port),
             cluster_token, _seconds(deadline, "deadline"),
             _seconds(hello_timeout, "hello_timeout"), _seconds(peer_timeout, "peer_timeout"),
             _seconds(heartbeat_interval, "heartbeat_interval"), _seconds(retention, "retention"),
-            _seconds(control_busy_poll, "control_busy_poll"), bool(control_lanes))
+            _seconds(control_busy_poll, "control_busy_poll"), bool(control_lanes),
+            (layout, self._events))
 
     def _native_engine(self) -> Any:
         return self._engine
@@ -352,14 +374,14 @@ class TransferEngine:
         a ``torch.cuda.Event`` alive until the room is final; a raw handle is the caller's to
         keep valid until then."""
         room = str(room)
-        handle = _event_handle(event)
+        handle = _event_handle(event, self._cuda_layout)
         if event is not None and not isinstance(event, int):
             self._keep_event(room, event)
         self._engine.layers_ready(room, int(n), handle)
 
     def _keep_event(self, room: str, event: Any) -> None:
         with self._events_lock:
-            self._events[room] = event
+            self._events.setdefault(room, []).append(event)
             if len(self._events) < self._prune_events_at:
                 return
             # Drop the events of rooms that are final (or forgotten); amortised over calls.
@@ -395,8 +417,9 @@ class TransferEngine:
 
     def close(self) -> None:
         """Stops the engine (waits for its threads without holding the GIL). Idempotent.
-        Calls on other threads finish first; a ``wait`` there ends within 0.1 s, raising
-        ValueError, and later calls raise ValueError (the engine is closed)."""
+        Calls on other threads finish first; a ``wait`` there ends within 0.1 s (or 50
+        busy-poll windows), raising ValueError, and later calls raise ValueError (the engine is
+        closed). A second close returns once the first has finished."""
         self._engine.close()
         with self._events_lock:
             self._events.clear()

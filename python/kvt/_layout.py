@@ -399,6 +399,10 @@ class TransferLayout:
                         f"is {list(first[1])} {first[2]} on device {first[3]}: every KV "
                         "tensor must have one shape, dtype and device")
                 rows = shape[0] * (shape[1] if len(shape) == 4 else 1)
+                if rows == 0 or nbytes == 0:
+                    raise ValueError(
+                        f"{name} has shape {list(shape)}: it holds no token rows (or no "
+                        "bytes); every KV tensor needs at least the dummy page")
                 if len(shape) == 4 and shape[1] != page_size:
                     raise ValueError(
                         f"{name} has shape {list(shape)}: its page dimension {shape[1]} is "

@@ -78,11 +78,18 @@ constexpr std::chrono::milliseconds kWaitSlice{100};
 // Every such call holds a reference (taken with the GIL, before releasing it), so the object is
 // never destroyed under a call in flight: `owned` is emptied at once (new calls see the object
 // closed), `closing` tells waits in flight to give up at their next slice, and the object is
-// destroyed, without the GIL, once the last call in flight has returned its reference.
+// destroyed, without the GIL, once the last call in flight has returned its reference. A
+// close() that finds it closing already returns only once that one has finished (`close_mu`,
+// taken with the GIL held by the first, which never needs the GIL while it holds it).
 template <typename T>
-void CloseShared(std::shared_ptr<T>& owned, std::atomic<bool>& closing) {
+void CloseShared(std::shared_ptr<T>& owned, std::atomic<bool>& closing, std::mutex& close_mu) {
+  if (owned == nullptr) {
+    py::gil_scoped_release release;
+    std::lock_guard<std::mutex> wait_for_the_first(close_mu);
+    return;
+  }
+  std::unique_lock<std::mutex> lock(close_mu);
   std::shared_ptr<T> doomed = std::move(owned);
-  if (doomed == nullptr) return;
   closing.store(true, std::memory_order_release);
   py::gil_scoped_release release;
   // No new reference can be taken (that needs the GIL and `owned`): the count only falls.
@@ -176,9 +183,17 @@ std::vector<uint64_t> ToPointers(py::handle obj, const char* what) {
   return {wide.begin(), wide.end()};
 }
 
+// Seconds from Python as milliseconds: finite, in [0, 4294967] (49.7 days: the wire carries
+// deadlines as 32-bit milliseconds). A positive value under a millisecond is one millisecond,
+// not 0 (which means "the default" for deadlines).
 std::chrono::milliseconds Millis(double seconds) {
-  if (!(seconds >= 0)) throw py::value_error("a duration must be >= 0 seconds");
-  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000.0 + 0.5));
+  constexpr double kMaxSeconds = 4294967.0;
+  if (!(seconds >= 0) || !(seconds <= kMaxSeconds)) {
+    throw py::value_error("a duration of " + std::to_string(seconds) +
+                          " seconds is out of range: pass a finite value in [0, 4294967]");
+  }
+  const auto ms = static_cast<int64_t>(seconds * 1000.0 + 0.5);
+  return std::chrono::milliseconds(seconds > 0 && ms == 0 ? 1 : ms);
 }
 
 // A busy-poll window given in seconds: at most a second (a longer one is a core spent for nothing
@@ -308,7 +323,8 @@ class Engine {
          const std::string& name, const std::string& bind, uint16_t port,
          const std::string& cluster_token, double deadline, double hello_timeout,
          double peer_timeout, double heartbeat_interval, double retention, double control_busy_poll,
-         bool control_lanes) {
+         bool control_lanes, py::object keepalive)
+      : keepalive_(std::move(keepalive)) {
     transfer::EngineOptions o;
     o.name = name;
     o.prefill = prefill;
@@ -324,6 +340,11 @@ class Engine {
     o.retention = Millis(retention);
     o.control_busy_poll = BusyPollMicros(control_busy_poll);
     o.control_lanes = control_lanes;
+    // Each slice of a wait may spin for the busy-poll window first: slices of at least 50
+    // windows keep that under 2% of a waiting thread's time.
+    wait_slice_ =
+        std::max(kWaitSlice,
+                 std::chrono::duration_cast<std::chrono::milliseconds>(50 * o.control_busy_poll));
     StatusOr<std::unique_ptr<transfer::TransferEngine>> engine = [&] {
       py::gil_scoped_release release;
       return transfer::TransferEngine::Create(o, layout.layout);
@@ -332,7 +353,10 @@ class Engine {
   }
   ~Engine() { DestroyWithoutGil(engine_); }
 
-  void Close() { CloseShared(engine_, closing_); }
+  void Close() {
+    CloseShared(engine_, closing_, close_mu_);
+    keepalive_ = py::none();  // the engine is gone: the layout and events may go too
+  }
   bool closed() const { return engine_ == nullptr; }
 
   // For calls that keep the GIL.
@@ -348,7 +372,11 @@ class Engine {
 
   uint16_t port() const { return get().port(); }
   std::string backend_name() const { return std::string(get().backend_name()); }
-  py::dict layout() const { return LayoutDict(get().layout()); }
+  py::dict layout() const {
+    // Held: building the dict may run Python code (a collection) that closes the engine.
+    const auto held = hold();
+    return LayoutDict(held->layout());
+  }
 
   uint64_t Connect(const std::string& host, uint16_t port) {
     const auto held = hold();
@@ -415,9 +443,9 @@ class Engine {
         const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
             until - std::chrono::steady_clock::now());
         StatusOr<transfer::RequestInfo> r =
-            e.WaitRequest(room, std::clamp(left, std::chrono::milliseconds(0), kWaitSlice));
+            e.WaitRequest(room, std::clamp(left, std::chrono::milliseconds(0), wait_slice_));
         const bool timed_out = !r.ok() && r.status().code() == StatusCode::kDeadlineExceeded;
-        if (!timed_out || left <= kWaitSlice) return r;
+        if (!timed_out || left <= wait_slice_) return r;
         if (closing_.load(std::memory_order_acquire)) {
           closed_meanwhile = true;
           return r;
@@ -458,8 +486,13 @@ class Engine {
   }
 
  private:
+  // What the engine uses that Python owns (the layout's tensors, the events kept for rooms):
+  // declared before the engine, so it is released after the engine is destroyed.
+  py::object keepalive_;
   std::shared_ptr<transfer::TransferEngine> engine_;
   std::atomic<bool> closing_{false};
+  std::mutex close_mu_;  // held by the close() that destroys the engine; a second one waits
+  std::chrono::milliseconds wait_slice_ = kWaitSlice;
 };
 
 transfer::AgentRole ParseRole(const std::string& role) {
@@ -586,7 +619,7 @@ class RegionWriter {
   }
   ~RegionWriter() { DestroyWithoutGil(backend_); }
 
-  void Close() { CloseShared(backend_, closing_); }
+  void Close() { CloseShared(backend_, closing_, close_mu_); }
 
   std::string name() const { return std::string(hold()->Name()); }
 
@@ -661,7 +694,9 @@ class RegionWriter {
     if (rows.ndim() != 2 || rows.shape(1) != 5) {
       throw py::value_error(
           "runs must be an N x 5 array of [local region, peer region, src offset, dst offset, "
-          "bytes], got " + std::to_string(rows.ndim()) + " dimensions");
+          "bytes], got " +
+          std::to_string(rows.ndim()) + " dimensions" +
+          (rows.ndim() == 2 ? " of " + std::to_string(rows.shape(1)) + " columns" : std::string()));
     }
     const auto n = static_cast<size_t>(rows.shape(0));
     std::vector<transfer::CopyRun> runs(n);
@@ -726,6 +761,7 @@ class RegionWriter {
   std::shared_ptr<State> state_ = std::make_shared<State>();
   std::shared_ptr<transfer::Backend> backend_;
   std::atomic<bool> closing_{false};
+  std::mutex close_mu_;  // held by the close() that destroys the backend; a second one waits
 };
 
 // Where a pointer lives: -1 for host memory (pageable or pinned), else its CUDA device ordinal.
@@ -784,12 +820,12 @@ PYBIND11_MODULE(_kvt, m) {
   py::class_<Engine>(m, "Engine")
       .def(py::init<const Layout&, bool, const std::string&, const std::string&, const std::string&,
                     const std::string&, uint16_t, const std::string&, double, double, double,
-                    double, double, double, bool>(),
+                    double, double, double, bool, py::object>(),
            py::arg("layout"), py::arg("prefill"), py::arg("backend"), py::arg("ucx_tls"),
            py::arg("name"), py::arg("bind"), py::arg("port"), py::arg("cluster_token"),
            py::arg("deadline"), py::arg("hello_timeout"), py::arg("peer_timeout"),
            py::arg("heartbeat_interval"), py::arg("retention"), py::arg("control_busy_poll"),
-           py::arg("control_lanes"))
+           py::arg("control_lanes"), py::arg("keepalive") = py::none())
       .def("close", &Engine::Close)
       .def_property_readonly("closed", &Engine::closed)
       .def_property_readonly("port", &Engine::port)

@@ -249,8 +249,14 @@ def test_layers_ready_event_forms(pair) -> None:
     class FakeTorchEvent:  # torch.cuda.Event exposes its cudaEvent_t as .cuda_event
         cuda_event = 0x1234
 
-    assert _event_handle(None) == 0 and _event_handle(77) == 77
-    assert _event_handle(FakeTorchEvent()) == 0x1234
+    assert _event_handle(None, True) == 0 and _event_handle(77, True) == 77
+    assert _event_handle(FakeTorchEvent(), True) == 0x1234
+    # An unrecorded torch event has no handle yet: on a CUDA pool it would mean "no wait".
+    unrecorded = FakeTorchEvent()
+    unrecorded.cuda_event = 0
+    assert _event_handle(unrecorded, False) == 0
+    with pytest.raises(ValueError, match="call event.record"):
+        _event_handle(unrecorded, True)
     with pytest.raises(TypeError, match="torch.cuda.Event"):
         pair.prefill.layers_ready("r", 1, event="not an event")
     # A host pool with no event: the layers go out.
@@ -283,3 +289,93 @@ def test_layers_ready_keeps_the_event_alive_until_the_room_is_final(pair) -> Non
     assert sent.wait(10) == kvt.KVPoll.Success
     gc.collect()
     assert alive() is None, "a final room's event is released"
+
+
+def test_every_event_of_a_room_stays_alive_until_the_room_is_final(pair) -> None:
+    # The engine keeps one event per chunk (and per posted write): each one given stays alive,
+    # not only the latest.
+    import gc
+    import weakref
+
+    first, second = _Event(), _Event()
+    alive = [weakref.ref(first), weakref.ref(second)]
+    sent = pair.prefill.send("chunks", [1], is_last=False)
+    pair.prefill.layers_ready("chunks", LAYERS, event=first)
+    pair.prefill.send("chunks", [2], is_last=True)
+    pair.prefill.layers_ready("chunks", LAYERS, event=second)
+    del first, second
+    gc.collect()
+    assert [a() is not None for a in alive] == [True, True]
+    req = pair.decode.receive("chunks", pair.peer, [3, 4])
+    assert req.wait(10) == kvt.KVPoll.Success
+    assert sent.wait(10) == kvt.KVPoll.Success
+    assert pair.moved([1, 2], [3, 4])
+    gc.collect()
+    assert [a() is None for a in alive] == [True, True]
+
+
+def test_the_native_engine_keeps_the_layout_until_it_is_destroyed() -> None:
+    # Whatever order Python frees an engine's attributes in, the memory the layout holds
+    # outlives the native engine that registered it.
+    import gc
+    import weakref
+    from conftest import layout_of, make_pool
+
+    layout = layout_of(make_pool())
+    alive = weakref.ref(layout)
+    engine = kvt.TransferEngine("decode", layout, name="keeps")
+    native = engine._native_engine()
+    del layout, engine
+    gc.collect()
+    assert alive() is not None, "the layout went while the native engine still has it"
+    native.close()
+    gc.collect()
+    assert alive() is None
+
+
+def test_a_second_close_returns_once_the_first_has_finished() -> None:
+    from conftest import Pair
+    p = Pair()
+    try:
+        req = p.decode.receive("waits", p.peer, [5])
+        done = {}
+
+        def waiter() -> None:
+            try:
+                req.wait(20)
+            except ValueError:
+                pass
+
+        def closer() -> None:
+            p.decode._native_engine().close()
+            done["first"] = time.monotonic()
+
+        w = threading.Thread(target=waiter)
+        w.start()
+        time.sleep(0.2)
+        first = threading.Thread(target=closer)
+        first.start()
+        time.sleep(0.01)
+        p.decode.close()  # finds the engine closing: waits for the first close
+        second = time.monotonic()
+        first.join(20)
+        w.join(20)
+        assert second >= done["first"] - 0.05, (
+            f"the second close returned {done['first'] - second:.3f} s before the first ended")
+    finally:
+        p.close()
+
+
+def test_durations_and_events_are_checked(pair) -> None:
+    import math
+    req = pair.decode.receive("inf", pair.peer, [6])
+    threading.Timer(0.2, lambda: (pair.prefill.send("inf", [7]),
+                                  pair.prefill.layers_ready("inf", LAYERS))).start()
+    assert req.wait(math.inf) == kvt.KVPoll.Success
+    with pytest.raises(ValueError, match="deadline = 10000000000.0: at most 4294967 seconds"):
+        pair.decode.receive("long", pair.peer, [8], deadline=1e10)
+    with pytest.raises(ValueError, match="timeout = nan"):
+        req.wait(math.nan)
+    pair.prefill.send("ev-bool", [9])
+    with pytest.raises(TypeError, match="event = True"):
+        pair.prefill.layers_ready("ev-bool", LAYERS, event=True)

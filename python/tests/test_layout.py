@@ -95,6 +95,9 @@ def test_mismatched_tensors_are_named() -> None:
         kvt.TransferLayout.from_tensors(pool.k_buffer, pool.v_buffer, page_size=5)
     with pytest.raises(TypeError, match=r"k_tensors\[0\]"):
         kvt.TransferLayout.from_tensors([[1, 2]], page_size=4)
+    empty = np.zeros((0, 2, 16), dtype=np.float16)
+    with pytest.raises(ValueError, match=r"k_tensors\[0\] has shape \[0, 2, 16\]: it holds no"):
+        kvt.TransferLayout.from_tensors([empty], [empty], page_size=4)
 
 
 @pytest.mark.skipif(torch is None, reason="torch is not importable")

@@ -225,7 +225,7 @@ v1::Envelope AgentRpc::Submit(const v1::SubmitRequest& request) {
   auto* r = reply.mutable_submit_reply();
   r->set_room_id(request.room_id());
   r->set_status(control::ToProtoCode(status.code()));
-  if (!status.ok()) r->set_message(status.message().substr(0, 4000));
+  if (!status.ok()) r->set_message(control::Truncate(status.message(), 4000));
   return reply;
 }
 
@@ -243,7 +243,7 @@ void AgentRpc::OnMessage(control::ConnectionId id, const v1::Envelope& envelope)
       auto* r = reply.mutable_submit_reply();
       r->set_room_id(envelope.abort_room().room_id());
       r->set_status(control::ToProtoCode(st.code()));
-      if (!st.ok()) r->set_message(st.message().substr(0, 4000));
+      if (!st.ok()) r->set_message(control::Truncate(st.message(), 4000));
       break;
     }
     case v1::Envelope::kQueryRequests: {
@@ -255,7 +255,7 @@ void AgentRpc::OnMessage(control::ConnectionId id, const v1::Envelope& envelope)
         p->set_room_id(r.room);
         p->set_state(ToProto(r.state));
         p->set_status(control::ToProtoCode(r.status.code()));
-        if (!r.status.ok()) p->set_message(r.status.message().substr(0, 4000));
+        if (!r.status.ok()) p->set_message(control::Truncate(r.status.message(), 4000));
         p->set_num_tokens(static_cast<uint64_t>(r.tokens));
         p->set_bytes(r.bytes);
         p->set_latency_us(r.latency_us);

@@ -46,6 +46,21 @@ TEST(ProtocolTest, ErrorEnvelopeTruncatesLongMessagesToTheWireLimit) {
   EXPECT_THAT(envelope.error().message(), ::testing::EndsWith("..."));
 }
 
+// A message cut for a frame (a failed TransferDone's reason, an agent's reply) ends on a whole
+// UTF-8 character: a proto3 string that is not valid UTF-8 makes the peer's parse fail.
+TEST(ProtocolTest, TruncateNeverCutsAUtf8Character) {
+  const std::string text = std::string(3996, 'a') + "\xC3\xA9" + std::string(100, 'b');
+  const std::string cut = Truncate(text, 4000);
+  EXPECT_EQ(cut, std::string(3996, 'a') + "...");
+  EXPECT_EQ(Truncate("short \xC3\xA9", 4000), "short \xC3\xA9");
+  v1::Envelope done;
+  done.mutable_transfer_done()->set_room_id("r");
+  done.mutable_transfer_done()->set_message(cut);
+  v1::Envelope parsed;
+  ASSERT_TRUE(parsed.ParseFromString(done.SerializeAsString()));
+  EXPECT_EQ(parsed.transfer_done().message(), cut);
+}
+
 TEST(ProtocolTest, ErrorEnvelopeFromStatus) {
   v1::Envelope envelope = MakeErrorEnvelope(NotFound("room gone"), "room-3");
   EXPECT_EQ(envelope.error().code(), v1::STATUS_CODE_NOT_FOUND);

@@ -11,6 +11,8 @@ namespace {
 // are cut to fit so that a long Status never makes our own Error frame invalid.
 constexpr size_t kMaxErrorMessageBytes = 4096;
 
+}  // namespace
+
 std::string Truncate(std::string_view text, size_t limit) {
   if (text.size() <= limit) return std::string(text);
   constexpr std::string_view kEllipsis = "...";
@@ -21,8 +23,6 @@ std::string Truncate(std::string_view text, size_t limit) {
   out += kEllipsis;
   return out;
 }
-
-}  // namespace
 
 v1::StatusCode ToProtoCode(StatusCode code) {
   switch (code) {

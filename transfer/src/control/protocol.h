@@ -58,6 +58,11 @@ inline int32_t Le32At(std::string_view bytes, size_t i) {
                               (uint32_t{p[3]} << 24));
 }
 
+// `text` cut to at most `limit` bytes (>= 4), ending in "..." when cut, never inside a UTF-8
+// sequence: what a proto3 string field of a frame may carry (it must stay valid UTF-8, or the
+// peer cannot parse the frame).
+std::string Truncate(std::string_view text, size_t limit);
+
 // The oneof field name of the envelope's body ("transfer_request", ...), or "<empty>" when no
 // body is set (an unknown message from a newer peer looks like that too). For logs and errors.
 std::string_view BodyName(const v1::Envelope& envelope);

@@ -823,7 +823,7 @@ void PrefillSide::QueueDoneLocked(const PrefillRoom& room, AfterUnlock& after) {
   auto* d = done.mutable_transfer_done();
   d->set_room_id(room.id);
   d->set_status(control::ToProtoCode(room.status.code()));
-  if (!room.status.ok()) d->set_message(room.status.message().substr(0, 4000));
+  if (!room.status.ok()) d->set_message(control::Truncate(room.status.message(), 4000));
   d->set_bytes(room.bytes);
   if (room.status.ok()) {
     for (const std::string& bytes : room.aux) d->add_aux(bytes);
