@@ -163,6 +163,20 @@ def test_a_second_thread_progresses_while_one_waits(pair) -> None:
     assert pair.moved([1, 2], [8, 9])
 
 
+def _start_waiting(req, result: dict) -> threading.Thread:
+    """A thread in req.wait(20): its state, or the ValueError a close() ends it with."""
+
+    def waiter() -> None:
+        try:
+            result["state"] = req.wait(20)
+        except ValueError as e:
+            result["error"] = str(e)
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    return t
+
+
 def test_closing_the_engine_while_another_thread_waits_ends_the_wait() -> None:
     # The waiter holds the native engine through close(): close() ends its wait (it raises,
     # saying why) and destroys the engine only after the waiter has let go of it.
@@ -171,15 +185,7 @@ def test_closing_the_engine_while_another_thread_waits_ends_the_wait() -> None:
     try:
         req = p.decode.receive("waits", p.peer, [5])
         result = {}
-
-        def waiter() -> None:
-            try:
-                result["state"] = req.wait(20)
-            except ValueError as e:
-                result["error"] = str(e)
-
-        t = threading.Thread(target=waiter)
-        t.start()
+        t = _start_waiting(req, result)
         time.sleep(0.2)
         t0 = time.monotonic()
         p.decode.close()
@@ -340,18 +346,11 @@ def test_a_second_close_returns_once_the_first_has_finished() -> None:
         req = p.decode.receive("waits", p.peer, [5])
         done = {}
 
-        def waiter() -> None:
-            try:
-                req.wait(20)
-            except ValueError:
-                pass
-
         def closer() -> None:
             p.decode._native_engine().close()
             done["first"] = time.monotonic()
 
-        w = threading.Thread(target=waiter)
-        w.start()
+        w = _start_waiting(req, {})
         time.sleep(0.2)
         first = threading.Thread(target=closer)
         first.start()

@@ -49,8 +49,11 @@ StatusOr<std::unique_ptr<control::ControlServer>> AgentRpc::Serve(
       for (size_t i = 0; i < kSubmitWorkers; ++i) workers_.emplace_back([this] { WorkerLoop(); });
     }
   }
-  KVT_ASSIGN_OR_RETURN(auto server, control::ControlServer::Create(options, this));
+  // Connections come once server_ is stored: replies go through it.
+  KVT_ASSIGN_OR_RETURN(auto server, control::ControlServer::Create(
+                                        options, this, control::AcceptStart::kOnStartAccepting));
   server_ = server.get();
+  server->StartAccepting();
   return server;
 }
 

@@ -63,6 +63,7 @@ struct ControlServer::Impl {
         accept_retry_timer(accept_strand) {}
 
   void StartAccept();
+  std::atomic<bool> accepting{false};  // StartAccept was posted
   void OnAccept(const boost::system::error_code& ec, tcp::socket socket);
   void RejectOverLimit(tcp::socket& socket, size_t open);
   // The server is full: evicts the oldest connection still waiting for its auth_response, so
@@ -234,7 +235,8 @@ std::shared_ptr<internal::Connection> ControlServer::Impl::Find(ConnectionId id)
 }
 
 StatusOr<std::unique_ptr<ControlServer>> ControlServer::Create(const ControlServerOptions& options,
-                                                               ControlHandler* handler) {
+                                                               ControlHandler* handler,
+                                                               AcceptStart start) {
   if (handler == nullptr) return InvalidArgument("ControlServer::Create: handler is null");
   KVT_RETURN_IF_ERROR(internal::CheckBusyPoll(options.busy_poll));
   if (options.busy_poll.window.count() > 0 && options.num_threads > 1) {
@@ -287,7 +289,6 @@ StatusOr<std::unique_ptr<ControlServer>> ControlServer::Create(const ControlServ
                options.cluster_token.empty() ? "no authentication" : "HMAC authentication");
   Impl* raw = impl.get();
   raw->lanes = internal::MakeLanePollSet(options.busy_poll);
-  asio::post(raw->accept_strand, [raw] { raw->StartAccept(); });
   try {
     for (size_t i = 0; i < options.num_threads; ++i) {
       raw->threads.emplace_back([raw] {
@@ -299,10 +300,18 @@ StatusOr<std::unique_ptr<ControlServer>> ControlServer::Create(const ControlServ
     server->Stop();
     return ResourceExhausted(fmt::format("cannot start control server threads: {}", e.what()));
   }
-  return std::unique_ptr<ControlServer>(new ControlServer(std::move(impl)));
+  auto server = std::unique_ptr<ControlServer>(new ControlServer(std::move(impl)));
+  if (start == AcceptStart::kNow) server->StartAccepting();
+  return server;
 }
 
 ControlServer::ControlServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+void ControlServer::StartAccepting() {
+  if (impl_->accepting.exchange(true)) return;
+  Impl* raw = impl_.get();
+  asio::post(raw->accept_strand, [raw] { raw->StartAccept(); });
+}
 
 ControlServer::~ControlServer() { Stop(); }
 

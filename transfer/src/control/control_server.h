@@ -65,12 +65,21 @@ class ControlHandler {
   virtual void OnDisconnect(ConnectionId id, const Status& why) = 0;
 };
 
+// When a new server starts taking connections: at once, or once its owner calls
+// StartAccepting() (an owner whose handler uses the server it stores, e.g. to reply, stores it
+// first: its io threads never see the pointer before it is set).
+enum class AcceptStart { kNow, kOnStartAccepting };
+
 class ControlServer {
  public:
   // Binds, listens and starts serving. InvalidArgument for bad options (a short token, no token
   // with a non-loopback address, ...); Unavailable when the address cannot be bound.
   static StatusOr<std::unique_ptr<ControlServer>> Create(const ControlServerOptions& options,
-                                                         ControlHandler* handler);
+                                                         ControlHandler* handler,
+                                                         AcceptStart start = AcceptStart::kNow);
+
+  // Starts taking connections (AcceptStart::kOnStartAccepting); does nothing the second time.
+  void StartAccepting();
 
   ControlServer(const ControlServer&) = delete;
   ControlServer& operator=(const ControlServer&) = delete;

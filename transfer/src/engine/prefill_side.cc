@@ -62,9 +62,10 @@ Status PrefillSide::Start() {
   server.busy_poll.window = ctx_.options.control_busy_poll;
   server.busy_poll.lanes = ctx_.options.control_lanes;
   server.busy_poll.hint = [this] { return ActiveRooms() > 0; };
-  KVT_ASSIGN_OR_RETURN(server_, control::ControlServer::Create(server, this));
-  server_ready_.store(true, std::memory_order_release);
-  server_ready_.notify_all();
+  // Connections come once server_ is stored: every reply goes through it.
+  KVT_ASSIGN_OR_RETURN(server_, control::ControlServer::Create(
+                                    server, this, control::AcceptStart::kOnStartAccepting));
+  server_->StartAccepting();
   return OkStatus();
 }
 
@@ -324,9 +325,6 @@ void PrefillSide::Shutdown() {
 
 // --------------------------------------------------------------------------- control server --
 void PrefillSide::OnConnect(ConnectionId id, const control::ConnectionInfo& info) {
-  // A connection taken while Start() was still storing the server (a fixed port) waits for it:
-  // every reply of this connection goes through server_.
-  server_ready_.wait(false, std::memory_order_acquire);
   KVT_LOG_DEBUG("xfer", "control connection {} from {}", id, info.remote_address);
 }
 

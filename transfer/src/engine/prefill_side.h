@@ -8,7 +8,6 @@
 // context's mutex; backend calls that can block run outside it (AfterUnlock).
 #pragma once
 
-#include <atomic>
 #include <memory>
 #include <optional>
 #include <string>
@@ -164,9 +163,6 @@ class PrefillSide final : public SideWithTable<PrefillRoom>, public control::Con
   void RecycleRunsLocked(std::vector<CopyRun> runs) KVT_REQUIRES(ctx_.mu);
 
   std::unique_ptr<control::ControlServer> server_;
-  // Set once server_ is assigned: the server's io threads may take a connection before
-  // Create() returns, and wait for it in OnConnect before they touch server_.
-  std::atomic<bool> server_ready_{false};
   std::unordered_map<control::ConnectionId, Session> sessions_ KVT_GUARDED_BY(ctx_.mu);
   // Run storage of finished plans, reused by the next ones (planning then allocates nothing in
   // steady state).

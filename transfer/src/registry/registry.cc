@@ -287,7 +287,10 @@ class RegistryServer::Impl : public control::ControlHandler {
     }
     control::ControlServerOptions server = options_.server;
     if (server.server_id == "kvt") server.server_id = "kvt-bootstrap";
-    KVT_ASSIGN_OR_RETURN(server_, control::ControlServer::Create(server, this));
+    // Connections come once server_ is stored: replies go through it.
+    KVT_ASSIGN_OR_RETURN(server_, control::ControlServer::Create(
+                                      server, this, control::AcceptStart::kOnStartAccepting));
+    server_->StartAccepting();
     return OkStatus();
   }
 
