@@ -265,6 +265,12 @@ class TransferEngine:
             raise ValueError(f"role={role!r}: use 'prefill' or 'decode'")
         if not isinstance(layout, TransferLayout):
             raise TypeError(f"layout must be a kvt.TransferLayout, got {type(layout).__name__}")
+        if role == "decode" and layout._read_only:
+            raise ValueError(
+                f"{layout._read_only[0]} of the layout is a read-only numpy array "
+                "(flags.writeable is False), but a decode engine writes the pages and aux bytes "
+                "it receives into its layout's memory: pass writable arrays (a copy, or "
+                "numpy.require(a, requirements='W')), or use this layout on a prefill engine")
         self.role = role
         self.layout = layout
         # room -> every torch.cuda.Event given to layers_ready for it, kept alive until the room

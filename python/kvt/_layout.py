@@ -72,6 +72,16 @@ def _describe_tensor(x: Any) -> tuple[int, int, tuple[int, ...], str, int, bool]
     raise TypeError(f"expected a torch tensor or a numpy array, got {type(x).__name__}")
 
 
+def _read_only(tensors: Sequence[Any], label: str) -> list[str]:
+    """Names (``label[i]``) of the read-only numpy arrays among ``tensors``: a decode engine
+    writes into its layout's memory, and a write into such an array's memory may crash."""
+    np = sys.modules.get("numpy")
+    if np is None:
+        return []
+    return [f"{label}[{i}]" for i, t in enumerate(tensors)
+            if isinstance(t, np.ndarray) and not t.flags.writeable]
+
+
 def _ints(values: IntArray) -> list[int]:
     """An int, a list of ints or a 1-D integer array as Python ints (one per buffer)."""
     np = sys.modules.get("numpy")
@@ -228,10 +238,13 @@ class TransferLayout:
     a layout made by :meth:`from_tensors` keeps references to its tensors.
     """
 
-    def __init__(self, native: Any, keepalive: Sequence[Any] = ()):
+    def __init__(self, native: Any, keepalive: Sequence[Any] = (),
+                 read_only: Sequence[str] = ()):
         """Internal: use :meth:`from_buf_infos` or :meth:`from_tensors`."""
         self._native = native
         self._keepalive = tuple(keepalive)
+        # The read-only numpy arrays it was made from (names), which a decode engine refuses.
+        self._read_only = tuple(read_only)
 
     @classmethod
     def from_buf_infos(
@@ -309,17 +322,20 @@ class TransferLayout:
                     "draft model's buffers begin; pass one of them")
             target = start
         keepalive: list[Any] = []
+        read_only: list[str] = []
         if tensors is not None:
             tensors = list(tensors)
             _check_tensors(tensors, ptrs, _ints(kv_data_lens), int(device),
                            ("tensors", "kv_data_ptrs", "kv_data_lens"))
             keepalive += tensors
+            read_only += _read_only(tensors, "tensors")
         if aux_tensors is not None:
             aux_tensors = list(aux_tensors)
             _check_tensors(aux_tensors, [] if aux_data_ptrs is None else _ints(aux_data_ptrs),
                            [] if aux_data_lens is None else _ints(aux_data_lens), -1,
                            ("aux_tensors", "aux_data_ptrs", "aux_data_lens"))
             keepalive += aux_tensors
+            read_only += _read_only(aux_tensors, "aux_tensors")
         if layer_offsets is not None:
             _check_layer_offsets(layer_offsets, len(ptrs), target or len(ptrs),
                                  1 if latent else 2)
@@ -328,7 +344,7 @@ class TransferLayout:
             int(head_num), int(head_dim), bool(latent), int(device), unit_lens, target,
             int(draft_head_num), int(draft_head_dim), int(tp_rank), int(tp_size),
             int(total_kv_heads), aux_data_ptrs, aux_data_lens, aux_item_lens)
-        return cls(native, keepalive)
+        return cls(native, keepalive, read_only)
 
     @classmethod
     def from_tensors(
@@ -445,7 +461,8 @@ class TransferLayout:
             ptrs, lens, item_lens, page_size, kv_dtype, int(head_num), int(head_dim),
             v_tensors is None, int(first[3]), None, 0, 0, 0, int(tp_rank), int(tp_size),
             int(total_kv_heads), aux_ptrs or None, aux_lens or None, aux_items or None)
-        return cls(native, keepalive)
+        read_only = [name for label, tensors in groups for name in _read_only(tensors, label)]
+        return cls(native, keepalive, read_only + _read_only(list(aux or ()), "aux"))
 
     def describe(self) -> str:
         """The model description (everything but pointers) on one line."""

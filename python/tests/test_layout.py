@@ -264,3 +264,32 @@ def test_buf_infos_checked_against_torch_tensors() -> None:
                                          rf"tensors\[0\]\.data_ptr\(\) = {other[0].data_ptr():#x}"):
         kvt.TransferLayout.from_buf_infos(ptrs, lens, items, page_size=4, dtype="fp16",
                                           head_num=2, head_dim=16, tensors=other)
+
+
+def test_read_only_arrays_serve_a_prefill_engine_but_not_a_decode_engine() -> None:
+    pool = make_pool(aux_slots=4)
+    pool.v_buffer[1].flags.writeable = False
+    by_tensors = kvt.TransferLayout.from_tensors(pool.k_buffer, pool.v_buffer, page_size=4,
+                                                 aux=pool.aux)
+    with pytest.raises(ValueError, match=r"v_tensors\[1\] of the layout is a read-only numpy "
+                                         r"array .* a decode engine writes"):
+        kvt.TransferEngine("decode", by_tensors)
+    prefill = kvt.TransferEngine("prefill", by_tensors)
+    prefill.close()
+
+    pool.v_buffer[1].flags.writeable = True
+    pool.aux[0].flags.writeable = False
+    ptrs, lens, items = pool.get_contiguous_buf_infos()
+    aux_ptrs, aux_lens, aux_items = pool.aux_infos()
+    by_infos = kvt.TransferLayout.from_buf_infos(
+        ptrs, lens, items, page_size=4, dtype="fp16", head_num=2, head_dim=16,
+        tensors=pool.buffers(), aux_data_ptrs=aux_ptrs, aux_data_lens=aux_lens,
+        aux_item_lens=aux_items, aux_tensors=pool.aux)
+    with pytest.raises(ValueError, match=r"aux_tensors\[0\] of the layout is a read-only"):
+        kvt.TransferEngine("decode", by_infos)
+    pool.aux[0].flags.writeable = True
+    writable = kvt.TransferLayout.from_buf_infos(
+        ptrs, lens, items, page_size=4, dtype="fp16", head_num=2, head_dim=16,
+        tensors=pool.buffers(), aux_data_ptrs=aux_ptrs, aux_data_lens=aux_lens,
+        aux_item_lens=aux_items, aux_tensors=pool.aux)
+    kvt.TransferEngine("decode", writable).close()
