@@ -3,6 +3,7 @@
 #include <cuda.h>
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <cstdio>
 #include <string>
 #include <utility>
@@ -267,27 +268,54 @@ std::string HexAddress(uint64_t address) {
   return text;
 }
 
+// The driver's entry point `name` (its CUDA 12 version), found at run time: the libraries link
+// the CUDA runtime only, so binaries load on machines without a driver.
+StatusOr<void*> DriverSymbol(const char* name) {
+  void* symbol = nullptr;
+  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+#if CUDART_VERSION >= 12050
+  const cudaError_t err =
+      cudaGetDriverEntryPointByVersion(name, &symbol, 12000, cudaEnableDefault, &found);
+#else
+  const cudaError_t err = cudaGetDriverEntryPoint(name, &symbol, cudaEnableDefault, &found);
+#endif
+  if (err != cudaSuccess) {
+    return ToStatus(err, ("cudaGetDriverEntryPoint(" + std::string(name) + ")").c_str());
+  }
+  if (found != cudaDriverEntryPointSuccess || symbol == nullptr) {
+    return Unavailable("the CUDA driver does not provide " + std::string(name) +
+                       " (lookup result " + std::to_string(static_cast<int>(found)) +
+                       "); update the NVIDIA driver");
+  }
+  return symbol;
+}
+
 StatusOr<MemGetAddressRangeFn> AddressRangeFunction() {
   static const StatusOr<MemGetAddressRangeFn> function = []() -> StatusOr<MemGetAddressRangeFn> {
-    void* symbol = nullptr;
-    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-#if CUDART_VERSION >= 12050
-    const cudaError_t err = cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &symbol, 12000,
-                                                             cudaEnableDefault, &found);
-#else
-    const cudaError_t err =
-        cudaGetDriverEntryPoint("cuMemGetAddressRange", &symbol, cudaEnableDefault, &found);
-#endif
-    if (err != cudaSuccess) {
-      return ToStatus(err, "cudaGetDriverEntryPoint(cuMemGetAddressRange)");
-    }
-    if (found != cudaDriverEntryPointSuccess || symbol == nullptr) {
-      return Unavailable("the CUDA driver does not provide cuMemGetAddressRange (lookup result " +
-                         std::to_string(static_cast<int>(found)) + "); update the NVIDIA driver");
-    }
+    KVT_ASSIGN_OR_RETURN(void* symbol, DriverSymbol("cuMemGetAddressRange"));
     return reinterpret_cast<MemGetAddressRangeFn>(symbol);
   }();
   return function;
+}
+
+using StreamWriteValue64Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
+using DeviceGetAttributeFn = CUresult (*)(int*, CUdevice_attribute, CUdevice);
+
+struct StreamMemOps {
+  StreamWriteValue64Fn write64 = nullptr;
+  DeviceGetAttributeFn attribute = nullptr;
+};
+
+StatusOr<StreamMemOps> StreamMemOpFunctions() {
+  static const StatusOr<StreamMemOps> functions = []() -> StatusOr<StreamMemOps> {
+    StreamMemOps ops;
+    KVT_ASSIGN_OR_RETURN(void* write, DriverSymbol("cuStreamWriteValue64"));
+    KVT_ASSIGN_OR_RETURN(void* attribute, DriverSymbol("cuDeviceGetAttribute"));
+    ops.write64 = reinterpret_cast<StreamWriteValue64Fn>(write);
+    ops.attribute = reinterpret_cast<DeviceGetAttributeFn>(attribute);
+    return ops;
+  }();
+  return functions;
 }
 
 }  // namespace
@@ -305,6 +333,57 @@ StatusOr<Allocation> FindAllocation(uint64_t address) {
                            ": the address is not inside a CUDA allocation of this process");
   }
   return Allocation{static_cast<uint64_t>(base), static_cast<uint64_t>(bytes)};
+}
+
+// ---- CompletionWord -----------------------------------------------------------------------
+
+StatusOr<CompletionWord> CompletionWord::Create(int device) {
+  KVT_ASSIGN_OR_RETURN(StreamMemOps ops, StreamMemOpFunctions());
+  int supported = 0;
+  // A CUdevice is the device's ordinal (cuDeviceGet returns it unchanged).
+  const CUresult queried =
+      ops.attribute(&supported, CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS, device);
+  if (queried != CUDA_SUCCESS || supported == 0) {
+    return Unavailable("device " + std::to_string(device) +
+                       " does not run 64-bit stream memory operations (cuDeviceGetAttribute "
+                       "CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS: CUresult " +
+                       std::to_string(static_cast<int>(queried)) + ", value " +
+                       std::to_string(supported) + ")");
+  }
+  CompletionWord word;
+  KVT_ASSIGN_OR_RETURN(word.host_, PinnedBuffer::Allocate(sizeof(uint64_t)));
+  *word.host_.as<uint64_t>() = 0;
+  void* mapped = nullptr;
+  KVT_RETURN_IF_ERROR(ToStatus(cudaHostGetDevicePointer(&mapped, word.host_.data(), 0),
+                               "cudaHostGetDevicePointer"));
+  word.device_address_ = reinterpret_cast<uint64_t>(mapped);
+  // One signal end to end, so that a device or driver that takes the call but cannot run it is
+  // found here and not by a caller that would wait for the word for ever.
+  KVT_ASSIGN_OR_RETURN(Stream probe, Stream::Create(device));
+  KVT_RETURN_IF_ERROR(word.Signal(probe.get(), 1));
+  KVT_RETURN_IF_ERROR(probe.Synchronize());
+  if (word.Load() != 1) {
+    return Unavailable("a stream write into mapped pinned memory on device " +
+                       std::to_string(device) + " completed, but the host did not see it");
+  }
+  std::atomic_ref<uint64_t>(*word.host_.as<uint64_t>()).store(0, std::memory_order_release);
+  return word;
+}
+
+Status CompletionWord::Signal(cudaStream_t stream, uint64_t value) const {
+  KVT_ASSIGN_OR_RETURN(StreamMemOps ops, StreamMemOpFunctions());
+  const CUresult result =
+      ops.write64(reinterpret_cast<CUstream>(stream), static_cast<CUdeviceptr>(device_address_),
+                  value, CU_STREAM_WRITE_VALUE_DEFAULT);
+  if (result != CUDA_SUCCESS) {
+    return Internal("cuStreamWriteValue64 of a completion word failed with CUresult " +
+                    std::to_string(static_cast<int>(result)));
+  }
+  return OkStatus();
+}
+
+uint64_t CompletionWord::Load() const {
+  return std::atomic_ref<uint64_t>(*host_.as<uint64_t>()).load(std::memory_order_acquire);
 }
 
 Status Copy(void* dst, const void* src, size_t bytes) {

@@ -38,7 +38,11 @@ TEST(CudaUtilTest, ObjectsWorkOrFailCleanlyWithoutDevice) {
   EXPECT_EQ(zero->size(), 0u);
   EXPECT_EQ(Copy(nullptr, nullptr, 0), OkStatus());
   EXPECT_EQ(Copy(nullptr, &empty, 4).code(), StatusCode::kInvalidArgument);
+  CompletionWord no_word;
+  EXPECT_FALSE(no_word.valid());
   if (HasDevice()) GTEST_SKIP() << "a device is present; the no-device paths are not reachable";
+  auto word = CompletionWord::Create(0);
+  EXPECT_FALSE(word.ok()) << "a completion word without a device";
   auto buf = DeviceBuffer::Allocate(64);
   EXPECT_FALSE(buf.ok());
   auto stream = Stream::Create();

@@ -4,8 +4,10 @@
 // the launch's parameters) and times, on the host:
 //   - each call alone: the launch, an event record, a query of a completed event, and the
 //     stream wait plus host function that a completion notice costs;
-//   - from the start of the launch call until the completion event is seen by a thread that
-//     spins on cudaEventQuery, and until a host function behind it has run (a notice's wake-up).
+//   - the call that enqueues a completion word's signal (cuStreamWriteValue64) behind the kernel;
+//   - from the start of the launch call until the completion is seen by a thread that spins on
+//     cudaEventQuery (even rounds) or on the completion word's load (odd rounds), and until a
+//     host function behind it has run (a notice's wake-up).
 // The copy is one page of --buffers buffers of --page-bytes each (a one-page request of a model
 // with --buffers / 2 layers), device to device on one GPU. Medians and p90 over --iters rounds.
 #include <fmt/format.h>
@@ -102,17 +104,33 @@ Status RunCudaCalls(const CudaCallsOptions& o) {
   KVT_ASSIGN_OR_RETURN(cuda::Stream notify_stream, cuda::Stream::Create(0));
   KVT_ASSIGN_OR_RETURN(cuda::Event staged, cuda::Event::Create(/*timing=*/false));
   KVT_ASSIGN_OR_RETURN(cuda::Event done, cuda::Event::Create(/*timing=*/false));
+  KVT_ASSIGN_OR_RETURN(cuda::CompletionWord word, cuda::CompletionWord::Create(0));
+  uint64_t signals = 0;
 
-  enum Figure { kLaunch, kUpload, kRecord, kQuery, kNotice, kSeen, kNotified, kFigures };
+  enum Figure {
+    kLaunch,
+    kUpload,
+    kRecord,
+    kSignal,
+    kQuery,
+    kNotice,
+    kSeen,
+    kWordSeen,
+    kNotified,
+    kFigures
+  };
   const char* names[kFigures] = {"launch call",
                                  "table upload calls (memcpy, record, wait)",
                                  "event record call",
+                                 "completion word signal call",
                                  "event query call (completed event)",
                                  "stream wait + host function calls (a notice)",
                                  "launch -> completion seen (spinning query)",
+                                 "launch -> completion seen (spinning word load)",
                                  "launch -> host function ran (notice wake-up)"};
-  const char* keys[kFigures] = {"launch_call",  "upload_calls",   "record_call",       "query_call",
-                                "notice_calls", "launch_to_seen", "launch_to_notified"};
+  const char* keys[kFigures] = {"launch_call",    "upload_calls",   "record_call",
+                                "signal_call",    "query_call",     "notice_calls",
+                                "launch_to_seen", "launch_to_word", "launch_to_notified"};
   json results = json::object();
   fmt::print("kvt-bench cuda-calls: one page of {} buffers x {} B, {} rounds, microseconds\n",
              o.buffers, page_bytes, o.iters);
@@ -138,14 +156,22 @@ Status RunCudaCalls(const CudaCallsOptions& o) {
       const auto t2 = Clock::now();
       KVT_RETURN_IF_ERROR(done.Record(stream.get()));
       const auto t3 = Clock::now();
+      KVT_RETURN_IF_ERROR(word.Signal(stream.get(), ++signals));
+      const auto t3s = Clock::now();
       std::atomic<bool> ran{false};
       BENCH_CUDA(cudaStreamWaitEvent(notify_stream.get(), done.get(), 0));
       BENCH_CUDA(cudaLaunchHostFunc(notify_stream.get(), &MarkRan, &ran));
       const auto t4 = Clock::now();
-      cudaError_t q;
-      while ((q = cudaEventQuery(done.get())) == cudaErrorNotReady) {
+      const bool by_word = it % 2 == 1;
+      if (by_word) {
+        while (word.Load() < signals) {
+        }
+      } else {
+        cudaError_t q;
+        while ((q = cudaEventQuery(done.get())) == cudaErrorNotReady) {
+        }
+        BENCH_CUDA(q);
       }
-      BENCH_CUDA(q);
       const auto t5 = Clock::now();
       while (!ran.load(std::memory_order_acquire)) std::this_thread::yield();
       const auto t6 = Clock::now();
@@ -158,8 +184,9 @@ Status RunCudaCalls(const CudaCallsOptions& o) {
       f[kUpload].push_back(Us(t0, t1));
       f[kRecord].push_back(Us(t2, t3));
       f[kQuery].push_back(Us(t6, t7));
-      f[kNotice].push_back(Us(t3, t4));
-      f[kSeen].push_back(Us(t1, t5));
+      f[kSignal].push_back(Us(t3, t3s));
+      f[kNotice].push_back(Us(t3s, t4));
+      f[by_word ? kWordSeen : kSeen].push_back(Us(t1, t5));
       f[kNotified].push_back(Us(t1, t6));
     }
   }

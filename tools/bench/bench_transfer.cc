@@ -113,6 +113,7 @@ struct TransferOptions {
   std::string ucx_am_message_bytes = "1MiB";  // UcxOptions::am_message_bytes (both sides)
   int64_t control_busy_poll_us = 0;  // both engines' EngineOptions::control_busy_poll
   bool control_lanes = true;         // both engines' EngineOptions::control_lanes
+  bool cuda_ipc_completion_word = true;  // CudaIpcOptions::completion_word (both sides)
   std::string page_tokens = "1,16,64";
   int64_t tokens = 0;  // 0: 1024 on host pools, >= 1 GiB per request on CUDA pools
   int iters = 10;
@@ -289,6 +290,7 @@ struct SideConfig {
   int64_t ucx_am_message_bytes = int64_t{1} << 20;
   int64_t control_busy_poll_us = 0;
   bool control_lanes = true;
+  bool cuda_ipc_completion_word = true;
   int page_tokens = 0;
   int64_t pool_tokens = 0;
   std::string memory = "pool";  // TransferOptions::memory
@@ -317,6 +319,7 @@ struct SideConfig {
             {"ucx_am_message_bytes", ucx_am_message_bytes},
             {"control_busy_poll_us", control_busy_poll_us},
             {"control_lanes", control_lanes},
+            {"cuda_ipc_completion_word", cuda_ipc_completion_word},
             {"page_tokens", page_tokens},
             {"pool_tokens", pool_tokens},
             {"memory", memory},
@@ -348,6 +351,7 @@ struct SideConfig {
       c.ucx_am_message_bytes = j.value("ucx_am_message_bytes", int64_t{1} << 20);
       c.control_busy_poll_us = j.value("control_busy_poll_us", int64_t{0});
       c.control_lanes = j.value("control_lanes", true);
+      c.cuda_ipc_completion_word = j.value("cuda_ipc_completion_word", true);
       c.page_tokens = j.at("page_tokens");
       c.pool_tokens = j.at("pool_tokens");
       c.memory = j.at("memory");
@@ -375,6 +379,9 @@ struct SideConfig {
   // The backend both sides run, with this configuration's options.
   StatusOr<std::unique_ptr<Backend>> CreateBackend() const {
     KVT_ASSIGN_OR_RETURN(transfer::BackendConfig config, transfer::DefaultBackendConfig(backend));
+    if (auto* ipc = std::get_if<transfer::CudaIpcOptions>(&config)) {
+      ipc->completion_word = cuda_ipc_completion_word;
+    }
     if (auto* ucx = std::get_if<transfer::UcxOptions>(&config)) {
       ucx->transports = ucx_tls;
       ucx->spin = std::chrono::microseconds(ucx_spin_us);
@@ -1508,6 +1515,7 @@ SideConfig BaseSideConfig(const TransferOptions& o, int pt, int64_t pool_tokens,
   c.ucx_am_message_bytes = am_bytes.ok() ? *am_bytes : int64_t{1} << 20;
   c.control_busy_poll_us = o.control_busy_poll_us;
   c.control_lanes = o.control_lanes;
+  c.cuda_ipc_completion_word = o.cuda_ipc_completion_word;
   c.page_tokens = pt;
   c.pool_tokens = pool_tokens;
   c.memory = o.memory;
@@ -2356,6 +2364,7 @@ json CommonConfig(const TransferOptions& o, DType dtype, int64_t row_bytes, int6
               {"pipelined_requests", o.pipelined_requests},
               {"control_busy_poll_us", o.control_busy_poll_us},
               {"control_lanes", o.control_lanes},
+              {"cuda_ipc_completion_word", o.cuda_ipc_completion_word},
               {"seed", o.seed}};
 }
 
@@ -2729,6 +2738,11 @@ void AddTransferCommand(CLI::App& app, int& exit_code) {
                   "the library's default; kvt-agent uses 1000 on CUDA pools)")
       ->capture_default_str()
       ->check(CLI::Range(int64_t{0}, int64_t{60'000'000}));
+  cmd->add_option("--cuda-ipc-completion-word", opts->cuda_ipc_completion_word,
+                  "cuda_ipc on both sides: each write also sets a completion word in mapped "
+                  "pinned memory, which the engine's poller spins on (1), or completion is seen "
+                  "through CUDA events alone (0); CudaIpcOptions::completion_word")
+      ->capture_default_str();
   cmd->add_option("--control-lanes", opts->control_lanes,
                   "both engines' EngineOptions::control_lanes: with busy polling, the two "
                   "processes' control messages go through a shared-memory lane (1) or stay on "

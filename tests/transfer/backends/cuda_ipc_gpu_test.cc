@@ -375,6 +375,66 @@ TEST_F(CudaIpcSameProcess, NoticesComePerWriteOrOnlyWhenArmed) {
   KVT_ASSERT_OK(held.stream.Synchronize());
 }
 
+// Completion hints (the completion word): false while a write waits for its producer, and for
+// a write queued behind it; true for both once they ran, and their bytes are in place then;
+// never true for ids not yet posted. A backend with the word off reports no hints and still
+// completes its writes.
+TEST_F(CudaIpcSameProcess, CompletionHintsFollowTheWritesAndNeverRunAhead) {
+  ASSERT_TRUE(sender_->Capabilities().completion_hints)
+      << "this device runs stream memory operations; the word should be on by default";
+  const int32_t src_page = 9, dst_page = 11;
+  PageWrite w = OnePage(src_page, dst_page);
+  HeldProducer held;
+  KVT_ASSERT_OK(held.Hold());
+  w.ready = held.ready.get();
+  auto gated = sender_->PostPages(peer_, w);
+  if (!gated.ok()) held.gate.Open();
+  ASSERT_TRUE(gated.ok()) << gated.status();
+  w.ready = nullptr;
+  const int32_t src_next = 12, dst_next = 13;
+  PageWrite next = OnePage(src_next, dst_next);
+  auto behind = sender_->PostPages(peer_, next);
+  if (!behind.ok()) held.gate.Open();
+  ASSERT_TRUE(behind.ok()) << behind.status();
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  const bool gated_hint = sender_->CompletedHint(*gated);
+  const bool behind_hint = sender_->CompletedHint(*behind);
+  const Status gated_status = sender_->Check(*gated);
+  held.gate.Open();
+  EXPECT_FALSE(gated_hint) << "a write waiting for its producer was hinted complete";
+  EXPECT_FALSE(behind_hint) << "a write queued behind it was hinted complete";
+  EXPECT_EQ(gated_status.code(), StatusCode::kInProgress) << gated_status;
+  const auto give_up = Clock::now() + std::chrono::seconds(10);
+  while (!sender_->CompletedHint(*behind) && Clock::now() < give_up) {
+  }
+  EXPECT_TRUE(sender_->CompletedHint(*behind));
+  EXPECT_TRUE(sender_->CompletedHint(*gated)) << "writes complete in the stream's order";
+  EXPECT_FALSE(sender_->CompletedHint(*behind + 1000)) << "an id not posted yet";
+  KVT_EXPECT_OK(sender_->Check(*gated));
+  KVT_EXPECT_OK(sender_->Check(*behind));
+  sender_->Release(*gated);
+  sender_->Release(*behind);
+  ApplyPageWrite(w, src_image_, expected_, dst_.buffer_bytes(), kItem);
+  ApplyPageWrite(next, src_image_, expected_, dst_.buffer_bytes(), kItem);
+  ExpectDestination();
+  EXPECT_FALSE(held.gate.timed_out());
+  KVT_ASSERT_OK(held.stream.Synchronize());
+
+  CudaIpcOptions off;
+  off.completion_word = false;
+  auto plain = CreateBackend(BackendConfig(off));
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  ASSERT_TRUE((*plain)->Register(src_.Regions()).ok());
+  EXPECT_FALSE((*plain)->Capabilities().completion_hints);
+  auto plain_peer = (*plain)->Connect(receiver_descriptor_);
+  ASSERT_TRUE(plain_peer.ok()) << plain_peer.status();
+  auto id = (*plain)->PostPages(*plain_peer, OnePage(src_page, dst_page));
+  ASSERT_TRUE(id.ok()) << id.status();
+  KVT_ASSERT_OK(WaitFor(**plain, *id));
+  EXPECT_FALSE((*plain)->CompletedHint(*id)) << "no word, no hints";
+  (*plain)->Release(*id);
+}
+
 TEST_F(CudaIpcSameProcess, DisconnectWaitsForWritesInFlightAndAbortsThem) {
   HeldProducer held;
   KVT_ASSERT_OK(held.Hold());

@@ -92,6 +92,7 @@ class TransferEngine::Impl {
     ctx_.page_writes = caps.page_writes;
     ctx_.waits_on_events = caps.page_writes && cuda;
     ctx_.notified = caps.notifies_completion;
+    ctx_.hinted = caps.completion_hints;
     if (ctx_.notified) {
       // Never blocks (a CUDA host function may call it).
       ctx_.backend->SetCompletionNotifier([this] { ctx_.wakeup.Kick(); });

@@ -10,6 +10,20 @@ namespace {
 // Between two completion checks of a spinning poller: Check takes the backend's lock, which
 // posting threads need too.
 constexpr auto kDeviceSpinGap = std::chrono::microseconds(4);
+// With completion hints (a load each), Check runs this rarely: a write the hint does not cover,
+// or one that failed, is still seen.
+constexpr auto kHintedCheckGap = std::chrono::microseconds(50);
+
+// Whether the write watched is still running; `next_check` paces the Check calls.
+bool StillRunning(const EngineContext& ctx, WriteId write, Clock::time_point& next_check) {
+  if (ctx.hinted) {
+    if (ctx.backend->CompletedHint(write)) return false;
+    const auto now = Clock::now();
+    if (now < next_check) return true;
+    next_check = now + kHintedCheckGap;
+  }
+  return ctx.backend->Check(write).code() == StatusCode::kInProgress;
+}
 
 }  // namespace
 
@@ -36,8 +50,13 @@ void Poller::Loop() {
       // again. A kick (new work, a completion notice) ends the spin early.
       const auto until = std::min(Clock::now() + ctx_.options.device_spin, pass.next);
       control::internal::SpinPacer pacer;
+      Clock::time_point next_check = Clock::now() + kHintedCheckGap;
       while (!ctx_.wakeup.pending() && Clock::now() < until &&
-             ctx_.backend->Check(pass.spin_write).code() == StatusCode::kInProgress) {
+             StillRunning(ctx_, pass.spin_write, next_check)) {
+        if (ctx_.hinted) {
+          pacer.Wait();
+          continue;
+        }
         const auto next = Clock::now() + kDeviceSpinGap;
         while (Clock::now() < next) pacer.Wait();
       }

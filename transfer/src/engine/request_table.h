@@ -100,6 +100,7 @@ struct EngineContext {
   v1::PeerInfo local_info;
   bool page_writes = false;      // the backend takes page lists (PostPages)
   bool notified = false;         // the backend calls the completion notifier
+  bool hinted = false;           // the backend's CompletedHint tells completion without a lock
   bool waits_on_events = false;  // the backend waits for a producer's event on the GPU
   int32_t num_layers() const { return static_cast<int32_t>(local_layout.num_layers()); }
 

@@ -136,6 +136,35 @@ struct Allocation {
 };
 StatusOr<Allocation> FindAllocation(uint64_t address);
 
+// A 64-bit word in mapped pinned host memory that a stream sets (the driver's
+// cuStreamWriteValue64, found at run time like cuMemGetAddressRange) once the work enqueued
+// before it has completed, so a host thread sees that completion with one load: no driver call
+// (cudaEventQuery costs about 2 µs and takes locks a thread that launches needs too). The write
+// carries the driver's default memory barrier: what the earlier work wrote (a kernel's stores
+// into a peer's memory too) is visible before the word is. The word only grows when its
+// signals are enqueued with growing values on one stream.
+class CompletionWord {
+ public:
+  CompletionWord() = default;
+  // Allocates the word (0) and checks the device runs a stream write into it. Unavailable when
+  // the driver lacks cuStreamWriteValue64 or the device refuses 64-bit stream memory operations
+  // (CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS). Device `device` must be current.
+  static StatusOr<CompletionWord> Create(int device);
+  CompletionWord(CompletionWord&&) noexcept = default;
+  CompletionWord& operator=(CompletionWord&&) noexcept = default;
+
+  bool valid() const { return host_.data() != nullptr; }
+  // Enqueues "the word = value" on `stream` behind everything enqueued there before.
+  Status Signal(cudaStream_t stream, uint64_t value) const;
+  // The last value a signal wrote that this thread can see (acquire: what the work before that
+  // signal wrote is visible after it). Any thread; no CUDA call.
+  uint64_t Load() const;
+
+ private:
+  PinnedBuffer host_;
+  uint64_t device_address_ = 0;
+};
+
 // Copies `bytes` with cudaMemcpy (kind inferred by UVA) and waits until they are at the
 // destination (also from pageable host memory), so work on any stream may read them after.
 Status Copy(void* dst, const void* src, size_t bytes);

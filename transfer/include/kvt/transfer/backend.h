@@ -72,6 +72,10 @@ struct BackendCapabilities {
   // Calls the completion notifier (SetCompletionNotifier) when writes complete, so the caller
   // needs no tight polling loop.
   bool notifies_completion = false;
+  // CompletedHint tells, without a lock or a driver call, that a write has completed (cuda_ipc:
+  // a word its stream sets after each write), so a thread that watches a running write can
+  // spin on it instead of on Check.
+  bool completion_hints = false;
 };
 
 // A page-indexed write: for every registered buffer whose layer lies in [layer_begin,
@@ -152,6 +156,12 @@ class Backend {
   // OK once every byte of the write is visible at the peer; InProgress while it runs; another
   // error when it failed (the write's bytes at the peer are then undefined).
   virtual Status Check(WriteId write) = 0;
+
+  // True when the write has certainly completed (Capabilities().completion_hints): a load, no
+  // lock and no driver call, for a thread that spins while a write runs. False while it runs,
+  // for unknown ids, and for writes the hint does not cover; Check then tells (and is what
+  // reports a failed write). Thread-safe.
+  virtual bool CompletedHint(WriteId write) const { return false; }
 
   // Installs `notify` (null: none): the backend calls it, from any thread (a CUDA host callback
   // or its progress thread), when a write may have completed, so that the caller Checks at once

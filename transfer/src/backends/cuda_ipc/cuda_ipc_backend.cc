@@ -300,7 +300,8 @@ uint64_t RandomU64() {
 
 class CudaIpcBackend final : public Backend {
  public:
-  explicit CudaIpcBackend(uint64_t instance) : instance_(instance) {}
+  CudaIpcBackend(uint64_t instance, const CudaIpcOptions& options)
+      : instance_(instance), options_(options) {}
 
   ~CudaIpcBackend() override {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -321,6 +322,7 @@ class CudaIpcBackend final : public Backend {
                     drained.ToString());
       for (auto& [id, write] : writes_) (void)write.slot.release();
       for (auto& slot : retiring_) (void)slot.release();
+      for (auto& word : words_) (void)word.release();  // the stream may still set it
       writes_.clear();
       retiring_.clear();
       peers_.clear();
@@ -343,6 +345,7 @@ class CudaIpcBackend final : public Backend {
     caps.inter_process = true;
     caps.page_writes = true;
     caps.notifies_completion = true;
+    caps.completion_hints = word_.load(std::memory_order_acquire) != nullptr;
     return caps;
   }
 
@@ -389,7 +392,7 @@ class CudaIpcBackend final : public Backend {
     std::lock_guard<std::mutex> lock(mutex_);
     size_t in_flight = 0;
     for (auto& [id, write] : writes_) {
-      PollLocked(write);
+      PollLocked(id, write);
       if (write.status.code() == StatusCode::kInProgress) ++in_flight;
     }
     if (in_flight > 0) {
@@ -475,6 +478,20 @@ class CudaIpcBackend final : public Backend {
       notify_stream_ = std::move(notify);
       copy_stream_ = std::move(copy);
       free_.clear();  // scratch of another device
+      word_.store(nullptr, std::memory_order_release);
+      if (options_.completion_word) {
+        StatusOr<cuda::CompletionWord> word = cuda::CompletionWord::Create(device);
+        if (word.ok()) {
+          // A new word starts at 0, below every write id posted from now on.
+          words_.push_back(std::make_unique<cuda::CompletionWord>(std::move(*word)));
+          word_.store(words_.back().get(), std::memory_order_release);
+        } else {
+          KVT_LOG_INFO("ipc",
+                       "no completion word on device {} ({}); completion is seen through "
+                       "events alone",
+                       device, word.status().ToString());
+        }
+      }
     }
     ProcessAddress self = Self();
     self.device = device;
@@ -577,7 +594,7 @@ class CudaIpcBackend final : public Backend {
     size_t in_flight = 0;
     for (auto& [wid, write] : writes_) {
       if (write.peer != id) continue;
-      PollLocked(write);
+      PollLocked(wid, write);
       if (write.status.code() == StatusCode::kInProgress) {
         write.aborted = true;
         ++in_flight;
@@ -607,7 +624,7 @@ class CudaIpcBackend final : public Backend {
       return drained.WithContext("peer " + Num(id) + " is forgotten, but its mappings stay open");
     }
     for (auto& [wid, write] : writes_) {
-      if (write.peer == id) PollLocked(write);
+      if (write.peer == id) PollLocked(wid, write);
     }
     ReleaseMappings(peer);
     KVT_LOG_DEBUG("ipc", "peer {} disconnected ({}), {} writes aborted", id,
@@ -638,7 +655,7 @@ class CudaIpcBackend final : public Backend {
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = writes_.find(id);
     if (it == writes_.end()) return NotFound("no cuda_ipc write " + Num(id));
-    PollLocked(it->second);
+    PollLocked(it->first, it->second);
     return it->second.status;
   }
 
@@ -648,7 +665,7 @@ class CudaIpcBackend final : public Backend {
     if (it == writes_.end()) return;
     Write write = std::move(it->second);
     writes_.erase(it);
-    PollLocked(write);
+    PollLocked(id, write);
     if (!write.slot) return;  // finished (its scratch is recycled) or failed
     // Still running: a launched kernel cannot be cancelled, so wait for it (without the lock).
     const cudaEvent_t done = write.slot->done.get();
@@ -683,6 +700,7 @@ class CudaIpcBackend final : public Backend {
     std::unique_ptr<Slot> slot;  // until the GPU is done with the write's tables
     Status status;               // InProgress until the completion event fired
     bool aborted = false;        // its peer was disconnected while it ran
+    bool signalled = false;      // the completion word reaches the write's id once it is done
   };
 
   static Status UnknownPeer(PeerId id) {
@@ -722,10 +740,15 @@ class CudaIpcBackend final : public Backend {
     peer.mapped.clear();
   }
 
-  // Moves a write's status on when its completion event fired. mutex_ held.
-  void PollLocked(Write& write) {
+  // Moves a write's status on when its completion word passed its id (no driver call) or its
+  // completion event fired. mutex_ held.
+  void PollLocked(WriteId id, Write& write) {
     if (write.status.code() != StatusCode::kInProgress || !write.slot) return;
-    const cudaError_t err = cudaEventQuery(write.slot->done.get());
+    // The word is set behind the write's event on the same stream: past the id, both are done.
+    const cuda::CompletionWord* word = word_.load(std::memory_order_relaxed);
+    const cudaError_t err = write.signalled && word != nullptr && word->Load() >= id
+                                ? cudaSuccess
+                                : cudaEventQuery(write.slot->done.get());
     if (err == cudaErrorNotReady) {
       (void)cudaGetLastError();
       return;
@@ -898,6 +921,17 @@ class CudaIpcBackend final : public Backend {
     Write write;
     write.peer = peer;
     const WriteId id = next_write_++;
+    if (const cuda::CompletionWord* word = word_.load(std::memory_order_relaxed)) {
+      const Status signalled = word->Signal(stream, id);
+      if (signalled.ok()) {
+        write.signalled = true;
+      } else {
+        // The write stands (its event tells); later writes go without the word.
+        KVT_LOG_WARN("ipc", "{}; completion is seen through events from now on",
+                     signalled.ToString());
+        word_.store(nullptr, std::memory_order_release);
+      }
+    }
     if (!notices_on_demand_.load(std::memory_order_relaxed)) {
       NoticeAfterLocked(slot->done.get());
       armed_write_ = id;
@@ -936,6 +970,13 @@ class CudaIpcBackend final : public Backend {
     notices_on_demand_.store(on_demand, std::memory_order_relaxed);
   }
 
+  // Lock-free: words live as long as the backend, and a word that is no longer current holds
+  // ids below every later write's, so a hint read through it is false, never a wrong true.
+  bool CompletedHint(WriteId id) const override {
+    const cuda::CompletionWord* word = word_.load(std::memory_order_acquire);
+    return word != nullptr && word->Load() >= id;
+  }
+
   // One notice behind the oldest write in flight, unless one is armed behind it already (writes
   // complete in the transfer stream's order, so the oldest completes first).
   void ArmCompletionNotice() override {
@@ -963,6 +1004,10 @@ class CudaIpcBackend final : public Backend {
   std::mutex notify_mutex_;
   std::function<void()> notify_;
   std::atomic<bool> notices_on_demand_{false};
+  const CudaIpcOptions options_;
+  // The current completion word (null: none), set under mutex_, read by CompletedHint without
+  // it; every word made stays in words_ until the backend goes (a hint may still read it).
+  std::atomic<const cuda::CompletionWord*> word_{nullptr};
 
   std::mutex mutex_;            // guards everything below
   int device_ = -1;             // the registered buffers' device; -1 before Register
@@ -974,6 +1019,7 @@ class CudaIpcBackend final : public Backend {
   std::unordered_map<WriteId, Write> writes_;
   std::vector<std::unique_ptr<Slot>> free_;      // recycled scratch
   std::vector<std::unique_ptr<Slot>> retiring_;  // scratch of failed posts, until their event
+  std::vector<std::unique_ptr<cuda::CompletionWord>> words_;
   CopyProgram program_;  // the page write being posted; its storage is reused write after write
   PeerId next_peer_ = 1;
   WriteId next_write_ = 1;
@@ -990,7 +1036,7 @@ StatusOr<std::unique_ptr<Backend>> CreateCudaIpcBackend(const CudaIpcOptions& op
   if (!lookup.ok() && lookup.code() != StatusCode::kInvalidArgument) {
     return lookup.WithContext("cuda_ipc");
   }
-  return std::unique_ptr<Backend>(std::make_unique<CudaIpcBackend>(RandomU64()));
+  return std::unique_ptr<Backend>(std::make_unique<CudaIpcBackend>(RandomU64(), options));
 }
 
 size_t CudaIpcOpenMappingsForTest() { return MappingCache::Get().Size(); }
