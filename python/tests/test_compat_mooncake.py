@@ -201,6 +201,29 @@ def test_refusals_name_the_value_and_move_nothing(target: Target) -> None:
         engine.close()
 
 
+
+def test_unmapped_host_memory_is_refused_when_sealed_and_can_be_deregistered(
+        target: Target) -> None:
+    src = _source(8)
+    engine = TransferEngine("127.0.0.1")
+    try:
+        for b in src:
+            engine.register(b.ctypes.data, b.nbytes)
+        # The first page above 0 is never mapped (Linux keeps vm.mmap_min_addr unmappable).
+        assert engine.register(4096, 16 * ITEM) == 0  # registrations are sealed at first use
+        base, peer = src[0].ctypes.data, target.ptrs[0]
+        assert engine.batch_transfer_sync(target.session, [base], [peer], [ITEM]) == -1
+        assert "not mapped host memory of this process" in engine.last_error, engine.last_error
+        assert "0x1000" in engine.last_error, engine.last_error
+        assert engine.stats()["bytes"] == 0
+        assert engine.deregister(4096) == 0
+        assert engine.batch_transfer_sync(target.session, [base], [peer], [ITEM]) == 0
+        want = _expect(src, [])
+        want[0].reshape(PAGES, ITEM)[0] = src[0].reshape(PAGES, ITEM)[0]
+        _assert_same(target.ask("dump"), want)
+    finally:
+        engine.close()
+
 def test_regions_registered_later_and_deregistered(target: Target) -> None:
     src = _source(7)
     with TransferEngine("127.0.0.1", raise_errors=True) as engine:

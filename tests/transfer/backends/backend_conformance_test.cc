@@ -1,4 +1,5 @@
 // One conformance suite, run against every backend that can move host memory in-process.
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -276,6 +277,32 @@ TEST_P(BackendConformance, ReleasingWritesInFlightLeavesThePeerUsable) {
   ASSERT_TRUE(WaitFor(*sender_, *w).ok());
   sender_->Release(*w);
   for (int b = 0; b < kBuffers; ++b) EXPECT_EQ(dst_.data[b], src_.data[b]) << "buffer " << b;
+}
+
+// Addresses nothing is mapped at are refused at registration, naming the buffer and its range,
+// and the backend's earlier registration still serves writes. The first page above 0 is never
+// mapped (Linux keeps the lowest vm.mmap_min_addr bytes, 64 KiB by default, unmappable), so the
+// test cannot race another thread's allocation.
+TEST_P(BackendConformance, UnmappedHostMemoryIsRefusedAtRegistration) {
+  Buffers other{0};
+  std::vector<LocalRegion> regions = other.Regions();
+  regions[2].base = 4096;
+  auto refused = receiver_->Register(regions);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument) << refused.status();
+  EXPECT_THAT(refused.status().message(),
+              ::testing::AllOf(::testing::HasSubstr("buffer 2"),
+                               ::testing::HasSubstr("not mapped host memory of this process")))
+      << refused.status();
+  Randomize(src_, 9);
+  const CopyRun run{1, 0, kItem, 2 * kItem, 1};
+  auto w = sender_->PostWrite(peer_, std::span<const CopyRun>(&run, 1));
+  ASSERT_TRUE(w.ok()) << w.status();
+  ASSERT_TRUE(WaitFor(*sender_, *w).ok());
+  sender_->Release(*w);
+  EXPECT_TRUE(std::equal(dst_.data[1].begin() + kItem, dst_.data[1].begin() + 3 * kItem,
+                         src_.data[1].begin()))
+      << "the receiver's earlier registration no longer served writes";
 }
 
 INSTANTIATE_TEST_SUITE_P(AllHostBackends, BackendConformance,

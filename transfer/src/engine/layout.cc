@@ -4,12 +4,11 @@
 
 #include <cuda_runtime_api.h>
 #include <fmt/format.h>
-#include <sys/mman.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <limits>
 
+#include "backends/common/host_memory.h"
 #include "kvt/pool/kv_pool.h"
 
 namespace kvt::transfer {
@@ -46,22 +45,6 @@ std::string BufferName(const TransferLayout& layout, size_t index) {
     first += n;
   }
   return fmt::format("buffer {}", index);
-}
-
-// Whether [ptr, ptr + length) is mapped in this process (mincore fails with ENOMEM on a hole).
-// Checked a window at a time so that a large buffer costs a bounded vector.
-bool HostRangeMapped(uint64_t ptr, uint64_t length) {
-  static const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
-  uint64_t begin = ptr / page * page;
-  const uint64_t end = ptr + length;
-  constexpr uint64_t kWindowPages = 1 << 16;
-  std::vector<unsigned char> residency(kWindowPages);
-  while (begin < end) {
-    const uint64_t bytes = std::min(end - begin, kWindowPages * page);
-    if (mincore(reinterpret_cast<void*>(begin), bytes, residency.data()) != 0) return false;
-    begin += bytes;
-  }
-  return true;
 }
 
 // CUDA's view of a pointer: {device ordinal, true} for device memory, {-1, false} for anything

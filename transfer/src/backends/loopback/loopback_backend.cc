@@ -14,6 +14,7 @@
 #include <thread>
 #include <unordered_map>
 
+#include "backends/common/host_memory.h"
 #include "backends/common/layer_table.h"
 #include "backends/common/run_check.h"
 #include "kvt/kernels/cuda_util.h"
@@ -98,6 +99,7 @@ class LoopbackBackend final : public Backend {
         return InvalidArgument("buffer " + std::to_string(i) + " has a null base or zero length");
       }
     }
+    KVT_RETURN_IF_ERROR(CheckHostRegionsMapped(regions, "loopback"));
     KVT_ASSIGN_OR_RETURN(LayerTable layers, LayerTable::Create(regions));
     PeerDescriptor descriptor;
     descriptor.backend = "loopback";

@@ -25,6 +25,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "backends/common/host_memory.h"
 #include "backends/common/run_check.h"
 #include "backends/common/stream_copy.h"
 #include "backends/ucx/ucx_peer_check.h"
@@ -238,6 +239,7 @@ class UcxBackend final : public Backend {
         return InvalidArgument("buffer " + std::to_string(i) + " has a null base or zero length");
       }
     }
+    KVT_RETURN_IF_ERROR(CheckHostRegionsMapped(regions, "ucx"));
     KVT_ASSIGN_OR_RETURN(const bool stage, ChooseStagingLocked(regions));
     const bool host_pool = std::all_of(regions.begin(), regions.end(), [](const LocalRegion& r) {
       return r.kind == MemoryKind::kHost;
