@@ -396,6 +396,40 @@ TEST_P(UcxPeerValidationTest, GarbageAddressesAreRefusedAndAGoodPeerStillConnect
   GoodPeerStillWorks();
 }
 
+// The address of the worker that takes copy runs as active messages (in the kvt trailer) is
+// checked like the RMA worker's before UCX parses it.
+TEST_P(UcxPeerValidationTest, GarbageCopyRunAddressesAreRefusedAndAGoodPeerStillConnects) {
+  const ucx_staging::SplitAddress split = ucx_staging::SplitPeerAddress(good_.address);
+  ASSERT_TRUE(split.trailer.has_value());
+  if (split.runs_address.empty()) {
+    GTEST_SKIP() << "this receiver takes no copy runs as messages (UCX reaches it with puts)";
+  }
+  const std::string real(split.runs_address);
+  std::vector<std::pair<std::string, std::string>> garbage = {
+      {"version 5", real},
+      {"truncated", real.substr(0, real.size() / 2)},
+      {"one byte short", real.substr(0, real.size() - 1)},
+      {"trailing byte", real + '\x01'},
+      {"one byte", "\x03"},
+  };
+  garbage[0].second[0] = static_cast<char>((real[0] & 0xf0) | 5);
+  std::mt19937 rng(11);
+  for (int i = 0; i < 20; ++i) {
+    std::string bytes(1 + rng() % 300, '\0');
+    for (char& c : bytes) c = static_cast<char>(rng());
+    garbage.emplace_back("random " + std::to_string(i), bytes);
+  }
+  for (const auto& [name, address] : garbage) {
+    PeerDescriptor d = good_;
+    d.address = ucx_staging::AppendTrailer(split.worker_address, *split.trailer, address);
+    auto peer = sender_->Connect(d);
+    EXPECT_EQ(peer.status().code(), StatusCode::kInvalidArgument) << name << ": " << peer.status();
+    EXPECT_NE(peer.status().message().find("copy-run worker address"), std::string::npos)
+        << name << ": " << peer.status();
+  }
+  GoodPeerStillWorks();
+}
+
 TEST_P(UcxPeerValidationTest, LyingDescriptorsAreRefusedAtConnect) { LiesAreRefused(); }
 
 // Without direct copies UCX's shared-memory puts copy to the same mapped addresses: the same lies

@@ -351,6 +351,13 @@ class UcxBackend final : public Backend {
     KVT_RETURN_IF_ERROR(ucx_check::CheckWorkerAddress(
         {reinterpret_cast<const uint8_t*>(address.worker_address.data()),
          address.worker_address.size()}));
+    // The address of the worker that takes copy runs as active messages goes to UCX too.
+    if (!address.runs_address.empty()) {
+      Status runs = ucx_check::CheckWorkerAddress(
+          {reinterpret_cast<const uint8_t*>(address.runs_address.data()),
+           address.runs_address.size()});
+      if (!runs.ok()) return runs.WithContext("the peer's copy-run worker address");
+    }
     for (size_t i = 0; i < descriptor.regions.size(); ++i) {
       const RemoteRegion& region = descriptor.regions[i];
       if (region.length == 0 || region.base + region.length < region.base) {
