@@ -17,6 +17,7 @@
 #include "backend_test_util.h"
 #include "backends/ucx/ucx_backend.h"
 #include "backends/ucx/ucx_staged_protocol.h"
+#include "kvt/testing/status.h"
 #include "kvt/transfer/backend.h"
 #include "kvt/transfer/backends.h"
 
@@ -189,6 +190,50 @@ TEST_F(UcxAmTest, DisconnectPartWayAbortsTheWriteAndAReconnectWritesWhole) {
   ASSERT_TRUE(WaitFor(*sender_, *w).ok());
   sender_->Release(*w);
   ExpectLanded(runs);
+}
+
+// A run message UCX refuses to send fails its write, naming the call; the writes queued behind
+// it still go out and land whole, and the peer stays usable.
+TEST_F(UcxAmTest, ARunMessageUcxRefusesFailsItsWriteAndTheWritesBehindItLand) {
+  UcxTestHooks hooks;
+  hooks.fail_run_send_at = 2;  // the first write's second message
+  auto a = CreateUcxBackendForTest(Tcp(), hooks);
+  ASSERT_TRUE(a.ok()) << a.status();
+  auto b = CreateBackend(Tcp());
+  ASSERT_TRUE(b.ok()) << b.status();
+  sender_ = std::move(a).value();
+  receiver_ = std::move(b).value();
+  for (int i = 0; i < kBuffers; ++i) src_.push_back(testing::RandomBytes(kBufferBytes, 60 + i));
+  dst_.assign(kBuffers * kBufferBytes, kPoison);
+  std::vector<const uint8_t*> src;
+  for (const auto& buffer : src_) src.push_back(buffer.data());
+  peer_ = testing::RegisterAndConnect(*sender_, *receiver_, src, dst_.data(), kBufferBytes, kItem);
+  ASSERT_TRUE(peer_.ok()) << peer_.status();
+  ASSERT_EQ(PathOf(*sender_, *peer_), "am");
+
+  // The first write is two messages (two buffers of 2 KiB runs, 1 MiB a message), the second
+  // one; posted back to back, the second waits in the queue behind the first when the first's
+  // second message fails (or is posted after it failed, if the progress thread sent it first).
+  std::vector<CopyRun> first = Pages(0, 2048);
+  const std::vector<CopyRun> first_rest = Pages(1, 2048), second = Pages(2, 2048);
+  first.insert(first.end(), first_rest.begin(), first_rest.end());
+  auto failing = sender_->PostWrite(*peer_, first);
+  ASSERT_TRUE(failing.ok()) << failing.status();
+  auto behind = sender_->PostWrite(*peer_, second);
+  ASSERT_TRUE(behind.ok()) << behind.status();
+  const Status failed = WaitFor(*sender_, *failing);
+  EXPECT_FALSE(failed.ok());
+  EXPECT_NE(failed.message().find("ucp_am_send_nbx"), std::string::npos) << failed;
+  KVT_EXPECT_OK(WaitFor(*sender_, *behind));
+  sender_->Release(*failing);
+  sender_->Release(*behind);
+  ExpectLanded(second);
+
+  auto again = sender_->PostWrite(*peer_, Pages(3, 4096));
+  ASSERT_TRUE(again.ok()) << again.status();
+  KVT_EXPECT_OK(WaitFor(*sender_, *again));
+  sender_->Release(*again);
+  ExpectLanded(Pages(3, 4096));
 }
 
 TEST_F(UcxAmTest, ForcedActiveMessagesToAPutOnlyPeerAreRefusedNamingTheOption) {

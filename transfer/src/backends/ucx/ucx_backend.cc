@@ -116,8 +116,10 @@ class UcxBackend final : public Backend {
         staging_slot_bytes_(options.staging_slot_bytes),
         staging_in_place_(options.staging_in_place),
         host_path_(options.host_path),
-        run_options_{options.am_message_bytes, options.am_rendezvous,
-                     RunWindow(options.am_message_bytes)},
+        run_options_{.message_bytes = options.am_message_bytes,
+                     .rendezvous = options.am_rendezvous,
+                     .window = RunWindow(options.am_message_bytes),
+                     .fail_send_at = hooks.fail_run_send_at},
         hooks_(hooks),
         instance_(NewInstanceId()) {}
 

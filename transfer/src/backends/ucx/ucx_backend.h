@@ -42,6 +42,8 @@ struct UcxTestHooks {
   // Bytes of puts the poster posts per batch (0: the backend's 1 MiB), so that tests can cut
   // runs into pieces on small buffers.
   int post_batch_bytes = 0;
+  // The copy-run message sent this many-th (from 1) fails as if UCX refused to send it; 0: none.
+  uint64_t fail_run_send_at = 0;
 };
 StatusOr<std::unique_ptr<Backend>> CreateUcxBackendForTest(const UcxOptions& options,
                                                            const UcxTestHooks& hooks);

@@ -119,13 +119,22 @@ void StagedTransport::ScheduleRuns(uint64_t budget) {
       FailRunWrite(id, write, p->second.error);
       continue;
     }
+    // SendRunMessage returns false only when it failed the write (FailRunWrite), which takes the
+    // write out of run_pending_: `it` is then gone, and the loop goes on from the write after it.
+    const auto after = std::next(it);
+    bool failed = false;
     while (p->second.ready && p->second.credits.available() > 0 && !write.all_sent() &&
            sent < budget) {
       const uint64_t before = write.sent_bytes;
-      if (!SendRunMessage(id, write, p->second)) break;
+      if (!SendRunMessage(id, write, p->second)) {
+        failed = true;
+        break;
+      }
       sent += write.sent_bytes - before;
     }
-    if (write.all_sent() || write.status.code() != StatusCode::kInProgress) {
+    if (failed) {
+      it = after;
+    } else if (write.all_sent() || write.status.code() != StatusCode::kInProgress) {
       it = run_pending_.erase(it);
     } else {
       ++it;
@@ -186,8 +195,10 @@ bool StagedTransport::SendRunMessage(WriteId id, RunWrite& write, Peer& peer) {
   run_sends_.push_back(std::move(send));
   RunSend& s = run_sends_.back();
   RunsRelease();
-  ucs_status_ptr_t req = ucp_am_send_nbx(peer.ep, kAmRuns, s.header.data(), s.header.size(),
-                                         s.iov.data(), s.iov.size(), &param);
+  ucs_status_ptr_t req = ++run_messages_posted_ == run_options_.fail_send_at
+                             ? UCS_STATUS_PTR(UCS_ERR_NO_RESOURCE)
+                             : ucp_am_send_nbx(peer.ep, kAmRuns, s.header.data(), s.header.size(),
+                                               s.iov.data(), s.iov.size(), &param);
   if (UCS_PTR_IS_ERR(req)) {
     peer.credits.Release(id, s.message);
     const Status failed = UcsStatus(UCS_PTR_STATUS(req), "ucp_am_send_nbx of a run message");

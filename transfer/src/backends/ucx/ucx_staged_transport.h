@@ -89,6 +89,9 @@ struct RunOptions {
   // Data bytes one Pump sends at most, so that the backend's lock is never held for long by a
   // large write (the next call of the model's thread waits for it).
   uint64_t pump_bytes = uint64_t{1} << 20;
+  // Tests: the run message sent this many-th (from 1) fails as if ucp_am_send_nbx refused it
+  // (UCS_ERR_NO_RESOURCE); 0: none.
+  uint64_t fail_send_at = 0;
 };
 
 struct StagingOptions {
@@ -453,6 +456,7 @@ class StagedTransport {
   size_t max_am_header_ = 0;             // the worker's limit on an AM header
   std::map<WriteId, RunWrite> run_writes_;  // ordered by id: post order
   std::set<WriteId> run_pending_;           // run writes with messages not yet sent
+  uint64_t run_messages_posted_ = 0;        // for RunOptions::fail_send_at
   std::list<RunSend> run_sends_;
   std::list<RunLanding> run_landings_;
   // Acks to send from Pump (run messages, and chunks refused inside a callback).
