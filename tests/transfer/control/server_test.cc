@@ -15,6 +15,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <functional>
+#include <future>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -42,6 +43,10 @@ constexpr auto kWait = 5s;  // upper bound for anything that should happen "soon
 class RecordingHandler : public ControlHandler {
  public:
   void set_server(ControlServer* server) { server_.store(server); }
+  // Runs on the io thread before each echo (set before the connection starts).
+  void set_before_echo(std::function<void(const v1::Envelope&)> hook) {
+    before_echo_ = std::move(hook);
+  }
 
   void OnConnect(ConnectionId id, const ConnectionInfo& info) override {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -54,6 +59,7 @@ class RecordingHandler : public ControlHandler {
       messages_.emplace_back(id, envelope);
       changed_.notify_all();
     }
+    if (before_echo_) before_echo_(envelope);
     if (ControlServer* server = server_.load()) {
       v1::Envelope reply = envelope;
       reply.set_reply_to(envelope.id());
@@ -93,6 +99,7 @@ class RecordingHandler : public ControlHandler {
 
  private:
   std::atomic<ControlServer*> server_{nullptr};
+  std::function<void(const v1::Envelope&)> before_echo_;
   std::mutex mutex_;
   std::condition_variable changed_;
   std::vector<ConnectionInfo> connects_;
@@ -1216,6 +1223,64 @@ TEST_F(LaneTest, FramesFlowThroughTheLaneInOrderAndWakeASleepingReader) {
   }
   EXPECT_TRUE(client->using_lane());
   EXPECT_EQ(server_->lane_count(), 1u);
+}
+
+// A frame the server puts in the lane while the write of its previous socket frame has not
+// completed on its io thread (the bytes went out at once; the completion waits for the thread,
+// busy in a handler) still rings the doorbell when the reader sleeps: that frame may have
+// reached the reader already, which read the lane, found nothing and went to sleep.
+TEST_F(LaneTest, ASleepingReaderIsRungWhileTheSwitchsWriteIsStillCompleting) {
+  StartPolling();
+  std::promise<void> entered, release;
+  std::shared_future<void> released = release.get_future().share();
+  std::atomic<bool> entered_once{false};
+  handler_.set_before_echo([&](const v1::Envelope& e) {
+    if (e.id() != 4242 || entered_once.exchange(true)) return;
+    entered.set_value();
+    (void)released.wait_for(10s);  // bounded: the test releases it within seconds
+  });
+  RawClient raw(server_->port());
+  ASSERT_TRUE(raw.connected());
+  ASSERT_TRUE(raw.SendEnvelope(LaneHelloAck()));
+  for (int i = 0;; ++i) {  // the challenge, then the hello-ack's echo
+    ASSERT_LT(i, 10);
+    StatusOr<v1::Envelope> e = raw.ReadFrame();
+    ASSERT_TRUE(e.ok()) << e.status();
+    if (e->has_hello_ack()) break;
+  }
+  auto lane = internal::Lane::Create(4096);
+  ASSERT_TRUE(lane.ok()) << lane.status();
+  v1::Envelope offer;
+  offer.mutable_lane_offer()->set_name((*lane)->name());
+  offer.mutable_lane_offer()->set_nonce((*lane)->nonce());
+  offer.mutable_lane_offer()->set_ring_bytes((*lane)->ring_bytes());
+  v1::Envelope held = testing::MakeAgentRegistration();
+  held.set_id(4242);
+  // One send: the server reads both frames at once and handles the registration (held in the
+  // hook) right after it queued the lane reply, before that write's completion runs.
+  ASSERT_TRUE(raw.SendBytes(*EncodeFrame(offer) + *EncodeFrame(held)));
+  const bool in_handler =
+      entered.get_future().wait_for(std::chrono::seconds(5)) == std::future_status::ready;
+  if (!in_handler) release.set_value();
+  ASSERT_TRUE(in_handler);
+  bool accepted = false;
+  for (int i = 0; i < 10 && !accepted; ++i) {
+    StatusOr<v1::Envelope> e = raw.ReadFrame();
+    if (!e.ok()) break;
+    accepted = e->has_lane_reply() && e->lane_reply().accepted();
+  }
+  if (!accepted) release.set_value();
+  ASSERT_TRUE(accepted) << "the lane reply went out at once";
+  char buffer[64];
+  auto n = (*lane)->Read(buffer, sizeof(buffer));
+  ASSERT_TRUE(n.ok() && *n == 0);
+  const bool arrived = (*lane)->Sleep();  // the reader sleeps: the next frame must ring
+  release.set_value();
+  ASSERT_FALSE(arrived);
+  ASSERT_TRUE(Eventually([&] { return (*lane)->Readable(); })) << "the echo is in the lane";
+  StatusOr<v1::Envelope> bell = raw.ReadFrame();
+  ASSERT_TRUE(bell.ok()) << "no doorbell for a sleeping reader: " << bell.status();
+  EXPECT_TRUE(bell->has_lane_doorbell());
 }
 
 // What a client put in the lane before it closed arrives before the disconnect.

@@ -687,7 +687,11 @@ void Connection::RingDoorbellLocked() {
   // Open, a frame still waiting for the socket (a doorbell, or the switch itself) reaches the
   // reader and makes it read the lane: one more would add nothing. So a peer that keeps its sleep
   // flag set gets at most one doorbell in the queue, not one per frame against the queue's limits.
-  if (direct_ok_ && (writing_ || !write_queue_.empty())) return;
+  // Not the frame being written (the queue's front while writing_): its bytes may have reached
+  // the reader already, which then read the lane, found nothing and went to sleep, while the
+  // write's completion still waits for this io thread.
+  const size_t not_started = write_queue_.size() - (writing_ && !write_queue_.empty() ? 1 : 0);
+  if (direct_ok_ && not_started > 0) return;
   static const std::string kDoorbell = [] {
     v1::Envelope doorbell;
     doorbell.mutable_lane_doorbell();
