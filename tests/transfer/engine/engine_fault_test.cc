@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "engine_test_util.h"
+#include "kvt/testing/status.h"
 #include "kvt/testing/tcp_relay.h"
 #include "kvt/transfer/backends.h"
 #include "kvt/transfer/engine.h"
@@ -520,6 +521,92 @@ TEST(EngineFaultTest, LivenessSettingsAreValidated) {
   ASSERT_FALSE(refused.ok());
   EXPECT_NE(refused.status().message().find("peer_timeout = 0"), std::string::npos)
       << refused.status();
+}
+
+// A backend that forwards to another and adds completion hints (Backend::CompletedHint), as
+// cuda_ipc's completion word does: truthful ones (the write's Check is OK), or hints that never
+// come (the engine must still see completion through Check).
+class HintingBackend final : public Backend {
+ public:
+  HintingBackend(std::shared_ptr<Backend> inner, bool truthful)
+      : inner_(std::move(inner)), truthful_(truthful) {}
+  std::string_view Name() const override { return inner_->Name(); }
+  BackendCapabilities Capabilities() const override {
+    BackendCapabilities caps = inner_->Capabilities();
+    caps.completion_hints = true;
+    return caps;
+  }
+  StatusOr<PeerDescriptor> Register(std::span<const LocalRegion> regions) override {
+    return inner_->Register(regions);
+  }
+  StatusOr<PeerId> Connect(const PeerDescriptor& peer) override { return inner_->Connect(peer); }
+  Status Disconnect(PeerId peer, DisconnectMode mode) override {
+    return inner_->Disconnect(peer, mode);
+  }
+  StatusOr<WriteId> PostWrite(PeerId peer, std::span<const CopyRun> runs) override {
+    return inner_->PostWrite(peer, runs);
+  }
+  StatusOr<WriteId> PostPages(PeerId peer, const PageWrite& write) override {
+    return inner_->PostPages(peer, write);
+  }
+  Status Check(WriteId write) override {
+    checks_.fetch_add(1);
+    return inner_->Check(write);
+  }
+  bool CompletedHint(WriteId write) const override {
+    hints_.fetch_add(1);
+    return truthful_ && inner_->Check(write).ok();
+  }
+  void SetCompletionNotifier(std::function<void()> notify) override {
+    inner_->SetCompletionNotifier(std::move(notify));
+  }
+  void Release(WriteId write) override { inner_->Release(write); }
+
+  uint64_t hints() const { return hints_.load(); }
+
+ private:
+  std::shared_ptr<Backend> inner_;
+  const bool truthful_;
+  std::atomic<uint64_t> checks_{0};
+  mutable std::atomic<uint64_t> hints_{0};
+};
+
+// The poller watches a running write through the backend's completion hints: with truthful
+// hints and with hints that never come (then Check, every 50 us, sees it), every room arrives
+// byte-exact within its deadline.
+TEST(EngineHintTest, TheWatchedWriteCompletesWithHintsAndWithoutThem) {
+  for (const bool truthful : {true, false}) {
+    SCOPED_TRACE(truthful ? "truthful hints" : "hints that never come");
+    std::unique_ptr<pool::KvPool> src_pool = MakePool(SmallPoolOptions());
+    std::unique_ptr<pool::KvPool> dst_pool = MakePool(SmallPoolOptions());
+    LoopbackOptions paged;
+    paged.page_writes = true;
+    paged.delay = 300us;  // each write runs a while: the poller watches it
+    auto hinting = std::make_shared<HintingBackend>(Loopback(paged), truthful);
+    auto p = TransferEngine::Create(Options("prefill-0", true), src_pool.get(), hinting);
+    LoopbackOptions plain;
+    plain.page_writes = true;
+    auto d = TransferEngine::Create(Options("decode-0", false), dst_pool.get(), Loopback(plain));
+    ASSERT_TRUE(p.ok()) << p.status();
+    ASSERT_TRUE(d.ok()) << d.status();
+    auto peer = (*d)->ConnectPeer("127.0.0.1", (*p)->port());
+    ASSERT_TRUE(peer.ok()) << peer.status();
+    for (int i = 0; i < 20; ++i) {
+      const std::string room = "r" + std::to_string(i);
+      const std::vector<int32_t> src = {1 + i, 30 + i}, dst = {40 + i, 5 + i};
+      Fill(*src_pool, 100 + i, src);
+      KVT_ASSERT_OK((*d)->Receive(room, *peer, dst));
+      KVT_ASSERT_OK((*p)->Send(room, src));
+      KVT_ASSERT_OK((*p)->LayersReady(room, 4));
+      auto info = (*d)->WaitRequest(room, 5s);
+      ASSERT_TRUE(info.ok()) << info.status();
+      EXPECT_EQ(info->state, RequestState::kSuccess) << room << ": " << info->status;
+      EXPECT_EQ(Mismatches(*dst_pool, 100 + i, dst), 0u) << room;
+    }
+    EXPECT_GT(hinting->hints(), 0u) << "the poller never asked for a hint";
+    d->reset();
+    p->reset();
+  }
 }
 
 }  // namespace
