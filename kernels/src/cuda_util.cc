@@ -4,8 +4,10 @@
 #include <cuda_runtime_api.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <string>
+#include <thread>
 #include <utility>
 
 #include "kvt/common/log.h"
@@ -361,10 +363,16 @@ StatusOr<CompletionWord> CompletionWord::Create(int device) {
   // found here and not by a caller that would wait for the word for ever.
   KVT_ASSIGN_OR_RETURN(Stream probe, Stream::Create(device));
   KVT_RETURN_IF_ERROR(word.Signal(probe.get(), 1));
-  KVT_RETURN_IF_ERROR(probe.Synchronize());
-  if (word.Load() != 1) {
-    return Unavailable("a stream write into mapped pinned memory on device " +
-                       std::to_string(device) + " completed, but the host did not see it");
+  // Bounded, as every wait on the GPU here: a signal that never runs makes the word unusable.
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (word.Load() != 1) {
+    if (std::chrono::steady_clock::now() > give_up) {
+      // The stream may still write the word: its memory is left allocated.
+      (void)new PinnedBuffer(std::move(word.host_));
+      return Unavailable("a stream write into mapped pinned memory on device " +
+                         std::to_string(device) + " did not reach the host within 5 s");
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(20));
   }
   std::atomic_ref<uint64_t>(*word.host_.as<uint64_t>()).store(0, std::memory_order_release);
   return word;

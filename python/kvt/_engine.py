@@ -265,9 +265,10 @@ class TransferEngine:
             raise ValueError(f"role={role!r}: use 'prefill' or 'decode'")
         if not isinstance(layout, TransferLayout):
             raise TypeError(f"layout must be a kvt.TransferLayout, got {type(layout).__name__}")
-        if role == "decode" and layout._read_only:
+        read_only = layout._read_only() if role == "decode" else []
+        if read_only:
             raise ValueError(
-                f"{layout._read_only[0]} of the layout is a read-only numpy array "
+                f"{read_only[0]} of the layout is a read-only numpy array "
                 "(flags.writeable is False), but a decode engine writes the pages and aux bytes "
                 "it receives into its layout's memory: pass writable arrays (a copy, or "
                 "numpy.require(a, requirements='W')), or use this layout on a prefill engine")

@@ -72,14 +72,13 @@ def _describe_tensor(x: Any) -> tuple[int, int, tuple[int, ...], str, int, bool]
     raise TypeError(f"expected a torch tensor or a numpy array, got {type(x).__name__}")
 
 
-def _read_only(tensors: Sequence[Any], label: str) -> list[str]:
-    """Names (``label[i]``) of the read-only numpy arrays among ``tensors``: a decode engine
-    writes into its layout's memory, and a write into such an array's memory may crash."""
+def _named_arrays(tensors: Sequence[Any], label: str) -> list[tuple[str, Any]]:
+    """The numpy arrays among ``tensors`` with their names (``label[i]``): a decode engine
+    writes into its layout's memory, so it refuses those that are read-only when it starts."""
     np = sys.modules.get("numpy")
     if np is None:
         return []
-    return [f"{label}[{i}]" for i, t in enumerate(tensors)
-            if isinstance(t, np.ndarray) and not t.flags.writeable]
+    return [(f"{label}[{i}]", t) for i, t in enumerate(tensors) if isinstance(t, np.ndarray)]
 
 
 def _ints(values: IntArray) -> list[int]:
@@ -239,12 +238,15 @@ class TransferLayout:
     """
 
     def __init__(self, native: Any, keepalive: Sequence[Any] = (),
-                 read_only: Sequence[str] = ()):
+                 arrays: Sequence[tuple[str, Any]] = ()):
         """Internal: use :meth:`from_buf_infos` or :meth:`from_tensors`."""
         self._native = native
         self._keepalive = tuple(keepalive)
-        # The read-only numpy arrays it was made from (names), which a decode engine refuses.
-        self._read_only = tuple(read_only)
+        self._arrays = tuple(arrays)  # the numpy arrays it was made from, with their names
+
+    def _read_only(self) -> list[str]:
+        """Names of the numpy arrays of the layout that are read-only now."""
+        return [name for name, a in self._arrays if not a.flags.writeable]
 
     @classmethod
     def from_buf_infos(
@@ -322,20 +324,20 @@ class TransferLayout:
                     "draft model's buffers begin; pass one of them")
             target = start
         keepalive: list[Any] = []
-        read_only: list[str] = []
+        arrays: list[tuple[str, Any]] = []
         if tensors is not None:
             tensors = list(tensors)
             _check_tensors(tensors, ptrs, _ints(kv_data_lens), int(device),
                            ("tensors", "kv_data_ptrs", "kv_data_lens"))
             keepalive += tensors
-            read_only += _read_only(tensors, "tensors")
+            arrays += _named_arrays(tensors, "tensors")
         if aux_tensors is not None:
             aux_tensors = list(aux_tensors)
             _check_tensors(aux_tensors, [] if aux_data_ptrs is None else _ints(aux_data_ptrs),
                            [] if aux_data_lens is None else _ints(aux_data_lens), -1,
                            ("aux_tensors", "aux_data_ptrs", "aux_data_lens"))
             keepalive += aux_tensors
-            read_only += _read_only(aux_tensors, "aux_tensors")
+            arrays += _named_arrays(aux_tensors, "aux_tensors")
         if layer_offsets is not None:
             _check_layer_offsets(layer_offsets, len(ptrs), target or len(ptrs),
                                  1 if latent else 2)
@@ -344,7 +346,7 @@ class TransferLayout:
             int(head_num), int(head_dim), bool(latent), int(device), unit_lens, target,
             int(draft_head_num), int(draft_head_dim), int(tp_rank), int(tp_size),
             int(total_kv_heads), aux_data_ptrs, aux_data_lens, aux_item_lens)
-        return cls(native, keepalive, read_only)
+        return cls(native, keepalive, arrays)
 
     @classmethod
     def from_tensors(
@@ -461,8 +463,8 @@ class TransferLayout:
             ptrs, lens, item_lens, page_size, kv_dtype, int(head_num), int(head_dim),
             v_tensors is None, int(first[3]), None, 0, 0, 0, int(tp_rank), int(tp_size),
             int(total_kv_heads), aux_ptrs or None, aux_lens or None, aux_items or None)
-        read_only = [name for label, tensors in groups for name in _read_only(tensors, label)]
-        return cls(native, keepalive, read_only + _read_only(list(aux or ()), "aux"))
+        arrays = [a for label, tensors in groups for a in _named_arrays(tensors, label)]
+        return cls(native, keepalive, arrays + _named_arrays(list(aux or ()), "aux"))
 
     def describe(self) -> str:
         """The model description (everything but pointers) on one line."""

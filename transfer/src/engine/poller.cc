@@ -14,9 +14,11 @@ constexpr auto kDeviceSpinGap = std::chrono::microseconds(4);
 // or one that failed, is still seen.
 constexpr auto kHintedCheckGap = std::chrono::microseconds(50);
 
-// Whether the write watched is still running; `next_check` paces the Check calls.
-bool StillRunning(const EngineContext& ctx, WriteId write, Clock::time_point& next_check) {
-  if (ctx.hinted) {
+// Whether the write watched is still running; `next_check` paces the Check calls when the
+// backend gives hints (`hinted`).
+bool StillRunning(const EngineContext& ctx, bool hinted, WriteId write,
+                  Clock::time_point& next_check) {
+  if (hinted) {
     if (ctx.backend->CompletedHint(write)) return false;
     const auto now = Clock::now();
     if (now < next_check) return true;
@@ -51,9 +53,12 @@ void Poller::Loop() {
       const auto until = std::min(Clock::now() + ctx_.options.device_spin, pass.next);
       control::internal::SpinPacer pacer;
       Clock::time_point next_check = Clock::now() + kHintedCheckGap;
+      // Asked per watch: a backend may stop giving hints (cuda_ipc, when a signal of its word
+      // fails), and the watch then goes back to Check every few microseconds.
+      const bool hinted = ctx_.hinted && ctx_.backend->Capabilities().completion_hints;
       while (!ctx_.wakeup.pending() && Clock::now() < until &&
-             StillRunning(ctx_, pass.spin_write, next_check)) {
-        if (ctx_.hinted) {
+             StillRunning(ctx_, hinted, pass.spin_write, next_check)) {
+        if (hinted) {
           pacer.Wait();
           continue;
         }

@@ -157,10 +157,11 @@ class Backend {
   // error when it failed (the write's bytes at the peer are then undefined).
   virtual Status Check(WriteId write) = 0;
 
-  // True when the write has certainly completed (Capabilities().completion_hints): a load, no
-  // lock and no driver call, for a thread that spins while a write runs. False while it runs,
-  // for unknown ids, and for writes the hint does not cover; Check then tells (and is what
-  // reports a failed write). Thread-safe.
+  // True when the write's turn has certainly passed (Capabilities().completion_hints): a load,
+  // no lock and no driver call, for a thread that spins while a write it posted runs. False
+  // while it runs and for writes the hint does not cover; for an id it does not know (released,
+  // or never posted) the answer means nothing. It never says whether the write succeeded: Check
+  // tells that (and reports a failed write). Thread-safe.
   virtual bool CompletedHint(WriteId write) const { return false; }
 
   // Installs `notify` (null: none): the backend calls it, from any thread (a CUDA host callback
