@@ -424,9 +424,10 @@ class TransferEngine:
 
     def close(self) -> None:
         """Stops the engine (waits for its threads without holding the GIL). Idempotent.
-        Calls on other threads finish first; a ``wait`` there ends within 0.1 s (or 50
-        busy-poll windows), raising ValueError, and later calls raise ValueError (the engine is
-        closed). A second close returns once the first has finished."""
+        Calls on other threads finish first: a ``wait`` there, and a ``connect`` waiting for
+        the prefill engine's answer to its hello, end at once, raising ValueError, and later
+        calls raise ValueError (the engine is closed). A second close returns once the first
+        has finished."""
         self._engine.close()
         with self._events_lock:
             self._events.clear()

@@ -81,8 +81,11 @@ constexpr std::chrono::milliseconds kWaitSlice{100};
 // destroyed, without the GIL, once the last call in flight has returned its reference. A
 // close() that finds it closing already returns only once that one has finished (`close_mu`,
 // taken with the GIL held by the first, which never needs the GIL while it holds it).
+// `interrupt` (if any) runs first, on the object, without the GIL: it makes calls in flight that
+// wait on a peer return now (TransferEngine::Interrupt).
 template <typename T>
-void CloseShared(std::shared_ptr<T>& owned, std::atomic<bool>& closing, std::mutex& close_mu) {
+void CloseShared(std::shared_ptr<T>& owned, std::atomic<bool>& closing, std::mutex& close_mu,
+                 void (*interrupt)(T&) = nullptr) {
   if (owned == nullptr) {
     py::gil_scoped_release release;
     std::lock_guard<std::mutex> wait_for_the_first(close_mu);
@@ -92,6 +95,7 @@ void CloseShared(std::shared_ptr<T>& owned, std::atomic<bool>& closing, std::mut
   std::shared_ptr<T> doomed = std::move(owned);
   closing.store(true, std::memory_order_release);
   py::gil_scoped_release release;
+  if (interrupt != nullptr) interrupt(*doomed);
   // No new reference can be taken (that needs the GIL and `owned`): the count only falls.
   while (doomed.use_count() > 1) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   doomed.reset();
@@ -354,7 +358,8 @@ class Engine {
   ~Engine() { DestroyWithoutGil(engine_); }
 
   void Close() {
-    CloseShared(engine_, closing_, close_mu_);
+    CloseShared<transfer::TransferEngine>(engine_, closing_, close_mu_,
+                                          [](transfer::TransferEngine& e) { e.Interrupt(); });
     keepalive_ = py::none();  // the engine is gone: the layout and events may go too
   }
   bool closed() const { return engine_ == nullptr; }
@@ -381,8 +386,15 @@ class Engine {
   uint64_t Connect(const std::string& host, uint16_t port) {
     const auto held = hold();
     auto& e = *held;
-    py::gil_scoped_release release;
-    return ValueOrThrow(e.ConnectPeer(host, port));
+    StatusOr<transfer::PeerHandle> peer = [&] {
+      py::gil_scoped_release release;
+      return e.ConnectPeer(host, port);
+    }();
+    if (!peer.ok() && closing_.load(std::memory_order_acquire)) {
+      throw py::value_error("the engine was closed while connecting to " + host + ":" +
+                            std::to_string(port));
+    }
+    return ValueOrThrow(std::move(peer));
   }
 
   void Receive(const std::string& room, uint64_t peer, py::handle pages, double deadline,
@@ -445,6 +457,12 @@ class Engine {
         StatusOr<transfer::RequestInfo> r =
             e.WaitRequest(room, std::clamp(left, std::chrono::milliseconds(0), wait_slice_));
         const bool timed_out = !r.ok() && r.status().code() == StatusCode::kDeadlineExceeded;
+        // A close() interrupts the engine's waits (TransferEngine::Interrupt) or, between two
+        // slices, ends this one.
+        if ((!r.ok() || timed_out) && closing_.load(std::memory_order_acquire)) {
+          closed_meanwhile = true;
+          return r;
+        }
         if (!timed_out || left <= wait_slice_) return r;
         if (closing_.load(std::memory_order_acquire)) {
           closed_meanwhile = true;

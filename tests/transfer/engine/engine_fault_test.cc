@@ -14,6 +14,7 @@
 #include <thread>
 #include <vector>
 
+#include "control/control_server.h"
 #include "engine_test_util.h"
 #include "kvt/testing/status.h"
 #include "kvt/testing/tcp_relay.h"
@@ -607,6 +608,63 @@ TEST(EngineHintTest, TheWatchedWriteCompletesWithHintsAndWithoutThem) {
     d->reset();
     p->reset();
   }
+}
+
+// A control server that completes the handshake and then never answers: a prefill engine
+// that hangs before its hello-ack.
+class SilentHandler final : public control::ControlHandler {
+ public:
+  void OnMessage(control::ConnectionId, const v1::Envelope&) override {}
+  void OnDisconnect(control::ConnectionId, const Status&) override {}
+};
+
+// Interrupt makes calls that wait on a peer return now: a ConnectPeer waiting for a hello-ack
+// that never comes, and a WaitRequest on a room that is not final; later ones fail at once. The
+// owner can then destroy the engine without waiting out hello_timeout.
+TEST(EngineFaultTest, InterruptEndsConnectsAndWaitsInFlight) {
+  SilentHandler silent;
+  control::ControlServerOptions so;
+  so.bind_address = "127.0.0.1";
+  auto server = control::ControlServer::Create(so, &silent);
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto src_pool = MakePool(SmallPoolOptions());
+  auto dst_pool = MakePool(SmallPoolOptions());
+  auto prefill = TransferEngine::Create(Options("prefill-0", true), src_pool.get(), Loopback({}));
+  EngineOptions o = Options("decode-0", false);
+  o.hello_timeout = 20s;
+  o.default_deadline = 30s;
+  auto decode = TransferEngine::Create(o, dst_pool.get(), Loopback({}));
+  ASSERT_TRUE(prefill.ok() && decode.ok());
+  auto peer = (*decode)->ConnectPeer("127.0.0.1", (*prefill)->port());
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  ASSERT_TRUE((*decode)->Receive("pending", *peer, {4, 5}).ok());  // the prefill never sends
+
+  const auto start = Clock::now();
+  auto hanging = std::async(std::launch::async, [&] {
+    return (*decode)->ConnectPeer("127.0.0.1", (*server)->port()).status();
+  });
+  auto waiting = std::async(std::launch::async,
+                            [&] { return (*decode)->WaitRequest("pending", 20s).status(); });
+  std::this_thread::sleep_for(300ms);
+  (*decode)->Interrupt();
+  ASSERT_EQ(hanging.wait_for(5s), std::future_status::ready) << "the connect was not interrupted";
+  ASSERT_EQ(waiting.wait_for(5s), std::future_status::ready) << "the wait was not interrupted";
+  EXPECT_LT(Clock::now() - start, 3s);
+  const Status connect = hanging.get(), wait = waiting.get();
+  EXPECT_EQ(connect.code(), StatusCode::kAborted) << connect;
+  EXPECT_THAT(connect.message(), ::testing::HasSubstr("interrupted")) << connect;
+  EXPECT_EQ(wait.code(), StatusCode::kAborted) << wait;
+  EXPECT_THAT(wait.message(), ::testing::HasSubstr("room 'pending' was interrupted")) << wait;
+  // Later calls fail at once; the room itself is untouched.
+  EXPECT_EQ((*decode)->ConnectPeer("127.0.0.1", (*prefill)->port()).status().code(),
+            StatusCode::kAborted);
+  EXPECT_EQ((*decode)->WaitRequest("pending", 10s).status().code(), StatusCode::kAborted);
+  auto info = (*decode)->GetRequest("pending");
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_FALSE(IsFinal(info->state));
+  decode->reset();
+  EXPECT_LT(Clock::now() - start, 4s) << "destroying the interrupted engine waited";
+  (*server)->Stop();
 }
 
 }  // namespace

@@ -66,6 +66,10 @@ StatusOr<PeerHandle> DecodeSide::ConnectPeer(const std::string& host, uint16_t p
   {
     MutexLock lock(ctx_.mu);
     if (ctx_.stop) return FailedPrecondition("the decode engine is shutting down");
+    if (ctx_.interrupted) {
+      return Aborted("ConnectPeer(" + address +
+                     ") after TransferEngine::Interrupt: the engine is closing");
+    }
     for (auto& [id, peer] : peers_) {
       if (peer->address == address && peer->alive) return id;
     }
@@ -333,6 +337,16 @@ Status DecodeSide::Forget(const std::string& room_id) {
         "once pages_reusable is true (the engine also drops it itself then, after retention)");
   }
   return table_.Forget(room_id);
+}
+
+void DecodeSide::Interrupt() {
+  MutexLock lock(ctx_.mu);
+  for (auto& [id, peer] : peers_) {
+    if (peer->alive || peer->hello_answered) continue;
+    peer->hello_answered = true;
+    peer->hello_reply.set_value(
+        Aborted("the engine was interrupted (TransferEngine::Interrupt: it is closing)"));
+  }
 }
 
 void DecodeSide::Shutdown() {

@@ -54,6 +54,8 @@ class DecodeSide final : public SideWithTable<DecodeRoom> {
   Status Abort(const std::string& room, const std::string& reason) override KVT_EXCLUDES(ctx_.mu);
   PollResult PollPass(Clock::time_point now) override KVT_EXCLUDES(ctx_.mu);
   void Shutdown() override KVT_EXCLUDES(ctx_.mu);
+  // TransferEngine::Interrupt: connects waiting for their hello's answer fail now.
+  void Interrupt() KVT_EXCLUDES(ctx_.mu);
   uint64_t ControlLanes() const override KVT_EXCLUDES(ctx_.mu);
 
   // Peers whose connection is gone but whose clean-up (the liveness worker's) is not finished.

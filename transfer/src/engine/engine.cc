@@ -143,6 +143,15 @@ class TransferEngine::Impl {
     if (ctx_.notified && ctx_.backend) ctx_.backend->SetCompletionNotifier(nullptr);
   }
 
+  void Interrupt() {
+    {
+      MutexLock lock(ctx_.mu);
+      ctx_.interrupted = true;
+    }
+    ctx_.NotifyFinal();
+    if (decode_ != nullptr) decode_->Interrupt();
+  }
+
   uint16_t port() const { return prefill_ ? prefill_->port() : 0; }
   std::string_view backend_name() const { return ctx_.backend->Name(); }
 
@@ -284,6 +293,8 @@ StatusOr<std::unique_ptr<TransferEngine>> TransferEngine::Create(const EngineOpt
 
 uint16_t TransferEngine::port() const { return impl_->port(); }
 std::string_view TransferEngine::backend_name() const { return impl_->backend_name(); }
+void TransferEngine::Interrupt() { impl_->Interrupt(); }
+
 StatusOr<PeerHandle> TransferEngine::ConnectPeer(const std::string& host, uint16_t port) {
   return impl_->ConnectPeer(host, port);
 }

@@ -117,6 +117,8 @@ struct EngineContext {
     final_cv.NotifyAll();
   }
   bool stop KVT_GUARDED_BY(mu) = false;
+  // TransferEngine::Interrupt ran: waits return at once, new connects are refused.
+  bool interrupted KVT_GUARDED_BY(mu) = false;
   EngineStats stats KVT_GUARDED_BY(mu);
   // For the request tables, which are themselves guarded by `mu` where they are declared.
   EngineStats& stats_storage() KVT_NO_THREAD_SAFETY_ANALYSIS { return stats; }
@@ -392,6 +394,11 @@ StatusOr<RequestInfo> WaitForFinal(EngineContext& ctx, const RequestTable<Room>&
     const Room* room = table.Find(id);
     if (room == nullptr) return NotFound("no room '" + id + "' on this engine");
     if (IsFinal(room->state)) return table.InfoOf(*room);
+    if (ctx.interrupted) {
+      return Aborted("the wait for room '" + id + "' was interrupted (TransferEngine::Interrupt: " +
+                     "the engine is closing); the room is still " +
+                     std::string(RequestStateName(room->state)));
+    }
     if (Clock::now() >= until) {
       return DeadlineExceeded("room '" + id + "' is still " + RequestStateName(room->state) +
                               " after " + std::to_string(timeout.count()) + " ms");
@@ -456,7 +463,7 @@ class SideWithTable : public EngineSide {
         {
           MutexLock lock(ctx_.mu);
           const Room* r = table_.Find(room);
-          if (r == nullptr || IsFinal(r->state)) {
+          if (r == nullptr || IsFinal(r->state) || ctx_.interrupted) {
             return WaitForFinal(ctx_, table_, room, until, timeout);
           }
         }

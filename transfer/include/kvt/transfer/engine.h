@@ -196,6 +196,13 @@ class TransferEngine {
   TransferEngine(const TransferEngine&) = delete;
   TransferEngine& operator=(const TransferEngine&) = delete;
 
+  // For an owner about to destroy the engine while other threads may be inside its calls (the
+  // destructor must not run under a call): calls that wait return now instead of at their
+  // timeouts: a ConnectPeer waiting for its hello's answer, and a WaitRequest on a room that is
+  // not final, fail with Aborted, and so do later calls of either; the rooms themselves are left
+  // as they are. Any thread; never blocks.
+  void Interrupt();
+
   // Prefill: the control port actually bound.
   uint16_t port() const;
   std::string_view backend_name() const;
