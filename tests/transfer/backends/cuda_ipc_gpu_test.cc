@@ -125,6 +125,14 @@ struct HeldProducer {
     KVT_RETURN_IF_ERROR(gate.Close(stream.get()));
     return ready.Record(stream.get());
   }
+  // Holds the producer and posts `w` waiting for it; the gate opens again when the post fails.
+  StatusOr<WriteId> PostGated(Backend& backend, PeerId peer, PageWrite w) {
+    KVT_RETURN_IF_ERROR(Hold());
+    w.ready = ready.get();
+    StatusOr<WriteId> id = backend.PostPages(peer, w);
+    if (!id.ok()) gate.Open();
+    return id;
+  }
   cuda::Stream stream;
   cuda::Event ready;
   Gate gate;
@@ -343,12 +351,8 @@ TEST_F(CudaIpcSameProcess, NoticesComePerWriteOrOnlyWhenArmed) {
   EXPECT_EQ(notices->load(), 1) << "an unarmed or finished write sent a notice";
 
   HeldProducer held;
-  KVT_ASSERT_OK(held.Hold());
-  w.ready = held.ready.get();
-  auto gated = sender_->PostPages(peer_, w);
-  if (!gated.ok()) held.gate.Open();
+  auto gated = held.PostGated(*sender_, peer_, w);
   ASSERT_TRUE(gated.ok()) << gated.status();
-  w.ready = nullptr;
   auto behind = sender_->PostPages(peer_, w);  // queued behind the gated write
   if (!behind.ok()) held.gate.Open();
   ASSERT_TRUE(behind.ok()) << behind.status();
@@ -385,12 +389,8 @@ TEST_F(CudaIpcSameProcess, CompletionHintsFollowTheWritesAndNeverRunAhead) {
   const int32_t src_page = 9, dst_page = 11;
   PageWrite w = OnePage(src_page, dst_page);
   HeldProducer held;
-  KVT_ASSERT_OK(held.Hold());
-  w.ready = held.ready.get();
-  auto gated = sender_->PostPages(peer_, w);
-  if (!gated.ok()) held.gate.Open();
+  auto gated = held.PostGated(*sender_, peer_, w);
   ASSERT_TRUE(gated.ok()) << gated.status();
-  w.ready = nullptr;
   const int32_t src_next = 12, dst_next = 13;
   PageWrite next = OnePage(src_next, dst_next);
   auto behind = sender_->PostPages(peer_, next);
