@@ -384,41 +384,51 @@ TEST_F(CudaIpcSameProcess, NoticesComePerWriteOrOnlyWhenArmed) {
 // never true for ids not yet posted. A backend with the word off reports no hints and still
 // completes its writes.
 TEST_F(CudaIpcSameProcess, CompletionHintsFollowTheWritesAndNeverRunAhead) {
-  ASSERT_TRUE(sender_->Capabilities().completion_hints)
-      << "this device runs stream memory operations; the word should be on by default";
+  // A sender of its own with the word on (the fixture's follows the default).
+  CudaIpcOptions on;
+  on.completion_word = true;
+  auto made = CreateBackend(BackendConfig(on));
+  ASSERT_TRUE(made.ok()) << made.status();
+  std::unique_ptr<Backend> hinted = std::move(made).value();
+  ASSERT_TRUE(hinted->Register(src_.Regions()).ok());
+  ASSERT_TRUE(hinted->Capabilities().completion_hints)
+      << "this device runs stream memory operations: the word should be there";
+  auto hinted_peer = hinted->Connect(receiver_descriptor_);
+  ASSERT_TRUE(hinted_peer.ok()) << hinted_peer.status();
   const int32_t src_page = 9, dst_page = 11;
   PageWrite w = OnePage(src_page, dst_page);
   HeldProducer held;
-  auto gated = held.PostGated(*sender_, peer_, w);
+  auto gated = held.PostGated(*hinted, *hinted_peer, w);
   ASSERT_TRUE(gated.ok()) << gated.status();
   const int32_t src_next = 12, dst_next = 13;
   PageWrite next = OnePage(src_next, dst_next);
-  auto behind = sender_->PostPages(peer_, next);
+  auto behind = hinted->PostPages(*hinted_peer, next);
   if (!behind.ok()) held.gate.Open();
   ASSERT_TRUE(behind.ok()) << behind.status();
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  const bool gated_hint = sender_->CompletedHint(*gated);
-  const bool behind_hint = sender_->CompletedHint(*behind);
-  const Status gated_status = sender_->Check(*gated);
+  const bool gated_hint = hinted->CompletedHint(*gated);
+  const bool behind_hint = hinted->CompletedHint(*behind);
+  const Status gated_status = hinted->Check(*gated);
   held.gate.Open();
   EXPECT_FALSE(gated_hint) << "a write waiting for its producer was hinted complete";
   EXPECT_FALSE(behind_hint) << "a write queued behind it was hinted complete";
   EXPECT_EQ(gated_status.code(), StatusCode::kInProgress) << gated_status;
   const auto give_up = Clock::now() + std::chrono::seconds(10);
-  while (!sender_->CompletedHint(*behind) && Clock::now() < give_up) {
+  while (!hinted->CompletedHint(*behind) && Clock::now() < give_up) {
   }
-  EXPECT_TRUE(sender_->CompletedHint(*behind));
-  EXPECT_TRUE(sender_->CompletedHint(*gated)) << "writes complete in the stream's order";
-  EXPECT_FALSE(sender_->CompletedHint(*behind + 1000)) << "an id not posted yet";
-  KVT_EXPECT_OK(sender_->Check(*gated));
-  KVT_EXPECT_OK(sender_->Check(*behind));
-  sender_->Release(*gated);
-  sender_->Release(*behind);
+  EXPECT_TRUE(hinted->CompletedHint(*behind));
+  EXPECT_TRUE(hinted->CompletedHint(*gated)) << "writes complete in the stream's order";
+  EXPECT_FALSE(hinted->CompletedHint(*behind + 1000)) << "an id not posted yet";
+  KVT_EXPECT_OK(hinted->Check(*gated));
+  KVT_EXPECT_OK(hinted->Check(*behind));
+  hinted->Release(*gated);
+  hinted->Release(*behind);
   ApplyPageWrite(w, src_image_, expected_, dst_.buffer_bytes(), kItem);
   ApplyPageWrite(next, src_image_, expected_, dst_.buffer_bytes(), kItem);
   ExpectDestination();
   EXPECT_FALSE(held.gate.timed_out());
   KVT_ASSERT_OK(held.stream.Synchronize());
+  KVT_EXPECT_OK(hinted->Disconnect(*hinted_peer));
 
   CudaIpcOptions off;
   off.completion_word = false;
