@@ -349,26 +349,34 @@ class UcxPeerValidationTest : public ::testing::TestWithParam<std::string> {
   PeerDescriptor good_;
 };
 
-TEST_P(UcxPeerValidationTest, GarbageAddressesAreRefusedAndAGoodPeerStillConnects) {
-  const std::string real(GoodWorkerAddress());
+// Worker addresses made from `real` that UCX must never parse: another version, cut short,
+// one byte too many, a lone byte, and `randoms` random ones (from `seed`).
+std::vector<std::pair<std::string, std::string>> GarbageFrom(const std::string& real, int randoms,
+                                                             uint32_t seed) {
   std::vector<std::pair<std::string, std::string>> garbage = {
       {"version 5", real},
       {"truncated", real.substr(0, real.size() / 2)},
       {"one byte short", real.substr(0, real.size() - 1)},
       {"trailing byte", real + '\x01'},
-      {"huge", real + std::string(16 << 20, '\x07')},
       {"one byte", "\x03"},
   };
   garbage[0].second[0] = static_cast<char>((real[0] & 0xf0) | 5);
-  std::string stretched = real;
-  stretched[10] = static_cast<char>(stretched[10] | 0x1f);
-  garbage.emplace_back("device length stretched", stretched);
-  std::mt19937 rng(7);
-  for (int i = 0; i < 50; ++i) {
+  std::mt19937 rng(seed);
+  for (int i = 0; i < randoms; ++i) {
     std::string bytes(1 + rng() % 300, '\0');
     for (char& c : bytes) c = static_cast<char>(rng());
     garbage.emplace_back("random " + std::to_string(i), bytes);
   }
+  return garbage;
+}
+
+TEST_P(UcxPeerValidationTest, GarbageAddressesAreRefusedAndAGoodPeerStillConnects) {
+  const std::string real(GoodWorkerAddress());
+  std::vector<std::pair<std::string, std::string>> garbage = GarbageFrom(real, 50, 7);
+  garbage.emplace_back("huge", real + std::string(16 << 20, '\x07'));
+  std::string stretched = real;
+  stretched[10] = static_cast<char>(stretched[10] | 0x1f);
+  garbage.emplace_back("device length stretched", stretched);
   for (const auto& [name, address] : garbage) {
     auto peer = sender_->Connect(WithWorkerAddress(address));
     EXPECT_EQ(peer.status().code(), StatusCode::kInvalidArgument) << name << ": " << peer.status();
@@ -404,21 +412,8 @@ TEST_P(UcxPeerValidationTest, GarbageCopyRunAddressesAreRefusedAndAGoodPeerStill
   if (split.runs_address.empty()) {
     GTEST_SKIP() << "this receiver takes no copy runs as messages (UCX reaches it with puts)";
   }
-  const std::string real(split.runs_address);
-  std::vector<std::pair<std::string, std::string>> garbage = {
-      {"version 5", real},
-      {"truncated", real.substr(0, real.size() / 2)},
-      {"one byte short", real.substr(0, real.size() - 1)},
-      {"trailing byte", real + '\x01'},
-      {"one byte", "\x03"},
-  };
-  garbage[0].second[0] = static_cast<char>((real[0] & 0xf0) | 5);
-  std::mt19937 rng(11);
-  for (int i = 0; i < 20; ++i) {
-    std::string bytes(1 + rng() % 300, '\0');
-    for (char& c : bytes) c = static_cast<char>(rng());
-    garbage.emplace_back("random " + std::to_string(i), bytes);
-  }
+  const std::vector<std::pair<std::string, std::string>> garbage =
+      GarbageFrom(std::string(split.runs_address), 20, 11);
   for (const auto& [name, address] : garbage) {
     PeerDescriptor d = good_;
     d.address = ucx_staging::AppendTrailer(split.worker_address, *split.trailer, address);
