@@ -185,12 +185,21 @@ void ExpectKilledPrefillFailsOnlyItsRequests(Cluster& cluster, const AgentSpec& 
   const double noticed_ms = MsSince(killed_at);
   ASSERT_TRUE(doomed_reports.ok()) << doomed_reports.status().ToString();
   EXPECT_LT(noticed_ms, 5000) << "the dead prefill's requests took " << noticed_ms << " ms to fail";
+  // A room still in flight at the query may finish between it and the kill (on a slow machine,
+  // sanitizers): then every byte must be there. The others fail, naming the lost peer.
+  size_t failed = 0;
   for (const auto& [room, report] : *doomed_reports) {
     if (!in_flight.count(room)) continue;
+    if (report.state() == v1::REQUEST_STATE_SUCCESS) {
+      EXPECT_TRUE(report.verified() && report.mismatches() == 0) << Describe(report);
+      continue;
+    }
+    ++failed;
     EXPECT_EQ(report.state(), v1::REQUEST_STATE_FAILED) << Describe(report);
     EXPECT_EQ(report.status(), v1::STATUS_CODE_UNAVAILABLE) << Describe(report);
     EXPECT_FALSE(report.verified()) << Describe(report);
   }
+  EXPECT_GT(failed, 0u) << "every request to the doomed prefill finished before the kill";
 
   KVT_ASSERT_OK_AND_ASSIGN(auto alive_reports, WaitFinal(decode, alive_rooms, 15s));
   for (const auto& [room, report] : alive_reports) {
@@ -209,9 +218,9 @@ void ExpectKilledPrefillFailsOnlyItsRequests(Cluster& cluster, const AgentSpec& 
   EXPECT_TRUE(after.verified()) << Describe(after);
   KVT_ASSERT_OK_AND_ASSIGN(const v1::AgentStatsReply stats, Stats(decode));
   // The survivor's rooms, the one after the kill, and any doomed room that beat the kill.
-  EXPECT_EQ(stats.succeeded(), kPerPrefill + 1 + doomed_rooms.size() - in_flight.size());
+  EXPECT_EQ(stats.succeeded(), kPerPrefill + 1 + doomed_rooms.size() - failed);
   EXPECT_EQ(stats.corrupted(), 0u);
-  EXPECT_EQ(stats.failed(), in_flight.size());
+  EXPECT_EQ(stats.failed(), failed);
   EXPECT_EQ(stats.free_pages(), decode_before.free_pages()) << "pages of failed rooms leaked";
 }
 
