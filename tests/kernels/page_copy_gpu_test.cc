@@ -478,7 +478,16 @@ TEST(PageCopyInlineGpuTest, MatchesCpuReference) {
         pick(0, 1) ? 0 : pick(0, 40), 0, 0, static_cast<size_t>(pick(0, 3) ? 0 : pick(0, 15)),
         static_cast<size_t>(pick(0, 3) ? 0 : pick(0, 15)), pick(0, 3) != 0, pick(0, 3) != 0});
   }
+  // Many buffers and few pages: blocks of 150-420 words, the larger of the two parameter sizes
+  // the launch picks from (a one-page write of a pool of 80 layers).
+  for (int iter = 0; iter < 12; ++iter) {
+    cases.push_back(CopyCase{"random_inline_many_buffers", static_cast<int32_t>(pick(74, 200)),
+                             pick(1, 8), 16 * pick(1, 64), 0, 0, 0, 0, 0, 0, pick(0, 3) != 0,
+                             pick(0, 3) != 0});
+  }
   int ran = 0;
+  int small_blocks = 0;  // <= 130 words (a one-page write of 64 buffers)
+  int large_blocks = 0;  // >= 150 words
   for (size_t i = 0; i < cases.size(); ++i) {
     SCOPED_TRACE(::testing::Message() << i << ": " << cases[i].name);
     bool fits = true;
@@ -489,6 +498,8 @@ TEST(PageCopyInlineGpuTest, MatchesCpuReference) {
         fits = false;
         return PageCopyCuda(dev, s);
       }
+      small_blocks += c->block.size() <= 130 ? 1 : 0;
+      large_blocks += c->block.size() >= 150 ? 1 : 0;
       const Status launched = PageCopyCudaInline(c->args, c->block.data(), c->block.size(), s);
       std::fill(c->block.begin(), c->block.end(), ~uint64_t{0});
       return launched;
@@ -497,6 +508,8 @@ TEST(PageCopyInlineGpuTest, MatchesCpuReference) {
     ran += fits ? 1 : 0;
   }
   EXPECT_GE(ran, 30) << "too few cases had tables small enough for the launch's parameters";
+  EXPECT_GE(small_blocks, 10) << "too few cases launched the small parameter block";
+  EXPECT_GE(large_blocks, 8) << "too few cases launched the large parameter block";
 }
 
 TEST(PageCopyGpuTest, EmptyInputsLaunchNothing) {
