@@ -12,6 +12,7 @@
 #include <random>
 #include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "backend_test_util.h"
@@ -19,6 +20,7 @@
 #include "backends/cuda_ipc/cuda_ipc_program.h"
 #include "kvt/kernels/cuda_util.h"
 #include "kvt/kernels/kernels.h"
+#include "kvt/testing/status.h"
 #include "kvt/transfer/backend.h"
 #include "kvt/transfer/backends.h"
 
@@ -699,6 +701,153 @@ TEST(CudaIpcProgramTest, RefusesRunsOutsideEitherSide) {
   auto none = PlanRunWrite({}, local, remote, bases);
   ASSERT_TRUE(none.ok());
   EXPECT_TRUE(none->launches.empty());
+}
+
+// ---- Batch shapes kept per peer -----------------------------------------------------------
+
+// Buffers at made-up addresses (planning only): two per layer, page sizes and page counts
+// differing per buffer and per side, so that a batch's bounds are set by different buffers.
+struct ShapedSides {
+  ShapedSides(int layers, std::mt19937& rng) {
+    std::vector<LocalRegion> regions;
+    for (int b = 0; b < 2 * layers; ++b) {
+      const uint64_t src_item = rng() % 2 ? 64 : 128;
+      const uint64_t dst_item = rng() % 8 ? src_item : 192;
+      const uint64_t src_pages = 5 + rng() % 5;
+      const uint64_t dst_pages = 5 + rng() % 5;
+      const uint64_t src_base = 0x100000 * (b + 1);
+      const uint64_t dst_base = 0x40000000 + 0x100000 * (b + 1);
+      // A few bytes past the last whole page: a partial page is not a page.
+      regions.push_back({src_base, src_pages * src_item + rng() % src_item, src_item,
+                         MemoryKind::kCuda, 0, b / 2});
+      remote.push_back({dst_base, dst_pages * dst_item + rng() % dst_item, dst_item, ""});
+      bases.push_back(dst_base);
+    }
+    auto created = LocalBuffers::Create(regions);
+    EXPECT_TRUE(created.ok()) << created.status();
+    local = std::move(created).value();
+  }
+  // Whether every check of a page write passes, decided buffer by buffer from the regions.
+  bool Valid(const PageWrite& w) const {
+    for (uint32_t b : local.layers().Buffers(w.layer_begin, w.layer_end)) {
+      const uint64_t src_item = local[b].item_len, dst_item = remote[b].item_len;
+      for (size_t i = 0; i < w.src_pages.size(); ++i) {
+        if ((w.src_pages[i] + 1) * src_item > local[b].length) return false;
+        if ((w.dst_pages[i] + 1) * dst_item > remote[b].length) return false;
+      }
+      if (w.units.empty() && src_item != dst_item) return false;
+      for (const PageUnit& u : w.units) {
+        if (u.src_offset + u.bytes > src_item || u.dst_offset + u.bytes > dst_item) return false;
+      }
+    }
+    return true;
+  }
+  LocalBuffers local;
+  std::vector<RemoteRegion> remote;
+  std::vector<uint64_t> bases;
+};
+
+void ExpectSamePrograms(const CopyProgram& a, const CopyProgram& b) {
+  EXPECT_EQ(a.tables, b.tables);
+  EXPECT_EQ(a.src_pages, b.src_pages);
+  EXPECT_EQ(a.dst_pages, b.dst_pages);
+  EXPECT_EQ(a.bytes, b.bytes);
+  ASSERT_EQ(a.launches.size(), b.launches.size());
+  for (size_t i = 0; i < a.launches.size(); ++i) {
+    const CopyLaunch& x = a.launches[i];
+    const CopyLaunch& y = b.launches[i];
+    EXPECT_EQ(std::tie(x.src_bases, x.dst_bases, x.num_buffers, x.indexed, x.num_pages,
+                       x.src_page_stride, x.dst_page_stride, x.src_offset, x.dst_offset, x.bytes),
+              std::tie(y.src_bases, y.dst_bases, y.num_buffers, y.indexed, y.num_pages,
+                       y.src_page_stride, y.dst_page_stride, y.src_offset, y.dst_offset, y.bytes))
+        << "launch " << i;
+  }
+}
+
+TEST(CudaIpcProgramTest, KeptBatchShapesPlanAndRefuseExactlyAsFreshPlanning) {
+  // Random writes, in and out of bounds, against one BatchShapes kept across all of them: each
+  // is refused exactly when some buffer of its batch refuses it, with the message fresh planning
+  // gives, and otherwise planned to the same program.
+  std::mt19937 rng(57);
+  constexpr int kShapeLayers = 6;
+  const ShapedSides sides(kShapeLayers, rng);
+  BatchShapes shapes;
+  CopyProgram kept;
+  int planned = 0, refused = 0;
+  for (int iter = 0; iter < 600; ++iter) {
+    SCOPED_TRACE(iter);
+    PageWrite w;
+    w.num_layers = kShapeLayers;
+    w.layer_begin = static_cast<int32_t>(rng() % kShapeLayers);
+    w.layer_end = w.layer_begin + 1 + static_cast<int32_t>(rng() % (kShapeLayers - w.layer_begin));
+    std::vector<int32_t> src_pages, dst_pages;
+    const uint32_t page_limit = rng() % 4 ? 5 : 10;  // pages 0..4 exist in every buffer
+    for (size_t n = 1 + rng() % 4; n > 0; --n) {
+      src_pages.push_back(static_cast<int32_t>(rng() % page_limit));
+      dst_pages.push_back(static_cast<int32_t>(rng() % page_limit));
+    }
+    w.src_pages = src_pages;
+    w.dst_pages = dst_pages;
+    std::vector<PageUnit> units;
+    if (rng() % 2) {
+      for (size_t n = 1 + rng() % 2; n > 0; --n) {
+        const uint64_t reach = rng() % 4 ? 64 : 160;  // 64: inside every page
+        const uint64_t bytes = 1 + rng() % (reach / 2);
+        units.push_back(PageUnit{rng() % (reach - bytes + 1), rng() % (reach - bytes + 1), bytes});
+      }
+    }
+    w.units = units;
+    const Status with_shapes =
+        PlanPageWriteInto(w, sides.local, sides.remote, sides.bases, kept, &shapes);
+    auto fresh = PlanPageWrite(w, sides.local, sides.remote, sides.bases);
+    EXPECT_EQ(with_shapes.ok(), sides.Valid(w)) << with_shapes;
+    ASSERT_EQ(with_shapes.ok(), fresh.ok()) << with_shapes << " / " << fresh.status();
+    if (!with_shapes.ok()) {
+      EXPECT_EQ(with_shapes.code(), fresh.status().code());
+      EXPECT_EQ(with_shapes.message(), fresh.status().message());
+      EXPECT_NE(with_shapes.code(), StatusCode::kInternal) << with_shapes;
+      EXPECT_TRUE(kept.launches.empty());
+      ++refused;
+      continue;
+    }
+    ExpectSamePrograms(kept, *fresh);
+    ++planned;
+  }
+  EXPECT_GE(planned, 100);
+  EXPECT_GE(refused, 100);
+  EXPECT_LE(shapes.size(), static_cast<size_t>(kShapeLayers * (kShapeLayers + 1) / 2));
+}
+
+TEST(CudaIpcProgramTest, BatchShapesStayBoundedAndClearWithTheBuffers) {
+  // More layer batches than are kept: the oldest go, and every write still plans as fresh.
+  std::mt19937 rng(58);
+  constexpr int kManyLayers = 24;  // 300 layer batches
+  ShapedSides sides(kManyLayers, rng);
+  BatchShapes shapes;
+  CopyProgram kept;
+  const std::vector<int32_t> page = {0};
+  const std::vector<PageUnit> unit = {{0, 0, 32}};
+  for (int round = 0; round < 2; ++round) {
+    for (int32_t begin = 0; begin < kManyLayers; ++begin) {
+      for (int32_t end = begin + 1; end <= kManyLayers; ++end) {
+        PageWrite w;
+        w.src_pages = page;
+        w.dst_pages = page;
+        w.num_layers = kManyLayers;
+        w.layer_begin = begin;
+        w.layer_end = end;
+        w.units = unit;
+        KVT_ASSERT_OK(PlanPageWriteInto(w, sides.local, sides.remote, sides.bases, kept, &shapes));
+        auto fresh = PlanPageWrite(w, sides.local, sides.remote, sides.bases);
+        ASSERT_TRUE(fresh.ok()) << fresh.status();
+        ExpectSamePrograms(kept, *fresh);
+        ASSERT_LE(shapes.size(), BatchShapes::kMaxShapes);
+      }
+    }
+  }
+  EXPECT_GT(shapes.size(), 0u);
+  shapes.Clear();
+  EXPECT_EQ(shapes.size(), 0u);
 }
 
 }  // namespace

@@ -507,6 +507,7 @@ class CudaIpcBackend final : public Backend {
                                                 cuda_ipc::EncodeRegionKey(keys[i])});
     }
     local_ = std::move(local);
+    for (auto& [id, peer] : peers_) peer.shapes.Clear();  // built from the buffers replaced
     device_ = device;
     KVT_LOG_DEBUG("ipc", "registered {} buffers in {} allocations on device {} ({})",
                   regions.size(), exported.size(), device, self.pci_bus_id);
@@ -636,8 +637,8 @@ class CudaIpcBackend final : public Backend {
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = peers_.find(id);
     if (it == peers_.end()) return UnknownPeer(id);
-    KVT_RETURN_IF_ERROR(cuda_ipc::PlanPageWriteInto(write, local_, it->second.regions,
-                                                    it->second.dst_bases, program_));
+    KVT_RETURN_IF_ERROR(cuda_ipc::PlanPageWriteInto(
+        write, local_, it->second.regions, it->second.dst_bases, program_, &it->second.shapes));
     return EnqueueLocked(id, program_, write.ready);
   }
 
@@ -694,6 +695,7 @@ class CudaIpcBackend final : public Backend {
     std::vector<uint64_t> dst_bases;  // where each peer buffer is reachable from this process
     std::vector<std::string> mapped;  // handles holding one MappingCache reference each
     int device = -1;                  // the peer's GPU, in this process's numbering
+    cuda_ipc::BatchShapes shapes;     // of the layer batches written to it (local_ as it is)
   };
   struct Write {
     PeerId peer = 0;

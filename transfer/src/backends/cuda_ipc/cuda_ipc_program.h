@@ -17,6 +17,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <vector>
 
@@ -86,13 +87,55 @@ StatusOr<CopyProgram> PlanPageWrite(const PageWrite& write, const LocalBuffers& 
                                     std::span<const RemoteRegion> remote,
                                     std::span<const uint64_t> dst_bases);
 
+// What page writes of one layer batch take from the two sides' buffers, worked out once: the
+// batch's buffers in launch order (sorted by page size), their base tables, the launches' page
+// sizes, and the bounds every write's pages and units must respect. A write whose pages and
+// units are inside them is planned by copying the base tables, without a pass of checks over
+// every buffer (for a one-page write of 64 buffers that pass, over data gone cold between
+// requests, was most of its post's time outside CUDA calls; docs/performance.md).
+struct BatchShape {
+  struct Group {
+    size_t begin = 0, end = 0;  // buffers [begin, end) of the launch order
+    uint64_t src_item = 0, dst_item = 0;
+  };
+  int32_t layer_begin = 0;
+  int32_t layer_end = 0;
+  bool usable = false;         // every page size is in (0, 2^63); else the checks report it
+  bool same_page_size = true;  // every buffer's pages are as long here as at the peer
+  uint64_t src_item_min = 0;   // the shortest page of the batch, on each side
+  uint64_t dst_item_min = 0;
+  int64_t src_page_end = 0;  // pages [0, end) lie inside every buffer of the batch
+  int64_t dst_page_end = 0;
+  std::vector<uint64_t> bases;  // the source base table, then the destination's (launch order)
+  std::vector<Group> groups;    // one per (source, destination) page size
+};
+
+// The shapes of the layer batches written to one peer. The buffers they are built from must not
+// change while they are kept: Clear() when either side's registration does. Not thread-safe.
+class BatchShapes {
+ public:
+  // The shape of layers [begin, end) (a range CheckRange accepted), built on first use.
+  const BatchShape& Get(const LocalBuffers& local, std::span<const RemoteRegion> remote,
+                        std::span<const uint64_t> dst_bases, int32_t begin, int32_t end);
+  void Clear() { shapes_.clear(); }
+  size_t size() const { return shapes_.size(); }
+
+  // Batches kept at most (one per layer and the whole model are what engines post); past it
+  // the oldest half is dropped.
+  static constexpr size_t kMaxShapes = 256;
+
+ private:
+  std::vector<std::unique_ptr<BatchShape>> shapes_;  // stable addresses for Get's callers
+};
+
 // The same, into `program`, whose storage is reused: a poster that keeps one CopyProgram
 // allocates nothing per write once warm. Fresh tables cost page faults on every write (glibc
 // hands a freed block of tens of KiB back to the kernel), about 85 µs for the 64 KiB tables of an
-// 8192-page write where faults are slow. On error `program` holds no launches.
+// 8192-page write where faults are slow. On error `program` holds no launches. With `shapes`
+// (kept for this peer) the batch's shape is built once and reused.
 Status PlanPageWriteInto(const PageWrite& write, const LocalBuffers& local,
                          std::span<const RemoteRegion> remote, std::span<const uint64_t> dst_bases,
-                         CopyProgram& program);
+                         CopyProgram& program, BatchShapes* shapes = nullptr);
 
 // Plans a write of copy runs (checked with CheckRuns, as every backend does).
 StatusOr<CopyProgram> PlanRunWrite(std::span<const CopyRun> runs,
