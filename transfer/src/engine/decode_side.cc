@@ -21,6 +21,10 @@ constexpr auto kIdlePoll = std::chrono::milliseconds(10);
 // How often the liveness worker looks at lost peers, and how long one port probe may take.
 constexpr auto kLivenessPeriod = std::chrono::milliseconds(50);
 constexpr int kPortProbeTimeoutMs = 200;
+// How long a shutdown keeps the connections open for the prefill engines to confirm that their
+// writes into the rooms it ended stopped: the time a prefill engine allows itself to stop its
+// copies once it knows (kFenceTeardown).
+constexpr auto kShutdownAnswerWait = kFenceTeardown;
 
 // True when nothing listens at host:port (connection refused). False when it accepts, or when
 // the answer is unclear (timeout, name not resolved).
@@ -245,6 +249,10 @@ Status DecodeSide::Receive(const std::string& room_id, PeerHandle peer_id,
                            int32_t layer_begin, int32_t layer_end, int64_t aux_slot) {
   if (deadline.count() <= 0) deadline = ctx_.options.default_deadline;
   MutexLock lock(ctx_.mu);
+  if (ctx_.stop) {
+    return FailedPrecondition("Receive of room '" + room_id +
+                              "': the decode engine is shutting down; receive on a running one");
+  }
   auto peer = peers_.find(peer_id);
   if (peer == peers_.end() || !peer->second->alive) {
     return Unavailable("peer " + std::to_string(peer_id) +
@@ -350,18 +358,92 @@ void DecodeSide::Interrupt() {
 }
 
 void DecodeSide::Shutdown() {
+  // Like the prefill side: every room that is not final ends first (its waiters return now) and
+  // its prefill engine is asked to stop writing into the room's pages; the connections stay open
+  // for a bounded while, so that the answers saying the writes stopped (AbortAck, TransferDone,
+  // Goodbye) can come, and close only then. Without such an answer a room's pages become
+  // reusable only once this side's end of a two-sided connection is disconnected.
+  std::vector<std::string> ended;
   std::vector<std::unique_ptr<DecodePeer>> peers;
+  std::vector<PeerId> lost_backend_peers;
+  std::vector<PeerDescriptor> lost_senders;
   {
     MutexLock lock(ctx_.mu);
+    for (const std::string& id : table_.ActiveIds()) {
+      DecodeRoom* room = table_.Find(id);
+      if (room == nullptr) continue;
+      EndAtShutdownLocked(*room);
+      ended.push_back(id);
+    }
+    const Clock::time_point until = Clock::now() + kShutdownAnswerWait;
+    while (AwaitsAnswerLocked() && Clock::now() < until) {
+      ctx_.final_cv.WaitUntil(ctx_.mu, std::min(until, Clock::now() + kIdlePoll));
+    }
     for (auto& [id, peer] : peers_) peers.push_back(std::move(peer));
     peers_.clear();
+    // Lost peers the liveness worker has not looked at yet: their ends are let go here.
+    for (LostPeer& l : lost_) {
+      if (l.backend_peer) lost_backend_peers.push_back(*l.backend_peer);
+      if (l.fence_sender) lost_senders.push_back(std::move(*l.fence_sender));
+    }
     lost_.clear();
   }
   lost_cv_.NotifyAll();
   if (liveness_.joinable()) liveness_.join();
+  // Connections flush what is queued (the aborts above) before they close.
   for (auto& peer : peers) {
     if (peer->client) peer->client->Close();
-    if (peer->backend_peer) (void)ctx_.backend->Disconnect(*peer->backend_peer);
+  }
+  // How each live peer's backend end was let go: for a two-sided one, the Disconnect's result.
+  std::map<PeerHandle, Status> disconnected;
+  for (auto& peer : peers) {
+    if (peer->backend_peer) {
+      Status done = ctx_.backend->Disconnect(*peer->backend_peer);
+      if (peer->alive) disconnected.emplace(peer->id, std::move(done));
+    } else if (peer->alive || peer->said_goodbye) {
+      StatusOr<PeerDescriptor> sender = DescriptorFromPeerInfo(peer->info, ctx_.backend->Name());
+      if (sender.ok()) ctx_.backend->FenceSender(*sender);
+    }
+  }
+  for (PeerId b : lost_backend_peers) {
+    (void)ctx_.backend->Disconnect(b, Backend::DisconnectMode::kPeerDead);
+  }
+  for (const PeerDescriptor& d : lost_senders) ctx_.backend->FenceSender(d);
+
+  MutexLock lock(ctx_.mu);
+  for (const std::string& id : table_.AllIds()) {
+    DecodeRoom* room = table_.Find(id);
+    if (room == nullptr || room->pages_reusable) continue;
+    auto it = disconnected.find(room->peer);
+    // This side's end of the connection is gone: nothing of it lands in the pages any more.
+    if (it != disconnected.end() && it->second.ok()) MarkReusableLocked(*room);
+  }
+  for (const std::string& id : ended) {
+    DecodeRoom* room = table_.Find(id);
+    if (room == nullptr || room->pages_reusable) continue;
+    auto peer = std::find_if(peers.begin(), peers.end(),
+                             [&](const auto& p) { return p->id == room->peer; });
+    if (peer == peers.end()) continue;
+    const DecodePeer& p = **peer;
+    auto it = disconnected.find(p.id);
+    std::string why;
+    if (it != disconnected.end()) {
+      why = "disconnecting this side's end of the " + std::string(ctx_.backend->Name()) +
+            " connection to the prefill engine at " + p.address + " failed (" +
+            it->second.ToString() +
+            "): a write into the room's pages may still land; keep them out of use until that "
+            "engine is known to be gone";
+    } else {
+      why = "the prefill engine at " + p.address + " did not confirm within " +
+            std::to_string(kShutdownAnswerWait.count()) +
+            " ms that its writes into the room's pages stopped: keep them out of use until that "
+            "engine is known to be gone" +
+            (p.info.fence_ms() > 0 ? " or " + std::to_string(p.info.fence_ms()) +
+                                         " ms (its fencing bound) have passed since this shutdown"
+                                   : std::string(" (it promised no fencing bound)"));
+    }
+    room->status = Aborted(room->status.message() + "; " + why);
+    KVT_LOG_WARN("xfer", "room '{}': {}", room->id, why);
   }
 }
 
@@ -406,6 +488,31 @@ void DecodeSide::AbortLocked(DecodeRoom& room, v1::StatusCode code, Status why) 
   // stay held until the prefill side acknowledges.
   (void)SendToPeerLocked(room.peer, abort, control::QueueLimit::kExempt);
   FailLocked(room, std::move(why));
+}
+
+void DecodeSide::EndAtShutdownLocked(DecodeRoom& room) {
+  v1::Envelope abort;
+  abort.mutable_abort()->set_room_id(room.id);
+  abort.mutable_abort()->set_code(v1::STATUS_CODE_ABORTED);
+  abort.mutable_abort()->set_reason("the decode engine '" + ctx_.options.name +
+                                    "' is shutting down");
+  // Never dropped for a full send queue: the room's pages wait for the answer.
+  (void)SendToPeerLocked(room.peer, abort, control::QueueLimit::kExempt);
+  room.pages_reusable = false;  // until the prefill side answers
+  FailLocked(room,
+             Aborted("the transfer engine '" + ctx_.options.name + "' shut down while room '" +
+                     room.id + "' was " + RequestStateName(room.state) +
+                     "; Receive the room again on a running engine"));
+}
+
+bool DecodeSide::AwaitsAnswerLocked() {
+  for (const std::string& id : table_.AllIds()) {
+    const DecodeRoom* room = table_.Find(id);
+    if (room == nullptr || !IsFinal(room->state) || room->pages_reusable) continue;
+    auto peer = peers_.find(room->peer);
+    if (peer != peers_.end() && peer->second->alive) return true;
+  }
+  return false;
 }
 
 Status DecodeSide::SendToPeerLocked(PeerHandle peer, const v1::Envelope& envelope,

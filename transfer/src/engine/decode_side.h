@@ -53,6 +53,11 @@ class DecodeSide final : public SideWithTable<DecodeRoom> {
 
   Status Abort(const std::string& room, const std::string& reason) override KVT_EXCLUDES(ctx_.mu);
   PollResult PollPass(Clock::time_point now) override KVT_EXCLUDES(ctx_.mu);
+  // Fails every room that is not final with Aborted (its waiters return at once) and asks its
+  // prefill engine to stop; waits up to 2 s (kFenceTeardown) for the answers that make the
+  // pages reusable, then closes the connections and lets go of the backend ends: a two-sided
+  // end that disconnects makes its rooms' pages reusable too. A room it ended whose pages stay
+  // quarantined says why in its status. Rooms already final keep their status.
   void Shutdown() override KVT_EXCLUDES(ctx_.mu);
   // TransferEngine::Interrupt: connects waiting for their hello's answer fail now.
   void Interrupt() KVT_EXCLUDES(ctx_.mu);
@@ -139,6 +144,12 @@ class DecodeSide final : public SideWithTable<DecodeRoom> {
   // Fails the room and asks the prefill side to stop (it acknowledges once its writes are
   // quiesced; the pages stay quarantined until then).
   void AbortLocked(DecodeRoom& room, v1::StatusCode code, Status why) KVT_REQUIRES(ctx_.mu);
+  // Shutdown: fails a room that is not final with Aborted, naming its state, and asks the
+  // prefill side to stop writing into its pages (they stay quarantined until it answers).
+  void EndAtShutdownLocked(DecodeRoom& room) KVT_REQUIRES(ctx_.mu);
+  // Whether a failed room whose pages are quarantined may still hear from its peer (the peer's
+  // connection is up): Shutdown waits for those answers, bounded.
+  bool AwaitsAnswerLocked() KVT_REQUIRES(ctx_.mu);
   Status SendToPeerLocked(PeerHandle peer, const v1::Envelope& envelope,
                           control::QueueLimit limit = control::QueueLimit::kEnforced)
       KVT_REQUIRES(ctx_.mu);
