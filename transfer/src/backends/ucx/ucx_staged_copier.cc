@@ -141,8 +141,7 @@ class CudaCopier final : public StagingCopier {
 
     const size_t area = static_cast<size_t>(slots_.slots) * slots_.slot_bytes;
     if (!slots_.pinned) {
-      cudaError_t err = cudaHostRegister(slots_.send_base, area,
-                                         cudaHostRegisterPortable | cudaHostRegisterMapped);
+      cudaError_t err = cudaHostRegister(slots_.send_base, area, cudaHostRegisterPortable);
       if (err != cudaSuccess) {
         *host_registration_failed = true;
         return cuda::ToStatus(err, "cudaHostRegister of the UCX-allocated send slots");
@@ -155,9 +154,6 @@ class CudaCopier final : public StagingCopier {
       }
       registered_recv_ = true;
     }
-    void* mapped = nullptr;
-    KVT_CUDA_RETURN_IF_ERROR(cudaHostGetDevicePointer(&mapped, slots_.send_base, 0));
-    send_dev_ = static_cast<uint8_t*>(mapped);
 
     const size_t page_list_bytes = static_cast<size_t>(kMaxChunkPages) * sizeof(int32_t);
     for (uint32_t i = 0; i < slots_.slots; ++i) {
@@ -166,6 +162,7 @@ class CudaCopier final : public StagingCopier {
       KVT_ASSIGN_OR_RETURN(s.done, cuda::Event::Create(/*timing=*/false));
       KVT_ASSIGN_OR_RETURN(s.host_pages, cuda::PinnedBuffer::Allocate(page_list_bytes));
       KVT_ASSIGN_OR_RETURN(s.dev_pages, cuda::DeviceBuffer::Allocate(page_list_bytes, device_));
+      KVT_ASSIGN_OR_RETURN(s.staging, cuda::DeviceBuffer::Allocate(slots_.slot_bytes, device_));
       res_->send.push_back(std::move(s));
       RecvSlot r;
       KVT_ASSIGN_OR_RETURN(r.stream, cuda::Stream::Create(device_));
@@ -207,7 +204,8 @@ class CudaCopier final : public StagingCopier {
   }
 
   StatusOr<bool> GatherDone(uint32_t slot) override {
-    return Query(res_->send[slot].done.get(), "gather (pack kernel into the send slot)");
+    return Query(res_->send[slot].done.get(),
+                 "gather (pack kernel, then the copy into the send slot)");
   }
 
   Status StartScatter(uint32_t slot, const CopierChunk& chunk) override {
@@ -250,6 +248,8 @@ class CudaCopier final : public StagingCopier {
     cuda::Event done;
     cuda::PinnedBuffer host_pages;  // the chunk's source page ids, uploaded per chunk
     cuda::DeviceBuffer dev_pages;
+    cuda::DeviceBuffer staging;  // the payload's data, packed here, then copied to the slot
+    std::vector<std::pair<uint64_t, uint64_t>> ranges;  // scratch of EnqueueGather
   };
   struct RecvSlot {
     cuda::Stream stream;
@@ -285,17 +285,42 @@ class CudaCopier final : public StagingCopier {
     if (gate != nullptr) KVT_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s.stream.get(), gate, 0));
     KVT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.dev_pages.data(), s.host_pages.data(), page_bytes,
                                              cudaMemcpyHostToDevice, s.stream.get()));
-    uint8_t* payload = send_dev_ + static_cast<size_t>(slot) * slots_.slot_bytes;
+    // The kernel packs into device memory and a copy engine moves the data to the slot: the
+    // receiver's copy engine reads slots across the same PCIe link the other way, and two copy
+    // engines share the link's two directions, where a kernel storing across PCIe starves a copy
+    // engine reading the other way (tools/bench/experiments/pcie_duplex.cu, performance.md).
+    auto* staging = s.staging.as<uint8_t>();
     const auto* bases = res_->bases.as<const uint64_t>();
+    std::vector<std::pair<uint64_t, uint64_t>>& ranges = s.ranges;  // [begin, end) of the payload
+    ranges.clear();
     KVT_RETURN_IF_ERROR(ForEachLaunch(
         chunk, pool_,
         [&](kernels::PackArgs& args, const ChunkUnit& unit, uint64_t segment, size_t first_base) {
           args.bases = bases + first_base;
           args.pages = s.dev_pages.as<const int32_t>();
           args.offset = static_cast<int64_t>(unit.src_offset);
-          args.staging = payload + segment;
+          args.staging = staging + segment;
+          const uint64_t end = segment + static_cast<uint64_t>(args.num_buffers) *
+                                             static_cast<uint64_t>(args.num_pages) *
+                                             static_cast<uint64_t>(args.bytes);
+          if (!ranges.empty() && ranges.back().second == segment) {
+            ranges.back().second = end;
+          } else {
+            ranges.emplace_back(segment, end);
+          }
           return kernels::PackCuda(args, s.stream.get());
         }));
+    uint8_t* slot_host = slots_.send_base + static_cast<size_t>(slot) * slots_.slot_bytes;
+    for (const auto& [begin, end] : ranges) {
+      if (end > chunk.payload_bytes || end > slots_.slot_bytes) {
+        return Internal("gather: payload bytes [" + std::to_string(begin) + ", " +
+                        std::to_string(end) + ") outside the chunk's " +
+                        std::to_string(chunk.payload_bytes) + " bytes or the slot's " +
+                        std::to_string(slots_.slot_bytes));
+      }
+      KVT_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(slot_host + begin, staging + begin, end - begin,
+                                               cudaMemcpyDeviceToHost, s.stream.get()));
+    }
     KVT_RETURN_IF_ERROR(s.done.Record(s.stream.get()));
     return Notify(s.stream.get());
   }
@@ -342,7 +367,6 @@ class CudaCopier final : public StagingCopier {
   const OrderedPool pool_;
   bool registered_send_ = false;
   bool registered_recv_ = false;
-  uint8_t* send_dev_ = nullptr;      // device view of the send slots (mapped pinned memory)
   std::set<void*> peer_slots_;       // PinPeerSlots
   void (*notify_)(void*) = nullptr;  // NotifyCompletions
   void* notify_arg_ = nullptr;
