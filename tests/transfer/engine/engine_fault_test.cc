@@ -159,6 +159,11 @@ TEST(EngineFaultTest, PrefillShutdownQuiescesWritesBeforePagesAreReusable) {
   ASSERT_TRUE(info.ok());
   EXPECT_EQ(info->state, RequestState::kFailed);
   EXPECT_EQ(info->status.code(), StatusCode::kUnavailable) << info->status;
+  // The reason names the room's state and what to do.
+  EXPECT_THAT(info->status.message(), ::testing::HasSubstr("is shutting down (room 'room-1' was "))
+      << info->status;
+  EXPECT_THAT(info->status.message(), ::testing::HasSubstr("send the room to a running prefill"))
+      << info->status;
 }
 
 // Both sides abort one room at once: the prefill side's abort is still releasing the room's

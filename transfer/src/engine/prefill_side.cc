@@ -287,7 +287,10 @@ void PrefillSide::Shutdown() {
       PrefillRoom* room = table_.Find(id);
       if (room == nullptr) continue;
       FailAndReportLocked(
-          *room, Unavailable("the prefill engine '" + ctx_.options.name + "' is shutting down"),
+          *room,
+          Unavailable("the prefill engine '" + ctx_.options.name + "' is shutting down (room '" +
+                      room->id + "' was " + RequestStateName(room->state) +
+                      "); send the room to a running prefill engine"),
           after);
     }
   }

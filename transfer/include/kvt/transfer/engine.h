@@ -22,7 +22,10 @@
 // A prefill engine that shuts down first fails its rooms and quiesces their writes, then tells
 // the decode side (which may then reuse the pages), and only then closes its connections. A
 // decode side that loses a prefill peer without being told keeps the failed rooms' pages
-// quarantined until the peer's process is known to be gone.
+// quarantined until the peer's process is known to be gone. A decode engine that shuts down
+// fails its rooms in flight with Aborted (waiters return at once), asks their prefill engines to
+// stop, and waits a bounded while for them to confirm before it closes its connections; a room
+// whose pages are still not known safe then says so in its status (pages_reusable stays false).
 //
 // Thread safety: every public method may be called from any thread and never blocks on another
 // peer's trouble. Internally one mutex guards the request table and is never held across
