@@ -1439,6 +1439,59 @@ TEST_F(LaneTest, ACorruptedLaneFailsOnlyItsConnection) {
   }
 }
 
+// The server's writes into the lane meet an impossible reader's index (the peer corrupted the
+// segment): the connection fails with the reason, and only its Error follows on the socket. The
+// echoes of the frames read in the same pass must not go to the socket instead of the broken
+// lane: the peer would refuse them there as jumping the lane's order, and close with that reason.
+TEST_F(LaneTest, AfterTheLanesWriteBreaksOnlyTheErrorFollowsOnTheSocket) {
+  StartPolling();
+  const size_t disconnects = handler_.disconnects().size();
+  RawClient raw(server_->port());
+  ASSERT_TRUE(raw.connected());
+  ASSERT_TRUE(raw.SendEnvelope(LaneHelloAck()));
+  auto lane = internal::Lane::Create(4096);
+  ASSERT_TRUE(lane.ok()) << lane.status();
+  const int fd = ::shm_open((*lane)->name().c_str(), O_RDWR, 0);
+  ASSERT_GE(fd, 0);
+  const size_t size = 64 + 2 * (192 + 4096);
+  void* view = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  ::close(fd);
+  ASSERT_NE(view, MAP_FAILED);
+  const Status switched = SwitchToLane(raw, **lane);
+  ASSERT_TRUE(switched.ok()) << switched;
+  // The second ring (server to client): its reader's index far past anything written.
+  auto* head = reinterpret_cast<std::atomic<uint64_t>*>(static_cast<char*>(view) + 64 + 192 + 4096);
+  head->store(1u << 20);
+  // Five frames in one write: the server reads them in one pass and echoes each.
+  std::string frames;
+  for (int i = 0; i < 5; ++i) {
+    v1::Envelope e = testing::MakeAgentRegistration();
+    e.set_id(500 + i);
+    frames += *EncodeFrame(e);
+  }
+  ASSERT_TRUE((*lane)->Write(frames).ok());
+  v1::Envelope doorbell;
+  doorbell.mutable_lane_doorbell();
+  ASSERT_TRUE(raw.SendEnvelope(doorbell));
+  std::vector<v1::Envelope> after;  // what the socket carried after the switch
+  while (true) {
+    StatusOr<v1::Envelope> e = raw.ReadFrame();
+    if (!e.ok()) break;  // closed (or silent for 5 s)
+    after.push_back(*e);
+  }
+  ASSERT_TRUE(handler_.WaitFor([&] { return handler_.disconnects_locked() == disconnects + 1; }));
+  const Status why = handler_.disconnects().back().second;
+  EXPECT_THAT(why.message(), HasSubstr("1048576")) << why;
+  size_t errors = 0;
+  for (const v1::Envelope& e : after) {
+    EXPECT_TRUE(e.has_error() || e.has_lane_doorbell())
+        << "a frame of the broken lane went to the socket: " << e.ShortDebugString();
+    errors += e.has_error() ? 1 : 0;
+  }
+  EXPECT_EQ(errors, 1u);
+  ::munmap(view, size);
+}
+
 // After a peer's switch its frames come through the lane: a doorbell on the socket is taken,
 // any other frame there would jump the lane's order and closes the connection, naming it;
 // another connection goes on.

@@ -142,8 +142,9 @@ Status Connection::Send(const v1::Envelope& envelope, QueueLimit limit) {
   }
   // dispatch, not post: a handler that replies from the strand queues its reply at once, ahead of
   // anything the rest of the current read produces (e.g. an Error frame).
-  asio::dispatch(strand_, [self = shared_from_this(), frame = std::move(frame)]() mutable {
-    self->EnqueueFrame(std::move(frame), /*dispatched=*/true);
+  asio::dispatch(strand_, [self = shared_from_this(), frame = std::move(frame),
+                           error = envelope.has_error()]() mutable {
+    self->EnqueueFrame(std::move(frame), /*dispatched=*/true, error);
   });
   return OkStatus();
 }
@@ -650,9 +651,12 @@ bool Connection::MoveIntoLaneLocked() {
     StatusOr<size_t> n = lane_out_->Write(std::string_view(front).substr(lane_front_sent_));
     if (!n.ok()) {
       // The peer corrupted the segment: nothing more can go through it, and the connection
-      // fails; its Error frame goes out on the socket.
+      // fails; its Error frame goes out on the socket. Frames sent until then are dropped, not
+      // written to the socket: the peer reads only doorbells and Errors there after its switch.
       DropLanePendingLocked();
       lane_out_ = nullptr;
+      lane_broken_ = true;
+      direct_ok_ = false;
       asio::post(strand_, [self = shared_from_this(), why = n.status()] {
         self->FailNow(v1::STATUS_CODE_INTERNAL, why);
       });
@@ -1039,15 +1043,15 @@ Status Connection::SendNow(const v1::Envelope& envelope, bool bypass_limits) {
     queued_bytes_.fetch_sub(frame.size());
     return ResourceExhausted("send queue full");
   }
-  EnqueueFrame(std::move(frame));
+  EnqueueFrame(std::move(frame), /*dispatched=*/false, envelope.has_error());
   return OkStatus();
 }
 
-void Connection::EnqueueFrame(std::string frame, bool dispatched) {
+void Connection::EnqueueFrame(std::string frame, bool dispatched, bool error) {
   std::lock_guard<std::mutex> lock(write_mu_);
   if (dispatched) --dispatched_;
   // Nothing follows the goodbye: once closing, only the Error frame queued before it goes out.
-  if (closing_or_closed()) {
+  if (closing_or_closed() || (lane_broken_ && !error)) {
     queued_frames_.fetch_sub(1);
     queued_bytes_.fetch_sub(frame.size());
     return;

@@ -155,8 +155,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // Queues a frame built on the strand; `bypass_limits` for the final Error frame.
   Status SendNow(const v1::Envelope& envelope, bool bypass_limits);
   // Strand: queues a counted frame (into the lane once switched); `dispatched` for a frame
-  // Send() handed over (counted in dispatched_). Dropped once closing.
-  void EnqueueFrame(std::string frame, bool dispatched = false);
+  // Send() handed over (counted in dispatched_). Dropped once closing, and once the lane broke
+  // unless `error` (an Error frame, the one frame the peer takes on the socket after its switch).
+  void EnqueueFrame(std::string frame, bool dispatched = false, bool error = false);
   // write_mu_ held: queues a counted frame behind the socket's queue and starts writing if idle.
   void QueueFrameLocked(std::string frame);
   // write_mu_ held, direct_ok_: a counted frame to the socket now, on this thread, when nothing is
@@ -242,6 +243,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // Guarded by write_mu_: once set, every frame goes into the lane (in order: after what waits in
   // lane_pending_), and the socket carries only doorbells. Lives in lane_.
   Lane* lane_out_ = nullptr;
+  // Guarded by write_mu_: a write into the lane failed (the peer corrupted it) and the connection
+  // is failing: no frame but the Error goes out any more.
+  bool lane_broken_ = false;
   std::deque<std::string> lane_pending_;  // guarded by write_mu_; the front may be partly written
   size_t lane_front_sent_ = 0;            // guarded by write_mu_; bytes of the front written
   // Shared with Send() callers on other threads.
