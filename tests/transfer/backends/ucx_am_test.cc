@@ -1,14 +1,17 @@
 // The ucx backend's copy runs as active messages (host memory where UCX has no native RMA, as
 // over tcp): the automatic choice of path, byte exactness with many writes in flight, a
-// disconnect part-way, refusals of a peer that cannot take messages, and a hostile sender whose
+// disconnect part-way, refusals of a peer that cannot take messages, a hostile sender whose
 // malformed or out-of-range run messages are refused with an ack naming the value while the
-// receiver keeps serving its real peers.
+// receiver keeps serving its real peers, a fenced sender that is alive (told at once, by acks
+// naming the fence), and waits for one slow peer's acks that leave other peers' writes running.
 #include <gtest/gtest.h>
 #include <ucp/api/ucp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -265,6 +268,192 @@ TEST(UcxAmOptionsTest, OutOfRangeOptionsAndNamesAreRefused) {
   EXPECT_NE(bad.status().message().find("'auto', 'put' or 'am'"), std::string::npos);
 }
 
+// ---- a fenced sender that is alive, and waits that let other peers through ----------------------
+
+// The descriptor a backend publishes for its host buffers, for a receiver's FenceSender.
+StatusOr<PeerDescriptor> RegisterHost(Backend& backend,
+                                      const std::vector<std::vector<uint8_t>>& src, uint64_t item) {
+  std::vector<LocalRegion> regions;
+  for (const auto& buffer : src) {
+    regions.push_back(LocalRegion{reinterpret_cast<uint64_t>(buffer.data()), buffer.size(), item,
+                                  MemoryKind::kHost, -1});
+  }
+  return backend.Register(regions);
+}
+
+bool NamesTheFence(const Status& status) {
+  return status.code() == StatusCode::kAborted &&
+         status.message().find("was fenced here") != std::string::npos &&
+         status.message().find("reconnect") != std::string::npos;
+}
+
+// A decode engine fences a prefill peer it declared dead, but the prefill side is alive (a
+// partition that healed, or one only the decode side saw). The receiver still lands none of its
+// bytes, and answers every message it refuses: the sender's writes fail at once naming the fence
+// (not at the room's deadline), its releases do not wait for acks that never come, another
+// sender's writes land meanwhile, and the fenced sender lands again once it reconnects.
+TEST_F(UcxAmTest, AnAliveFencedSenderFailsItsWritesAtOnceAndOtherSendersLand) {
+  auto r = CreateBackend(Tcp());
+  auto s1 = CreateBackend(Tcp());
+  auto s2 = CreateBackend(Tcp());
+  ASSERT_TRUE(r.ok() && s1.ok() && s2.ok());
+  receiver_ = std::move(r).value();
+  sender_ = std::move(s1).value();
+  std::unique_ptr<Backend> other = std::move(s2).value();
+  for (int b = 0; b < kBuffers; ++b) src_.push_back(testing::RandomBytes(kBufferBytes, 70 + b));
+  std::vector<std::vector<uint8_t>> other_src;
+  for (int b = 0; b < kBuffers; ++b) {
+    other_src.push_back(testing::RandomBytes(kBufferBytes, 80 + b));
+  }
+  dst_.assign(kBuffers * kBufferBytes, kPoison);
+  auto fenced_descriptor = RegisterHost(*sender_, src_, kItem);
+  ASSERT_TRUE(fenced_descriptor.ok()) << fenced_descriptor.status();
+  ASSERT_TRUE(RegisterHost(*other, other_src, kItem).ok());
+  auto receiver_descriptor = receiver_->Register(DstRegions());
+  ASSERT_TRUE(receiver_descriptor.ok()) << receiver_descriptor.status();
+  auto fenced = sender_->Connect(*receiver_descriptor);
+  ASSERT_TRUE(fenced.ok()) << fenced.status();
+  auto healthy = other->Connect(*receiver_descriptor);
+  ASSERT_TRUE(healthy.ok()) << healthy.status();
+  ASSERT_EQ(PathOf(*sender_, *fenced), "am");
+  ASSERT_EQ(PathOf(*other, *healthy), "am");
+
+  // The link is open (its hello answered) before the fence: a write lands.
+  const std::vector<CopyRun> before = {{0, 0, 0, 65536}};
+  auto landed = sender_->PostWrite(*fenced, before);
+  ASSERT_TRUE(landed.ok()) << landed.status();
+  KVT_ASSERT_OK(WaitFor(*sender_, *landed));
+  sender_->Release(*landed);
+  ExpectLanded(before);
+
+  // A write in flight when the fence comes: whatever of it arrived before the fence is
+  // acknowledged, the rest refused; it ends either way, long before any deadline.
+  const std::vector<CopyRun> in_flight = Pages(0, 4096);
+  auto w0 = sender_->PostWrite(*fenced, in_flight);
+  ASSERT_TRUE(w0.ok()) << w0.status();
+  receiver_->FenceSender(*fenced_descriptor);
+  const Status first = WaitFor(*sender_, *w0, std::chrono::seconds(5));
+  EXPECT_TRUE(first.ok() || NamesTheFence(first)) << first;
+
+  // Writes after the fence: refused whole, each failing at once with the reason; none lands.
+  const auto t0 = std::chrono::steady_clock::now();
+  auto w1 = sender_->PostWrite(*fenced, Pages(1, 4096));  // 4 messages of 1 MiB
+  ASSERT_TRUE(w1.ok()) << w1.status();
+  const std::vector<CopyRun> small = {{2, 0, 0, 4096}};
+  auto w2 = sender_->PostWrite(*fenced, small);  // sent by the caller
+  ASSERT_TRUE(w2.ok()) << w2.status();
+  const Status refused = WaitFor(*sender_, *w1, std::chrono::seconds(5));
+  EXPECT_TRUE(NamesTheFence(refused)) << refused;
+  EXPECT_NE(refused.message().find("run message"), std::string::npos) << refused;
+  const Status refused_small = WaitFor(*sender_, *w2, std::chrono::seconds(5));
+  EXPECT_TRUE(NamesTheFence(refused_small)) << refused_small;
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5));
+  // Nothing is left unacknowledged: the releases do not wait out their bound.
+  const auto t1 = std::chrono::steady_clock::now();
+  sender_->Release(*w0);
+  sender_->Release(*w1);
+  sender_->Release(*w2);
+  EXPECT_LT(std::chrono::steady_clock::now() - t1, std::chrono::seconds(2));
+  EXPECT_TRUE(std::all_of(dst_.begin() + kBufferBytes, dst_.begin() + 3 * kBufferBytes,
+                          [](uint8_t b) { return b == kPoison; }))
+      << "bytes of a fenced sender landed";
+
+  // The other sender is undisturbed.
+  const std::vector<CopyRun> others = Pages(3, 16384);
+  auto w3 = other->PostWrite(*healthy, others);
+  ASSERT_TRUE(w3.ok()) << w3.status();
+  KVT_EXPECT_OK(WaitFor(*other, *w3));
+  other->Release(*w3);
+  for (const CopyRun& run : others) {
+    ASSERT_EQ(std::memcmp(dst_.data() + 3 * kBufferBytes + run.dst_offset,
+                          other_src[3].data() + run.src_offset, run.bytes),
+              0)
+        << "offset " << run.dst_offset;
+  }
+
+  // The fenced sender, told to reconnect, does: the new session's writes land.
+  auto again = sender_->Connect(*receiver_descriptor);
+  ASSERT_TRUE(again.ok()) << again.status();
+  const std::vector<CopyRun> after = Pages(1, 8192);
+  auto w4 = sender_->PostWrite(*again, after);
+  ASSERT_TRUE(w4.ok()) << w4.status();
+  KVT_EXPECT_OK(WaitFor(*sender_, *w4));
+  sender_->Release(*w4);
+  ExpectLanded(after);
+  other.reset();
+}
+
+// A peer that takes its time to acknowledge (here: 1.5 s, as one behind a slow or cut link)
+// keeps a Release or a graceful Disconnect of its writes waiting; writes to other peers go on
+// meanwhile instead of queueing behind the backend's lock.
+TEST_F(UcxAmTest, AReleaseOrDisconnectWaitingForAcksLetsOtherPeersWritesThrough) {
+  UcxTestHooks slow;
+  slow.ack_delay_us = 1'500'000;
+  auto s = CreateBackend(Tcp());
+  auto a = CreateBackend(Tcp());
+  auto b = CreateUcxBackendForTest(Tcp(), slow);
+  ASSERT_TRUE(s.ok() && a.ok() && b.ok());
+  sender_ = std::move(s).value();
+  receiver_ = std::move(a).value();
+  std::unique_ptr<Backend> slow_receiver = std::move(b).value();
+  for (int i = 0; i < kBuffers; ++i) src_.push_back(testing::RandomBytes(kBufferBytes, 90 + i));
+  dst_.assign(kBuffers * kBufferBytes, kPoison);
+  std::vector<uint8_t> slow_dst(kBuffers * kBufferBytes, kPoison);
+  ASSERT_TRUE(RegisterHost(*sender_, src_, kItem).ok());
+  auto fast_descriptor = receiver_->Register(DstRegions());
+  ASSERT_TRUE(fast_descriptor.ok()) << fast_descriptor.status();
+  std::vector<LocalRegion> slow_regions;
+  for (int i = 0; i < kBuffers; ++i) {
+    slow_regions.push_back(
+        LocalRegion{reinterpret_cast<uint64_t>(slow_dst.data() + i * kBufferBytes), kBufferBytes,
+                    kItem, MemoryKind::kHost, -1});
+  }
+  auto slow_descriptor = slow_receiver->Register(slow_regions);
+  ASSERT_TRUE(slow_descriptor.ok()) << slow_descriptor.status();
+  auto fast = sender_->Connect(*fast_descriptor);
+  ASSERT_TRUE(fast.ok()) << fast.status();
+  auto slow_peer = sender_->Connect(*slow_descriptor);
+  ASSERT_TRUE(slow_peer.ok()) << slow_peer.status();
+  ASSERT_EQ(PathOf(*sender_, *slow_peer), "am");
+
+  // While `wait` (on another thread) waits for the slow peer's acks, a write to the fast peer is
+  // posted and completes.
+  auto write_to_fast_peer_during = [&](const std::function<void()>& wait, uint32_t buffer) {
+    std::atomic<bool> waiting{true};
+    std::thread waiter([&] {
+      wait();
+      waiting.store(false);
+    });
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the wait is under way
+    const std::vector<CopyRun> runs = Pages(buffer, 4096);
+    auto w = sender_->PostWrite(*fast, runs);
+    const Status done = w.ok() ? WaitFor(*sender_, *w, std::chrono::seconds(10)) : w.status();
+    const bool overtaken = waiting.load();
+    waiter.join();
+    KVT_EXPECT_OK(done);
+    EXPECT_TRUE(overtaken) << "the write to the fast peer waited for the slow peer's acks";
+    if (w.ok()) sender_->Release(*w);
+    ExpectLanded(runs);
+  };
+  // Small writes go out at once, on the posting thread, once the link's hello is answered (a
+  // first write waits for that): the acks are what is waited for.
+  const std::vector<CopyRun> small = {{0, 0, 0, 16384}};
+  auto held = sender_->PostWrite(*slow_peer, small);
+  ASSERT_TRUE(held.ok()) << held.status();
+  KVT_ASSERT_OK(WaitFor(*sender_, *held));
+  sender_->Release(*held);
+  held = sender_->PostWrite(*slow_peer, small);
+  ASSERT_TRUE(held.ok()) << held.status();
+  write_to_fast_peer_during([&] { sender_->Release(*held); }, 1);
+  held = sender_->PostWrite(*slow_peer, small);
+  ASSERT_TRUE(held.ok()) << held.status();
+  write_to_fast_peer_during([&] { KVT_EXPECT_OK(sender_->Disconnect(*slow_peer)); }, 2);
+  // What reached the slow peer landed; only its acks were late.
+  EXPECT_EQ(std::memcmp(slow_dst.data(), src_[0].data(), 16384), 0);
+  sender_.reset();
+  slow_receiver.reset();
+}
+
 // ---- a hostile sender ---------------------------------------------------------------------------
 
 // A bare UCX worker that speaks the staging protocol by hand.
@@ -478,6 +667,55 @@ TEST_F(UcxAmTest, SlotNoticesTheReceiverDidNotAcceptAreRefusedNamingTheSlot) {
   EXPECT_TRUE(std::all_of(dst_.begin(), dst_.end(), [](uint8_t b) { return b == kPoison; }));
 }
 
+// A staged receiver that fences a sender answers what still arrives on the fenced link, a chunk
+// sent eagerly or a slot notice, with an ack naming the fence; nothing of it lands.
+TEST_F(UcxAmTest, StagedChunksOnAFencedLinkAreAnsweredNamingTheFence) {
+  UcxOptions staged = Tcp();
+  staged.cuda_mode = UcxCudaMode::kStaged;
+  staged.staging_slots = 2;
+  staged.staging_slot_bytes = 1 << 20;
+  UcxTestHooks hooks;
+  hooks.stage_host_memory = true;
+  auto receiver = CreateUcxBackendForTest(staged, hooks);
+  ASSERT_TRUE(receiver.ok()) << receiver.status();
+  dst_.assign(kBuffers * kBufferBytes, kPoison);
+  auto descriptor = (*receiver)->Register(DstRegions());
+  ASSERT_TRUE(descriptor.ok()) << descriptor.status();
+  const ucx_staging::SplitAddress split = ucx_staging::SplitPeerAddress(descriptor->address);
+
+  RawSender raw;
+  ASSERT_TRUE(raw.Start(split.worker_address));
+  const uint64_t instance = 0xfe9c5;
+  ASSERT_TRUE(
+      raw.Send(ucx_staging::kAmHello,
+               ucx_staging::Encode(ucx_staging::Hello{instance, 3, ucx_staging::LinkMode::kStaged}),
+               raw.own_address()));
+  ASSERT_TRUE(raw.Progress([&] { return raw.hello_acked; }));
+  PeerDescriptor sender;
+  sender.backend = "ucx";
+  sender.address = ucx_staging::AppendTrailer(raw.own_address(), {.instance = instance});
+  (*receiver)->FenceSender(sender);
+
+  using ucx_staging::ChunkNotice;
+  using ucx_staging::SlotNotice;
+  ASSERT_TRUE(raw.Send(ucx_staging::kAmChunk, ucx_staging::Encode(ChunkNotice{instance, 3, 8, 0}),
+                       std::string(4096, 'C')));
+  ASSERT_TRUE(raw.Send(ucx_staging::kAmSlotChunk,
+                       ucx_staging::Encode(SlotNotice{{instance, 3, 8, 1}, 0, 4096}),
+                       std::string(ucx_staging::kChunkHeaderBytes, '\0')));
+  ASSERT_TRUE(raw.Progress([&] { return raw.acks.size() >= 2; }))
+      << "chunks on a fenced link were not answered";
+  ASSERT_EQ(raw.acks.size(), 2u);
+  for (const auto& [ack, text] : raw.acks) {
+    EXPECT_EQ(ack.link, 3u);
+    EXPECT_EQ(ack.write, 8u);
+    EXPECT_EQ(ack.code, StatusCode::kAborted) << text;
+    EXPECT_NE(text.find("sender 0xfe9c5 was fenced here"), std::string::npos) << text;
+    EXPECT_NE(text.find("link 3"), std::string::npos) << text;
+  }
+  EXPECT_TRUE(std::all_of(dst_.begin(), dst_.end(), [](uint8_t b) { return b == kPoison; }));
+}
+
 TEST_F(UcxAmTest, FencedSendersLinksLandNothingMoreAndANewLinkDoes) {
   // A decode engine that lost its prefill peer fences it: bytes the network delivers late on
   // the old links must not land in pages the engine hands out again.
@@ -508,31 +746,39 @@ TEST_F(UcxAmTest, FencedSendersLinksLandNothingMoreAndANewLinkDoes) {
   EXPECT_EQ(raw.acks[0].first.code, StatusCode::kOk);
   EXPECT_EQ(dst_[0], 'A');
 
-  // The receiver's engine lost this sender: what it sent on link 1 before is refused now.
+  // The receiver's engine lost this sender: what it sent on link 1 before is refused now, and
+  // the sender (alive behind what looked like a dead connection) is told so at once.
   PeerDescriptor sender;
   sender.backend = "ucx";
   sender.address = ucx_staging::AppendTrailer(raw.own_address(), {.instance = instance});
   receiver_->FenceSender(sender);
   ASSERT_TRUE(message(1, 1, 4096));
-  std::this_thread::sleep_for(std::chrono::milliseconds(200));
-  raw.Progress([] { return true; });
+  ASSERT_TRUE(raw.Progress([&] { return raw.acks.size() == 2; }))
+      << "a message of a fenced link was not answered";
   EXPECT_EQ(dst_[4096], kPoison) << "a message of a fenced link landed";
+  auto told_fenced = [](const ucx_staging::ChunkAck& ack, const std::string& text) {
+    return ack.code == StatusCode::kAborted &&
+           text.find("sender 0xfe9ce was fenced here") != std::string::npos &&
+           text.find("link 1") != std::string::npos && text.find("reconnect") != std::string::npos;
+  };
+  EXPECT_EQ(raw.acks[1].first.link, 1u);
+  EXPECT_EQ(raw.acks[1].first.chunk, 1u);
+  EXPECT_TRUE(told_fenced(raw.acks[1].first, raw.acks[1].second)) << raw.acks[1].second;
 
   // A new session's link is accepted; the old link stays closed, and says so.
   ASSERT_TRUE(hello(2));
   ASSERT_TRUE(message(2, 0, 8192));
   ASSERT_TRUE(message(1, 2, 12288));
-  ASSERT_TRUE(raw.Progress([&] { return raw.acks.size() >= 3; }));
+  ASSERT_TRUE(raw.Progress([&] { return raw.acks.size() >= 4; }));
   EXPECT_EQ(dst_[8192], 'A');
   EXPECT_EQ(dst_[12288], kPoison);
-  bool told = false;
+  bool landed = false, told = false;
   for (const auto& [ack, text] : raw.acks) {
-    if (ack.link == 1 && ack.chunk == 2) {
-      told = ack.code == StatusCode::kFailedPrecondition &&
-             text.find("link 1 is not open here") != std::string::npos;
-    }
+    if (ack.link == 2 && ack.chunk == 0) landed = ack.code == StatusCode::kOk;
+    if (ack.link == 1 && ack.chunk == 2) told = told_fenced(ack, text);
   }
-  EXPECT_TRUE(told) << "the refusal of the closed link's message names it";
+  EXPECT_TRUE(landed) << "the new link's message was not acknowledged";
+  EXPECT_TRUE(told) << "the refusal of the fenced link's message names the fence";
 }
 
 }  // namespace

@@ -1133,6 +1133,69 @@ TEST_P(StagedHostProtocol, ReceiverDropsChunksOfAPeerItDisconnected) {
   }
 }
 
+// A receiver fences a sender it declared dead, but the sender is alive (a partition only one side
+// saw, or one that healed): its chunks, read in place or sent as payloads, are refused with an
+// ack naming the fence, so its writes fail at once (not at their deadline) and land nothing;
+// another sender's writes land meanwhile, and the fenced sender lands again on a new connection.
+TEST_P(StagedHostProtocol, AnAliveFencedSenderFailsItsWritesAtOnceAndOtherSendersLand) {
+  Start(2, 2, 8192);
+  std::mt19937 rng(53);
+  HostPool expected(kLayers, kPages, kItem, 0xEE);
+  auto write = [&](Backend& backend, PeerId peer, const HostPool& src, int64_t pages) {
+    const std::vector<int32_t> src_pages = DistinctPages(pages, kPages, rng);
+    const std::vector<int32_t> dst_pages = DistinctPages(pages, kPages, rng);
+    PageWrite w;
+    w.src_pages = src_pages;
+    w.dst_pages = dst_pages;
+    w.num_layers = kLayers;
+    w.layer_begin = 0;
+    w.layer_end = kLayers;
+    auto id = backend.PostPages(peer, w);
+    ASSERT_TRUE(id.ok()) << id.status();
+    ASSERT_TRUE(WaitFor(backend, *id).ok()) << backend.Check(*id);
+    backend.Release(*id);
+    expected.Apply(src, src_pages, dst_pages, 0, kLayers, {});
+    ExpectPoolsEqual(expected);
+  };
+  // The link is open (its hello answered) before the fence; its chunks are slot notices where
+  // the receiver reads the sender's slots in place, rendezvous payloads elsewhere.
+  write(*sender_, peer_, src_, 8);
+  const bool in_place = Transports() != "tcp" && InPlaceAllowed();
+  EXPECT_EQ(*UcxPeerPath(*sender_, peer_), in_place ? "staged-in-place" : "staged");
+
+  receiver_->FenceSender(sender_descriptor_);
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::vector<int32_t> src = DistinctPages(40, kPages, rng);
+  const std::vector<int32_t> dst = DistinctPages(40, kPages, rng);
+  auto refused = Post(src, dst, 0, kLayers);  // many chunks: 40 pages x 8 buffers of 1 KiB
+  ASSERT_TRUE(refused.ok()) << refused.status();
+  const Status st = WaitFor(*sender_, *refused, std::chrono::seconds(5));
+  EXPECT_EQ(st.code(), StatusCode::kAborted) << st;
+  EXPECT_NE(st.message().find("was fenced here"), std::string::npos) << st;
+  EXPECT_NE(st.message().find("reconnect"), std::string::npos) << st;
+  sender_->Release(*refused);  // nothing left unacknowledged: no wait
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5));
+  ExpectPoolsEqual(expected);
+
+  UcxTestHooks hooks;
+  hooks.stage_host_memory = true;
+  auto other = CreateUcxBackendForTest(Options(2, 8192), hooks);
+  ASSERT_TRUE(other.ok()) << other.status();
+  HostPool other_src(kLayers, kPages, kItem, 0);
+  other_src.Randomize(59);
+  auto other_regions = other_src.Regions();
+  ASSERT_TRUE((*other)->Register(other_regions).ok());
+  auto other_peer = (*other)->Connect(receiver_descriptor_);
+  ASSERT_TRUE(other_peer.ok()) << other_peer.status();
+  write(**other, *other_peer, other_src, 12);
+
+  // Told to reconnect, the fenced sender does; the new connection's writes land.
+  auto again = sender_->Connect(receiver_descriptor_);
+  ASSERT_TRUE(again.ok()) << again.status();
+  write(*sender_, *again, src_, 12);
+  other->reset();
+}
+
 // A mixed layout (K/V of 256-byte pages, latent buffers of 96, a draft model's K/V of 512:
 // layers 0 1 0 1 2 3 4 4) moves byte-exact over layer batches that cross groups, through slots
 // small enough that chunks split layers and pages; pages outside the writes stay untouched.

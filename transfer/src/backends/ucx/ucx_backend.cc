@@ -119,7 +119,8 @@ class UcxBackend final : public Backend {
         run_options_{.message_bytes = options.am_message_bytes,
                      .rendezvous = options.am_rendezvous,
                      .window = RunWindow(options.am_message_bytes),
-                     .fail_send_at = hooks.fail_run_send_at},
+                     .fail_send_at = hooks.fail_run_send_at,
+                     .ack_delay = std::chrono::microseconds(hooks.ack_delay_us)},
         hooks_(hooks),
         instance_(NewInstanceId()) {}
 
@@ -258,6 +259,9 @@ class UcxBackend final : public Backend {
       if (created.ok()) {
         staging_ = std::move(created).value();
         staging_->SetOnWriteDone([this] { Notify(); });
+        // Its bounded waits (acks of a peer's writes, landings of a sender's chunks) take up to
+        // seconds when a peer does not answer; other peers' calls go on meanwhile.
+        staging_->SetYield([this] { YieldLocked(); });
       } else {
         KVT_LOG_WARN("ucx", "no active-message worker ({}); host writes go as puts",
                      created.status().ToString());
@@ -479,12 +483,18 @@ class UcxBackend final : public Backend {
       return NotFound("UCX peer " + std::to_string(id) +
                       " was disconnected by another call while this one stopped its writes");
     // Staged: the sender side waits for (or abandons) its chunks and says bye while the endpoint
-    // is still open; the receiver side stops taking chunks from that backend.
+    // is still open; the receiver side stops taking chunks from that backend. Both waits let
+    // other calls in (YieldLocked), a second Disconnect of this peer among them.
     if (staging_) {
+      const uint64_t instance = it->second.remote_instance;
       if (it->second.staged || it->second.runs) staging_->RemovePeer(id, dead);
-      staging_->DropSender(it->second.remote_instance, dead);
+      staging_->DropSender(instance, dead);
+      it = peers_.find(id);
+      if (it == peers_.end()) {
+        return NotFound("UCX peer " + std::to_string(id) +
+                        " was disconnected by another call while this one waited for its writes");
+      }
     }
-    it = peers_.find(id);
     // Copies into the peer's mapping must stop before closing the endpoint unmaps it.
     CancelJobs(DirectJobsLocked(id));
     ClosePeerLocked(it->second, dead);
@@ -607,6 +617,10 @@ class UcxBackend final : public Backend {
     }
     auto it = peers_.find(id);
     if (it == peers_.end()) return NotFound("no UCX peer " + std::to_string(id));
+    if (it->second.closing) {
+      return FailedPrecondition("UCX peer " + std::to_string(id) +
+                                " is being disconnected; connect it again before writing to it");
+    }
     if (int err = it->second.error->load(); err != UCS_OK) {
       return UcsStatus(static_cast<ucs_status_t>(err), "UCX endpoint to the peer failed");
     }
@@ -827,6 +841,22 @@ class UcxBackend final : public Backend {
     Status post_error;               // the status once the flush completes, if it succeeds
     Status status;
   };
+
+  // Lets the API calls waiting for mutex_ (and the progress thread) have it for a moment; the
+  // caller holds it, through an ApiLock, and holds it again on return. Called between the rounds
+  // of progress of the staged transport's bounded waits, so that a wait for one unresponsive
+  // peer does not stall every other caller. At most about a millisecond passes before the
+  // caller competes for the mutex again.
+  void YieldLocked() {
+    mutex_.unlock();
+    const auto until = Clock::now() + std::chrono::milliseconds(1);
+    do {
+      std::this_thread::yield();
+    } while (api_waiters_.load(std::memory_order_acquire) > 0 && Clock::now() < until);
+    api_waiters_.fetch_add(1, std::memory_order_acq_rel);
+    mutex_.lock();
+    api_waiters_.fetch_sub(1, std::memory_order_acq_rel);
+  }
 
   WriteId AddWriteLocked(Write write) {
     const WriteId wid = next_write_++;

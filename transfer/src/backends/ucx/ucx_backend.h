@@ -44,6 +44,10 @@ struct UcxTestHooks {
   int post_batch_bytes = 0;
   // The copy-run message sent this many-th (from 1) fails as if UCX refused to send it; 0: none.
   uint64_t fail_run_send_at = 0;
+  // Receiving, this side sends each ack of a copy-run message or a staged chunk (landed or
+  // refused) only this long after it was due, so that tests can hold a sender's writes
+  // unacknowledged.
+  int ack_delay_us = 0;
 };
 StatusOr<std::unique_ptr<Backend>> CreateUcxBackendForTest(const UcxOptions& options,
                                                            const UcxTestHooks& hooks);

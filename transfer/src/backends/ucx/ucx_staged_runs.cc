@@ -276,8 +276,10 @@ ucs_status_t StagedTransport::OnRuns(void* arg, const void* header, size_t heade
   StatusOr<DecodedRuns> runs =
       DecodeRuns({static_cast<const uint8_t*>(header), header_length}, self->run_local_len_,
                  length);
-  // Who to tell: a message that does not name a known sender can only be dropped (its sender
-  // then learns nothing until its own deadline); a rendezvous one fails the sender's send.
+  // Who to tell: a sender we have an endpoint to (also one disconnected or fenced here, which
+  // may be alive and must fail the write at once) gets an ack carrying the error; a message
+  // that does not name such a sender can only be dropped (its sender then learns nothing until
+  // its own deadline), and a rendezvous one fails the sender's send.
   ChunkNotice notice;
   if (header_length >= kRunsHeaderBytes) {
     const auto* h = static_cast<const uint8_t*>(header);
@@ -288,9 +290,7 @@ ucs_status_t StagedTransport::OnRuns(void* arg, const void* header, size_t heade
   }
   auto refuse = [&](ucs_status_t why, const Status& status) {
     KVT_LOG_WARN("ucx", "refusing a run message: {}", status.ToString());
-    if (self->senders_.count(notice.sender) != 0 && self->dropped_.count(notice.sender) == 0) {
-      self->pending_acks_.emplace_back(notice, status);
-    }
+    if (self->senders_.count(notice.sender) != 0) self->pending_acks_.emplace_back(notice, status);
     return rndv ? why : UCS_OK;
   };
   if (!self->runs_attached()) {
@@ -303,8 +303,10 @@ ucs_status_t StagedTransport::OnRuns(void* arg, const void* header, size_t heade
   }
   if (!self->LinkOpen(notice.sender, notice.link)) {
     return refuse(UCS_ERR_REJECTED,
-                  FailedPrecondition("its link " + std::to_string(notice.link) +
-                                     " is not open here (closed, fenced, or no hello)"));
+                  self->ClosedLink(notice.sender, notice.link,
+                                   FailedPrecondition("its link " + std::to_string(notice.link) +
+                                                      " is not open here (closed, fenced, or no "
+                                                      "hello)")));
   }
   std::vector<ucp_dt_iov_t> iov;
   iov.reserve(runs->segments.size());
@@ -334,7 +336,11 @@ void StagedTransport::PumpRunLandings() {
     if (l.request == nullptr) {
       if (dropped_.count(l.notice.sender) != 0 || !LinkOpen(l.notice.sender, l.notice.link)) {
         ucp_am_data_release(worker_, l.data);
-        pending_acks_.emplace_back(l.notice, Aborted("its sender was disconnected here"));
+        const Status dropped = Aborted("its sender was disconnected here");
+        pending_acks_.emplace_back(l.notice,
+                                   dropped_.count(l.notice.sender) != 0
+                                       ? dropped
+                                       : ClosedLink(l.notice.sender, l.notice.link, dropped));
         it = run_landings_.erase(it);
         continue;
       }

@@ -32,6 +32,9 @@ constexpr std::chrono::milliseconds kDrainQuiet{20};
 constexpr size_t kMaxAckMessage = 1024;
 // Disconnected senders remembered (to refuse their late chunks); the oldest are forgotten.
 constexpr size_t kMaxDropped = 4096;
+// Fenced senders whose endpoints stay open for the acks of refusals though no link of theirs is
+// open (each holds a connection; most of them are dead); the oldest are closed.
+constexpr size_t kMaxFencedSenders = 256;
 
 std::span<const uint8_t> Bytes(const void* p, size_t n) {
   return {static_cast<const uint8_t*>(p), n};
@@ -437,6 +440,7 @@ void StagedTransport::RemovePeer(PeerId link, bool peer_dead) {
     if (write.link == link) FailRunWrite(id, write, Aborted("peer disconnected during the write"));
   }
   it = peers_.find(link);
+  if (it == peers_.end()) return;  // removed by another call while this one waited
   const ucp_ep_h ep = it->second.ep;
   peers_.erase(it);
   // Slots the receiver read from: it acknowledged them (graceful), or it is gone.
@@ -561,6 +565,7 @@ bool StagedTransport::WaitUntil(Done&& done, std::chrono::milliseconds bound) {
     if (Clock::now() > give_up) return false;
     ucp_worker_progress(worker_);
     Pump();
+    if (yield_) yield_();
   }
   return true;
 }
@@ -800,10 +805,12 @@ void StagedTransport::DropSender(uint64_t instance, bool peer_dead) {
     CloseEndpoint(sender->second.ep, /*force=*/true);
     senders_.erase(sender);
   }
+  // Before the wait, which may let a new link of the sender in: its slots go now, or (retired)
+  // once no chunk read from them is in flight, never a mapping made for the new link.
+  if (peer_dead) UnmapSenderSlots(instance);
   // Bytes being scattered cannot be stopped; wait for them so none lands after we return.
   // Queued and landing chunks are dropped as they come up (Landed sees the drop).
   WaitForLandings(instance, "a disconnected");
-  if (peer_dead) UnmapSenderSlots(instance);
 }
 
 void StagedTransport::WaitForLandings(uint64_t instance, const char* which) {
@@ -828,16 +835,55 @@ void StagedTransport::FenceSender(uint64_t instance) {
   auto sender = senders_.find(instance);
   if (sender != senders_.end()) {
     // Its links close; a link is opened only by a hello, so nothing sent on these lands again.
-    CloseEndpoint(sender->second.ep, /*force=*/true);
-    senders_.erase(sender);
+    // The endpoint stays, so that what still arrives on them is refused with an ack: a sender
+    // declared dead may be alive behind a partition, and must fail those writes at once.
+    Sender& s = sender->second;
+    s.fenced_links.insert(s.links.begin(), s.links.end());
+    s.links.clear();
+    if (s.fenced_links.empty()) {
+      CloseEndpoint(s.ep, /*force=*/true);
+      senders_.erase(sender);
+    } else {
+      // Fenced again (after a new link): it is the newest now.
+      auto earlier = std::find(fenced_order_.begin(), fenced_order_.end(), instance);
+      if (earlier != fenced_order_.end()) fenced_order_.erase(earlier);
+      fenced_order_.push_back(instance);
+      TrimFencedSenders();
+    }
   }
-  WaitForLandings(instance, "a fenced");
+  // Before the wait, which may let a new link of the sender in: its slots go now, or (retired)
+  // once no chunk read from them is in flight, never a mapping made for the new link.
   UnmapSenderSlots(instance);
+  WaitForLandings(instance, "a fenced");
+}
+
+void StagedTransport::TrimFencedSenders() {
+  while (fenced_order_.size() > kMaxFencedSenders) {
+    const uint64_t oldest = fenced_order_.front();
+    fenced_order_.pop_front();
+    auto it = senders_.find(oldest);
+    // Gone already, or connected again (a new link is open): nothing to close.
+    if (it == senders_.end() || !it->second.links.empty()) continue;
+    KVT_LOG_DEBUG("ucx", "closing the endpoint to fenced sender {}: more than {} are kept",
+                  Hex(oldest), kMaxFencedSenders);
+    CloseEndpoint(it->second.ep, /*force=*/true);
+    senders_.erase(it);
+  }
 }
 
 bool StagedTransport::LinkOpen(uint64_t sender, uint64_t link) const {
   auto it = senders_.find(sender);
   return it != senders_.end() && it->second.links.count(link) != 0;
+}
+
+Status StagedTransport::ClosedLink(uint64_t sender, uint64_t link, Status otherwise) const {
+  auto it = senders_.find(sender);
+  if (it == senders_.end() || it->second.fenced_links.count(link) == 0) return otherwise;
+  return Aborted("sender " + Hex(sender) +
+                 " was fenced here (the receiver's control plane lost it and declared it dead): "
+                 "nothing it sent on link " +
+                 std::to_string(link) +
+                 " lands any more; reconnect (a new session) to write again");
 }
 
 void StagedTransport::HandleHellos() {
@@ -867,7 +913,7 @@ void StagedTransport::HandleHellos() {
         KVT_LOG_WARN("ucx", "cannot answer a staging hello: {}", created.ToString());
         continue;
       }
-      it = senders_.emplace(h.hello.sender, Sender{handle, {}}).first;
+      it = senders_.emplace(h.hello.sender, Sender{handle, {}, {}}).first;
     }
     HelloAck ack;
     ack.receiver = instance_;
@@ -916,7 +962,8 @@ void StagedTransport::HandleByes() {
     auto it = senders_.find(bye.sender);
     if (it == senders_.end()) continue;
     it->second.links.erase(bye.link);
-    if (!it->second.links.empty()) continue;
+    it->second.fenced_links.erase(bye.link);
+    if (!it->second.links.empty() || !it->second.fenced_links.empty()) continue;
     // Acks of its chunks went out before its bye (it waited for them); close gracefully.
     CloseEndpoint(it->second.ep, /*force=*/false);
     senders_.erase(it);
@@ -963,6 +1010,12 @@ void StagedTransport::Land(uint32_t i, Arrival a) {
   r.source = nullptr;
   r.prefix = 0;
   if (a.in_place) {
+    if (!LinkOpen(a.notice.sender, a.notice.link)) {  // closed (a fence) while it was queued
+      FinishReceive(i, ClosedLink(a.notice.sender, a.notice.link,
+                                  Aborted("the receiver disconnected or fenced this sender; "
+                                          "chunk dropped")));
+      return;
+    }
     auto m = sender_slots_.find(a.notice.sender);
     if (m == sender_slots_.end() || m->second.retired || !m->second.pinned) {
       FinishReceive(i, Aborted("this receiver no longer maps the slots of sender " +
@@ -1013,7 +1066,11 @@ void StagedTransport::Land(uint32_t i, Arrival a) {
 void StagedTransport::Landed(uint32_t i) {
   RecvSlot& r = recv_[i];
   if (dropped_.count(r.notice.sender) != 0 || !LinkOpen(r.notice.sender, r.notice.link)) {
-    FinishReceive(i, Aborted("the receiver disconnected or fenced this sender; chunk dropped"));
+    const Status dropped =
+        Aborted("the receiver disconnected or fenced this sender; chunk dropped");
+    FinishReceive(i, dropped_.count(r.notice.sender) != 0
+                         ? dropped
+                         : ClosedLink(r.notice.sender, r.notice.link, dropped));
     return;
   }
   StatusOr<DecodedChunk> decoded =
@@ -1065,6 +1122,22 @@ void StagedTransport::FinishReceive(uint32_t i, const Status& status) {
 }
 
 void StagedTransport::SendAck(const ChunkNotice& notice, const Status& status) {
+  if (run_options_.ack_delay.count() > 0) {
+    delayed_acks_.push_back(DelayedAck{Clock::now() + run_options_.ack_delay, notice, status});
+    return;
+  }
+  SendAckNow(notice, status);
+}
+
+void StagedTransport::SendDelayedAcks() {
+  const auto now = Clock::now();
+  while (!delayed_acks_.empty() && delayed_acks_.front().due <= now) {
+    SendAckNow(delayed_acks_.front().notice, delayed_acks_.front().status);
+    delayed_acks_.pop_front();
+  }
+}
+
+void StagedTransport::SendAckNow(const ChunkNotice& notice, const Status& status) {
   auto it = senders_.find(notice.sender);
   if (it == senders_.end()) return;  // a dead or unknown sender: nobody to tell
   ChunkAck ack{notice.link, notice.write, notice.chunk, status.code()};
@@ -1080,26 +1153,36 @@ ucs_status_t StagedTransport::OnChunk(void* arg, const void* header, size_t head
   auto* self = static_cast<StagedTransport*>(arg);
   const bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
   const bool persistent = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_DATA) != 0;
-  // Refusing a rendezvous chunk fails the sender's send with this status; an eager one can only
-  // be dropped (its sender then learns nothing until its own deadline).
-  auto refuse = [&](ucs_status_t why, const std::string& what) {
-    KVT_LOG_WARN("ucx", "refusing a staged chunk: {}", what);
+  StatusOr<ChunkNotice> notice = DecodeChunkNotice(Bytes(header, header_length));
+  // A sender we have an endpoint to is told why with an ack (sent from Pump), which fails its
+  // write naming the reason; a rendezvous chunk then completes as taken (UCS_OK), so that the
+  // ack's reason is the one the sender reports. To any other sender refusing a rendezvous chunk
+  // fails its send with `why`; an eager one can only be dropped.
+  auto refuse = [&](ucs_status_t why, const Status& status) {
+    KVT_LOG_WARN("ucx", "refusing a staged chunk: {}", status.ToString());
+    if (notice.ok() && self->senders_.count(notice->sender) != 0) {
+      self->pending_acks_.emplace_back(*notice, status);
+      return UCS_OK;
+    }
     return rndv ? why : UCS_OK;
   };
-  StatusOr<ChunkNotice> notice = DecodeChunkNotice(Bytes(header, header_length));
-  if (!notice.ok()) return refuse(UCS_ERR_INVALID_PARAM, notice.status().ToString());
-  if (!self->attached()) return refuse(UCS_ERR_UNSUPPORTED, "no staged pool registered here");
+  if (!notice.ok()) return refuse(UCS_ERR_INVALID_PARAM, notice.status());
+  if (!self->attached()) {
+    return refuse(UCS_ERR_UNSUPPORTED, FailedPrecondition("no staged pool registered here"));
+  }
   if (self->dropped_.count(notice->sender) != 0) {
-    return refuse(UCS_ERR_REJECTED, "its sender was disconnected here");
+    return refuse(UCS_ERR_REJECTED, Aborted("its sender was disconnected here"));
   }
   if (!self->LinkOpen(notice->sender, notice->link)) {
-    return refuse(UCS_ERR_REJECTED, "its link " + std::to_string(notice->link) +
-                                        " is not open here (closed, fenced, or no hello)");
+    return refuse(UCS_ERR_REJECTED,
+                  self->ClosedLink(notice->sender, notice->link,
+                                   Aborted("its link " + std::to_string(notice->link) +
+                                           " is not open here (closed, fenced, or no hello)")));
   }
   if (length > self->slot_bytes_) {
-    return refuse(UCS_ERR_MESSAGE_TRUNCATED, "payload of " + std::to_string(length) +
-                                                 " bytes exceeds the slots of " +
-                                                 std::to_string(self->slot_bytes_));
+    return refuse(UCS_ERR_MESSAGE_TRUNCATED,
+                  OutOfRange("payload of " + std::to_string(length) +
+                             " bytes exceeds the slots of " + std::to_string(self->slot_bytes_)));
   }
   Arrival arrival;
   arrival.notice = *notice;
@@ -1141,8 +1224,9 @@ ucs_status_t StagedTransport::OnSlotChunk(void* arg, const void* header, size_t 
     return refuse(Aborted("its sender was disconnected here"));
   }
   if (!self->LinkOpen(sender, notice->notice.link)) {
-    return refuse(Aborted("its link " + std::to_string(notice->notice.link) +
-                          " is not open here (closed, fenced, or no hello)"));
+    return refuse(self->ClosedLink(sender, notice->notice.link,
+                                   Aborted("its link " + std::to_string(notice->notice.link) +
+                                           " is not open here (closed, fenced, or no hello)")));
   }
   auto m = self->sender_slots_.find(sender);
   if (m == self->sender_slots_.end() || m->second.retired) {
@@ -1427,6 +1511,7 @@ void StagedTransport::CloseEndpointNow(ucp_ep_h ep, bool force) {
   const auto give_up = Clock::now() + kCloseBound;
   while (ucp_request_check_status(req) == UCS_INPROGRESS && Clock::now() < give_up) {
     ucp_worker_progress(worker_);
+    if (yield_) yield_();
   }
   if (ucp_request_check_status(req) == UCS_INPROGRESS) {
     KVT_LOG_WARN("ucx", "staging endpoint close did not finish in {} ms (peer gone?)",
@@ -1453,6 +1538,7 @@ void StagedTransport::Pump() {
     pending_acks_.clear();
     for (const auto& [notice, status] : acks) SendAck(notice, status);
   }
+  if (!delayed_acks_.empty()) SendDelayedAcks();
   if (!control_.empty() || !closing_.empty()) PumpControl();
 }
 
@@ -1472,7 +1558,9 @@ void StagedTransport::DrainCompletions() {
 bool StagedTransport::NeedsPolling() const {
   // Copier completions wake no UCX event fd: the CUDA copier's announce themselves on
   // completion_fd; the host copier's are seen by the next Pump.
-  if (!hellos_.empty() || !byes_.empty() || !pending_acks_.empty()) return true;
+  if (!hellos_.empty() || !byes_.empty() || !pending_acks_.empty() || !delayed_acks_.empty()) {
+    return true;
+  }
   if (!run_pending_.empty() && RunsSendable()) return true;  // sent a budget per Pump
   for (const RunLanding& l : run_landings_) {
     if (l.request == nullptr) return true;  // waiting to be received
@@ -1519,8 +1607,12 @@ void StagedTransport::Shutdown() {
   std::vector<uint64_t> mapped;
   for (const auto& [instance, m] : sender_slots_) mapped.push_back(instance);
   for (uint64_t instance : mapped) UnmapSenderSlots(instance, /*force=*/true);
-  for (auto& [instance, sender] : senders_) CloseEndpoint(sender.ep, /*force=*/false);
+  for (auto& [instance, sender] : senders_) {
+    // One kept for fenced links alone was declared dead: no flush toward it.
+    CloseEndpoint(sender.ep, /*force=*/sender.links.empty() && !sender.fenced_links.empty());
+  }
   senders_.clear();
+  fenced_order_.clear();
   const auto give_up = Clock::now() + kCloseBound;
   while ((!closing_.empty() || !control_.empty()) && Clock::now() < give_up) {
     ucp_worker_progress(worker_);
@@ -1570,6 +1662,7 @@ void StagedTransport::Shutdown() {
   run_writes_.clear();
   run_pending_.clear();
   pending_acks_.clear();
+  delayed_acks_.clear();
   writes_.clear();
   pending_.clear();
   peers_.clear();

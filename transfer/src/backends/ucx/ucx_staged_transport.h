@@ -47,8 +47,16 @@
 // the receiver can open an endpoint for acks) and its ack (with the receiver's slot count); no
 // chunk goes out before the ack.
 //
+// A receiver answers every chunk, slot notice and run message of a sender it has an endpoint to
+// with an ack, also the ones it refuses (the ack then carries the error, and the sender fails
+// that write at once). A fenced sender (FenceSender) keeps that endpoint: it may be alive behind
+// a partition, and its writes must fail, not wait out their deadlines.
+//
 // Thread contract: not synchronised. Every method, and the UCX callbacks it registers (which run
-// inside ucp_worker_progress), must be called with the owning backend's mutex held.
+// inside ucp_worker_progress), must be called with the owning backend's mutex held. The methods
+// that wait (Release, RemovePeer, DropSender, FenceSender, Quiesce) call the yield hook
+// (SetYield) between their rounds of progress, so that the owner can let other callers take the
+// mutex meanwhile: the transport's state may change across those calls.
 #pragma once
 
 #include <ucp/api/ucp.h>
@@ -92,6 +100,9 @@ struct RunOptions {
   // Tests: the run message sent this many-th (from 1) fails as if ucp_am_send_nbx refused it
   // (UCS_ERR_NO_RESOURCE); 0: none.
   uint64_t fail_send_at = 0;
+  // Tests: this side, receiving, sends each ack (of a run message or a chunk, landed or refused)
+  // only this long after it was due, so that tests can hold a sender's writes unacknowledged.
+  std::chrono::microseconds ack_delay{0};
 };
 
 struct StagingOptions {
@@ -186,15 +197,24 @@ class StagedTransport {
   // Called (on the progress thread) each time a write completes or fails, so that the owner can
   // tell its caller at once instead of being polled. Must not block or call back in.
   void SetOnWriteDone(std::function<void()> done) { on_write_done_ = std::move(done); }
+  // Called with the owner's mutex held between the rounds of progress of every bounded wait;
+  // it may release the mutex for a moment (other callers then run) and must return with it held
+  // again. Unset: the waits hold the mutex throughout.
+  void SetYield(std::function<void()> yield) { yield_ = std::move(yield); }
 
   // ---- receiving ----------------------------------------------------------------------------
   // Stops accepting chunks from a sending backend: queued ones are dropped (acknowledged as
   // Aborted unless the sender is dead), ones being scattered are waited for (bounded).
   void DropSender(uint64_t instance, bool peer_dead);
-  // Closes every link the sending backend opened to us, and our endpoint back to it: their
-  // chunks and run messages are refused from now on, even ones a network that was down delivers
-  // later (receivers take messages only on links opened by a hello and not closed since).
-  // Messages being received into the pool are waited for (bounded). New links are accepted.
+  // Closes every link the sending backend opened to us: their chunks and run messages are
+  // refused from now on, even ones a network that was down delivers later (receivers take
+  // messages only on links opened by a hello and not closed since). Each refusal is answered
+  // with an ack (Aborted, naming the fence) through our endpoint back to the sender, which stays
+  // open for that: a sender declared dead may be alive behind a partition, and its writes then
+  // fail at once instead of waiting out their deadlines. The endpoint closes at the sender's bye
+  // for every fenced link, or when more than 256 senders are kept for their fenced links alone
+  // (the oldest goes; its later messages go unanswered). Messages being received into the pool
+  // are waited for (bounded). New links are accepted.
   void FenceSender(uint64_t instance);
   // Accepts it again (a new connection to it was made).
   void AdmitSender(uint64_t instance) { dropped_.erase(instance); }
@@ -306,6 +326,7 @@ class StagedTransport {
   struct Sender {  // a backend that sends to us, and our endpoint back to it for acks
     ucp_ep_h ep = nullptr;
     std::set<uint64_t> links;
+    std::set<uint64_t> fenced_links;  // closed by FenceSender; their messages are refused
   };
   struct PendingHello {
     Hello hello;
@@ -379,6 +400,11 @@ class StagedTransport {
   void WaitForLandings(uint64_t instance, const char* which);
   // Whether `link` of `sender` was opened by a hello and not closed or fenced since.
   bool LinkOpen(uint64_t sender, uint64_t link) const;
+  // Why a message of `sender` on a `link` that is not open is refused: the fence that closed
+  // it (Aborted, naming the sender and the link), or else `otherwise`.
+  Status ClosedLink(uint64_t sender, uint64_t link, Status otherwise) const;
+  // Closes and forgets the oldest senders kept only for their fenced links, beyond 256.
+  void TrimFencedSenders();
   void HandleByes();
   // Maps and page-locks the slots `hello` offers (its packed key is `key`), replacing an idle
   // earlier mapping of the same sender; an error when they do not map here (another host) or
@@ -392,7 +418,10 @@ class StagedTransport {
   void Land(uint32_t slot, Arrival arrival);
   void Landed(uint32_t slot);
   void FinishReceive(uint32_t slot, const Status& status);
+  // Acks `notice` with `status` (RunOptions::ack_delay holds it back first).
   void SendAck(const ChunkNotice& notice, const Status& status);
+  void SendAckNow(const ChunkNotice& notice, const Status& status);
+  void SendDelayedAcks();
 
   Status SendControl(ucp_ep_h ep, unsigned am_id, std::vector<uint8_t> header, std::string data);
   void PumpControl();
@@ -419,6 +448,7 @@ class StagedTransport {
   // current copier calls it.
   int completion_fd_ = -1;
   std::function<void()> on_write_done_;  // SetOnWriteDone
+  std::function<void()> yield_;          // SetYield
   bool notified_ = false;
   static void OnCopierDone(void* self);
   uint64_t slot_bytes_ = 0;
@@ -443,6 +473,8 @@ class StagedTransport {
   std::vector<RecvSlot> recv_;
   std::deque<Arrival> arrivals_;
   std::unordered_map<uint64_t, Sender> senders_;
+  // Fenced senders in the order they were fenced, to bound those kept for fenced links alone.
+  std::deque<uint64_t> fenced_order_;
   std::unordered_set<uint64_t> dropped_;
   std::unordered_map<uint64_t, SenderSlots> sender_slots_;  // by sender instance
   bool retired_slots_ = false;                              // some are retired
@@ -461,6 +493,13 @@ class StagedTransport {
   std::list<RunLanding> run_landings_;
   // Acks to send from Pump (run messages, and chunks refused inside a callback).
   std::vector<std::pair<ChunkNotice, Status>> pending_acks_;
+  // Acks held back by RunOptions::ack_delay, with when each is due.
+  struct DelayedAck {
+    std::chrono::steady_clock::time_point due;
+    ChunkNotice notice;
+    Status status;
+  };
+  std::deque<DelayedAck> delayed_acks_;
 
   std::list<ControlSend> control_;
   std::vector<Closing> closing_;
