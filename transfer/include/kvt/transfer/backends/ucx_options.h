@@ -69,9 +69,10 @@ struct UcxOptions {
   UcxCudaMode cuda_mode = UcxCudaMode::kAuto;
   // Staging: bounce slots per side (1..4096) and bytes per slot (4 KiB..4 GiB); memory is
   // bounded by both, and a sender holds a credit per receiver slot. A staged pool pins
-  // 2 x slots x slot_bytes of host memory (send and receive slots) and holds slots x slot_bytes
-  // of device memory (256 MiB and 128 MiB by default): slots of 16 MiB keep the fixed cost of
-  // each chunk (kernel launches, a message, an ack) small beside its copies.
+  // 2 x slots x slot_bytes of host memory (send and receive slots) and as much device memory (a
+  // device twin of each slot: the gather packs there before a copy engine moves the data to the
+  // host slot, the scatter unpacks from there); 256 MiB of each by default. Slots of 16 MiB keep
+  // the fixed cost of each chunk (kernel launches, a message, an ack) small beside its copies.
   int staging_slots = 8;
   size_t staging_slot_bytes = size_t{16} << 20;
   // Staging between processes of one host: a receiver reads a sender's bounce slots in place
