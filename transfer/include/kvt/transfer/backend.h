@@ -138,9 +138,11 @@ class Backend {
 
   // Receiving side of one-sided backends, when the control plane has lost the peer that
   // published `peer` (its hello-ack): every connection it made to us is closed here and nothing
-  // more it sent on them lands, even bytes a network that was down delivers later. Connections
-  // it makes afterwards (a new session) are accepted as usual. A backend whose writes cannot
-  // outlive the sender's own fence (its close ends them) has nothing to do.
+  // more it sent on them lands, even bytes a network that was down delivers later. A sender that
+  // is still alive (a partition, not a death) has each such write refused where the backend can
+  // answer it, so that the write fails at once, naming the fence, instead of at its deadline.
+  // Connections it makes afterwards (a new session) are accepted as usual. A backend whose writes
+  // cannot outlive the sender's own fence (its close ends them) has nothing to do.
   virtual void FenceSender(const PeerDescriptor& peer) {}
 
   // Starts writing `runs` (source offsets in our buffers, destination offsets in the peer's)

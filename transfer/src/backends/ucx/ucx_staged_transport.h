@@ -5,8 +5,8 @@
 //    `slot_bytes` host memory (ucp_mem_map ALLOCATE, so UCX's shared-memory transports reach it,
 //    page-locked with cudaHostRegister for fast DMA).
 //  - A sender cuts a page write into chunks (ucx_staged_protocol.h), packs each into a free send
-//  slot
-//    with the gather kernel (straight into the mapped slot, after the write's `ready` event),
+//    slot (the gather kernel into the slot's device twin after the write's `ready` event, then a
+//    copy engine into the slot: ucx_staged_copier.h),
 //    and when the pack is done sends it as one rendezvous active message whose header names the
 //    chunk. It never has more chunks outstanding at a receiver than the receiver has slots
 //    (credits), and reuses its own slot as soon as the send completes.
