@@ -35,6 +35,13 @@ constexpr uint64_t kPages = 64;
 constexpr uint64_t kBufferBytes = kItem * kPages;  // 4 MiB over all buffers
 constexpr uint8_t kPoison = 0xEE;
 
+UcxOptions Tcp(UcxHostPath path = UcxHostPath::kAuto) {
+  UcxOptions options;
+  options.transports = "tcp";
+  options.host_path = path;
+  return options;
+}
+
 class UcxAmTest : public ::testing::Test {
  protected:
   void Start(UcxOptions sender_options, UcxOptions receiver_options) {
@@ -61,6 +68,24 @@ class UcxAmTest : public ::testing::Test {
                                     kBufferBytes, kItem, MemoryKind::kHost, -1});
     }
     return regions;
+  }
+
+  // A staged receiver over tcp (host memory staged as a CUDA pool would be: 2 slots of 1 MiB)
+  // with dst_ registered, and the worker address its raw senders reach.
+  void StartStagedReceiver(std::unique_ptr<Backend>& receiver, std::string& worker_address) {
+    UcxOptions staged = Tcp();
+    staged.cuda_mode = UcxCudaMode::kStaged;
+    staged.staging_slots = 2;
+    staged.staging_slot_bytes = 1 << 20;
+    UcxTestHooks hooks;
+    hooks.stage_host_memory = true;
+    auto created = CreateUcxBackendForTest(staged, hooks);
+    ASSERT_TRUE(created.ok()) << created.status();
+    receiver = std::move(created).value();
+    dst_.assign(kBuffers * kBufferBytes, kPoison);
+    auto descriptor = receiver->Register(DstRegions());
+    ASSERT_TRUE(descriptor.ok()) << descriptor.status();
+    worker_address = std::string(ucx_staging::SplitPeerAddress(descriptor->address).worker_address);
   }
 
   void TearDown() override {
@@ -96,13 +121,6 @@ class UcxAmTest : public ::testing::Test {
 std::string PathOf(Backend& backend, PeerId peer) {
   StatusOr<std::string> path = UcxPeerPath(backend, peer);
   return path.ok() ? *path : path.status().ToString();
-}
-
-UcxOptions Tcp(UcxHostPath path = UcxHostPath::kAuto) {
-  UcxOptions options;
-  options.transports = "tcp";
-  options.host_path = path;
-  return options;
 }
 
 TEST_F(UcxAmTest, TcpPeersGetActiveMessagesAutomaticallyAndPutsOnRequest) {
@@ -624,21 +642,12 @@ TEST_F(UcxAmTest, MalformedAndOutOfRangeRunMessagesAreRefusedAndTheRealPeerIsUnd
 // whose key is no key is answered "not in place", and slot notices it did not accept, or on a
 // link no hello opened, are refused with an ack naming the slot or the link; nothing lands.
 TEST_F(UcxAmTest, SlotNoticesTheReceiverDidNotAcceptAreRefusedNamingTheSlot) {
-  UcxOptions staged = Tcp();
-  staged.cuda_mode = UcxCudaMode::kStaged;
-  staged.staging_slots = 2;
-  staged.staging_slot_bytes = 1 << 20;
-  UcxTestHooks hooks;
-  hooks.stage_host_memory = true;
-  auto receiver = CreateUcxBackendForTest(staged, hooks);
-  ASSERT_TRUE(receiver.ok()) << receiver.status();
-  dst_.assign(kBuffers * kBufferBytes, kPoison);
-  auto descriptor = (*receiver)->Register(DstRegions());
-  ASSERT_TRUE(descriptor.ok()) << descriptor.status();
-  const ucx_staging::SplitAddress split = ucx_staging::SplitPeerAddress(descriptor->address);
+  std::unique_ptr<Backend> receiver;
+  std::string worker_address;
+  ASSERT_NO_FATAL_FAILURE(StartStagedReceiver(receiver, worker_address));
 
   RawSender raw;
-  ASSERT_TRUE(raw.Start(split.worker_address));
+  ASSERT_TRUE(raw.Start(worker_address));
   const uint64_t instance = 0x51a7;
   ucx_staging::Hello hello{instance, 1, ucx_staging::LinkMode::kStaged};
   hello.slots_base = uint64_t{1} << 40;
@@ -670,21 +679,12 @@ TEST_F(UcxAmTest, SlotNoticesTheReceiverDidNotAcceptAreRefusedNamingTheSlot) {
 // A staged receiver that fences a sender answers what still arrives on the fenced link, a chunk
 // sent eagerly or a slot notice, with an ack naming the fence; nothing of it lands.
 TEST_F(UcxAmTest, StagedChunksOnAFencedLinkAreAnsweredNamingTheFence) {
-  UcxOptions staged = Tcp();
-  staged.cuda_mode = UcxCudaMode::kStaged;
-  staged.staging_slots = 2;
-  staged.staging_slot_bytes = 1 << 20;
-  UcxTestHooks hooks;
-  hooks.stage_host_memory = true;
-  auto receiver = CreateUcxBackendForTest(staged, hooks);
-  ASSERT_TRUE(receiver.ok()) << receiver.status();
-  dst_.assign(kBuffers * kBufferBytes, kPoison);
-  auto descriptor = (*receiver)->Register(DstRegions());
-  ASSERT_TRUE(descriptor.ok()) << descriptor.status();
-  const ucx_staging::SplitAddress split = ucx_staging::SplitPeerAddress(descriptor->address);
+  std::unique_ptr<Backend> receiver;
+  std::string worker_address;
+  ASSERT_NO_FATAL_FAILURE(StartStagedReceiver(receiver, worker_address));
 
   RawSender raw;
-  ASSERT_TRUE(raw.Start(split.worker_address));
+  ASSERT_TRUE(raw.Start(worker_address));
   const uint64_t instance = 0xfe9c5;
   ASSERT_TRUE(
       raw.Send(ucx_staging::kAmHello,
@@ -694,7 +694,7 @@ TEST_F(UcxAmTest, StagedChunksOnAFencedLinkAreAnsweredNamingTheFence) {
   PeerDescriptor sender;
   sender.backend = "ucx";
   sender.address = ucx_staging::AppendTrailer(raw.own_address(), {.instance = instance});
-  (*receiver)->FenceSender(sender);
+  receiver->FenceSender(sender);
 
   using ucx_staging::ChunkNotice;
   using ucx_staging::SlotNotice;

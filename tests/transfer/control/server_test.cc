@@ -1189,6 +1189,33 @@ class LaneTest : public ControlServerTest {
     return lane;
   }
 
+  // The test's own mapping of a raw client's lane segment (4 KiB rings), to corrupt it.
+  struct SegmentView {
+    static constexpr size_t kBytes = 64 + 2 * (192 + 4096);
+    void* base = nullptr;
+    ~SegmentView() {
+      if (base != nullptr) ::munmap(base, kBytes);
+    }
+  };
+
+  // OpenRawLane, with the segment also mapped by the test, before the server removes its name.
+  static void OpenViewedLane(RawClient& raw, std::unique_ptr<internal::Lane>& lane,
+                             SegmentView& segment) {
+    ASSERT_TRUE(raw.connected());
+    ASSERT_TRUE(raw.SendEnvelope(LaneHelloAck()));
+    auto created = internal::Lane::Create(4096);
+    ASSERT_TRUE(created.ok()) << created.status();
+    lane = std::move(created).value();
+    const int fd = ::shm_open(lane->name().c_str(), O_RDWR, 0);
+    ASSERT_GE(fd, 0);
+    void* view = ::mmap(nullptr, SegmentView::kBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    ::close(fd);
+    ASSERT_NE(view, MAP_FAILED);
+    segment.base = view;
+    const Status switched = SwitchToLane(raw, *lane);
+    ASSERT_TRUE(switched.ok()) << switched;
+  }
+
   ControlClientOptions copts_;
 };
 
@@ -1405,21 +1432,12 @@ TEST_F(LaneTest, ACorruptedLaneFailsOnlyItsConnection) {
     SCOPED_TRACE(garbage ? "garbage frame" : "impossible index");
     const size_t disconnects = handler_.disconnects().size();
     RawClient raw(server_->port());
-    ASSERT_TRUE(raw.connected());
-    ASSERT_TRUE(raw.SendEnvelope(LaneHelloAck()));
-    auto lane = internal::Lane::Create(4096);
-    ASSERT_TRUE(lane.ok()) << lane.status();
-    // The test's second view of the segment, taken before the server removes its name.
-    const int fd = ::shm_open((*lane)->name().c_str(), O_RDWR, 0);
-    ASSERT_GE(fd, 0);
-    const size_t size = 64 + 2 * (192 + 4096);
-    void* view = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    ::close(fd);
-    ASSERT_NE(view, MAP_FAILED);
-    const Status switched = SwitchToLane(raw, **lane);
-    ASSERT_TRUE(switched.ok()) << switched;
+    std::unique_ptr<internal::Lane> lane;
+    SegmentView segment;
+    ASSERT_NO_FATAL_FAILURE(OpenViewedLane(raw, lane, segment));
+    void* view = segment.base;
     if (garbage) {
-      ASSERT_TRUE((*lane)->Write(std::string("\0\0\0\0junk", 8)).ok());  // a zero length prefix
+      ASSERT_TRUE(lane->Write(std::string("\0\0\0\0junk", 8)).ok());  // a zero length prefix
     } else {
       auto* tail = reinterpret_cast<std::atomic<uint64_t>*>(static_cast<char*>(view) + 64 + 64);
       tail->store(1u << 20);  // more than the 4 KiB ring can hold
@@ -1433,7 +1451,6 @@ TEST_F(LaneTest, ACorruptedLaneFailsOnlyItsConnection) {
                                                  : "the writer's index 1048576 is impossible"))
         << why;
     EXPECT_TRUE(raw.WaitForClose());
-    ::munmap(view, size);
     ExpectEcho(*good, 50 + (garbage ? 1 : 0));
     EXPECT_TRUE(good->using_lane());
   }
@@ -1447,18 +1464,10 @@ TEST_F(LaneTest, AfterTheLanesWriteBreaksOnlyTheErrorFollowsOnTheSocket) {
   StartPolling();
   const size_t disconnects = handler_.disconnects().size();
   RawClient raw(server_->port());
-  ASSERT_TRUE(raw.connected());
-  ASSERT_TRUE(raw.SendEnvelope(LaneHelloAck()));
-  auto lane = internal::Lane::Create(4096);
-  ASSERT_TRUE(lane.ok()) << lane.status();
-  const int fd = ::shm_open((*lane)->name().c_str(), O_RDWR, 0);
-  ASSERT_GE(fd, 0);
-  const size_t size = 64 + 2 * (192 + 4096);
-  void* view = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  ::close(fd);
-  ASSERT_NE(view, MAP_FAILED);
-  const Status switched = SwitchToLane(raw, **lane);
-  ASSERT_TRUE(switched.ok()) << switched;
+  std::unique_ptr<internal::Lane> lane;
+  SegmentView segment;
+  ASSERT_NO_FATAL_FAILURE(OpenViewedLane(raw, lane, segment));
+  void* view = segment.base;
   // The second ring (server to client): its reader's index far past anything written.
   auto* head = reinterpret_cast<std::atomic<uint64_t>*>(static_cast<char*>(view) + 64 + 192 + 4096);
   head->store(1u << 20);
@@ -1469,7 +1478,7 @@ TEST_F(LaneTest, AfterTheLanesWriteBreaksOnlyTheErrorFollowsOnTheSocket) {
     e.set_id(500 + i);
     frames += *EncodeFrame(e);
   }
-  ASSERT_TRUE((*lane)->Write(frames).ok());
+  ASSERT_TRUE(lane->Write(frames).ok());
   v1::Envelope doorbell;
   doorbell.mutable_lane_doorbell();
   ASSERT_TRUE(raw.SendEnvelope(doorbell));
@@ -1489,7 +1498,6 @@ TEST_F(LaneTest, AfterTheLanesWriteBreaksOnlyTheErrorFollowsOnTheSocket) {
     errors += e.has_error() ? 1 : 0;
   }
   EXPECT_EQ(errors, 1u);
-  ::munmap(view, size);
 }
 
 // After a peer's switch its frames come through the lane: a doorbell on the socket is taken,
