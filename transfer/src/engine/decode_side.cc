@@ -23,8 +23,9 @@ constexpr auto kLivenessPeriod = std::chrono::milliseconds(50);
 constexpr int kPortProbeTimeoutMs = 200;
 // How long a shutdown keeps the connections open for the prefill engines to confirm that their
 // writes into the rooms it ended stopped: the time a prefill engine allows itself to stop its
-// copies once it knows (kFenceTeardown).
-constexpr auto kShutdownAnswerWait = kFenceTeardown;
+// copies once it knows (kFenceTeardown), counted from its receipt of the Abort, plus a margin
+// for the Abort's way there and the answer's way back.
+constexpr auto kShutdownAnswerWait = kFenceTeardown + std::chrono::milliseconds(500);
 
 // True when nothing listens at host:port (connection refused). False when it accepts, or when
 // the answer is unclear (timeout, name not resolved).

@@ -54,10 +54,10 @@ class DecodeSide final : public SideWithTable<DecodeRoom> {
   Status Abort(const std::string& room, const std::string& reason) override KVT_EXCLUDES(ctx_.mu);
   PollResult PollPass(Clock::time_point now) override KVT_EXCLUDES(ctx_.mu);
   // Fails every room that is not final with Aborted (its waiters return at once) and asks its
-  // prefill engine to stop; waits up to 2 s (kFenceTeardown) for the answers that make the
-  // pages reusable, then closes the connections and lets go of the backend ends: a two-sided
-  // end that disconnects makes its rooms' pages reusable too. A room it ended whose pages stay
-  // quarantined says why in its status. Rooms already final keep their status.
+  // prefill engine to stop; waits up to 2.5 s (kFenceTeardown and a margin) for the answers that
+  // make the pages reusable, then closes the connections and lets go of the backend ends: a
+  // two-sided end that disconnects makes its rooms' pages reusable too. A room it ended whose pages
+  // stay quarantined says why in its status. Rooms already final keep their status.
   void Shutdown() override KVT_EXCLUDES(ctx_.mu);
   // TransferEngine::Interrupt: connects waiting for their hello's answer fail now.
   void Interrupt() KVT_EXCLUDES(ctx_.mu);
