@@ -267,5 +267,81 @@ TEST_F(UcxPostTest, DestroyingTheBackendStopsWritesNotYetPosted) {
   EXPECT_TRUE(AllPoison());
 }
 
+// A Release waiting for the flush of a write to a peer that does not answer (its worker held)
+// lets other calls take the backend: a write to a second peer lands meanwhile, and Register,
+// which would remap buffers the puts may still read, is refused naming the wait.
+TEST(UcxReleaseTest, AReleaseWaitingForAFlushLetsOtherPeersWritesThrough) {
+  UcxOptions options;
+  options.transports = "tcp";
+  options.host_path = UcxHostPath::kPut;
+  auto hold = std::make_shared<std::atomic<bool>>(false);
+  UcxTestHooks held;
+  held.hold_progress = hold;
+  auto sender = CreateUcxBackendForTest(options, {});
+  ASSERT_TRUE(sender.ok()) << sender.status();
+  auto slow = CreateUcxBackendForTest(options, held);
+  ASSERT_TRUE(slow.ok()) << slow.status();
+  auto fast = CreateUcxBackendForTest(options, {});
+  ASSERT_TRUE(fast.ok()) << fast.status();
+  std::vector<std::vector<uint8_t>> src;
+  for (int b = 0; b < kBuffers; ++b) src.push_back(testing::RandomBytes(kBufferBytes, 60 + b));
+  std::vector<const uint8_t*> src_ptrs;
+  for (const auto& buffer : src) src_ptrs.push_back(buffer.data());
+  std::vector<uint8_t> slow_dst(kBuffers * kBufferBytes, kPoison);
+  std::vector<uint8_t> fast_dst(kBuffers * kBufferBytes, kPoison);
+  auto slow_peer =
+      testing::RegisterAndConnect(**sender, **slow, src_ptrs, slow_dst.data(), kBufferBytes, kItem);
+  ASSERT_TRUE(slow_peer.ok()) << slow_peer.status();
+  std::vector<LocalRegion> fast_regions;
+  for (int b = 0; b < kBuffers; ++b) {
+    fast_regions.push_back(
+        LocalRegion{reinterpret_cast<uint64_t>(fast_dst.data() + b * kBufferBytes), kBufferBytes,
+                    kItem, MemoryKind::kHost, -1});
+  }
+  auto fast_descriptor = (*fast)->Register(fast_regions);
+  ASSERT_TRUE(fast_descriptor.ok()) << fast_descriptor.status();
+  auto fast_peer = (*sender)->Connect(*fast_descriptor);
+  ASSERT_TRUE(fast_peer.ok()) << fast_peer.status();
+
+  // One page of each buffer to the held peer: posted, its flush waits for that peer.
+  std::vector<CopyRun> runs;
+  for (uint32_t b = 0; b < kBuffers; ++b) runs.push_back({b, 0, kItem, kItem});
+  hold->store(true);
+  auto stuck = (*sender)->PostWrite(*slow_peer, runs);
+  ASSERT_TRUE(stuck.ok()) << stuck.status();
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  ASSERT_EQ((*sender)->Check(*stuck).code(), StatusCode::kInProgress)
+      << "the held peer completed the flush: the test cannot hold a write";
+  std::atomic<bool> released{false};
+  std::thread release([&] {
+    (*sender)->Release(*stuck);
+    released.store(true);
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));  // Release is waiting now
+  EXPECT_FALSE(released.load());
+  const auto t0 = std::chrono::steady_clock::now();
+  auto other = (*sender)->PostWrite(*fast_peer, runs);
+  ASSERT_TRUE(other.ok()) << other.status();
+  EXPECT_TRUE(WaitFor(**sender, *other, std::chrono::seconds(10)).ok());
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(1));
+  EXPECT_FALSE(released.load()) << "the held peer's flush finished: nothing was tested";
+  for (const CopyRun& r : runs) {
+    EXPECT_EQ(std::memcmp(fast_dst.data() + r.buffer * kBufferBytes + r.dst_offset,
+                          src[r.buffer].data() + r.src_offset, r.bytes),
+              0);
+  }
+  std::vector<LocalRegion> again;
+  for (int b = 0; b < kBuffers; ++b) {
+    again.push_back(LocalRegion{reinterpret_cast<uint64_t>(src[b].data()), kBufferBytes, kItem,
+                                MemoryKind::kHost, -1});
+  }
+  const Status reregistered = (*sender)->Register(again).status();
+  EXPECT_EQ(reregistered.code(), StatusCode::kFailedPrecondition) << reregistered;
+  EXPECT_NE(reregistered.message().find("still flush"), std::string::npos) << reregistered;
+  hold->store(false);  // the peer answers again: the flush, and the Release, finish
+  release.join();
+  EXPECT_TRUE(released.load());
+}
+
 }  // namespace
 }  // namespace kvt::transfer

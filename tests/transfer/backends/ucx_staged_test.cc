@@ -1194,6 +1194,22 @@ TEST_P(StagedHostProtocol, AnAliveFencedSenderFailsItsWritesAtOnceAndOtherSender
   ASSERT_TRUE(again.ok()) << again.status();
   write(*sender_, *again, src_, 12);
   other->reset();
+  // The new session ends (its bye comes; the fenced link's never will): the slots mapped for it
+  // go, though the endpoint stays to refuse what still arrives on the fenced link.
+  if (in_place) {
+    auto mapped = UcxMappedSenderSlots(*receiver_);
+    ASSERT_TRUE(mapped.ok()) << mapped.status();
+    EXPECT_EQ(*mapped, 1u);
+  }
+  ASSERT_TRUE(sender_->Disconnect(*again).ok());
+  size_t still = 1;
+  for (int i = 0; i < 200 && still != 0; ++i) {  // the bye is handled by the receiver's progress
+    auto mapped = UcxMappedSenderSlots(*receiver_);
+    ASSERT_TRUE(mapped.ok()) << mapped.status();
+    still = *mapped;
+    if (still != 0) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(still, 0u) << "a sender's slots stay mapped after its only open link ended";
 }
 
 // A mixed layout (K/V of 256-byte pages, latent buffers of 96, a draft model's K/V of 512:

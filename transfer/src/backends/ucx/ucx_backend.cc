@@ -233,6 +233,11 @@ class UcxBackend final : public Backend {
         return FailedPrecondition("cannot re-register buffers while writes are in flight");
       }
     }
+    if (releasing_ > 0) {
+      return FailedPrecondition("cannot re-register buffers while " + std::to_string(releasing_) +
+                                " released writes still flush (their puts may read the buffers; "
+                                "at most 30 s each); retry once Release has returned");
+    }
     if (staging_ && staging_->Active()) {
       return FailedPrecondition(
           "cannot re-register buffers while staged writes or received chunks are in flight");
@@ -691,6 +696,11 @@ class UcxBackend final : public Backend {
     allocations_.erase(it);
   }
 
+  size_t MappedSenderSlots() {
+    ApiLock lock(*this);
+    return staging_ != nullptr ? staging_->mapped_sender_slots() : 0;
+  }
+
   StatusOr<std::string> PeerPath(PeerId id) {
     ApiLock lock(*this);
     auto it = peers_.find(id);
@@ -716,8 +726,15 @@ class UcxBackend final : public Backend {
       it = writes_.find(id);
       if (it == writes_.end()) return;  // released by another thread meanwhile
     }
-    WaitLocked(it->second);
+    // A flush to a peer that does not answer takes up to its bound (30 s): the write leaves the
+    // table and is waited for letting other calls take the lock between rounds of progress, so
+    // that other peers' writes go on. Register refuses meanwhile: the puts may still read the
+    // buffers.
+    Write write = std::move(it->second);
     writes_.erase(it);
+    ++releasing_;
+    WaitLocked(write, /*yield=*/true);
+    --releasing_;
   }
 
  private:
@@ -857,6 +874,8 @@ class UcxBackend final : public Backend {
     mutex_.lock();
     api_waiters_.fetch_sub(1, std::memory_order_acq_rel);
   }
+
+  size_t releasing_ = 0;  // guarded by mutex_: writes Release took out of writes_ and waits for
 
   WriteId AddWriteLocked(Write write) {
     const WriteId wid = next_write_++;
@@ -1271,8 +1290,10 @@ class UcxBackend final : public Backend {
 
   // Progresses until the write's flush has finished (bounded: a dead endpoint fails its flush);
   // a direct copy still running is cancelled and waited for.
-  // A network write's posting must have been cancelled (CancelPostLocked) before.
-  void WaitLocked(Write& write) {
+  // A network write's posting must have been cancelled (CancelPostLocked) before. With `yield`,
+  // other calls may take the lock between rounds (YieldLocked): only for a write the caller took
+  // out of writes_.
+  void WaitLocked(Write& write, bool yield = false) {
     if (write.job) {
       CancelJob(write.job);
       PollJob(write);
@@ -1289,6 +1310,7 @@ class UcxBackend final : public Backend {
     while (write.flush != nullptr) {
       ucp_worker_progress(worker_);
       PollLocked(write);
+      if (yield && write.flush != nullptr) YieldLocked();
       if (write.flush != nullptr && Clock::now() > give_up) {
         KVT_LOG_ERROR("ucx", "a flush did not finish in 30 s; leaking its request");
         write.flush = nullptr;
@@ -1342,6 +1364,10 @@ class UcxBackend final : public Backend {
     while (!stop_.load(std::memory_order_relaxed)) {
       if (api_waiters_.load(std::memory_order_acquire) > 0) {
         std::this_thread::yield();  // an API call wants the worker; it progresses it too
+        continue;
+      }
+      if (hooks_.hold_progress && hooks_.hold_progress->load(std::memory_order_acquire)) {
+        std::this_thread::sleep_for(std::chrono::microseconds(100));
         continue;
       }
       unsigned progressed;
@@ -1454,6 +1480,14 @@ class UcxBackend final : public Backend {
 }  // namespace
 
 const char* UcxVersion() { return ucp_get_version_string(); }
+
+StatusOr<size_t> UcxMappedSenderSlots(Backend& backend) {
+  auto* ucx = dynamic_cast<UcxBackend*>(&backend);
+  if (ucx == nullptr) {
+    return InvalidArgument("backend '" + std::string(backend.Name()) + "' is not ucx");
+  }
+  return ucx->MappedSenderSlots();
+}
 
 StatusOr<std::string> UcxPeerPath(Backend& backend, PeerId peer) {
   auto* ucx = dynamic_cast<UcxBackend*>(&backend);

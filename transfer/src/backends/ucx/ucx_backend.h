@@ -1,5 +1,6 @@
 #pragma once
 
+#include <atomic>
 #include <memory>
 
 #include "kvt/common/status.h"
@@ -48,6 +49,10 @@ struct UcxTestHooks {
   // refused) only this long after it was due, so that tests can hold a sender's writes
   // unacknowledged.
   int ack_delay_us = 0;
+  // While it reads true, this backend's progress thread does not progress its worker, so that
+  // tests can hold a peer's writes to it (a put's flush waits for the target's progress over
+  // tcp) as an unresponsive peer would.
+  std::shared_ptr<std::atomic<bool>> hold_progress;
 };
 StatusOr<std::unique_ptr<Backend>> CreateUcxBackendForTest(const UcxOptions& options,
                                                            const UcxTestHooks& hooks);
@@ -58,6 +63,11 @@ StatusOr<std::unique_ptr<Backend>> CreateUcxBackendForTest(const UcxOptions& opt
 // "staged" before). NotFound for an unknown peer,
 // InvalidArgument for a backend that is not ucx.
 StatusOr<std::string> UcxPeerPath(Backend& backend, PeerId peer);
+
+// Receiving staged chunks: how many senders' bounce slots this ucx backend has mapped for
+// reading in place (tests: a sender's slots are let go once none of its links is open).
+// InvalidArgument for a backend that is not ucx.
+StatusOr<size_t> UcxMappedSenderSlots(Backend& backend);
 
 // The UCX library version string, e.g. "1.13.1".
 const char* UcxVersion();

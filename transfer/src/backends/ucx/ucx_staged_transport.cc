@@ -868,6 +868,7 @@ void StagedTransport::TrimFencedSenders() {
                   Hex(oldest), kMaxFencedSenders);
     CloseEndpoint(it->second.ep, /*force=*/true);
     senders_.erase(it);
+    UnmapSenderSlots(oldest);
   }
 }
 
@@ -963,7 +964,19 @@ void StagedTransport::HandleByes() {
     if (it == senders_.end()) continue;
     it->second.links.erase(bye.link);
     it->second.fenced_links.erase(bye.link);
-    if (!it->second.links.empty() || !it->second.fenced_links.empty()) continue;
+    if (!it->second.links.empty()) continue;
+    if (!it->second.fenced_links.empty()) {
+      // Only fenced links left (their byes may never come: the sender dropped them as dead):
+      // the slots mapped for the session that just ended go, and the endpoint, kept to refuse
+      // what still arrives on the fenced links, counts against the cap again.
+      UnmapSenderSlots(bye.sender);
+      if (std::find(fenced_order_.begin(), fenced_order_.end(), bye.sender) ==
+          fenced_order_.end()) {
+        fenced_order_.push_back(bye.sender);
+        TrimFencedSenders();
+      }
+      continue;
+    }
     // Acks of its chunks went out before its bye (it waited for them); close gracefully.
     CloseEndpoint(it->second.ep, /*force=*/false);
     senders_.erase(it);

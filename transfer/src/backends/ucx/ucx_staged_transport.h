@@ -171,6 +171,8 @@ class StagedTransport {
   // for or sent, the endpoint is closed by force. Writes that did not complete are Aborted.
   void RemovePeer(PeerId link, bool peer_dead);
   bool HasPeer(PeerId link) const { return peers_.count(link) != 0; }
+  // Senders whose bounce slots are mapped here for reading in place (retired ones included).
+  size_t mapped_sender_slots() const { return sender_slots_.size(); }
   // Whether the receiver of `link` reads our slots in place (its chunks go as SlotNotices): it
   // acknowledged the slots the link's hello offered, and they are still this side's slots (the
   // pool was not registered again since); false until the hello is acknowledged.
