@@ -34,22 +34,13 @@ using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
 using testing::Fill;
 using ::testing::HasSubstr;
+using testing::Loopback;
 using testing::MakePool;
 using testing::Mismatches;
 using testing::SmallPoolOptions;
 
-std::shared_ptr<Backend> Loopback(LoopbackOptions options = {}) {
-  auto backend = CreateBackend(BackendConfig(std::move(options)));
-  EXPECT_TRUE(backend.ok()) << backend.status();
-  return backend.ok() ? std::shared_ptr<Backend>(std::move(backend).value()) : nullptr;
-}
-
 EngineOptions Options(const std::string& name, bool prefill) {
-  EngineOptions o;
-  o.name = name;
-  o.prefill = prefill;
-  o.default_deadline = 30s;
-  return o;
+  return testing::NamedEngine(name, prefill, 30s);
 }
 
 // A decode side over `pool`, set up as TransferEngine::Create sets one up (engine.cc), without

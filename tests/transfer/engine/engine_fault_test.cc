@@ -27,22 +27,13 @@ namespace {
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
 using testing::Fill;
+using testing::Loopback;
 using testing::MakePool;
 using testing::Mismatches;
 using testing::SmallPoolOptions;
 
-std::shared_ptr<Backend> Loopback(LoopbackOptions options) {
-  auto backend = CreateBackend(BackendConfig(std::move(options)));
-  EXPECT_TRUE(backend.ok()) << backend.status();
-  return backend.ok() ? std::shared_ptr<Backend>(std::move(backend).value()) : nullptr;
-}
-
 EngineOptions Options(const std::string& name, bool prefill) {
-  EngineOptions o;
-  o.name = name;
-  o.prefill = prefill;
-  o.default_deadline = 10s;
-  return o;
+  return testing::NamedEngine(name, prefill, 10s);
 }
 
 // Bytes of every K and V page of `pages` in the pool, in order.

@@ -3,15 +3,34 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "kvt/kernels/kernels.h"
 #include "kvt/pool/kv_pool.h"
+#include "kvt/transfer/backends.h"
 #include "kvt/transfer/engine.h"
 
 namespace kvt::transfer::testing {
+
+// A loopback backend for a test's engine (null, with the test failed, when it cannot be made).
+inline std::shared_ptr<Backend> Loopback(LoopbackOptions options = {}) {
+  auto backend = CreateBackend(BackendConfig(std::move(options)));
+  EXPECT_TRUE(backend.ok()) << backend.status();
+  return backend.ok() ? std::shared_ptr<Backend>(std::move(backend).value()) : nullptr;
+}
+
+// A test engine's options: its name, its role and its rooms' default deadline.
+inline EngineOptions NamedEngine(const std::string& name, bool prefill,
+                                 std::chrono::milliseconds default_deadline) {
+  EngineOptions o;
+  o.name = name;
+  o.prefill = prefill;
+  o.default_deadline = default_deadline;
+  return o;
+}
 
 inline pool::PoolOptions SmallPoolOptions(int64_t layers = 4, int64_t page_size = 16,
                                           int64_t pages = 64) {
