@@ -38,6 +38,7 @@ using testing::Loopback;
 using testing::MakePool;
 using testing::Mismatches;
 using testing::SmallPoolOptions;
+using testing::Snapshot;
 
 EngineOptions Options(const std::string& name, bool prefill) {
   return testing::NamedEngine(name, prefill, 30s);
@@ -303,20 +304,6 @@ TEST(DecodeSideShutdownTest, TwoSidedPagesAreReusableOnlyOnceTheirConnectionIsDi
       EXPECT_TRUE(info->pages_reusable);
     }
   }
-}
-
-// Bytes of every K and V page of `pages` in the pool, in order.
-std::vector<uint8_t> Snapshot(const pool::KvPool& pool, const std::vector<int32_t>& pages) {
-  auto infos = pool.GetContiguousBufInfos();
-  std::vector<uint8_t> out;
-  for (size_t b = 0; b < infos->data_ptrs.size(); ++b) {
-    const auto item = static_cast<size_t>(infos->item_lens[b]);
-    for (int32_t p : pages) {
-      const auto* src = reinterpret_cast<const uint8_t*>(infos->data_ptrs[b]) + p * item;
-      out.insert(out.end(), src, src + item);
-    }
-  }
-  return out;
 }
 
 // A decode engine destroyed while a write into its pages is in flight (it lands 400 ms after it

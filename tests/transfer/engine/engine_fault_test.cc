@@ -31,23 +31,10 @@ using testing::Loopback;
 using testing::MakePool;
 using testing::Mismatches;
 using testing::SmallPoolOptions;
+using testing::Snapshot;
 
 EngineOptions Options(const std::string& name, bool prefill) {
   return testing::NamedEngine(name, prefill, 10s);
-}
-
-// Bytes of every K and V page of `pages` in the pool, in order.
-std::vector<uint8_t> Snapshot(const pool::KvPool& pool, const std::vector<int32_t>& pages) {
-  auto infos = pool.GetContiguousBufInfos();
-  std::vector<uint8_t> out;
-  for (size_t b = 0; b < infos->data_ptrs.size(); ++b) {
-    const auto item = static_cast<size_t>(infos->item_lens[b]);
-    for (int32_t p : pages) {
-      const auto* src = reinterpret_cast<const uint8_t*>(infos->data_ptrs[b]) + p * item;
-      out.insert(out.end(), src, src + item);
-    }
-  }
-  return out;
 }
 
 size_t EntryCount(const char* folder) {

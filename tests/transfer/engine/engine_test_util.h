@@ -22,6 +22,20 @@ inline std::shared_ptr<Backend> Loopback(LoopbackOptions options = {}) {
   return backend.ok() ? std::shared_ptr<Backend>(std::move(backend).value()) : nullptr;
 }
 
+// Bytes of every K and V page of `pages` in the pool, in order.
+inline std::vector<uint8_t> Snapshot(const pool::KvPool& pool, const std::vector<int32_t>& pages) {
+  auto infos = pool.GetContiguousBufInfos();
+  std::vector<uint8_t> out;
+  for (size_t b = 0; b < infos->data_ptrs.size(); ++b) {
+    const auto item = static_cast<size_t>(infos->item_lens[b]);
+    for (int32_t p : pages) {
+      const auto* src = reinterpret_cast<const uint8_t*>(infos->data_ptrs[b]) + p * item;
+      out.insert(out.end(), src, src + item);
+    }
+  }
+  return out;
+}
+
 // A test engine's options: its name, its role and its rooms' default deadline.
 inline EngineOptions NamedEngine(const std::string& name, bool prefill,
                                  std::chrono::milliseconds default_deadline) {
