@@ -479,12 +479,13 @@ void DecodeSide::MarkReusableLocked(DecodeRoom& room) {
   ctx_.NotifyFinal();
 }
 
-void DecodeSide::AbortLocked(DecodeRoom& room, v1::StatusCode code, Status why) {
+void DecodeSide::AbortLocked(DecodeRoom& room, v1::StatusCode code, Status why,
+                             const std::string& peer_reason) {
   room.pages_reusable = false;  // until the prefill side acknowledges
   v1::Envelope abort;
   abort.mutable_abort()->set_room_id(room.id);
   abort.mutable_abort()->set_code(code);
-  abort.mutable_abort()->set_reason(why.message());
+  abort.mutable_abort()->set_reason(peer_reason.empty() ? why.message() : peer_reason);
   // Once per room (it becomes final here); never dropped for a full send queue: the pages
   // stay held until the prefill side acknowledges.
   (void)SendToPeerLocked(room.peer, abort, control::QueueLimit::kExempt);
@@ -492,18 +493,11 @@ void DecodeSide::AbortLocked(DecodeRoom& room, v1::StatusCode code, Status why) 
 }
 
 void DecodeSide::EndAtShutdownLocked(DecodeRoom& room) {
-  v1::Envelope abort;
-  abort.mutable_abort()->set_room_id(room.id);
-  abort.mutable_abort()->set_code(v1::STATUS_CODE_ABORTED);
-  abort.mutable_abort()->set_reason("the decode engine '" + ctx_.options.name +
-                                    "' is shutting down");
-  // Never dropped for a full send queue: the room's pages wait for the answer.
-  (void)SendToPeerLocked(room.peer, abort, control::QueueLimit::kExempt);
-  room.pages_reusable = false;  // until the prefill side answers
-  FailLocked(room,
-             Aborted("the transfer engine '" + ctx_.options.name + "' shut down while room '" +
-                     room.id + "' was " + RequestStateName(room.state) +
-                     "; Receive the room again on a running engine"));
+  AbortLocked(room, v1::STATUS_CODE_ABORTED,
+              Aborted("the transfer engine '" + ctx_.options.name + "' shut down while room '" +
+                      room.id + "' was " + RequestStateName(room.state) +
+                      "; Receive the room again on a running engine"),
+              "the decode engine '" + ctx_.options.name + "' is shutting down");
 }
 
 bool DecodeSide::AwaitsAnswerLocked() {

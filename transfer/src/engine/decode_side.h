@@ -142,8 +142,10 @@ class DecodeSide final : public SideWithTable<DecodeRoom> {
   void OnFinalLocked(DecodeRoom& room) KVT_REQUIRES(ctx_.mu);
   void MarkReusableLocked(DecodeRoom& room) KVT_REQUIRES(ctx_.mu);
   // Fails the room and asks the prefill side to stop (it acknowledges once its writes are
-  // quiesced; the pages stay quarantined until then).
-  void AbortLocked(DecodeRoom& room, v1::StatusCode code, Status why) KVT_REQUIRES(ctx_.mu);
+  // quiesced; the pages stay quarantined until then). The prefill side is told `peer_reason`,
+  // or why's message when it is empty.
+  void AbortLocked(DecodeRoom& room, v1::StatusCode code, Status why,
+                   const std::string& peer_reason = {}) KVT_REQUIRES(ctx_.mu);
   // Shutdown: fails a room that is not final with Aborted, naming its state, and asks the
   // prefill side to stop writing into its pages (they stay quarantined until it answers).
   void EndAtShutdownLocked(DecodeRoom& room) KVT_REQUIRES(ctx_.mu);
