@@ -336,11 +336,9 @@ void StagedTransport::PumpRunLandings() {
     if (l.request == nullptr) {
       if (dropped_.count(l.notice.sender) != 0 || !LinkOpen(l.notice.sender, l.notice.link)) {
         ucp_am_data_release(worker_, l.data);
-        const Status dropped = Aborted("its sender was disconnected here");
         pending_acks_.emplace_back(l.notice,
-                                   dropped_.count(l.notice.sender) != 0
-                                       ? dropped
-                                       : ClosedLink(l.notice.sender, l.notice.link, dropped));
+                                   ClosedLink(l.notice.sender, l.notice.link,
+                                              Aborted("its sender was disconnected here")));
         it = run_landings_.erase(it);
         continue;
       }

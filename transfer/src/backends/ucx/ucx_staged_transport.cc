@@ -879,7 +879,10 @@ bool StagedTransport::LinkOpen(uint64_t sender, uint64_t link) const {
 
 Status StagedTransport::ClosedLink(uint64_t sender, uint64_t link, Status otherwise) const {
   auto it = senders_.find(sender);
-  if (it == senders_.end() || it->second.fenced_links.count(link) == 0) return otherwise;
+  if (dropped_.count(sender) != 0 || it == senders_.end() ||
+      it->second.fenced_links.count(link) == 0) {
+    return otherwise;
+  }
   return Aborted("sender " + Hex(sender) +
                  " was fenced here (the receiver's control plane lost it and declared it dead): "
                  "nothing it sent on link " +
@@ -1079,11 +1082,9 @@ void StagedTransport::Land(uint32_t i, Arrival a) {
 void StagedTransport::Landed(uint32_t i) {
   RecvSlot& r = recv_[i];
   if (dropped_.count(r.notice.sender) != 0 || !LinkOpen(r.notice.sender, r.notice.link)) {
-    const Status dropped =
-        Aborted("the receiver disconnected or fenced this sender; chunk dropped");
-    FinishReceive(i, dropped_.count(r.notice.sender) != 0
-                         ? dropped
-                         : ClosedLink(r.notice.sender, r.notice.link, dropped));
+    FinishReceive(i, ClosedLink(r.notice.sender, r.notice.link,
+                                Aborted("the receiver disconnected or fenced this sender; chunk "
+                                        "dropped")));
     return;
   }
   StatusOr<DecodedChunk> decoded =

@@ -403,7 +403,8 @@ class StagedTransport {
   // Whether `link` of `sender` was opened by a hello and not closed or fenced since.
   bool LinkOpen(uint64_t sender, uint64_t link) const;
   // Why a message of `sender` on a `link` that is not open is refused: the fence that closed
-  // it (Aborted, naming the sender and the link), or else `otherwise`.
+  // it (Aborted, naming the sender and the link), or else `otherwise` (also for a sender
+  // disconnected here since: the disconnect, not the fence, is what the caller names).
   Status ClosedLink(uint64_t sender, uint64_t link, Status otherwise) const;
   // Closes and forgets the oldest senders kept only for their fenced links, beyond 256.
   void TrimFencedSenders();
