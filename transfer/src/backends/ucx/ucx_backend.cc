@@ -83,10 +83,8 @@ class UcxBackend final : public Backend {
   // otherwise re-takes the mutex in a tight loop while it spins) steps aside.
   class ApiLock {
    public:
-    explicit ApiLock(UcxBackend& b) : b_(b) {
-      b_.api_waiters_.fetch_add(1, std::memory_order_acq_rel);
-      lock_ = std::unique_lock<std::mutex>(b_.mutex_);
-      b_.api_waiters_.fetch_sub(1, std::memory_order_acq_rel);
+    explicit ApiLock(UcxBackend& b) : b_(b), lock_(b.mutex_, std::defer_lock) {
+      b_.LockAsWaiter(lock_);
     }
     void unlock() { lock_.unlock(); }
     std::unique_lock<std::mutex>& unique() { return lock_; }
@@ -94,9 +92,7 @@ class UcxBackend final : public Backend {
     void Yield() {
       lock_.unlock();
       std::this_thread::yield();
-      b_.api_waiters_.fetch_add(1, std::memory_order_acq_rel);
-      lock_.lock();
-      b_.api_waiters_.fetch_sub(1, std::memory_order_acq_rel);
+      b_.LockAsWaiter(lock_);
     }
 
    private:
@@ -870,8 +866,15 @@ class UcxBackend final : public Backend {
     do {
       std::this_thread::yield();
     } while (api_waiters_.load(std::memory_order_acquire) > 0 && Clock::now() < until);
+    LockAsWaiter(mutex_);
+  }
+
+  // Takes `lock` (mutex_ or a lock of it) counted among the API waiters, which the progress
+  // thread makes way for.
+  template <typename Lockable>
+  void LockAsWaiter(Lockable& lock) {
     api_waiters_.fetch_add(1, std::memory_order_acq_rel);
-    mutex_.lock();
+    lock.lock();
     api_waiters_.fetch_sub(1, std::memory_order_acq_rel);
   }
 
@@ -1481,19 +1484,26 @@ class UcxBackend final : public Backend {
 
 const char* UcxVersion() { return ucp_get_version_string(); }
 
-StatusOr<size_t> UcxMappedSenderSlots(Backend& backend) {
+namespace {
+
+StatusOr<UcxBackend*> AsUcx(Backend& backend) {
   auto* ucx = dynamic_cast<UcxBackend*>(&backend);
   if (ucx == nullptr) {
-    return InvalidArgument("backend '" + std::string(backend.Name()) + "' is not ucx");
+    return InvalidArgument("backend '" + std::string(backend.Name()) +
+                           "' is not ucx; pass a backend made with backend \"ucx\"");
   }
+  return ucx;
+}
+
+}  // namespace
+
+StatusOr<size_t> UcxMappedSenderSlots(Backend& backend) {
+  KVT_ASSIGN_OR_RETURN(UcxBackend * ucx, AsUcx(backend));
   return ucx->MappedSenderSlots();
 }
 
 StatusOr<std::string> UcxPeerPath(Backend& backend, PeerId peer) {
-  auto* ucx = dynamic_cast<UcxBackend*>(&backend);
-  if (ucx == nullptr) {
-    return InvalidArgument("backend '" + std::string(backend.Name()) + "' is not ucx");
-  }
+  KVT_ASSIGN_OR_RETURN(UcxBackend * ucx, AsUcx(backend));
   return ucx->PeerPath(peer);
 }
 
