@@ -213,7 +213,16 @@ TEST_F(AgentLogTest, PrefillRoomEndsAtItsDeadlineAndFreesItsPages) {
   KVT_ASSERT_OK_AND_ASSIGN(v1::RequestReport report, WaitFinal(prefill, "never-asked", 8s));
   EXPECT_EQ(report.state(), v1::REQUEST_STATE_FAILED) << Describe(report);
   EXPECT_EQ(report.status(), v1::STATUS_CODE_DEADLINE_EXCEEDED) << Describe(report);
-  KVT_ASSERT_OK_AND_ASSIGN(v1::AgentStatsReply after, Stats(prefill));
+  // A failed room is reported as soon as its engine says so; the agent counts it as failed only
+  // after it has put the room's pages back, so the counter (not a sleep) orders the check.
+  v1::AgentStatsReply after;
+  const auto give_up = std::chrono::steady_clock::now() + 5s;
+  do {
+    KVT_ASSERT_OK_AND_ASSIGN(after, Stats(prefill));
+    if (after.failed() >= 1) break;
+    std::this_thread::sleep_for(10ms);
+  } while (std::chrono::steady_clock::now() < give_up);
+  ASSERT_EQ(after.failed(), 1u) << "the agent never counted the room that missed its deadline";
   EXPECT_EQ(after.free_pages(), after.total_pages()) << "the failed room kept its pages";
 }
 
