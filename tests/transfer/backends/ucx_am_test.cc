@@ -56,7 +56,8 @@ class UcxAmTest : public ::testing::Test {
     dst_.assign(kBuffers * kBufferBytes, kPoison);
     std::vector<const uint8_t*> src;
     for (const auto& buffer : src_) src.push_back(buffer.data());
-    peer_ = testing::RegisterAndConnect(*sender_, *receiver_, src, dst_.data(), kBufferBytes, kItem);
+    peer_ =
+        testing::RegisterAndConnect(*sender_, *receiver_, src, dst_.data(), kBufferBytes, kItem);
   }
   void Start(const UcxOptions& options) { Start(options, options); }
 
@@ -528,9 +529,9 @@ class RawSender {
   // Sends one active message and progresses until it is out.
   bool Send(unsigned id, const std::vector<uint8_t>& header, const std::string& data) {
     ucp_request_param_t param = {};
-    ucs_status_ptr_t req = ucp_am_send_nbx(ep_, id, header.data(), header.size(),
-                                           data.empty() ? nullptr : data.data(), data.size(),
-                                           &param);
+    ucs_status_ptr_t req =
+        ucp_am_send_nbx(ep_, id, header.data(), header.size(), data.empty() ? nullptr : data.data(),
+                        data.size(), &param);
     if (UCS_PTR_IS_ERR(req)) return false;
     if (req == nullptr) return true;
     const bool done = Progress([&] { return ucp_request_check_status(req) != UCS_INPROGRESS; });
@@ -563,8 +564,8 @@ class RawSender {
     }
     return UCS_OK;
   }
-  static ucs_status_t OnHelloAck(void* arg, const void* header, size_t header_length, void*,
-                                 size_t, const ucp_am_recv_param_t*) {
+  static ucs_status_t OnHelloAck(void* arg, const void* header, size_t header_length, void*, size_t,
+                                 const ucp_am_recv_param_t*) {
     auto ack = ucx_staging::DecodeHelloAck({static_cast<const uint8_t*>(header), header_length});
     static_cast<RawSender*>(arg)->hello_acked = ack.ok() && ack->code == StatusCode::kOk;
     static_cast<RawSender*>(arg)->in_place = ack.ok() && ack->in_place;
@@ -592,17 +593,17 @@ TEST_F(UcxAmTest, MalformedAndOutOfRangeRunMessagesAreRefusedAndTheRealPeerIsUnd
   ASSERT_TRUE(raw.Start(split.runs_address));
   const uint64_t instance = 0x5eed;
   // Before any hello: dropped (nobody to tell), no byte moves.
-  auto header = ucx_staging::EncodeRuns({instance, 1, 1, 0, 1}, std::vector<ucx_staging::RunSegment>{
-                                                                     {0, 0, 16}});
+  auto header = ucx_staging::EncodeRuns({instance, 1, 1, 0, 1},
+                                        std::vector<ucx_staging::RunSegment>{{0, 0, 16}});
   ASSERT_TRUE(header.ok());
   ASSERT_TRUE(raw.Send(ucx_staging::kAmRuns, *header, std::string(16, 'x')));
   // Garbage as a header.
   ASSERT_TRUE(raw.Send(ucx_staging::kAmRuns, std::vector<uint8_t>(40, 0xab), std::string(8, 'x')));
 
-  ASSERT_TRUE(raw.Send(ucx_staging::kAmHello,
-                       ucx_staging::Encode(ucx_staging::Hello{instance, 1,
-                                                              ucx_staging::LinkMode::kRuns}),
-                       raw.own_address()));
+  ASSERT_TRUE(
+      raw.Send(ucx_staging::kAmHello,
+               ucx_staging::Encode(ucx_staging::Hello{instance, 1, ucx_staging::LinkMode::kRuns}),
+               raw.own_address()));
   ASSERT_TRUE(raw.Progress([&] { return raw.hello_acked; }));
   // A segment past the end of buffer 2, one naming a buffer that does not exist, and one whose
   // bytes disagree with the data: each answered with an error naming the value.
@@ -671,8 +672,7 @@ TEST_F(UcxAmTest, SlotNoticesTheReceiverDidNotAcceptAreRefusedNamingTheSlot) {
   EXPECT_NE(raw.acks[0].second.find("names slot 2"), std::string::npos) << raw.acks[0].second;
   EXPECT_NE(raw.acks[0].second.find("in place"), std::string::npos) << raw.acks[0].second;
   EXPECT_EQ(raw.acks[1].first.code, StatusCode::kAborted);
-  EXPECT_NE(raw.acks[1].second.find("link 9 is not open"), std::string::npos)
-      << raw.acks[1].second;
+  EXPECT_NE(raw.acks[1].second.find("link 9 is not open"), std::string::npos) << raw.acks[1].second;
   EXPECT_TRUE(std::all_of(dst_.begin(), dst_.end(), [](uint8_t b) { return b == kPoison; }));
 }
 
@@ -730,8 +730,8 @@ TEST_F(UcxAmTest, FencedSendersLinksLandNothingMoreAndANewLinkDoes) {
   auto hello = [&](uint64_t link) {
     raw.hello_acked = false;
     return raw.Send(ucx_staging::kAmHello,
-                    ucx_staging::Encode(ucx_staging::Hello{instance, link,
-                                                           ucx_staging::LinkMode::kRuns}),
+                    ucx_staging::Encode(
+                        ucx_staging::Hello{instance, link, ucx_staging::LinkMode::kRuns}),
                     raw.own_address()) &&
            raw.Progress([&] { return raw.hello_acked; });
   };
@@ -779,6 +779,137 @@ TEST_F(UcxAmTest, FencedSendersLinksLandNothingMoreAndANewLinkDoes) {
   }
   EXPECT_TRUE(landed) << "the new link's message was not acknowledged";
   EXPECT_TRUE(told) << "the refusal of the fenced link's message names the fence";
+}
+
+// ---- connects that wait, and links that outlive one another -----------------------------------
+
+std::vector<LocalRegion> HostRegions(std::vector<uint8_t>& pool, uint64_t item) {
+  std::vector<LocalRegion> regions;
+  for (int b = 0; b < kBuffers; ++b) {
+    regions.push_back(LocalRegion{reinterpret_cast<uint64_t>(pool.data() + b * kBufferBytes),
+                                  kBufferBytes, item, MemoryKind::kHost, -1});
+  }
+  return regions;
+}
+
+// Connect sets up the UCX endpoint to a copy-run peer and waits (at most 5 s) for the peer to
+// answer. A peer whose worker does not progress stalls only that Connect: writes to other peers
+// go on meanwhile, re-registering is refused saying why, and the Connect completes once the peer
+// answers.
+TEST_F(UcxAmTest, AConnectWaitingForAnUnresponsivePeerLetsOtherPeersWritesThrough) {
+  auto hold = std::make_shared<std::atomic<bool>>(false);
+  UcxTestHooks held;
+  held.hold_progress = hold;
+  auto s = CreateBackend(Tcp());
+  auto a = CreateBackend(Tcp());
+  auto b = CreateUcxBackendForTest(Tcp(), held);
+  ASSERT_TRUE(s.ok() && a.ok() && b.ok());
+  sender_ = std::move(s).value();
+  receiver_ = std::move(a).value();
+  std::unique_ptr<Backend> unresponsive = std::move(b).value();
+  for (int i = 0; i < kBuffers; ++i) src_.push_back(testing::RandomBytes(kBufferBytes, 70 + i));
+  dst_.assign(kBuffers * kBufferBytes, kPoison);
+  std::vector<uint8_t> held_dst(kBuffers * kBufferBytes, kPoison);
+  ASSERT_TRUE(RegisterHost(*sender_, src_, kItem).ok());
+  auto fast_descriptor = receiver_->Register(DstRegions());
+  ASSERT_TRUE(fast_descriptor.ok()) << fast_descriptor.status();
+  auto held_descriptor = unresponsive->Register(HostRegions(held_dst, kItem));
+  ASSERT_TRUE(held_descriptor.ok()) << held_descriptor.status();
+  auto fast = sender_->Connect(*fast_descriptor);
+  ASSERT_TRUE(fast.ok()) << fast.status();
+  ASSERT_EQ(PathOf(*sender_, *fast), "am");
+
+  hold->store(true);
+  std::atomic<bool> connecting{true};
+  StatusOr<PeerId> held_peer = NotFound("not connected yet");
+  std::thread connect([&] {
+    held_peer = sender_->Connect(*held_descriptor);
+    connecting.store(false);
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the Connect waits now
+  const bool held_connect = connecting.load();
+  const std::vector<CopyRun> runs = Pages(1, 4096);
+  auto w = sender_->PostWrite(*fast, runs);
+  const Status done = w.ok() ? WaitFor(*sender_, *w, std::chrono::seconds(10)) : w.status();
+  const bool overtaken = connecting.load();
+  const Status reregistered = sender_->Register(HostRegions(dst_, kItem)).status();
+  const bool refused_during_connect = connecting.load();
+  hold->store(false);
+  connect.join();
+  ASSERT_TRUE(held_connect) << "the held peer answered at once: the test cannot hold a Connect";
+  KVT_EXPECT_OK(done);
+  EXPECT_TRUE(overtaken) << "the write to the fast peer waited for the unresponsive peer";
+  if (w.ok()) sender_->Release(*w);
+  ExpectLanded(runs);
+  if (refused_during_connect) {
+    EXPECT_EQ(reregistered.code(), StatusCode::kFailedPrecondition) << reregistered;
+    EXPECT_NE(reregistered.message().find("Connect"), std::string::npos) << reregistered;
+    EXPECT_NE(reregistered.message().find("retry"), std::string::npos) << reregistered;
+  }
+
+  // The peer answered: the Connect succeeded, and writes to that peer land.
+  ASSERT_TRUE(held_peer.ok()) << held_peer.status();
+  const std::vector<CopyRun> small = {{2, 0, 8192, 16384}};
+  auto late = sender_->PostWrite(*held_peer, small);
+  ASSERT_TRUE(late.ok()) << late.status();
+  KVT_EXPECT_OK(WaitFor(*sender_, *late));
+  sender_->Release(*late);
+  EXPECT_EQ(std::memcmp(held_dst.data() + 2 * kBufferBytes + 8192, src_[2].data(), 16384), 0);
+}
+
+// A backend that links to the same peer backend twice (a reconnect before the older link is let
+// go) keeps taking that backend's messages when it disconnects the older link (as dead, too);
+// the disconnect of its last link to that backend refuses them, saying why. The peer backend's
+// messages come from a raw sender; the links go to sender_'s workers, published under the raw
+// sender's instance.
+TEST_F(UcxAmTest, DisconnectingAnOlderLinkKeepsThePeerBackendsMessagesAdmitted) {
+  Start(Tcp());
+  ASSERT_TRUE(peer_.ok()) << peer_.status();
+  auto descriptor = receiver_->Register(DstRegions());
+  ASSERT_TRUE(descriptor.ok()) << descriptor.status();
+  RawSender raw;
+  ASSERT_TRUE(raw.Start(ucx_staging::SplitPeerAddress(descriptor->address).runs_address));
+  const uint64_t instance = 0xfe9cf;
+  ASSERT_TRUE(
+      raw.Send(ucx_staging::kAmHello,
+               ucx_staging::Encode(ucx_staging::Hello{instance, 1, ucx_staging::LinkMode::kRuns}),
+               raw.own_address()));
+  ASSERT_TRUE(raw.Progress([&] { return raw.hello_acked; }));
+  auto message = [&](uint32_t index, uint64_t offset) {
+    auto header = ucx_staging::EncodeRuns({instance, 1, 5, index, 1},
+                                          std::vector<ucx_staging::RunSegment>{{0, offset, 64}});
+    return header.ok() && raw.Send(ucx_staging::kAmRuns, *header, std::string(64, 'A'));
+  };
+
+  auto published = RegisterHost(*sender_, src_, kItem);
+  ASSERT_TRUE(published.ok()) << published.status();
+  const ucx_staging::SplitAddress split = ucx_staging::SplitPeerAddress(published->address);
+  ASSERT_TRUE(split.trailer.has_value());
+  ucx_staging::AddressTrailer trailer = *split.trailer;
+  trailer.instance = instance;
+  PeerDescriptor as_raw = *published;
+  as_raw.address = ucx_staging::AppendTrailer(split.worker_address, trailer, split.runs_address);
+  auto older = receiver_->Connect(as_raw);
+  ASSERT_TRUE(older.ok()) << older.status();
+  auto newer = receiver_->Connect(as_raw);
+  ASSERT_TRUE(newer.ok()) << newer.status();
+
+  // Let go as dead, as a lost control connection's link is: that would also close the
+  // endpoint its messages are answered on.
+  KVT_ASSERT_OK(receiver_->Disconnect(*older, Backend::DisconnectMode::kPeerDead));
+  ASSERT_TRUE(message(0, 0));
+  ASSERT_TRUE(raw.Progress([&] { return raw.acks.size() == 1; }));
+  EXPECT_EQ(raw.acks[0].first.code, StatusCode::kOk) << raw.acks[0].second;
+  EXPECT_EQ(dst_[0], 'A') << "disconnecting the older link stopped the messages of a backend "
+                             "the newer link still reaches";
+
+  KVT_ASSERT_OK(receiver_->Disconnect(*newer));
+  ASSERT_TRUE(message(1, 4096));
+  ASSERT_TRUE(raw.Progress([&] { return raw.acks.size() == 2; }))
+      << "a message of a disconnected backend was not answered";
+  EXPECT_EQ(raw.acks[1].first.code, StatusCode::kAborted) << raw.acks[1].second;
+  EXPECT_NE(raw.acks[1].second.find("disconnected"), std::string::npos) << raw.acks[1].second;
+  EXPECT_EQ(dst_[4096], kPoison) << "a message of a disconnected backend landed";
 }
 
 }  // namespace

@@ -19,6 +19,7 @@
 #include <mutex>
 #include <optional>
 #include <random>
+#include <set>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -229,6 +230,12 @@ class UcxBackend final : public Backend {
         return FailedPrecondition("cannot re-register buffers while writes are in flight");
       }
     }
+    if (!connecting_instances_.empty()) {
+      return FailedPrecondition("cannot re-register buffers while " +
+                                std::to_string(connecting_instances_.size()) +
+                                " Connect calls set up their endpoints (each waits at most 5 s "
+                                "for its peer); retry once they have returned");
+    }
     if (releasing_ > 0) {
       return FailedPrecondition("cannot re-register buffers while " + std::to_string(releasing_) +
                                 " released writes still flush (their puts may read the buffers; "
@@ -401,6 +408,10 @@ class UcxBackend final : public Backend {
     peer.staged = local_staged;
     peer.remote_instance = address.trailer ? address.trailer->instance : 0;
     peer.error = std::make_shared<std::atomic<int>>(UCS_OK);
+    // Setting up the endpoint waits for the peer and lets other callers in meanwhile; they see
+    // this connect as under way (Register refuses, a Disconnect of an older link to the same
+    // peer backend keeps its messages admitted).
+    ConnectingScope connecting(*this, peer.remote_instance);
     if (staging_) staging_->AdmitSender(peer.remote_instance);
     if (peer.staged) {
       // Staged peers live on the staging worker; this worker has no endpoint to them.
@@ -452,11 +463,12 @@ class UcxBackend final : public Backend {
       // Copy runs go as active messages on the staging worker; the RMA endpoint is not needed.
       // It is closed once its connection is set up: UCX 1.13's tcp transport crashes when an
       // endpoint still connecting is closed, or its worker destroyed (ucp_worker_destroy).
-      Status wired = FlushLocked(peer.ep, "setting up the UCX endpoint to the peer");
-      Status added = wired.ok() ? staging_->AddPeer(id, address.runs_address, *address.trailer,
-                                                    descriptor.regions,
-                                                    ucx_staging::LinkMode::kRuns)
-                                : wired;
+      Status wired =
+          FlushLocked(peer.ep, "setting up the UCX endpoint to the peer", /*yield=*/true);
+      Status added = wired.ok()
+                         ? staging_->AddPeer(id, address.runs_address, *address.trailer,
+                                             descriptor.regions, ucx_staging::LinkMode::kRuns)
+                         : wired;
       if (!added.ok()) runs = added;
       peer.runs = added.ok();
       if (peer.runs) ClosePeerLocked(peer);
@@ -489,17 +501,34 @@ class UcxBackend final : public Backend {
     if (staging_) {
       const uint64_t instance = it->second.remote_instance;
       if (it->second.staged || it->second.runs) staging_->RemovePeer(id, dead);
-      staging_->DropSender(instance, dead);
       it = peers_.find(id);
       if (it == peers_.end()) {
         return NotFound("UCX peer " + std::to_string(id) +
                         " was disconnected by another call while this one waited for its writes");
       }
+      // Checked after the waits, which let other calls in: a newer link to the same peer
+      // backend, connected or connecting, keeps that backend's messages to us admitted.
+      if (SharesInstanceLocked(id, instance)) {
+        KVT_LOG_DEBUG("ucx",
+                      "peer {}: another link to its backend is open; its messages stay "
+                      "admitted",
+                      id);
+      } else {
+        staging_->DropSender(instance, dead);
+        it = peers_.find(id);
+        if (it == peers_.end()) {
+          return NotFound("UCX peer " + std::to_string(id) +
+                          " was disconnected by another call while this one waited for its "
+                          "landings");
+        }
+      }
     }
     // Copies into the peer's mapping must stop before closing the endpoint unmaps it.
     CancelJobs(DirectJobsLocked(id));
-    ClosePeerLocked(it->second, dead);
+    // Out of peers_ before the close, whose wait lets other calls in: they find no such peer.
+    Peer closing = std::move(it->second);
     peers_.erase(it);
+    ClosePeerLocked(closing, dead, /*yield=*/true);
     for (auto& [wid, write] : writes_) {
       if (write.peer != id) continue;
       WaitLocked(write);
@@ -768,12 +797,12 @@ class UcxBackend final : public Backend {
         continue;
       }
       if (st != UCS_OK) {
-        return InvalidArgument("the peer's buffer " + std::to_string(i) + " (base " +
-                               std::to_string(region.base) + ", " + std::to_string(region.length) +
-                               " bytes) lies outside the memory its key maps (ucp_rkey_ptr: " +
-                               ucs_status_string(st) +
-                               "); the peer is not a kvt agent, or its registration changed "
-                               "without a new hello");
+        return InvalidArgument(
+            "the peer's buffer " + std::to_string(i) + " (base " + std::to_string(region.base) +
+            ", " + std::to_string(region.length) +
+            " bytes) lies outside the memory its key maps (ucp_rkey_ptr: " + ucs_status_string(st) +
+            "); the peer is not a kvt agent, or its registration changed "
+            "without a new hello");
       }
     }
     if (std::all_of(direct.begin(), direct.end(), [](uint8_t* p) { return p == nullptr; })) {
@@ -879,6 +908,23 @@ class UcxBackend final : public Backend {
   }
 
   size_t releasing_ = 0;  // guarded by mutex_: writes Release took out of writes_ and waits for
+  // Guarded by mutex_: the peer backends of Connect calls under way (one entry per call), which
+  // may wait with mutex_ let go.
+  std::multiset<uint64_t> connecting_instances_;
+
+  // A Connect under way, from its first wait to its return (mutex_ held at both ends).
+  class ConnectingScope {
+   public:
+    ConnectingScope(UcxBackend& b, uint64_t instance)
+        : b_(b), it_(b.connecting_instances_.insert(instance)) {}
+    ~ConnectingScope() { b_.connecting_instances_.erase(it_); }
+    ConnectingScope(const ConnectingScope&) = delete;
+    ConnectingScope& operator=(const ConnectingScope&) = delete;
+
+   private:
+    UcxBackend& b_;
+    std::multiset<uint64_t>::iterator it_;
+  };
 
   WriteId AddWriteLocked(Write write) {
     const WriteId wid = next_write_++;
@@ -1021,7 +1067,8 @@ class UcxBackend final : public Backend {
       const void* src =
           reinterpret_cast<const uint8_t*>(local_[run.buffer].base) + run.src_offset + job.offset;
       const uint64_t dst = peer.regions[run.DstBuffer()].base + run.dst_offset + job.offset;
-      ucs_status_ptr_t req = ucp_put_nbx(peer.ep, src, piece, dst, peer.rkeys[run.DstBuffer()], &param);
+      ucs_status_ptr_t req =
+          ucp_put_nbx(peer.ep, src, piece, dst, peer.rkeys[run.DstBuffer()], &param);
       if (UCS_PTR_IS_ERR(req)) {
         job.status = UcsStatus(UCS_PTR_STATUS(req), "ucp_put_nbx");
         return true;
@@ -1200,21 +1247,46 @@ class UcxBackend final : public Backend {
 
   // Flushes the endpoint and waits (bounded) for the flush: its connection is then set up.
   // Unavailable when the peer does not answer in time. mutex_ held.
-  Status FlushLocked(ucp_ep_h ep, const std::string& what) {
+  // Progresses the worker until `req` completes or `bound` passes. `yield`: after the first
+  // kSpinBeforeYield, other callers (and the progress thread, which progresses the same worker)
+  // take mutex_ between rounds, so that one peer that does not answer stalls only this call.
+  void ProgressUntilLocked(void* req, std::chrono::milliseconds bound, bool yield) {
+    constexpr auto kSpinBeforeYield = std::chrono::microseconds(200);
+    const auto start = Clock::now();
+    while (ucp_request_check_status(req) == UCS_INPROGRESS) {
+      const auto now = Clock::now();
+      if (now - start >= bound) return;
+      if (ucp_worker_progress(worker_) == 0 && yield && now - start >= kSpinBeforeYield) {
+        YieldLocked();
+      }
+    }
+  }
+
+  // Whether a peer other than `id` (connected, or being connected by a call that waits) links
+  // to the backend `instance`. mutex_ held.
+  bool SharesInstanceLocked(PeerId id, uint64_t instance) const {
+    if (instance == 0) return false;
+    if (connecting_instances_.count(instance) != 0) return true;
+    return std::any_of(peers_.begin(), peers_.end(), [&](const auto& p) {
+      return p.first != id && p.second.remote_instance == instance;
+    });
+  }
+
+  // `yield`: past a short spin, other callers may take mutex_ between rounds of progress
+  // (YieldLocked), so that a peer that does not answer stalls only this call.
+  Status FlushLocked(ucp_ep_h ep, const std::string& what, bool yield = false) {
     ucp_request_param_t param = {};
     ucs_status_ptr_t req = ucp_ep_flush_nbx(ep, &param);
     if (req == nullptr) return OkStatus();
     if (UCS_PTR_IS_ERR(req)) return UcsStatus(UCS_PTR_STATUS(req), what);
-    const auto give_up = Clock::now() + std::chrono::seconds(5);
-    while (ucp_request_check_status(req) == UCS_INPROGRESS && Clock::now() < give_up) {
-      ucp_worker_progress(worker_);
-    }
+    ProgressUntilLocked(req, std::chrono::seconds(5), yield);
     const ucs_status_t st = ucp_request_check_status(req);
     if (st == UCS_INPROGRESS) {
       // Left to UCX: freeing a request still in flight only drops our handle.
       ucp_request_free(req);
-      return Unavailable(what + ": the peer's UCX worker did not answer in 5 s; is the peer "
-                                "alive and reachable?");
+      return Unavailable(what +
+                         ": the peer's UCX worker did not answer in 5 s; is the peer "
+                         "alive and reachable?");
     }
     ucp_request_free(req);
     return UcsStatus(st, what);
@@ -1326,7 +1398,8 @@ class UcxBackend final : public Backend {
   // unannounced cannot hang us), forced when it is known dead. UCX documents the forced close as
   // needing UCP_ERR_HANDLING_MODE_PEER because it may cause errors on the remote side; with the
   // remote gone there is no remote side left to disturb.
-  void ClosePeerLocked(Peer& peer, bool peer_dead = false) {
+  // `yield`: as FlushLocked's; only for a peer no longer in peers_.
+  void ClosePeerLocked(Peer& peer, bool peer_dead = false, bool yield = false) {
     for (ucp_rkey_h rkey : peer.rkeys) ucp_rkey_destroy(rkey);
     peer.rkeys.clear();
     if (peer.ep == nullptr) return;
@@ -1343,10 +1416,7 @@ class UcxBackend final : public Backend {
     retired_errors_.push_back(peer.error);
     if (retired_errors_.size() > kRetiredErrors) retired_errors_.pop_front();
     if (req == nullptr || UCS_PTR_IS_ERR(req)) return;
-    const auto give_up = Clock::now() + std::chrono::seconds(2);
-    while (ucp_request_check_status(req) == UCS_INPROGRESS && Clock::now() < give_up) {
-      ucp_worker_progress(worker_);
-    }
+    ProgressUntilLocked(req, std::chrono::seconds(2), yield);
     if (ucp_request_check_status(req) == UCS_INPROGRESS) {
       KVT_LOG_WARN("ucx", "endpoint close did not finish in 2 s (peer gone?); leaving it");
     }
