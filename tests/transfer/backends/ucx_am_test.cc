@@ -781,6 +781,56 @@ TEST_F(UcxAmTest, FencedSendersLinksLandNothingMoreAndANewLinkDoes) {
   EXPECT_TRUE(told) << "the refusal of the fenced link's message names the fence";
 }
 
+// A sender that keeps writing on a fenced link has every message answered, but the receiver's
+// warnings about them are bounded (10 a second), so that the sender cannot flood its log.
+TEST_F(UcxAmTest, RefusalsOfAFloodOfMessagesAreAllAnsweredButLoggedAtABoundedRate) {
+  Start(Tcp());
+  ASSERT_TRUE(peer_.ok()) << peer_.status();
+  auto descriptor = receiver_->Register(DstRegions());
+  ASSERT_TRUE(descriptor.ok()) << descriptor.status();
+  RawSender raw;
+  ASSERT_TRUE(raw.Start(ucx_staging::SplitPeerAddress(descriptor->address).runs_address));
+  const uint64_t instance = 0xf100d;
+  ASSERT_TRUE(
+      raw.Send(ucx_staging::kAmHello,
+               ucx_staging::Encode(ucx_staging::Hello{instance, 1, ucx_staging::LinkMode::kRuns}),
+               raw.own_address()));
+  ASSERT_TRUE(raw.Progress([&] { return raw.hello_acked; }));
+  PeerDescriptor sender;
+  sender.backend = "ucx";
+  sender.address = ucx_staging::AppendTrailer(raw.own_address(), {.instance = instance});
+  receiver_->FenceSender(sender);
+
+  constexpr uint32_t kMessages = 200;
+  ::testing::internal::CaptureStderr();
+  const auto start = std::chrono::steady_clock::now();
+  bool sent = true;
+  for (uint32_t i = 0; i < kMessages && sent; ++i) {
+    auto header = ucx_staging::EncodeRuns({instance, 1, 9, i, 1},
+                                          std::vector<ucx_staging::RunSegment>{{0, 64ull * i, 64}});
+    sent = header.ok() && raw.Send(ucx_staging::kAmRuns, *header, std::string(64, 'F'));
+  }
+  const bool answered = raw.Progress([&] { return raw.acks.size() == kMessages; });
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  ASSERT_TRUE(sent);
+  ASSERT_TRUE(answered) << raw.acks.size() << " of " << kMessages << " messages were answered";
+  for (const auto& [ack, text] : raw.acks) {
+    ASSERT_EQ(ack.code, StatusCode::kAborted) << text;
+    ASSERT_NE(text.find("was fenced here"), std::string::npos) << text;
+  }
+  for (uint32_t i = 0; i < kMessages; ++i) ASSERT_EQ(dst_[64 * i], kPoison) << "message " << i;
+  size_t lines = 0;
+  for (size_t at = log.find("refusing a run message"); at != std::string::npos;
+       at = log.find("refusing a run message", at + 1)) {
+    ++lines;
+  }
+  EXPECT_GE(lines, 1u) << "the refusals were not logged at all";
+  EXPECT_LE(lines, 10 * (static_cast<size_t>(seconds) + 1))
+      << lines << " warnings for " << kMessages << " refusals in " << seconds << " s";
+}
+
 // ---- connects that wait, and links that outlive one another -----------------------------------
 
 std::vector<LocalRegion> HostRegions(std::vector<uint8_t>& pool, uint64_t item) {

@@ -144,9 +144,9 @@ void StagedTransport::ScheduleRuns(uint64_t budget) {
 
 bool StagedTransport::SendRunMessage(WriteId id, RunWrite& write, Peer& peer) {
   // Pieces up to message_bytes of data, within the segment cap and the worker's AM header limit.
-  const size_t header_cap =
-      max_am_header_ > kRunsHeaderBytes ? (max_am_header_ - kRunsHeaderBytes) / kRunSegmentBytes
-                                        : 1;
+  const size_t header_cap = max_am_header_ > kRunsHeaderBytes
+                                ? (max_am_header_ - kRunsHeaderBytes) / kRunSegmentBytes
+                                : 1;
   const size_t max_segments = std::max<size_t>(1, std::min<size_t>(kMaxRunSegments, header_cap));
   std::vector<RunSegment> segments;
   RunSend send;
@@ -171,8 +171,7 @@ bool StagedTransport::SendRunMessage(WriteId id, RunWrite& write, Peer& peer) {
     }
   }
   StatusOr<std::vector<uint8_t>> header = EncodeRuns(
-      RunsHeader{instance_, write.link, id, send.message,
-                 static_cast<uint32_t>(segments.size())},
+      RunsHeader{instance_, write.link, id, send.message, static_cast<uint32_t>(segments.size())},
       segments);
   if (!header.ok()) {
     FailRunWrite(id, write, header.status().WithContext(MessageName(id, send.message)));
@@ -273,9 +272,8 @@ ucs_status_t StagedTransport::OnRuns(void* arg, const void* header, size_t heade
                                      void* data, size_t length, const ucp_am_recv_param_t* param) {
   auto* self = static_cast<StagedTransport*>(arg);
   const bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
-  StatusOr<DecodedRuns> runs =
-      DecodeRuns({static_cast<const uint8_t*>(header), header_length}, self->run_local_len_,
-                 length);
+  StatusOr<DecodedRuns> runs = DecodeRuns({static_cast<const uint8_t*>(header), header_length},
+                                          self->run_local_len_, length);
   // Who to tell: a sender we have an endpoint to (also one disconnected or fenced here, which
   // may be alive and must fail the write at once) gets an ack carrying the error; a message
   // that does not name such a sender can only be dropped (its sender then learns nothing until
@@ -289,7 +287,7 @@ ucs_status_t StagedTransport::OnRuns(void* arg, const void* header, size_t heade
     std::memcpy(&notice.chunk, h + 32, 4);
   }
   auto refuse = [&](ucs_status_t why, const Status& status) {
-    KVT_LOG_WARN("ucx", "refusing a run message: {}", status.ToString());
+    self->WarnPerMessage("refusing a run message: {}", status.ToString());
     if (self->senders_.count(notice.sender) != 0) self->pending_acks_.emplace_back(notice, status);
     return rndv ? why : UCS_OK;
   };
@@ -352,10 +350,10 @@ void StagedTransport::PumpRunLandings() {
       l.data = nullptr;  // UCX's from here on
       if (UCS_PTR_IS_ERR(req) || req == nullptr) {
         if (req == nullptr) RunsRelease();
-        pending_acks_.emplace_back(l.notice, UCS_PTR_IS_ERR(req)
-                                             ? UcsStatus(UCS_PTR_STATUS(req),
-                                                         "ucp_am_recv_data_nbx of a run message")
-                                             : OkStatus());
+        pending_acks_.emplace_back(
+            l.notice, UCS_PTR_IS_ERR(req)
+                          ? UcsStatus(UCS_PTR_STATUS(req), "ucp_am_recv_data_nbx of a run message")
+                          : OkStatus());
         it = run_landings_.erase(it);
         continue;
       }
@@ -368,8 +366,8 @@ void StagedTransport::PumpRunLandings() {
     }
     ucp_request_free(l.request);
     RunsRelease();
-    pending_acks_.emplace_back(l.notice, st == UCS_OK ? OkStatus()
-                                                  : UcsStatus(st, "receiving a run message"));
+    pending_acks_.emplace_back(
+        l.notice, st == UCS_OK ? OkStatus() : UcsStatus(st, "receiving a run message"));
     it = run_landings_.erase(it);
   }
 }

@@ -421,7 +421,8 @@ void StagedTransport::RemovePeer(PeerId link, bool peer_dead) {
         },
         kWaitBound);
     if (!drained) {
-      KVT_LOG_WARN("ucx", "chunks or run messages to a disconnecting peer were not acknowledged "
+      KVT_LOG_WARN("ucx",
+                   "chunks or run messages to a disconnecting peer were not acknowledged "
                    "in {} ms",
                    kWaitBound.count());
     }
@@ -632,8 +633,8 @@ void StagedTransport::SendGathered(uint32_t i) {
     // The receiver reads the payload's data from this slot, which is ours again only after the
     // ack; its prefix (header, page ids, units) travels with the notice, so that the receiver
     // never reads our memory with its CPU.
-    s.notice = Encode(SlotNotice{ChunkNotice{instance_, s.link, s.write, s.chunk}, i,
-                                 s.payload_bytes});
+    s.notice =
+        Encode(SlotNotice{ChunkNotice{instance_, s.link, s.write, s.chunk}, i, s.payload_bytes});
     const uint64_t prefix = std::min<uint64_t>(
         s.payload_bytes, ChunkPrefixBytes(std::span<const uint8_t>(SendPayload(i), slot_bytes_)));
     param.flags = UCP_AM_SEND_FLAG_EAGER;
@@ -642,8 +643,8 @@ void StagedTransport::SendGathered(uint32_t i) {
   } else {
     // Rendezvous: the receiver pulls the payload when it has a slot for it, straight from ours.
     param.flags = UCP_AM_SEND_FLAG_RNDV;
-    req = ucp_am_send_nbx(p->second.ep, kAmChunk, s.notice.data(), s.notice.size(),
-                          SendPayload(i), s.payload_bytes, &param);
+    req = ucp_am_send_nbx(p->second.ep, kAmChunk, s.notice.data(), s.notice.size(), SendPayload(i),
+                          s.payload_bytes, &param);
   }
   if (UCS_PTR_IS_ERR(req)) {
     s.state = SendSlot::State::kFree;
@@ -900,7 +901,7 @@ void StagedTransport::HandleHellos() {
       Status valid = ucx_check::CheckWorkerAddress(
           {reinterpret_cast<const uint8_t*>(h.address.data()), h.address.size()});
       if (!valid.ok()) {
-        KVT_LOG_WARN("ucx", "cannot answer a staging hello: {}", valid.ToString());
+        WarnPerMessage("cannot answer a staging hello: {}", valid.ToString());
         continue;
       }
       ucp_ep_params_t ep = {};
@@ -914,7 +915,7 @@ void StagedTransport::HandleHellos() {
       ucp_ep_h handle = nullptr;
       Status created = UcsStatus(ucp_ep_create(worker_, &ep, &handle), "ucp_ep_create");
       if (!created.ok()) {
-        KVT_LOG_WARN("ucx", "cannot answer a staging hello: {}", created.ToString());
+        WarnPerMessage("cannot answer a staging hello: {}", created.ToString());
         continue;
       }
       it = senders_.emplace(h.hello.sender, Sender{handle, {}, {}}).first;
@@ -1034,17 +1035,17 @@ void StagedTransport::Land(uint32_t i, Arrival a) {
     }
     auto m = sender_slots_.find(a.notice.sender);
     if (m == sender_slots_.end() || m->second.retired || !m->second.pinned) {
-      FinishReceive(i, Aborted("this receiver no longer maps the slots of sender " +
-                               Hex(a.notice.sender) +
-                               " (it registered again, or fenced the sender); reconnect"));
+      FinishReceive(
+          i, Aborted("this receiver no longer maps the slots of sender " + Hex(a.notice.sender) +
+                     " (it registered again, or fenced the sender); reconnect"));
       return;
     }
     if (a.slot >= m->second.count || a.length > m->second.slot_bytes) {
-      FinishReceive(i, OutOfRange("slot " + std::to_string(a.slot) + " and " +
-                                  std::to_string(a.length) + " bytes do not fit the " +
-                                  std::to_string(m->second.count) + " slots of " +
-                                  std::to_string(m->second.slot_bytes) + " bytes of sender " +
-                                  Hex(a.notice.sender) + " mapped here"));
+      FinishReceive(
+          i, OutOfRange("slot " + std::to_string(a.slot) + " and " + std::to_string(a.length) +
+                        " bytes do not fit the " + std::to_string(m->second.count) + " slots of " +
+                        std::to_string(m->second.slot_bytes) + " bytes of sender " +
+                        Hex(a.notice.sender) + " mapped here"));
       return;
     }
     // The prefix came with the notice and is checked and used from our copy; only the data is
@@ -1088,9 +1089,8 @@ void StagedTransport::Landed(uint32_t i) {
     return;
   }
   StatusOr<DecodedChunk> decoded =
-      r.source != nullptr
-          ? DecodeChunkPrefix(Bytes(RecvPayload(i), r.prefix), r.length, limits_)
-          : DecodeChunk(Bytes(RecvPayload(i), r.length), limits_);
+      r.source != nullptr ? DecodeChunkPrefix(Bytes(RecvPayload(i), r.prefix), r.length, limits_)
+                          : DecodeChunk(Bytes(RecvPayload(i), r.length), limits_);
   if (!decoded.ok()) {
     FinishReceive(i, decoded.status().WithContext("refusing a malformed chunk"));
     return;
@@ -1157,7 +1157,7 @@ void StagedTransport::SendAckNow(const ChunkNotice& notice, const Status& status
   ChunkAck ack{notice.link, notice.write, notice.chunk, status.code()};
   std::string message = status.message().substr(0, kMaxAckMessage);
   Status sent = SendControl(it->second.ep, kAmChunkAck, Encode(ack), std::move(message));
-  if (!sent.ok()) KVT_LOG_WARN("ucx", "chunk ack not sent: {}", sent.ToString());
+  if (!sent.ok()) WarnPerMessage("chunk ack not sent: {}", sent.ToString());
 }
 
 // ---- callbacks (inside ucp_worker_progress, mutex held) -----------------------------------------
@@ -1173,7 +1173,7 @@ ucs_status_t StagedTransport::OnChunk(void* arg, const void* header, size_t head
   // ack's reason is the one the sender reports. To any other sender refusing a rendezvous chunk
   // fails its send with `why`; an eager one can only be dropped.
   auto refuse = [&](ucs_status_t why, const Status& status) {
-    KVT_LOG_WARN("ucx", "refusing a staged chunk: {}", status.ToString());
+    self->WarnPerMessage("refusing a staged chunk: {}", status.ToString());
     if (notice.ok() && self->senders_.count(notice->sender) != 0) {
       self->pending_acks_.emplace_back(*notice, status);
       return UCS_OK;
@@ -1218,17 +1218,17 @@ ucs_status_t StagedTransport::OnSlotChunk(void* arg, const void* header, size_t 
   auto* self = static_cast<StagedTransport*>(arg);
   StatusOr<SlotNotice> notice = DecodeSlotNotice(Bytes(header, header_length));
   if (!notice.ok()) {
-    KVT_LOG_WARN("ucx", "ignoring a malformed slot notice: {}", notice.status().ToString());
+    self->WarnPerMessage("ignoring a malformed slot notice: {}", notice.status().ToString());
     return UCS_OK;
   }
   if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0) {
     // Its sender waits for the data to be taken: refusing it fails the send.
-    KVT_LOG_WARN("ucx", "refusing a slot notice sent by rendezvous ({} bytes of prefix)", length);
+    self->WarnPerMessage("refusing a slot notice sent by rendezvous ({} bytes of prefix)", length);
     return UCS_ERR_INVALID_PARAM;
   }
   // Refused with an ack (sent from Pump): the sender's slot and credit come back at once.
   auto refuse = [&](const Status& why) {
-    KVT_LOG_WARN("ucx", "refusing a staged chunk read in place: {}", why.ToString());
+    self->WarnPerMessage("refusing a staged chunk read in place: {}", why.ToString());
     self->pending_acks_.emplace_back(notice->notice, why);
     return UCS_OK;
   };
@@ -1306,8 +1306,8 @@ Status StagedTransport::MapSenderSlots(ucp_ep_h ep, const Hello& hello, std::str
     usable = InvalidArgument("its " + std::to_string(bytes) + " bytes of slots at " +
                              Hex(hello.slots_base) + " do not map to one range here");
   } else if (st != UCS_OK) {
-    usable = UcsStatus(st, "ucp_rkey_ptr of its slots at " + Hex(hello.slots_base) +
-                               " (not mapped on this host)");
+    usable = UcsStatus(
+        st, "ucp_rkey_ptr of its slots at " + Hex(hello.slots_base) + " (not mapped on this host)");
   }
   if (usable.ok()) {
     StatusOr<std::vector<ucx_check::Mapping>> after = ucx_check::ReadSelfMaps();
@@ -1361,8 +1361,10 @@ void StagedTransport::UnmapSenderSlots(uint64_t instance, bool force) {
       retired_slots_ = true;
       return;
     }
-    KVT_LOG_ERROR("ucx", "leaving the slots of sender {:x} mapped: a chunk read from them did not "
-                  "finish", instance);
+    KVT_LOG_ERROR("ucx",
+                  "leaving the slots of sender {:x} mapped: a chunk read from them did not "
+                  "finish",
+                  instance);
     sender_slots_.erase(it);
     return;
   }
@@ -1385,12 +1387,13 @@ ucs_status_t StagedTransport::OnHello(void* arg, const void* header, size_t head
   auto* self = static_cast<StagedTransport*>(arg);
   StatusOr<Hello> hello = DecodeHello(Bytes(header, header_length));
   if (!hello.ok() || (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0 || length == 0) {
-    KVT_LOG_WARN("ucx", "ignoring a malformed staging hello");
+    self->WarnPerMessage("ignoring a malformed staging hello");
     return UCS_OK;
   }
   if (hello->key_bytes >= length) {
-    KVT_LOG_WARN("ucx", "ignoring a staging hello whose key of {} bytes leaves no address in its "
-                 "{} bytes", hello->key_bytes, length);
+    self->WarnPerMessage(
+        "ignoring a staging hello whose key of {} bytes leaves no address in its {} bytes",
+        hello->key_bytes, length);
     return UCS_OK;
   }
   // Endpoints cannot be created inside a callback; Pump answers it.

@@ -78,6 +78,8 @@
 
 #include "backends/ucx/ucx_staged_copier.h"
 #include "backends/ucx/ucx_staged_protocol.h"
+#include "kvt/common/log.h"
+#include "kvt/common/log_limiter.h"
 #include "kvt/common/status.h"
 #include "kvt/kernels/cuda_util.h"
 #include "kvt/transfer/backend.h"
@@ -189,9 +191,7 @@ class StagedTransport {
   // progress thread), so that the caller does not spend its time in sends.
   Status PostRuns(WriteId id, PeerId link, std::span<const CopyRun> runs,
                   std::span<const LocalRegion> local, bool send_now);
-  bool HasWrite(WriteId id) const {
-    return writes_.count(id) != 0 || run_writes_.count(id) != 0;
-  }
+  bool HasWrite(WriteId id) const { return writes_.count(id) != 0 || run_writes_.count(id) != 0; }
   Status Check(WriteId id);
   // Stops the write's unsent chunks and waits (bounded) for those in flight to be acknowledged,
   // so that none of its bytes lands later.
@@ -238,10 +238,10 @@ class StagedTransport {
     LinkMode mode = LinkMode::kStaged;
     AddressTrailer remote;
     std::vector<RemoteRegion> regions;
-    bool ready = false;  // hello acknowledged
+    bool ready = false;     // hello acknowledged
     bool in_place = false;  // the receiver accepted the offered slots (ReadsInPlace)
     uint64_t offer = 0;     // offer_generation_ of the slots the hello offered; 0: none
-    Status error;        // the receiver refused us
+    Status error;           // the receiver refused us
     CreditWindow credits;
   };
   struct Write {
@@ -320,7 +320,7 @@ class StagedTransport {
   };
   // A rendezvous run message waiting to be received, or being received, into its destinations.
   struct RunLanding {
-    ChunkNotice notice;  // chunk = the message index
+    ChunkNotice notice;    // chunk = the message index
     void* data = nullptr;  // UCX's descriptor
     std::vector<ucp_dt_iov_t> iov;
     void* request = nullptr;
@@ -361,8 +361,8 @@ class StagedTransport {
                                  size_t length, const ucp_am_recv_param_t* param);
   static ucs_status_t OnRuns(void* arg, const void* header, size_t header_length, void* data,
                              size_t length, const ucp_am_recv_param_t* param);
-  static ucs_status_t OnSlotChunk(void* arg, const void* header, size_t header_length,
-                                  void* data, size_t length, const ucp_am_recv_param_t* param);
+  static ucs_status_t OnSlotChunk(void* arg, const void* header, size_t header_length, void* data,
+                                  size_t length, const ucp_am_recv_param_t* param);
   static ucs_status_t OnBye(void* arg, const void* header, size_t header_length, void* data,
                             size_t length, const ucp_am_recv_param_t* param);
 
@@ -455,8 +455,8 @@ class StagedTransport {
   bool notified_ = false;
   static void OnCopierDone(void* self);
   uint64_t slot_bytes_ = 0;
-  bool in_place_ = true;      // StagingOptions::in_place
-  std::string send_key_;      // packed remote key of the send slots (offered); empty: none
+  bool in_place_ = true;           // StagingOptions::in_place
+  std::string send_key_;           // packed remote key of the send slots (offered); empty: none
   uint64_t offer_generation_ = 0;  // counts the slot memories (Attach)
   uint8_t* send_base_ = nullptr;
   uint8_t* recv_base_ = nullptr;
@@ -481,14 +481,24 @@ class StagedTransport {
   std::unordered_set<uint64_t> dropped_;
   std::unordered_map<uint64_t, SenderSlots> sender_slots_;  // by sender instance
   bool retired_slots_ = false;                              // some are retired
-  std::deque<uint64_t> dropped_order_;  // insertion order, to bound dropped_
+  std::deque<uint64_t> dropped_order_;                      // insertion order, to bound dropped_
+  // Warnings a peer causes once per message (refused chunks and run messages, hellos that
+  // cannot be answered): at most 10 a second; the rest are counted (LogLimiter).
+  LogLimiter message_warnings_{10, std::chrono::seconds(1)};
+  template <typename... Args>
+  void WarnPerMessage(fmt::format_string<Args...> format, Args&&... args) {
+    uint64_t held_back = 0;
+    if (!message_warnings_.Admit(&held_back)) return;
+    KVT_LOG_WARN("ucx", "{}{}", fmt::format(format, std::forward<Args>(args)...),
+                 LogLimiter::HeldBack(held_back));
+  }
   std::vector<PendingHello> hellos_;
   std::vector<Bye> byes_;
 
   // Copy runs.
-  std::vector<LocalRegion> run_local_;   // buffers peers' run messages write
-  std::vector<uint64_t> run_local_len_;  // their lengths, by index
-  size_t max_am_header_ = 0;             // the worker's limit on an AM header
+  std::vector<LocalRegion> run_local_;      // buffers peers' run messages write
+  std::vector<uint64_t> run_local_len_;     // their lengths, by index
+  size_t max_am_header_ = 0;                // the worker's limit on an AM header
   std::map<WriteId, RunWrite> run_writes_;  // ordered by id: post order
   std::set<WriteId> run_pending_;           // run writes with messages not yet sent
   uint64_t run_messages_posted_ = 0;        // for RunOptions::fail_send_at
