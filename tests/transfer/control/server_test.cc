@@ -14,10 +14,13 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <filesystem>
 #include <functional>
 #include <future>
 #include <memory>
 #include <mutex>
+#include <optional>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -1363,11 +1366,14 @@ TEST_F(LaneTest, EndpointsThatDoNotPollOrRefuseLanesKeepTheSocket) {
 // the rule.
 TEST_F(LaneTest, BadLaneFramesAreDeclinedOrRefusedNamingWhy) {
   StartPolling();
-  RawClient raw(server_->port());
-  ASSERT_TRUE(raw.connected());
-  ASSERT_TRUE(raw.SendEnvelope(LaneHelloAck()));
+  // One offer per connection: each offer on a connection of its own.
+  std::vector<std::unique_ptr<RawClient>> raws;
   auto reply_to = [&](const v1::Envelope& offer) -> StatusOr<v1::LaneReply> {
-    if (!raw.SendEnvelope(offer)) return Unavailable("send failed");
+    raws.push_back(std::make_unique<RawClient>(server_->port()));
+    RawClient& raw = *raws.back();
+    if (!raw.connected() || !raw.SendEnvelope(LaneHelloAck()) || !raw.SendEnvelope(offer)) {
+      return Unavailable("connecting or sending failed");
+    }
     for (int i = 0; i < 10; ++i) {
       KVT_ASSIGN_OR_RETURN(v1::Envelope e, raw.ReadFrame());
       if (e.has_lane_reply()) return e.lane_reply();
@@ -1395,6 +1401,7 @@ TEST_F(LaneTest, BadLaneFramesAreDeclinedOrRefusedNamingWhy) {
   ASSERT_TRUE(declined.ok()) << declined.status();
   EXPECT_THAT(declined->reason(), HasSubstr("ring_bytes = 5000"));
   // Still serving.
+  RawClient& raw = *raws.back();
   v1::Envelope registration = testing::MakeAgentRegistration();
   registration.set_id(9);
   ASSERT_TRUE(raw.SendEnvelope(registration));
@@ -1420,6 +1427,234 @@ TEST_F(LaneTest, BadLaneFramesAreDeclinedOrRefusedNamingWhy) {
   error = short_nonce.ReadError();
   ASSERT_TRUE(error.ok()) << error.status();
   EXPECT_THAT(error->message(), HasSubstr("lane_offer.nonce = 3 bytes: must be 16 bytes"));
+}
+
+// A one-shot gate an io thread waits at (bounded) until the test opens it.
+class Gate {
+ public:
+  void Open() {
+    std::call_once(once_, [&] { open_.set_value(); });
+  }
+  bool Wait() const { return opened_.wait_for(10s) == std::future_status::ready; }
+
+ private:
+  std::once_flag once_;
+  std::promise<void> open_;
+  std::shared_future<void> opened_ = open_.get_future().share();
+};
+
+// Opens the gates when it goes: a failed assertion leaves no io thread waiting at one (declare it
+// after what joins those threads, so that it goes first).
+struct OpenOnExit {
+  std::vector<Gate*> gates;
+  ~OpenOnExit() {
+    for (Gate* gate : gates) gate->Open();
+  }
+};
+
+// The names (shm_open's form) of the lane files in /dev/shm of `bytes` bytes.
+std::set<std::string> LaneFiles(uintmax_t bytes) {
+  std::set<std::string> names;
+  std::error_code ec;
+  for (auto it = std::filesystem::directory_iterator("/dev/shm", ec);
+       !ec && it != std::filesystem::directory_iterator(); it.increment(ec)) {
+    const std::string file = it->path().filename().string();
+    std::error_code size_ec;
+    if (file.rfind("kvt-lane-", 0) == 0 && it->file_size(size_ec) == bytes && !size_ec) {
+      names.insert("/" + file);
+    }
+  }
+  return names;
+}
+
+bool ShmExists(const std::string& name) {
+  const int fd = ::shm_open(name.c_str(), O_RDONLY, 0);
+  if (fd >= 0) ::close(fd);
+  return fd >= 0;
+}
+
+// A server that declines a lane answers even when the connection's send queue is full (the
+// client reads nothing meanwhile): the client learns of the decline and removes its segment.
+// Dropping the answer would leave the segment in /dev/shm until the connection ends.
+TEST_F(LaneTest, ADeclineIsAnsweredWhenTheSendQueueIsFull) {
+  ControlServerOptions options;  // no busy polling: the server declines every lane
+  options.limits.max_queued_frames = 32;
+  StartServer(options);
+  handler_.set_server(nullptr);  // no echoes: the test decides what the server sends
+  Gate server_gate;              // holds the server's io thread in the handler of message 4242
+  Gate client_gate;              // holds the client's io thread in the handler of message 7
+  std::promise<void> server_held, client_saw_hello, client_held;
+  std::atomic<bool> server_held_once{false};
+  handler_.set_before_echo([&](const v1::Envelope& e) {
+    if (e.id() != 4242 || server_held_once.exchange(true)) return;
+    server_held.set_value();
+    (void)server_gate.Wait();
+  });
+  struct Handler : ControlClient::Handler {
+    Gate* gate = nullptr;
+    std::promise<void>* saw_hello = nullptr;
+    std::promise<void>* held = nullptr;
+    std::atomic<size_t> fillers{0};
+    void OnMessage(const v1::Envelope& envelope) override {
+      if (envelope.id() >= 1000) {
+        fillers.fetch_add(1);
+      } else if (envelope.has_hello_ack()) {
+        saw_hello->set_value();  // the client offers its lane on return, on this thread
+      } else if (envelope.id() == 7) {
+        held->set_value();
+        (void)gate->Wait();
+      }
+    }
+    void OnDisconnect(const Status&) override {}
+  } client_handler;
+  client_handler.gate = &client_gate;
+  client_handler.saw_hello = &client_saw_hello;
+  client_handler.held = &client_held;
+  // An 8 KiB ring, which no other test uses: its segment's size tells its file apart from the
+  // lanes of tests running beside this one.
+  constexpr uint32_t kRingBytes = 8u << 10;
+  constexpr uintmax_t kSegmentBytes = 64 + 2 * (192 + kRingBytes);
+  ControlClientOptions copts = ClientOptions();
+  copts.busy_poll.window = 300us;
+  copts.busy_poll.lane_ring_bytes = kRingBytes;
+  auto connected = ControlClient::Connect(copts, &client_handler);
+  ASSERT_TRUE(connected.ok()) << connected.status();
+  std::unique_ptr<ControlClient> client = std::move(connected).value();
+  OpenOnExit open_gates{{&server_gate, &client_gate}};
+  ASSERT_TRUE(handler_.WaitFor([&] { return handler_.connects_locked() == 1; }));
+  const ConnectionId id = handler_.connect_infos()[0].id;
+  const std::set<std::string> before = LaneFiles(kSegmentBytes);
+
+  // The server's io thread waits in a handler: the client's offer waits, unread, in its socket.
+  v1::Envelope hold_server = testing::MakeAgentRegistration();
+  hold_server.set_id(4242);
+  ASSERT_TRUE(client->Send(hold_server).ok());
+  ASSERT_EQ(server_held.get_future().wait_for(kWait), std::future_status::ready);
+  // The hello-ack makes the client offer its lane; the client then stops reading, held in the
+  // handler of message 7. Message 7 goes once the hello-ack was handled, so that it arrives in a
+  // later read, after the offer's write completed on the client's io thread: the client's own
+  // frames (4243 below) then go straight to the socket instead of waiting behind that write.
+  ASSERT_TRUE(server_->Send(id, LaneHelloAck()).ok());
+  ASSERT_EQ(client_saw_hello.get_future().wait_for(kWait), std::future_status::ready);
+  v1::Envelope hold_client = testing::MakeAgentRegistration();
+  hold_client.set_id(7);
+  ASSERT_TRUE(server_->Send(id, hold_client).ok());
+  ASSERT_EQ(client_held.get_future().wait_for(kWait), std::future_status::ready);
+  std::vector<std::string> offered;
+  for (const std::string& name : LaneFiles(kSegmentBytes)) {
+    if (before.count(name) == 0) offered.push_back(name);
+  }
+  ASSERT_EQ(offered.size(), 1u) << "the client's offered segment in /dev/shm";
+  const std::string segment = offered[0];
+
+  // Fill the server's send queue: nobody reads the socket, so nothing leaves it.
+  size_t sent = 0;
+  Status full;
+  const auto give_up = std::chrono::steady_clock::now() + kWait;
+  while (full.ok() && std::chrono::steady_clock::now() < give_up) {
+    v1::Envelope filler = LaneHelloAck(64);  // about 15 KiB
+    filler.set_id(1000 + sent);
+    full = server_->Send(id, filler);
+    if (full.ok()) ++sent;
+  }
+  ASSERT_EQ(full.code(), StatusCode::kResourceExhausted) << full;
+
+  // Message 4243 follows the offer on the socket: once the server handled it, it handled the
+  // offer too, with its queue full.
+  v1::Envelope after_offer = testing::MakeAgentRegistration();
+  after_offer.set_id(4243);
+  ASSERT_TRUE(client->Send(after_offer).ok());
+  server_gate.Open();
+  ASSERT_TRUE(handler_.WaitFor([&] { return handler_.messages_locked() == 2; }));
+  ASSERT_EQ(handler_.messages().back().second.id(), 4243u);
+  EXPECT_TRUE(ShmExists(segment)) << "the client removed its segment before the reply came";
+
+  // The client reads again: every filler, then the decline, which removes the segment.
+  client_gate.Open();
+  EXPECT_TRUE(Eventually([&] { return !ShmExists(segment); }))
+      << "the decline never reached the client: its segment " << segment << " is still there";
+  EXPECT_TRUE(Eventually([&] { return client_handler.fillers.load() == sent; }))
+      << client_handler.fillers.load() << " of " << sent << " frames arrived";
+  EXPECT_TRUE(client->connected());
+  EXPECT_FALSE(client->using_lane());
+  EXPECT_EQ(server_->connection_count(), 1u);
+  EXPECT_TRUE(handler_.disconnects().empty());
+}
+
+// Every offer is answered past the queue's limits, so a client offers at most one lane per
+// connection: a second offer, after a decline or after an acceptance, fails the connection
+// naming the repeated offer.
+TEST_F(LaneTest, ASecondLaneOfferOnAConnectionIsRefused) {
+  for (const bool accept : {false, true}) {
+    SCOPED_TRACE(accept ? "after an acceptance" : "after a decline");
+    if (server_) server_->Stop();
+    if (accept) {
+      StartPolling();
+    } else {
+      StartServer();  // no busy polling: declines
+    }
+    RawClient raw(server_->port());
+    ASSERT_TRUE(raw.connected());
+    auto lane = internal::Lane::Create(4096);
+    ASSERT_TRUE(lane.ok()) << lane.status();
+    v1::Envelope offer;
+    offer.mutable_lane_offer()->set_name((*lane)->name());
+    offer.mutable_lane_offer()->set_nonce((*lane)->nonce());
+    offer.mutable_lane_offer()->set_ring_bytes((*lane)->ring_bytes());
+    ASSERT_TRUE(raw.SendEnvelope(offer));
+    std::optional<v1::LaneReply> reply;
+    for (int i = 0; i < 10 && !reply; ++i) {  // the challenge, then the reply
+      StatusOr<v1::Envelope> e = raw.ReadFrame();
+      ASSERT_TRUE(e.ok()) << e.status();
+      if (e->has_lane_reply()) reply = e->lane_reply();
+    }
+    ASSERT_TRUE(reply.has_value()) << "no lane_reply";
+    ASSERT_EQ(reply->accepted(), accept) << reply->reason();
+
+    const size_t disconnects = handler_.disconnects().size();
+    offer.set_id(31);
+    ASSERT_TRUE(raw.SendEnvelope(offer));
+    ASSERT_TRUE(handler_.WaitFor([&] { return handler_.disconnects_locked() == disconnects + 1; }));
+    const Status why = handler_.disconnects().back().second;
+    EXPECT_EQ(why.code(), StatusCode::kFailedPrecondition) << why;
+    EXPECT_THAT(why.message(),
+                HasSubstr(std::string("unexpected lane_offer: a lane was already offered on this "
+                                      "connection (and ") +
+                          (accept ? "accepted" : "declined") + ")"))
+        << why;
+    EXPECT_THAT(why.message(), HasSubstr("a client offers at most one lane per connection")) << why;
+    // The peer is told: on the socket after a decline; in the lane after an acceptance (every
+    // frame of the server goes there from its reply on).
+    v1::Error told;
+    if (accept) {
+      FrameDecoder decoder;
+      std::string pending;
+      char buffer[4096];
+      ASSERT_TRUE(Eventually([&] {
+        StatusOr<size_t> n = (*lane)->Read(buffer, sizeof(buffer));
+        if (!n.ok()) return true;  // Take() below fails, naming nothing arrived
+        pending.append(buffer, *n);
+        while (!pending.empty() && !decoder.frame_ready()) {
+          StatusOr<size_t> used = decoder.Feed(pending);
+          if (!used.ok()) return true;
+          pending.erase(0, *used);
+        }
+        return decoder.frame_ready();
+      })) << "no frame in the lane";
+      v1::Envelope e;
+      const Status taken = decoder.Take(&e);
+      ASSERT_TRUE(taken.ok()) << taken;
+      ASSERT_TRUE(e.has_error()) << e.ShortDebugString();
+      told = e.error();
+    } else {
+      StatusOr<v1::Error> error = raw.ReadError();
+      ASSERT_TRUE(error.ok()) << error.status();
+      told = *error;
+    }
+    EXPECT_EQ(told.code(), v1::STATUS_CODE_FAILED_PRECONDITION);
+    EXPECT_THAT(told.message(), HasSubstr("a lane was already offered on this connection"));
+    EXPECT_TRUE(raw.WaitForClose());
+  }
 }
 
 // A peer that corrupts the shared segment (an impossible index) or writes garbage into it fails

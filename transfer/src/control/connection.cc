@@ -465,7 +465,8 @@ void Connection::HandleFrame(const v1::Envelope& envelope, bool from_lane) {
 }
 
 void Connection::OfferLane() {
-  if (config_.lanes == nullptr || config_.side != Side::kClient || lane_ != nullptr) return;
+  // Once per connection: a server refuses a second offer, even after declining the first.
+  if (config_.lanes == nullptr || config_.side != Side::kClient || lane_offered_) return;
   StatusOr<std::unique_ptr<Lane>> lane = Lane::Create(config_.lane_ring_bytes);
   if (!lane.ok()) {
     KVT_LOG_INFO("ctl", "connection {} ({}): no shared-memory lane, frames stay on the socket: {}",
@@ -478,7 +479,8 @@ void Connection::OfferLane() {
   o->set_nonce((*lane)->nonce());
   o->set_ring_bytes((*lane)->ring_bytes());
   if (!SendNow(offer, /*bypass_limits=*/false).ok()) return;  // a full queue: no lane, no harm
-  lane_ = std::move(lane).value();                            // offered: the reply decides
+  lane_offered_ = true;
+  lane_ = std::move(lane).value();  // offered: the reply decides
 }
 
 void Connection::HandleLaneFrame(const v1::Envelope& envelope, bool from_lane) {
@@ -495,7 +497,14 @@ void Connection::HandleLaneFrame(const v1::Envelope& envelope, bool from_lane) {
   switch (body) {
     case v1::Envelope::kLaneOffer: {
       if (config_.side != Side::kServer) return refuse("only a client offers a lane");
-      if (lane_ != nullptr) return refuse("this connection has a lane already");
+      // Every offer is answered past the queue's limits (below): one per connection bounds that.
+      if (lane_offered_) {
+        return refuse(fmt::format(
+            "a lane was already offered on this connection (and {}); a client offers at most one "
+            "lane per connection: to offer another, open a new connection",
+            lane_ != nullptr ? "accepted" : "declined"));
+      }
+      lane_offered_ = true;
       const v1::LaneOffer& o = envelope.lane_offer();
       v1::Envelope reply;
       reply.set_reply_to(envelope.id());
@@ -516,7 +525,13 @@ void Connection::HandleLaneFrame(const v1::Envelope& envelope, bool from_lane) {
       if (lane == nullptr) {
         KVT_LOG_DEBUG("ctl", "connection {} ({}): lane declined: {}", config_.id, remote_address_,
                       r->reason());
-        (void)SendNow(reply, /*bypass_limits=*/false);
+        // Past the queue's limits, as an acceptance goes: a decline dropped for a full queue
+        // would leave the client's segment offered (and its name in /dev/shm) until the
+        // connection ends. Only a connection that is closing does not send it.
+        if (Status s = SendNow(reply, /*bypass_limits=*/true); !s.ok()) {
+          KVT_LOG_DEBUG("ctl", "connection {} ({}): the lane's decline was not sent: {}",
+                        config_.id, remote_address_, s.ToString());
+        }
         return;
       }
       // On the socket, ahead of every frame that goes through the lane (the client reads the
@@ -974,7 +989,7 @@ void Connection::BeginClose(Status why, bool flush, std::chrono::milliseconds li
   // bounds the whole goodbye.
   state_ = State::kDraining;
   linger_timer_.expires_after(linger.count() >= 0 ? std::min(linger, config_.limits.close_linger)
-                                                 : config_.limits.close_linger);
+                                                  : config_.limits.close_linger);
   linger_timer_.async_wait([self = shared_from_this()](const boost::system::error_code& ec) {
     if (!ec && self->state_ == State::kDraining) self->FinishClose();
   });

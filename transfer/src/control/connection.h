@@ -210,6 +210,10 @@ class Connection : public std::enable_shared_from_this<Connection> {
   bool first_frame_received_ = false;
   // The lane (strand; lane_out_ below is the writers' view of it).
   std::unique_ptr<Lane> lane_;
+  // A lane_offer went out (client) or came in (server). One per connection: a server answers
+  // a decline past the send queue's limits (a dropped one would leave the client's segment
+  // offered until the connection ends), so a client must not be able to ask for more of them.
+  bool lane_offered_ = false;
   bool lane_in_ = false;       // frames arrive through the lane
   uint64_t lane_poll_id_ = 0;  // in config_.lanes
   FrameDecoder lane_decoder_;
