@@ -19,7 +19,6 @@
 #include <mutex>
 #include <optional>
 #include <random>
-#include <set>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -230,11 +229,10 @@ class UcxBackend final : public Backend {
         return FailedPrecondition("cannot re-register buffers while writes are in flight");
       }
     }
-    if (!connecting_instances_.empty()) {
-      return FailedPrecondition("cannot re-register buffers while " +
-                                std::to_string(connecting_instances_.size()) +
-                                " Connect calls set up their endpoints (each waits at most 5 s "
-                                "for its peer); retry once they have returned");
+    if (connecting_ > 0) {
+      return FailedPrecondition("cannot re-register buffers while " + std::to_string(connecting_) +
+                                " Connect calls set up their endpoints (each waits for its peer "
+                                "for at most about 7 s); retry once they have returned");
     }
     if (releasing_ > 0) {
       return FailedPrecondition("cannot re-register buffers while " + std::to_string(releasing_) +
@@ -408,15 +406,18 @@ class UcxBackend final : public Backend {
     peer.staged = local_staged;
     peer.remote_instance = address.trailer ? address.trailer->instance : 0;
     peer.error = std::make_shared<std::atomic<int>>(UCS_OK);
-    // Setting up the endpoint waits for the peer and lets other callers in meanwhile; they see
-    // this connect as under way (Register refuses, a Disconnect of an older link to the same
-    // peer backend keeps its messages admitted).
-    ConnectingScope connecting(*this, peer.remote_instance);
+    // Setting up the endpoint waits for the peer and lets other callers in meanwhile
+    // (Register refuses while a Connect is under way). The peer backend's messages to us are
+    // admitted now (its own hello may come while we wait) and again once connected: a
+    // Disconnect of its last other link during the wait drops them, and only a link that is
+    // connected in the end takes them back.
+    ConnectingScope connecting(*this);
     if (staging_) staging_->AdmitSender(peer.remote_instance);
     if (peer.staged) {
       // Staged peers live on the staging worker; this worker has no endpoint to them.
       KVT_RETURN_IF_ERROR(
           staging_->AddPeer(id, address.worker_address, *address.trailer, descriptor.regions));
+      staging_->AdmitSender(peer.remote_instance);
       peers_.emplace(id, std::move(peer));
       staging_->Signal();  // the hello's ack arrives through the progress thread
       return id;
@@ -436,7 +437,7 @@ class UcxBackend final : public Backend {
     // afterwards, and the only memory the peer's buffers may lie in (MapDirectLocked).
     StatusOr<std::vector<ucx_check::Mapping>> maps_before = ucx_check::ReadSelfMaps();
     if (!maps_before.ok()) {
-      ClosePeerLocked(peer);
+      ClosePeerLocked(peer, /*peer_dead=*/false, /*yield=*/true);
       return maps_before.status();
     }
     for (size_t i = 0; i < descriptor.regions.size(); ++i) {
@@ -446,7 +447,7 @@ class UcxBackend final : public Backend {
       ucp_rkey_h rkey = nullptr;
       ucs_status_t st = ucp_ep_rkey_unpack(peer.ep, key.data(), &rkey);
       if (st != UCS_OK) {
-        ClosePeerLocked(peer);
+        ClosePeerLocked(peer, /*peer_dead=*/false, /*yield=*/true);
         return UcsStatus(st, "ucp_ep_rkey_unpack of the peer's buffer " + std::to_string(i))
             .WithContext("the peer's memory descriptor is unusable");
       }
@@ -455,7 +456,7 @@ class UcxBackend final : public Backend {
     // Checked with or without direct copies: UCX's shared-memory puts copy to the same place.
     Status mapped = MapDirectLocked(peer, *maps_before, direct_shm_);
     if (!mapped.ok()) {
-      ClosePeerLocked(peer);
+      ClosePeerLocked(peer, /*peer_dead=*/false, /*yield=*/true);
       return mapped;
     }
     StatusOr<bool> runs = ChooseRunsLocked(peer, address);
@@ -471,12 +472,13 @@ class UcxBackend final : public Backend {
                          : wired;
       if (!added.ok()) runs = added;
       peer.runs = added.ok();
-      if (peer.runs) ClosePeerLocked(peer);
+      if (peer.runs) ClosePeerLocked(peer, /*peer_dead=*/false, /*yield=*/true);
     }
     if (!runs.ok()) {
-      ClosePeerLocked(peer);
+      ClosePeerLocked(peer, /*peer_dead=*/false, /*yield=*/true);
       return runs.status();
     }
+    if (staging_) staging_->AdmitSender(peer.remote_instance);
     peers_.emplace(id, std::move(peer));
     if (*runs) staging_->Signal();  // the hello's ack arrives through the progress thread
     return id;
@@ -506,8 +508,8 @@ class UcxBackend final : public Backend {
         return NotFound("UCX peer " + std::to_string(id) +
                         " was disconnected by another call while this one waited for its writes");
       }
-      // Checked after the waits, which let other calls in: a newer link to the same peer
-      // backend, connected or connecting, keeps that backend's messages to us admitted.
+      // Checked after the waits, which let other calls in: another link to the same peer
+      // backend that is connected keeps that backend's messages to us admitted.
       if (SharesInstanceLocked(id, instance)) {
         KVT_LOG_DEBUG("ucx",
                       "peer {}: another link to its backend is open; its messages stay "
@@ -908,22 +910,19 @@ class UcxBackend final : public Backend {
   }
 
   size_t releasing_ = 0;  // guarded by mutex_: writes Release took out of writes_ and waits for
-  // Guarded by mutex_: the peer backends of Connect calls under way (one entry per call), which
-  // may wait with mutex_ let go.
-  std::multiset<uint64_t> connecting_instances_;
+  // Guarded by mutex_: Connect calls under way, which may wait with mutex_ let go.
+  size_t connecting_ = 0;
 
-  // A Connect under way, from its first wait to its return (mutex_ held at both ends).
+  // A Connect under way, from before its first wait to its return (mutex_ held at both ends).
   class ConnectingScope {
    public:
-    ConnectingScope(UcxBackend& b, uint64_t instance)
-        : b_(b), it_(b.connecting_instances_.insert(instance)) {}
-    ~ConnectingScope() { b_.connecting_instances_.erase(it_); }
+    explicit ConnectingScope(UcxBackend& b) : b_(b) { ++b_.connecting_; }
+    ~ConnectingScope() { --b_.connecting_; }
     ConnectingScope(const ConnectingScope&) = delete;
     ConnectingScope& operator=(const ConnectingScope&) = delete;
 
    private:
     UcxBackend& b_;
-    std::multiset<uint64_t>::iterator it_;
   };
 
   WriteId AddWriteLocked(Write write) {
@@ -1247,26 +1246,44 @@ class UcxBackend final : public Backend {
 
   // Flushes the endpoint and waits (bounded) for the flush: its connection is then set up.
   // Unavailable when the peer does not answer in time. mutex_ held.
-  // Progresses the worker until `req` completes or `bound` passes. `yield`: after the first
-  // kSpinBeforeYield, other callers (and the progress thread, which progresses the same worker)
-  // take mutex_ between rounds, so that one peer that does not answer stalls only this call.
+  // One round of what the progress thread does under mutex_: both workers, and the staging
+  // transport's slots and messages. For a caller that waits with the lock, so that other peers'
+  // writes go on even when the progress thread does not get the lock meanwhile.
+  unsigned ProgressOnceLocked() {
+    unsigned progressed = ucp_worker_progress(worker_);
+    if (staging_) {
+      progressed += staging_->Progress();
+      staging_->Pump();
+    }
+    return progressed;
+  }
+
+  // Progresses until `req` completes or `bound` passes. `yield`: every kYieldEvery (however
+  // busy the workers are), other callers take mutex_ (YieldLocked), so that one peer that does
+  // not answer stalls only this call; the rounds in between progress everything
+  // (ProgressOnceLocked), not only the worker `req` is on.
   void ProgressUntilLocked(void* req, std::chrono::milliseconds bound, bool yield) {
-    constexpr auto kSpinBeforeYield = std::chrono::microseconds(200);
+    constexpr auto kYieldEvery = std::chrono::microseconds(200);
     const auto start = Clock::now();
+    auto last_yield = start;
     while (ucp_request_check_status(req) == UCS_INPROGRESS) {
       const auto now = Clock::now();
       if (now - start >= bound) return;
-      if (ucp_worker_progress(worker_) == 0 && yield && now - start >= kSpinBeforeYield) {
+      if (!yield) {
+        ucp_worker_progress(worker_);
+        continue;
+      }
+      ProgressOnceLocked();
+      if (now - last_yield >= kYieldEvery) {
         YieldLocked();
+        last_yield = Clock::now();
       }
     }
   }
 
-  // Whether a peer other than `id` (connected, or being connected by a call that waits) links
-  // to the backend `instance`. mutex_ held.
+  // Whether a connected peer other than `id` links to the backend `instance`. mutex_ held.
   bool SharesInstanceLocked(PeerId id, uint64_t instance) const {
     if (instance == 0) return false;
-    if (connecting_instances_.count(instance) != 0) return true;
     return std::any_of(peers_.begin(), peers_.end(), [&](const auto& p) {
       return p.first != id && p.second.remote_instance == instance;
     });
@@ -1383,7 +1400,12 @@ class UcxBackend final : public Backend {
     }
     const auto give_up = Clock::now() + std::chrono::seconds(30);
     while (write.flush != nullptr) {
-      ucp_worker_progress(worker_);
+      // Yielding waits run in API calls: they progress the staging transport too.
+      if (yield) {
+        ProgressOnceLocked();
+      } else {
+        ucp_worker_progress(worker_);
+      }
       PollLocked(write);
       if (yield && write.flush != nullptr) YieldLocked();
       if (write.flush != nullptr && Clock::now() > give_up) {
@@ -1449,10 +1471,8 @@ class UcxBackend final : public Backend {
       int completion_fd = -1;
       {
         std::lock_guard<std::mutex> lock(mutex_);
-        progressed = ucp_worker_progress(worker_);
+        progressed = ProgressOnceLocked();
         if (staging_) {
-          progressed += staging_->Progress();
-          staging_->Pump();
           polling = staging_->NeedsPolling();
           staging_fd = staging_->event_fd();
           completion_fd = staging_->completion_fd();
