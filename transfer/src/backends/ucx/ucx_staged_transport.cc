@@ -901,7 +901,7 @@ void StagedTransport::HandleHellos() {
       Status valid = ucx_check::CheckWorkerAddress(
           {reinterpret_cast<const uint8_t*>(h.address.data()), h.address.size()});
       if (!valid.ok()) {
-        WarnPerMessage("cannot answer a staging hello: {}", valid.ToString());
+        WarnPerMessage(hello_warnings_, "cannot answer a staging hello: {}", valid.ToString());
         continue;
       }
       ucp_ep_params_t ep = {};
@@ -915,7 +915,7 @@ void StagedTransport::HandleHellos() {
       ucp_ep_h handle = nullptr;
       Status created = UcsStatus(ucp_ep_create(worker_, &ep, &handle), "ucp_ep_create");
       if (!created.ok()) {
-        WarnPerMessage("cannot answer a staging hello: {}", created.ToString());
+        WarnPerMessage(hello_warnings_, "cannot answer a staging hello: {}", created.ToString());
         continue;
       }
       it = senders_.emplace(h.hello.sender, Sender{handle, {}, {}}).first;
@@ -1157,7 +1157,7 @@ void StagedTransport::SendAckNow(const ChunkNotice& notice, const Status& status
   ChunkAck ack{notice.link, notice.write, notice.chunk, status.code()};
   std::string message = status.message().substr(0, kMaxAckMessage);
   Status sent = SendControl(it->second.ep, kAmChunkAck, Encode(ack), std::move(message));
-  if (!sent.ok()) WarnPerMessage("chunk ack not sent: {}", sent.ToString());
+  if (!sent.ok()) WarnPerMessage(delivery_warnings_, "chunk ack not sent: {}", sent.ToString());
 }
 
 // ---- callbacks (inside ucp_worker_progress, mutex held) -----------------------------------------
@@ -1173,7 +1173,7 @@ ucs_status_t StagedTransport::OnChunk(void* arg, const void* header, size_t head
   // ack's reason is the one the sender reports. To any other sender refusing a rendezvous chunk
   // fails its send with `why`; an eager one can only be dropped.
   auto refuse = [&](ucs_status_t why, const Status& status) {
-    self->WarnPerMessage("refusing a staged chunk: {}", status.ToString());
+    WarnPerMessage(self->refusal_warnings_, "refusing a staged chunk: {}", status.ToString());
     if (notice.ok() && self->senders_.count(notice->sender) != 0) {
       self->pending_acks_.emplace_back(*notice, status);
       return UCS_OK;
@@ -1218,17 +1218,20 @@ ucs_status_t StagedTransport::OnSlotChunk(void* arg, const void* header, size_t 
   auto* self = static_cast<StagedTransport*>(arg);
   StatusOr<SlotNotice> notice = DecodeSlotNotice(Bytes(header, header_length));
   if (!notice.ok()) {
-    self->WarnPerMessage("ignoring a malformed slot notice: {}", notice.status().ToString());
+    WarnPerMessage(self->refusal_warnings_, "ignoring a malformed slot notice: {}",
+                   notice.status().ToString());
     return UCS_OK;
   }
   if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0) {
     // Its sender waits for the data to be taken: refusing it fails the send.
-    self->WarnPerMessage("refusing a slot notice sent by rendezvous ({} bytes of prefix)", length);
+    WarnPerMessage(self->refusal_warnings_,
+                   "refusing a slot notice sent by rendezvous ({} bytes of prefix)", length);
     return UCS_ERR_INVALID_PARAM;
   }
   // Refused with an ack (sent from Pump): the sender's slot and credit come back at once.
   auto refuse = [&](const Status& why) {
-    self->WarnPerMessage("refusing a staged chunk read in place: {}", why.ToString());
+    WarnPerMessage(self->refusal_warnings_, "refusing a staged chunk read in place: {}",
+                   why.ToString());
     self->pending_acks_.emplace_back(notice->notice, why);
     return UCS_OK;
   };
@@ -1387,11 +1390,12 @@ ucs_status_t StagedTransport::OnHello(void* arg, const void* header, size_t head
   auto* self = static_cast<StagedTransport*>(arg);
   StatusOr<Hello> hello = DecodeHello(Bytes(header, header_length));
   if (!hello.ok() || (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0 || length == 0) {
-    self->WarnPerMessage("ignoring a malformed staging hello");
+    WarnPerMessage(self->hello_warnings_, "ignoring a malformed staging hello");
     return UCS_OK;
   }
   if (hello->key_bytes >= length) {
-    self->WarnPerMessage(
+    WarnPerMessage(
+        self->hello_warnings_,
         "ignoring a staging hello whose key of {} bytes leaves no address in its {} bytes",
         hello->key_bytes, length);
     return UCS_OK;
@@ -1479,8 +1483,9 @@ void StagedTransport::PumpControl() {
       continue;
     }
     if (st == UCS_INPROGRESS) {
-      KVT_LOG_WARN("ucx", "a staging control message was not delivered in {} ms; cancelling it",
-                   kControlBound.count());
+      WarnPerMessage(delivery_warnings_,
+                     "a staging control message was not delivered in {} ms; cancelling it",
+                     kControlBound.count());
       ucp_request_cancel(worker_, it->request);
       if (ucp_request_check_status(it->request) == UCS_INPROGRESS) {
         // UCX still owns the buffers; keep them (this transport outlives the worker).

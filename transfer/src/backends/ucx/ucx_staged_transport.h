@@ -482,13 +482,18 @@ class StagedTransport {
   std::unordered_map<uint64_t, SenderSlots> sender_slots_;  // by sender instance
   bool retired_slots_ = false;                              // some are retired
   std::deque<uint64_t> dropped_order_;                      // insertion order, to bound dropped_
-  // Warnings a peer causes once per message (refused chunks and run messages, hellos that
-  // cannot be answered): at most 10 a second; the rest are counted (LogLimiter).
-  LogLimiter message_warnings_{10, std::chrono::seconds(1)};
+  // Warnings a peer causes once per message go through a limiter of their kind (at most 10 a
+  // second each, the rest counted; LogLimiter), so that a flood of one kind neither fills the
+  // log nor hides a line of another: refused chunks, slot notices and run messages; hellos
+  // ignored or not answered; acks and control messages that could not be delivered.
+  LogLimiter refusal_warnings_{10, std::chrono::seconds(1)};
+  LogLimiter hello_warnings_{10, std::chrono::seconds(1)};
+  LogLimiter delivery_warnings_{10, std::chrono::seconds(1)};
   template <typename... Args>
-  void WarnPerMessage(fmt::format_string<Args...> format, Args&&... args) {
+  static void WarnPerMessage(LogLimiter& limiter, fmt::format_string<Args...> format,
+                             Args&&... args) {
     uint64_t held_back = 0;
-    if (!message_warnings_.Admit(&held_back)) return;
+    if (!limiter.Admit(&held_back)) return;
     KVT_LOG_WARN("ucx", "{}{}", fmt::format(format, std::forward<Args>(args)...),
                  LogLimiter::HeldBack(held_back));
   }
