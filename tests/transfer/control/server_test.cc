@@ -1429,13 +1429,16 @@ TEST_F(LaneTest, BadLaneFramesAreDeclinedOrRefusedNamingWhy) {
   EXPECT_THAT(error->message(), HasSubstr("lane_offer.nonce = 3 bytes: must be 16 bytes"));
 }
 
-// A one-shot gate an io thread waits at (bounded) until the test opens it.
+// A one-shot gate an io thread waits at (bounded) until the test opens it. Held through a
+// shared_ptr by whoever waits, so that a thread still leaving Wait() never outlives it.
 class Gate {
  public:
   void Open() {
     std::call_once(once_, [&] { open_.set_value(); });
   }
-  bool Wait() const { return opened_.wait_for(10s) == std::future_status::ready; }
+  // Long enough for every step the test takes while a thread waits here, however slow the
+  // machine: OpenOnExit opens the gate when the test ends, whatever happened.
+  bool Wait() const { return opened_.wait_for(60s) == std::future_status::ready; }
 
  private:
   std::once_flag once_;
@@ -1446,9 +1449,9 @@ class Gate {
 // Opens the gates when it goes: a failed assertion leaves no io thread waiting at one (declare it
 // after what joins those threads, so that it goes first).
 struct OpenOnExit {
-  std::vector<Gate*> gates;
+  std::vector<std::shared_ptr<Gate>> gates;
   ~OpenOnExit() {
-    for (Gate* gate : gates) gate->Open();
+    for (const std::shared_ptr<Gate>& gate : gates) gate->Open();
   }
 };
 
@@ -1481,17 +1484,19 @@ TEST_F(LaneTest, ADeclineIsAnsweredWhenTheSendQueueIsFull) {
   options.limits.max_queued_frames = 32;
   StartServer(options);
   handler_.set_server(nullptr);  // no echoes: the test decides what the server sends
-  Gate server_gate;              // holds the server's io thread in the handler of message 4242
-  Gate client_gate;              // holds the client's io thread in the handler of message 7
+  // Hold the server's io thread in the handler of message 4242, and the client's in the
+  // handler of message 7.
+  auto server_gate = std::make_shared<Gate>();
+  auto client_gate = std::make_shared<Gate>();
   std::promise<void> server_held, client_saw_hello, client_held;
   std::atomic<bool> server_held_once{false};
-  handler_.set_before_echo([&](const v1::Envelope& e) {
+  handler_.set_before_echo([&, server_gate](const v1::Envelope& e) {
     if (e.id() != 4242 || server_held_once.exchange(true)) return;
     server_held.set_value();
-    (void)server_gate.Wait();
+    (void)server_gate->Wait();
   });
   struct Handler : ControlClient::Handler {
-    Gate* gate = nullptr;
+    std::shared_ptr<Gate> gate;
     std::promise<void>* saw_hello = nullptr;
     std::promise<void>* held = nullptr;
     std::atomic<size_t> fillers{0};
@@ -1507,7 +1512,7 @@ TEST_F(LaneTest, ADeclineIsAnsweredWhenTheSendQueueIsFull) {
     }
     void OnDisconnect(const Status&) override {}
   } client_handler;
-  client_handler.gate = &client_gate;
+  client_handler.gate = client_gate;
   client_handler.saw_hello = &client_saw_hello;
   client_handler.held = &client_held;
   // An 8 KiB ring, which no other test uses: its segment's size tells its file apart from the
@@ -1520,7 +1525,7 @@ TEST_F(LaneTest, ADeclineIsAnsweredWhenTheSendQueueIsFull) {
   auto connected = ControlClient::Connect(copts, &client_handler);
   ASSERT_TRUE(connected.ok()) << connected.status();
   std::unique_ptr<ControlClient> client = std::move(connected).value();
-  OpenOnExit open_gates{{&server_gate, &client_gate}};
+  OpenOnExit open_gates{{server_gate, client_gate}};
   ASSERT_TRUE(handler_.WaitFor([&] { return handler_.connects_locked() == 1; }));
   const ConnectionId id = handler_.connect_infos()[0].id;
   const std::set<std::string> before = LaneFiles(kSegmentBytes);
@@ -1564,13 +1569,13 @@ TEST_F(LaneTest, ADeclineIsAnsweredWhenTheSendQueueIsFull) {
   v1::Envelope after_offer = testing::MakeAgentRegistration();
   after_offer.set_id(4243);
   ASSERT_TRUE(client->Send(after_offer).ok());
-  server_gate.Open();
+  server_gate->Open();
   ASSERT_TRUE(handler_.WaitFor([&] { return handler_.messages_locked() == 2; }));
   ASSERT_EQ(handler_.messages().back().second.id(), 4243u);
   EXPECT_TRUE(ShmExists(segment)) << "the client removed its segment before the reply came";
 
   // The client reads again: every filler, then the decline, which removes the segment.
-  client_gate.Open();
+  client_gate->Open();
   EXPECT_TRUE(Eventually([&] { return !ShmExists(segment); }))
       << "the decline never reached the client: its segment " << segment << " is still there";
   EXPECT_TRUE(Eventually([&] { return client_handler.fillers.load() == sent; }))
