@@ -43,6 +43,16 @@ UcxOptions Tcp(UcxHostPath path = UcxHostPath::kAuto) {
   return options;
 }
 
+// The kBuffers buffers of `pool` (kBuffers * kBufferBytes bytes), as host regions.
+std::vector<LocalRegion> HostRegions(std::vector<uint8_t>& pool, uint64_t item) {
+  std::vector<LocalRegion> regions;
+  for (int b = 0; b < kBuffers; ++b) {
+    regions.push_back(LocalRegion{reinterpret_cast<uint64_t>(pool.data() + b * kBufferBytes),
+                                  kBufferBytes, item, MemoryKind::kHost, -1});
+  }
+  return regions;
+}
+
 class UcxAmTest : public ::testing::Test {
  protected:
   void Start(UcxOptions sender_options, UcxOptions receiver_options) {
@@ -63,13 +73,36 @@ class UcxAmTest : public ::testing::Test {
   void Start(const UcxOptions& options) { Start(options, options); }
 
   // The receiver's buffers, as RegisterAndConnect registered them.
-  std::vector<LocalRegion> DstRegions() {
-    std::vector<LocalRegion> regions;
-    for (int b = 0; b < kBuffers; ++b) {
-      regions.push_back(LocalRegion{reinterpret_cast<uint64_t>(dst_.data() + b * kBufferBytes),
-                                    kBufferBytes, kItem, MemoryKind::kHost, -1});
+  std::vector<LocalRegion> DstRegions() { return HostRegions(dst_, kItem); }
+
+  // Three backends over tcp: sender_ (src_ registered, random from `seed`), receiver_ (dst_) and
+  // a third one made with `hooks`, the peer whose trouble a test makes (its pool `third_dst_`,
+  // registered: `third_descriptor_`). The sender is connected to the receiver only (`fast_`).
+  void StartWithThird(const UcxTestHooks& hooks, uint32_t seed) {
+    auto s = CreateBackend(Tcp());
+    auto a = CreateBackend(Tcp());
+    auto b = CreateUcxBackendForTest(Tcp(), hooks);
+    ASSERT_TRUE(s.ok() && a.ok() && b.ok());
+    sender_ = std::move(s).value();
+    receiver_ = std::move(a).value();
+    third_ = std::move(b).value();
+    for (int i = 0; i < kBuffers; ++i) src_.push_back(testing::RandomBytes(kBufferBytes, seed + i));
+    dst_.assign(kBuffers * kBufferBytes, kPoison);
+    third_dst_.assign(kBuffers * kBufferBytes, kPoison);
+    std::vector<LocalRegion> src;
+    for (auto& buffer : src_) {
+      src.push_back(LocalRegion{reinterpret_cast<uint64_t>(buffer.data()), buffer.size(), kItem,
+                                MemoryKind::kHost, -1});
     }
-    return regions;
+    ASSERT_TRUE(sender_->Register(src).ok());
+    auto fast_descriptor = receiver_->Register(DstRegions());
+    ASSERT_TRUE(fast_descriptor.ok()) << fast_descriptor.status();
+    auto third_descriptor = third_->Register(HostRegions(third_dst_, kItem));
+    ASSERT_TRUE(third_descriptor.ok()) << third_descriptor.status();
+    third_descriptor_ = *third_descriptor;
+    auto fast = sender_->Connect(*fast_descriptor);
+    ASSERT_TRUE(fast.ok()) << fast.status();
+    fast_ = *fast;
   }
 
   // A staged receiver over tcp (host memory staged as a CUDA pool would be: 2 slots of 1 MiB)
@@ -93,6 +126,7 @@ class UcxAmTest : public ::testing::Test {
   void TearDown() override {
     sender_.reset();
     receiver_.reset();
+    third_.reset();
   }
 
   std::vector<CopyRun> Pages(uint32_t buffer, uint64_t bytes_per_run) const {
@@ -117,6 +151,11 @@ class UcxAmTest : public ::testing::Test {
   std::vector<std::vector<uint8_t>> src_;
   std::vector<uint8_t> dst_;
   StatusOr<PeerId> peer_ = NotFound("not started");
+  // StartWithThird.
+  std::unique_ptr<Backend> third_;
+  std::vector<uint8_t> third_dst_;
+  PeerDescriptor third_descriptor_;
+  PeerId fast_ = 0;
 };
 
 // The path writes to the peer take, or the error's text.
@@ -409,30 +448,8 @@ TEST_F(UcxAmTest, AnAliveFencedSenderFailsItsWritesAtOnceAndOtherSendersLand) {
 TEST_F(UcxAmTest, AReleaseOrDisconnectWaitingForAcksLetsOtherPeersWritesThrough) {
   UcxTestHooks slow;
   slow.ack_delay_us = 1'500'000;
-  auto s = CreateBackend(Tcp());
-  auto a = CreateBackend(Tcp());
-  auto b = CreateUcxBackendForTest(Tcp(), slow);
-  ASSERT_TRUE(s.ok() && a.ok() && b.ok());
-  sender_ = std::move(s).value();
-  receiver_ = std::move(a).value();
-  std::unique_ptr<Backend> slow_receiver = std::move(b).value();
-  for (int i = 0; i < kBuffers; ++i) src_.push_back(testing::RandomBytes(kBufferBytes, 90 + i));
-  dst_.assign(kBuffers * kBufferBytes, kPoison);
-  std::vector<uint8_t> slow_dst(kBuffers * kBufferBytes, kPoison);
-  ASSERT_TRUE(RegisterHost(*sender_, src_, kItem).ok());
-  auto fast_descriptor = receiver_->Register(DstRegions());
-  ASSERT_TRUE(fast_descriptor.ok()) << fast_descriptor.status();
-  std::vector<LocalRegion> slow_regions;
-  for (int i = 0; i < kBuffers; ++i) {
-    slow_regions.push_back(
-        LocalRegion{reinterpret_cast<uint64_t>(slow_dst.data() + i * kBufferBytes), kBufferBytes,
-                    kItem, MemoryKind::kHost, -1});
-  }
-  auto slow_descriptor = slow_receiver->Register(slow_regions);
-  ASSERT_TRUE(slow_descriptor.ok()) << slow_descriptor.status();
-  auto fast = sender_->Connect(*fast_descriptor);
-  ASSERT_TRUE(fast.ok()) << fast.status();
-  auto slow_peer = sender_->Connect(*slow_descriptor);
+  ASSERT_NO_FATAL_FAILURE(StartWithThird(slow, 90));
+  auto slow_peer = sender_->Connect(third_descriptor_);
   ASSERT_TRUE(slow_peer.ok()) << slow_peer.status();
   ASSERT_EQ(PathOf(*sender_, *slow_peer), "am");
 
@@ -446,7 +463,7 @@ TEST_F(UcxAmTest, AReleaseOrDisconnectWaitingForAcksLetsOtherPeersWritesThrough)
     });
     std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the wait is under way
     const std::vector<CopyRun> runs = Pages(buffer, 4096);
-    auto w = sender_->PostWrite(*fast, runs);
+    auto w = sender_->PostWrite(fast_, runs);
     const Status done = w.ok() ? WaitFor(*sender_, *w, std::chrono::seconds(10)) : w.status();
     const bool overtaken = waiting.load();
     waiter.join();
@@ -469,9 +486,9 @@ TEST_F(UcxAmTest, AReleaseOrDisconnectWaitingForAcksLetsOtherPeersWritesThrough)
   ASSERT_TRUE(held.ok()) << held.status();
   write_to_fast_peer_during([&] { KVT_EXPECT_OK(sender_->Disconnect(*slow_peer)); }, 2);
   // What reached the slow peer landed; only its acks were late.
-  EXPECT_EQ(std::memcmp(slow_dst.data(), src_[0].data(), 16384), 0);
+  EXPECT_EQ(std::memcmp(third_dst_.data(), src_[0].data(), 16384), 0);
   sender_.reset();
-  slow_receiver.reset();
+  third_.reset();
 }
 
 // ---- a hostile sender ---------------------------------------------------------------------------
@@ -540,6 +557,24 @@ class RawSender {
     return done;
   }
 
+  // Opens copy-run link `link` as the sender backend `instance`: its hello, until acknowledged.
+  bool OpenRunLink(uint64_t instance, uint64_t link) {
+    hello_acked = false;
+    return Send(ucx_staging::kAmHello,
+                ucx_staging::Encode(
+                    ucx_staging::Hello{instance, link, ucx_staging::LinkMode::kRuns}),
+                own_address()) &&
+           Progress([&] { return hello_acked; });
+  }
+  // A run message on `link`: message `index` of write `write`, 64 bytes of `fill` for offset
+  // `offset` of buffer 0.
+  bool SendRun(uint64_t instance, uint64_t link, uint64_t write, uint32_t index, uint64_t offset,
+               char fill = 'A') {
+    auto header = ucx_staging::EncodeRuns({instance, link, write, index, 1},
+                                          std::vector<ucx_staging::RunSegment>{{0, offset, 64}});
+    return header.ok() && Send(ucx_staging::kAmRuns, *header, std::string(64, fill));
+  }
+
   template <typename Done>
   bool Progress(Done&& done) {
     const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(10);
@@ -579,6 +614,26 @@ class RawSender {
   std::string own_address_;
 };
 
+// Tests with a raw copy-run sender: receiver_ (connected to sender_) is registered again for its
+// descriptor, and raw_ is the sender backend `instance` with its link 1 open at the receiver.
+class UcxAmRawTest : public UcxAmTest {
+ protected:
+  void StartRaw(uint64_t instance) {
+    Start(Tcp());
+    ASSERT_TRUE(peer_.ok()) << peer_.status();
+    auto descriptor = receiver_->Register(DstRegions());
+    ASSERT_TRUE(descriptor.ok()) << descriptor.status();
+    raw_ = std::make_unique<RawSender>();
+    ASSERT_TRUE(raw_->Start(ucx_staging::SplitPeerAddress(descriptor->address).runs_address));
+    ASSERT_TRUE(raw_->OpenRunLink(instance, 1));
+  }
+  void TearDown() override {
+    raw_.reset();
+    UcxAmTest::TearDown();
+  }
+  std::unique_ptr<RawSender> raw_;
+};
+
 TEST_F(UcxAmTest, MalformedAndOutOfRangeRunMessagesAreRefusedAndTheRealPeerIsUndisturbed) {
   Start(Tcp());
   ASSERT_TRUE(peer_.ok()) << peer_.status();
@@ -601,11 +656,7 @@ TEST_F(UcxAmTest, MalformedAndOutOfRangeRunMessagesAreRefusedAndTheRealPeerIsUnd
   // Garbage as a header.
   ASSERT_TRUE(raw.Send(ucx_staging::kAmRuns, std::vector<uint8_t>(40, 0xab), std::string(8, 'x')));
 
-  ASSERT_TRUE(
-      raw.Send(ucx_staging::kAmHello,
-               ucx_staging::Encode(ucx_staging::Hello{instance, 1, ucx_staging::LinkMode::kRuns}),
-               raw.own_address()));
-  ASSERT_TRUE(raw.Progress([&] { return raw.hello_acked; }));
+  ASSERT_TRUE(raw.OpenRunLink(instance, 1));
   // A segment past the end of buffer 2, one naming a buffer that does not exist, and one whose
   // bytes disagree with the data: each answered with an error naming the value.
   header = ucx_staging::EncodeRuns({instance, 1, 7, 0, 1},
@@ -728,18 +779,9 @@ TEST_F(UcxAmTest, FencedSendersLinksLandNothingMoreAndANewLinkDoes) {
   RawSender raw;
   ASSERT_TRUE(raw.Start(split.runs_address));
   const uint64_t instance = 0xfe9ce;
-  auto hello = [&](uint64_t link) {
-    raw.hello_acked = false;
-    return raw.Send(ucx_staging::kAmHello,
-                    ucx_staging::Encode(
-                        ucx_staging::Hello{instance, link, ucx_staging::LinkMode::kRuns}),
-                    raw.own_address()) &&
-           raw.Progress([&] { return raw.hello_acked; });
-  };
+  auto hello = [&](uint64_t link) { return raw.OpenRunLink(instance, link); };
   auto message = [&](uint64_t link, uint32_t index, uint64_t offset) {
-    auto header = ucx_staging::EncodeRuns({instance, link, 5, index, 1},
-                                          std::vector<ucx_staging::RunSegment>{{0, offset, 64}});
-    return header.ok() && raw.Send(ucx_staging::kAmRuns, *header, std::string(64, 'A'));
+    return raw.SendRun(instance, link, 5, index, offset);
   };
   ASSERT_TRUE(hello(1));
   ASSERT_TRUE(message(1, 0, 0));
@@ -784,30 +826,17 @@ TEST_F(UcxAmTest, FencedSendersLinksLandNothingMoreAndANewLinkDoes) {
 
 // A sender that keeps writing on a fenced link has every message answered, but the receiver's
 // warnings about them are bounded (10 a second), so that the sender cannot flood its log.
-TEST_F(UcxAmTest, RefusalsOfAFloodOfMessagesAreAllAnsweredButLoggedAtABoundedRate) {
-  Start(Tcp());
-  ASSERT_TRUE(peer_.ok()) << peer_.status();
-  auto descriptor = receiver_->Register(DstRegions());
-  ASSERT_TRUE(descriptor.ok()) << descriptor.status();
-  RawSender raw;
-  ASSERT_TRUE(raw.Start(ucx_staging::SplitPeerAddress(descriptor->address).runs_address));
+TEST_F(UcxAmRawTest, RefusalsOfAFloodOfMessagesAreAllAnsweredButLoggedAtABoundedRate) {
   const uint64_t instance = 0xf100d;
-  ASSERT_TRUE(
-      raw.Send(ucx_staging::kAmHello,
-               ucx_staging::Encode(ucx_staging::Hello{instance, 1, ucx_staging::LinkMode::kRuns}),
-               raw.own_address()));
-  ASSERT_TRUE(raw.Progress([&] { return raw.hello_acked; }));
+  ASSERT_NO_FATAL_FAILURE(StartRaw(instance));
+  RawSender& raw = *raw_;
   PeerDescriptor sender;
   sender.backend = "ucx";
   sender.address = ucx_staging::AppendTrailer(raw.own_address(), {.instance = instance});
   receiver_->FenceSender(sender);
 
   constexpr uint32_t kMessages = 200;
-  auto send = [&](uint32_t i) {
-    auto header = ucx_staging::EncodeRuns({instance, 1, 9, i, 1},
-                                          std::vector<ucx_staging::RunSegment>{{0, 64ull * i, 64}});
-    return header.ok() && raw.Send(ucx_staging::kAmRuns, *header, std::string(64, 'F'));
-  };
+  auto send = [&](uint32_t i) { return raw.SendRun(instance, 1, 9, i, 64ull * i, 'F'); };
   ::testing::internal::CaptureStderr();
   bool sent = true;
   for (uint32_t i = 0; i < kMessages && sent; ++i) sent = send(i);
@@ -845,15 +874,6 @@ TEST_F(UcxAmTest, RefusalsOfAFloodOfMessagesAreAllAnsweredButLoggedAtABoundedRat
 
 // ---- connects that wait, and links that outlive one another -----------------------------------
 
-std::vector<LocalRegion> HostRegions(std::vector<uint8_t>& pool, uint64_t item) {
-  std::vector<LocalRegion> regions;
-  for (int b = 0; b < kBuffers; ++b) {
-    regions.push_back(LocalRegion{reinterpret_cast<uint64_t>(pool.data() + b * kBufferBytes),
-                                  kBufferBytes, item, MemoryKind::kHost, -1});
-  }
-  return regions;
-}
-
 // Connect sets up the UCX endpoint to a copy-run peer and waits (at most 5 s) for the peer to
 // answer. A peer whose worker does not progress stalls only that Connect: writes to other peers
 // go on meanwhile, re-registering is refused saying why, and the Connect completes once the peer
@@ -862,30 +882,14 @@ TEST_F(UcxAmTest, AConnectWaitingForAnUnresponsivePeerLetsOtherPeersWritesThroug
   auto hold = std::make_shared<std::atomic<bool>>(false);
   UcxTestHooks held;
   held.hold_progress = hold;
-  auto s = CreateBackend(Tcp());
-  auto a = CreateBackend(Tcp());
-  auto b = CreateUcxBackendForTest(Tcp(), held);
-  ASSERT_TRUE(s.ok() && a.ok() && b.ok());
-  sender_ = std::move(s).value();
-  receiver_ = std::move(a).value();
-  std::unique_ptr<Backend> unresponsive = std::move(b).value();
-  for (int i = 0; i < kBuffers; ++i) src_.push_back(testing::RandomBytes(kBufferBytes, 70 + i));
-  dst_.assign(kBuffers * kBufferBytes, kPoison);
-  std::vector<uint8_t> held_dst(kBuffers * kBufferBytes, kPoison);
-  ASSERT_TRUE(RegisterHost(*sender_, src_, kItem).ok());
-  auto fast_descriptor = receiver_->Register(DstRegions());
-  ASSERT_TRUE(fast_descriptor.ok()) << fast_descriptor.status();
-  auto held_descriptor = unresponsive->Register(HostRegions(held_dst, kItem));
-  ASSERT_TRUE(held_descriptor.ok()) << held_descriptor.status();
-  auto fast = sender_->Connect(*fast_descriptor);
-  ASSERT_TRUE(fast.ok()) << fast.status();
-  ASSERT_EQ(PathOf(*sender_, *fast), "am");
+  ASSERT_NO_FATAL_FAILURE(StartWithThird(held, 70));
+  ASSERT_EQ(PathOf(*sender_, fast_), "am");
 
   hold->store(true);
   std::atomic<bool> connecting{true};
   StatusOr<PeerId> held_peer = NotFound("not connected yet");
   std::thread connect([&] {
-    held_peer = sender_->Connect(*held_descriptor);
+    held_peer = sender_->Connect(third_descriptor_);
     connecting.store(false);
   });
   // The Connect is under way once re-registering (the same buffers: harmless if it goes
@@ -897,7 +901,7 @@ TEST_F(UcxAmTest, AConnectWaitingForAnUnresponsivePeerLetsOtherPeersWritesThroug
   } while (reregistered.ok() && std::chrono::steady_clock::now() < give_up);
   const bool held_connect = connecting.load();
   const std::vector<CopyRun> runs = Pages(1, 4096);
-  auto w = sender_->PostWrite(*fast, runs);
+  auto w = sender_->PostWrite(fast_, runs);
   // Polled as seldom as the engine polls (the backend's own progress must carry the write).
   const Status done =
       w.ok() ? WaitFor(*sender_, *w, std::chrono::seconds(10), std::chrono::milliseconds(5))
@@ -921,7 +925,7 @@ TEST_F(UcxAmTest, AConnectWaitingForAnUnresponsivePeerLetsOtherPeersWritesThroug
   ASSERT_TRUE(late.ok()) << late.status();
   KVT_EXPECT_OK(WaitFor(*sender_, *late));
   sender_->Release(*late);
-  EXPECT_EQ(std::memcmp(held_dst.data() + 2 * kBufferBytes + 8192, src_[2].data(), 16384), 0);
+  EXPECT_EQ(std::memcmp(third_dst_.data() + 2 * kBufferBytes + 8192, src_[2].data(), 16384), 0);
 }
 
 // A backend that links to the same peer backend twice (a reconnect before the older link is let
@@ -929,23 +933,12 @@ TEST_F(UcxAmTest, AConnectWaitingForAnUnresponsivePeerLetsOtherPeersWritesThroug
 // the disconnect of its last link to that backend refuses them, saying why. The peer backend's
 // messages come from a raw sender; the links go to sender_'s workers, published under the raw
 // sender's instance.
-TEST_F(UcxAmTest, DisconnectingAnOlderLinkKeepsThePeerBackendsMessagesAdmitted) {
-  Start(Tcp());
-  ASSERT_TRUE(peer_.ok()) << peer_.status();
-  auto descriptor = receiver_->Register(DstRegions());
-  ASSERT_TRUE(descriptor.ok()) << descriptor.status();
-  RawSender raw;
-  ASSERT_TRUE(raw.Start(ucx_staging::SplitPeerAddress(descriptor->address).runs_address));
+TEST_F(UcxAmRawTest, DisconnectingAnOlderLinkKeepsThePeerBackendsMessagesAdmitted) {
   const uint64_t instance = 0xfe9cf;
-  ASSERT_TRUE(
-      raw.Send(ucx_staging::kAmHello,
-               ucx_staging::Encode(ucx_staging::Hello{instance, 1, ucx_staging::LinkMode::kRuns}),
-               raw.own_address()));
-  ASSERT_TRUE(raw.Progress([&] { return raw.hello_acked; }));
+  ASSERT_NO_FATAL_FAILURE(StartRaw(instance));
+  RawSender& raw = *raw_;
   auto message = [&](uint32_t index, uint64_t offset) {
-    auto header = ucx_staging::EncodeRuns({instance, 1, 5, index, 1},
-                                          std::vector<ucx_staging::RunSegment>{{0, offset, 64}});
-    return header.ok() && raw.Send(ucx_staging::kAmRuns, *header, std::string(64, 'A'));
+    return raw.SendRun(instance, 1, 5, index, offset);
   };
 
   auto published = RegisterHost(*sender_, src_, kItem);
@@ -984,9 +977,7 @@ TEST_F(UcxAmTest, DisconnectingAnOlderLinkKeepsThePeerBackendsMessagesAdmitted) 
 // then fails leaves nothing admitted), and the Connect takes them back once it succeeds. The
 // backend's messages come from a raw sender that claims the instance of the backend the links
 // go to (whose progress the test holds).
-TEST_F(UcxAmTest, AConnectUnderWayDoesNotKeepADisconnectedBackendsMessagesAdmitted) {
-  Start(Tcp());
-  ASSERT_TRUE(peer_.ok()) << peer_.status();
+TEST_F(UcxAmRawTest, AConnectUnderWayDoesNotKeepADisconnectedBackendsMessagesAdmitted) {
   auto hold = std::make_shared<std::atomic<bool>>(false);
   UcxTestHooks held;
   held.hold_progress = hold;
@@ -999,20 +990,10 @@ TEST_F(UcxAmTest, AConnectUnderWayDoesNotKeepADisconnectedBackendsMessagesAdmitt
   const auto trailer = ucx_staging::SplitPeerAddress(target_descriptor->address).trailer;
   ASSERT_TRUE(trailer.has_value());
   const uint64_t instance = trailer->instance;
-
-  auto descriptor = receiver_->Register(DstRegions());
-  ASSERT_TRUE(descriptor.ok()) << descriptor.status();
-  RawSender raw;
-  ASSERT_TRUE(raw.Start(ucx_staging::SplitPeerAddress(descriptor->address).runs_address));
-  ASSERT_TRUE(
-      raw.Send(ucx_staging::kAmHello,
-               ucx_staging::Encode(ucx_staging::Hello{instance, 1, ucx_staging::LinkMode::kRuns}),
-               raw.own_address()));
-  ASSERT_TRUE(raw.Progress([&] { return raw.hello_acked; }));
+  ASSERT_NO_FATAL_FAILURE(StartRaw(instance));
+  RawSender& raw = *raw_;
   auto message = [&](uint32_t index, uint64_t offset) {
-    auto header = ucx_staging::EncodeRuns({instance, 1, 5, index, 1},
-                                          std::vector<ucx_staging::RunSegment>{{0, offset, 64}});
-    return header.ok() && raw.Send(ucx_staging::kAmRuns, *header, std::string(64, 'A'));
+    return raw.SendRun(instance, 1, 5, index, offset);
   };
 
   auto first = receiver_->Connect(*target_descriptor);

@@ -1160,14 +1160,19 @@ class LaneTest : public ControlServerTest {
     return client;
   }
 
-  // A raw client's side of the lane setup: offers `lane` (4 KiB rings), waits for the server to
-  // accept it and switches its own frames to it.
-  static Status SwitchToLane(RawClient& raw, const internal::Lane& lane) {
+  // The LaneOffer of `lane`.
+  static v1::Envelope OfferOf(const internal::Lane& lane) {
     v1::Envelope offer;
     offer.mutable_lane_offer()->set_name(lane.name());
     offer.mutable_lane_offer()->set_nonce(lane.nonce());
     offer.mutable_lane_offer()->set_ring_bytes(lane.ring_bytes());
-    if (!raw.SendEnvelope(offer)) return Unavailable("sending the lane offer failed");
+    return offer;
+  }
+
+  // A raw client's side of the lane setup: offers `lane` (4 KiB rings), waits for the server to
+  // accept it and switches its own frames to it.
+  static Status SwitchToLane(RawClient& raw, const internal::Lane& lane) {
+    if (!raw.SendEnvelope(OfferOf(lane))) return Unavailable("sending the lane offer failed");
     for (int i = 0; i < 10; ++i) {
       KVT_ASSIGN_OR_RETURN(v1::Envelope e, raw.ReadFrame());
       if (!e.has_lane_reply()) continue;
@@ -1280,10 +1285,7 @@ TEST_F(LaneTest, ASleepingReaderIsRungWhileTheSwitchsWriteIsStillCompleting) {
   }
   auto lane = internal::Lane::Create(4096);
   ASSERT_TRUE(lane.ok()) << lane.status();
-  v1::Envelope offer;
-  offer.mutable_lane_offer()->set_name((*lane)->name());
-  offer.mutable_lane_offer()->set_nonce((*lane)->nonce());
-  offer.mutable_lane_offer()->set_ring_bytes((*lane)->ring_bytes());
+  const v1::Envelope offer = OfferOf(**lane);
   v1::Envelope held = testing::MakeAgentRegistration();
   held.set_id(4242);
   // One send: the server reads both frames at once and handles the registration (held in the
@@ -1602,10 +1604,7 @@ TEST_F(LaneTest, ASecondLaneOfferOnAConnectionIsRefused) {
     ASSERT_TRUE(raw.connected());
     auto lane = internal::Lane::Create(4096);
     ASSERT_TRUE(lane.ok()) << lane.status();
-    v1::Envelope offer;
-    offer.mutable_lane_offer()->set_name((*lane)->name());
-    offer.mutable_lane_offer()->set_nonce((*lane)->nonce());
-    offer.mutable_lane_offer()->set_ring_bytes((*lane)->ring_bytes());
+    v1::Envelope offer = OfferOf(**lane);
     ASSERT_TRUE(raw.SendEnvelope(offer));
     std::optional<v1::LaneReply> reply;
     for (int i = 0; i < 10 && !reply; ++i) {  // the challenge, then the reply
