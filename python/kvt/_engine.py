@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import numbers
 import threading
 from typing import Any, Optional, Union
 
@@ -111,6 +112,24 @@ def _seconds(value: Optional[float], what: str) -> float:
     return float(value)
 
 
+def _room(room: Any) -> str:
+    """A room id from a str or an int; anything else (None, bytes, a float) is refused."""
+    if isinstance(room, bool) or not isinstance(room, (str, numbers.Integral)):
+        raise TypeError(f"room: expected a str or an int, got {type(room).__name__} ({room!r})")
+    return str(room)
+
+
+def _aux_slot(value: Any) -> int:
+    """The native aux slot: -1 for None (no aux data), else a slot >= 0."""
+    if value is None:
+        return -1
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"aux_slot: expected an int or None, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"aux_slot = {int(value)}: must be >= 0 (None: no aux data)")
+    return int(value)
+
+
 def _event_handle(event: Any, cuda_layout: bool) -> int:
     if event is None:
         return 0
@@ -177,8 +196,12 @@ class Request:
         else:
             d = native.wait(self.room, _seconds(timeout, "timeout"))
             if d is None:
+                try:
+                    state = self.poll().name
+                except (KeyError, ValueError):  # forgotten, or the engine closed, meanwhile
+                    state = "unknown"
                 raise TimeoutError(f"room {self.room!r} is not final after {timeout} s "
-                                   f"(state {self.poll().name})")
+                                   f"(state {state})")
         self._engine._release_event(self.room)
         return _POLL[d["state"]]
 
@@ -347,10 +370,10 @@ class TransferEngine:
         elif layers is not None:
             end = int(layers)
         handle = peer.handle if isinstance(peer, Peer) else int(peer)
-        room = str(room)
+        room = _room(room)
         self._engine.receive(room, handle, _pages(dst_pages, "dst_pages"),
                              _seconds(deadline, "deadline"), int(begin), int(end),
-                             -1 if aux_slot is None else int(aux_slot))
+                             _aux_slot(aux_slot))
         return Request(self, room)
 
     # ---- prefill side --------------------------------------------------------------------
@@ -367,9 +390,9 @@ class TransferEngine:
         (:meth:`layers_ready`). ``aux_slot``: this engine's aux slot whose bytes go with the
         request (write them before ``layers_ready`` with the layer count: they are read once every
         layer is ready, even when the decode side asked for fewer)."""
-        room = str(room)
+        room = _room(room)
         self._engine.send(room, _pages(src_pages, "src_pages"), _seconds(deadline, "deadline"),
-                          bool(is_last), -1 if aux_slot is None else int(aux_slot))
+                          bool(is_last), _aux_slot(aux_slot))
         return Request(self, room)
 
     def layers_ready(self, room: Union[str, int], n: int, event: Any = None) -> None:
@@ -380,7 +403,7 @@ class TransferEngine:
         after this call returns (when the decode side's request comes later). The engine keeps
         a ``torch.cuda.Event`` alive until the room is final; a raw handle is the caller's to
         keep valid until then."""
-        room = str(room)
+        room = _room(room)
         handle = _event_handle(event, self._cuda_layout)
         if event is not None and not isinstance(event, int):
             self._keep_event(room, event)
@@ -409,13 +432,13 @@ class TransferEngine:
     # ---- both sides ----------------------------------------------------------------------
     def request(self, room: Union[str, int]) -> Request:
         """The handle of a room this engine knows (KeyError otherwise)."""
-        room = str(room)
+        room = _room(room)
         self._engine.get(room)
         return Request(self, room)
 
     def abort(self, room: Union[str, int], reason: str = "aborted by the caller") -> None:
         """Fails the room with Aborted and tells the peer (KeyError when unknown)."""
-        self._engine.abort(str(room), reason)
+        self._engine.abort(_room(room), reason)
 
     def stats(self) -> dict[str, int]:
         """requests_succeeded, requests_failed, bytes (of successful requests), writes_posted,

@@ -403,8 +403,10 @@ class TransferLayout:
                 if not contiguous:
                     raise ValueError(
                         f"{name} is not contiguous (shape {list(shape)}): kvt moves whole "
-                        "pages of contiguous memory; pass tensor.contiguous() kept alive by "
-                        "the pool, or allocate the pool contiguously")
+                        "pages of contiguous memory; register the contiguous tensor the pool "
+                        "allocated (not a view of it), or allocate the pool contiguously. "
+                        "tensor.contiguous() would be a copy the model never writes: its pages "
+                        "would move stale")
                 if len(shape) not in (3, 4):
                     raise ValueError(
                         f"{name} has shape {list(shape)}: expected [size + page_size, "

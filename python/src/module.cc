@@ -377,10 +377,12 @@ class Engine {
 
   uint16_t port() const { return get().port(); }
   std::string backend_name() const { return std::string(get().backend_name()); }
+  // No reference to the engine is held while Python objects are made (converting arguments,
+  // building the dicts returned): making them may run Python code (a collection's finalisers)
+  // that closes the engine on this very thread, and that close waits for every reference.
   py::dict layout() const {
-    // Held: building the dict may run Python code (a collection) that closes the engine.
-    const auto held = hold();
-    return LayoutDict(held->layout());
+    const transfer::TransferLayout copy = [&] { return hold()->layout(); }();
+    return LayoutDict(copy);
   }
 
   uint64_t Connect(const std::string& host, uint16_t port) {
@@ -399,6 +401,7 @@ class Engine {
 
   void Receive(const std::string& room, uint64_t peer, py::handle pages, double deadline,
                int32_t layer_begin, int32_t layer_end, int64_t aux_slot) {
+    std::vector<int32_t> dst = ToPages(pages, "dst_pages");
     const auto held = hold();
     auto& e = *held;
     transfer::ReceiveOptions o;
@@ -406,20 +409,19 @@ class Engine {
     o.layer_begin = layer_begin;
     o.layer_end = layer_end;
     o.aux_slot = aux_slot;
-    std::vector<int32_t> dst = ToPages(pages, "dst_pages");
     py::gil_scoped_release release;
     ThrowIfError(e.Receive(room, peer, std::move(dst), o), room);
   }
 
   void Send(const std::string& room, py::handle pages, double deadline, bool last,
             int64_t aux_slot) {
+    std::vector<int32_t> src = ToPages(pages, "src_pages");
     const auto held = hold();
     auto& e = *held;
     transfer::SendOptions o;
     o.deadline = Millis(deadline);
     o.last = last;
     o.aux_slot = aux_slot;
-    std::vector<int32_t> src = ToPages(pages, "src_pages");
     py::gil_scoped_release release;
     ThrowIfError(e.Send(room, std::move(src), o), room);
   }
@@ -432,22 +434,23 @@ class Engine {
   }
 
   py::dict Get(const std::string& room) const {
-    const auto held = hold();
-    auto& e = *held;
     StatusOr<transfer::RequestInfo> info = [&] {
+      const auto held = hold();
       py::gil_scoped_release release;
-      return e.GetRequest(room);
+      return held->GetRequest(room);
     }();
     return InfoDict(ValueOrThrow(std::move(info), room));
   }
 
-  // The info once final; None when `timeout` passed first.
+  // The info once final; None when `timeout` passed first. Between slices the wait looks at
+  // Python's signals (on the main thread: Ctrl-C, a SIGTERM handler), whose exception it raises.
   py::object Wait(const std::string& room, double timeout) const {
-    const auto held = hold();
-    auto& e = *held;
     const std::chrono::milliseconds limit = Millis(timeout);
     bool closed_meanwhile = false;
+    bool signalled = false;
     StatusOr<transfer::RequestInfo> info = [&] {
+      const auto held = hold();
+      auto& e = *held;
       py::gil_scoped_release release;
       // In slices, so that a close() on another thread ends the wait.
       const auto until = std::chrono::steady_clock::now() + limit;
@@ -468,8 +471,14 @@ class Engine {
           closed_meanwhile = true;
           return r;
         }
+        py::gil_scoped_acquire acquire;
+        if (PyErr_CheckSignals() != 0) {
+          signalled = true;
+          return r;
+        }
       }
     }();
+    if (signalled) throw py::error_already_set();
     if (closed_meanwhile) {
       throw py::value_error("the engine was closed while waiting for room '" + room + "'");
     }
@@ -661,8 +670,9 @@ class RegionWriter {
       regions[i].kind = d[i] < 0 ? transfer::MemoryKind::kHost : transfer::MemoryKind::kCuda;
       regions[i].device = static_cast<int32_t>(d[i]);
     }
-    const auto backend = hold();
+    // No reference to the backend is held while the tuples are made (as in the engine's calls).
     StatusOr<transfer::PeerDescriptor> registered = [&] {
+      const auto backend = hold();
       py::gil_scoped_release release;
       return backend->Register(regions);
     }();
@@ -707,7 +717,8 @@ class RegionWriter {
 
   // Writes the runs (rows of [local region, peer region, src offset, dst offset, bytes]) and
   // returns once every byte is visible at the peer; DeadlineExceeded after `timeout` seconds.
-  void Write(uint64_t peer, const py::array_t<uint64_t, py::array::c_style | py::array::forcecast>& rows,
+  void Write(uint64_t peer,
+             const py::array_t<uint64_t, py::array::c_style | py::array::forcecast>& rows,
              double timeout) {
     if (rows.ndim() != 2 || rows.shape(1) != 5) {
       throw py::value_error(
