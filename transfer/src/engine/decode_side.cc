@@ -107,6 +107,12 @@ StatusOr<PeerHandle> DecodeSide::Connect(const std::string& host, uint16_t port,
   DecodePeer* raw = peer.get();
   {
     MutexLock lock(ctx_.mu);
+    // Checked again where the peer becomes visible to Interrupt: one that came after
+    // ConnectPeer's check would not find this peer to end its wait for the hello's answer.
+    if (ctx_.interrupted) {
+      return Aborted("ConnectPeer(" + address +
+                     ") after TransferEngine::Interrupt: the engine is closing");
+    }
     id = next_peer_++;
     raw->id = id;
     raw->handler = std::make_unique<PeerClientHandler>(this, id);
@@ -131,9 +137,18 @@ StatusOr<PeerHandle> DecodeSide::Connect(const std::string& host, uint16_t port,
     return client.status().WithContext("connecting to prefill engine at " + address);
   }
   control::ControlClient* client_raw = client->get();
+  bool interrupted;
   {
     MutexLock lock(ctx_.mu);
     raw->client = std::move(client).value();
+    interrupted = ctx_.interrupted;
+  }
+  if (interrupted) {
+    // Interrupted while the connection was being made (that part is bounded by the connect
+    // timeout, not ended by Interrupt): no hello goes out.
+    DropPeer(id);
+    return Aborted("ConnectPeer(" + address +
+                   ") interrupted (TransferEngine::Interrupt: the engine is closing)");
   }
   v1::Envelope hello;
   hello.mutable_hello()->set_protocol_version(control::kProtocolVersion);
@@ -552,8 +567,7 @@ void DecodeSide::OnPeerMessage(PeerHandle peer_id, const v1::Envelope& envelope)
           return;
         }
         room->bytes = done.bytes();
-        Status aux = done.status() == v1::STATUS_CODE_OK ? StoreAuxLocked(*room, done)
-                                                         : OkStatus();
+        Status aux = done.status() == v1::STATUS_CODE_OK ? StoreAuxLocked(*room, done) : OkStatus();
         if (!aux.ok()) {
           FailLocked(*room, aux);
         } else if (done.status() == v1::STATUS_CODE_OK) {
