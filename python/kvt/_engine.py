@@ -337,7 +337,11 @@ class TransferEngine:
         """Connects to the prefill engine at host:port (layouts are compared in the hello; a
         mismatch raises TransferError naming both sides' values). Connecting again to a live
         address returns the same peer."""
-        return Peer(self._engine.connect(host, int(port)), host, int(port))
+        port = int(port)
+        if not 0 < port <= 65535:
+            raise ValueError(f"port = {port}: must be 1..65535 (the prefill engine's "
+                             "engine.port)")
+        return Peer(self._engine.connect(host, port), host, port)
 
     def receive(
         self,
@@ -370,6 +374,8 @@ class TransferEngine:
         elif layers is not None:
             end = int(layers)
         handle = peer.handle if isinstance(peer, Peer) else int(peer)
+        if handle < 0:
+            raise ValueError(f"peer = {handle}: not a peer; pass what connect() returned")
         room = _room(room)
         self._engine.receive(room, handle, _pages(dst_pages, "dst_pages"),
                              _seconds(deadline, "deadline"), int(begin), int(end),

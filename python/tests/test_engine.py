@@ -406,6 +406,10 @@ def test_room_ids_and_aux_slots_are_checked(pair) -> None:
     # Nothing was started by the refused calls; an int room id is its decimal text.
     with pytest.raises(KeyError):
         pair.decode.request("aux")
+    with pytest.raises(ValueError, match=r"port = 70000: must be 1\.\.65535"):
+        pair.decode.connect("127.0.0.1", 70000)
+    with pytest.raises(ValueError, match=r"peer = -3: not a peer"):
+        pair.decode.receive("aux", -3, [1])
     req = pair.decode.receive(7, pair.peer, [2], aux_slot=np.int64(1))
     assert req.room == "7"
     req.abort()
