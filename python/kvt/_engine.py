@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import numbers
+import operator
 import threading
 from typing import Any, Optional, Union
 
@@ -112,22 +112,34 @@ def _seconds(value: Optional[float], what: str) -> float:
     return float(value)
 
 
+def _index(value: Any, what: str) -> int:
+    """An int from an int-like value (int, numpy integer, a one-element integer tensor);
+    bools and anything else are refused naming the type."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise TypeError(f"{what}: expected an int, got {type(value).__name__} ({value!r})")
+
+
 def _room(room: Any) -> str:
-    """A room id from a str or an int; anything else (None, bytes, a float) is refused."""
-    if isinstance(room, bool) or not isinstance(room, (str, numbers.Integral)):
-        raise TypeError(f"room: expected a str or an int, got {type(room).__name__} ({room!r})")
-    return str(room)
+    """A room id from a str or an int-like value; anything else (None, bytes, a float) is
+    refused."""
+    if isinstance(room, str):
+        return room
+    return str(_index(room, "room (a str or an int)"))
 
 
 def _aux_slot(value: Any) -> int:
-    """The native aux slot: -1 for None (no aux data), else a slot >= 0."""
+    """The native aux slot: -1 for None or -1 (no aux data, SGLang's sentinel), else a slot
+    >= 0; other negative values are refused."""
     if value is None:
         return -1
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"aux_slot: expected an int or None, got {type(value).__name__}")
-    if value < 0:
-        raise ValueError(f"aux_slot = {int(value)}: must be >= 0 (None: no aux data)")
-    return int(value)
+    slot = _index(value, "aux_slot (an int or None)")
+    if slot < -1:
+        raise ValueError(f"aux_slot = {slot}: must be >= 0 (None or -1: no aux data)")
+    return slot
 
 
 def _event_handle(event: Any, cuda_layout: bool) -> int:

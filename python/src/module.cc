@@ -442,48 +442,32 @@ class Engine {
     return InfoDict(ValueOrThrow(std::move(info), room));
   }
 
-  // The info once final; None when `timeout` passed first. Between slices the wait looks at
-  // Python's signals (on the main thread: Ctrl-C, a SIGTERM handler), whose exception it raises.
+  // The info once final; None when `timeout` passed first. Between slices, with the GIL and
+  // without a reference to the engine, the wait runs Python's signal handlers (on the main
+  // thread: Ctrl-C, a SIGTERM handler, which may close the engine) and raises their exception.
   py::object Wait(const std::string& room, double timeout) const {
     const std::chrono::milliseconds limit = Millis(timeout);
-    bool closed_meanwhile = false;
-    bool signalled = false;
-    StatusOr<transfer::RequestInfo> info = [&] {
-      const auto held = hold();
-      auto& e = *held;
-      py::gil_scoped_release release;
-      // In slices, so that a close() on another thread ends the wait.
-      const auto until = std::chrono::steady_clock::now() + limit;
-      while (true) {
-        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-            until - std::chrono::steady_clock::now());
-        StatusOr<transfer::RequestInfo> r =
-            e.WaitRequest(room, std::clamp(left, std::chrono::milliseconds(0), wait_slice_));
-        const bool timed_out = !r.ok() && r.status().code() == StatusCode::kDeadlineExceeded;
-        // A close() interrupts the engine's waits (TransferEngine::Interrupt) or, between two
-        // slices, ends this one.
-        if ((!r.ok() || timed_out) && closing_.load(std::memory_order_acquire)) {
-          closed_meanwhile = true;
-          return r;
-        }
-        if (!timed_out || left <= wait_slice_) return r;
-        if (closing_.load(std::memory_order_acquire)) {
-          closed_meanwhile = true;
-          return r;
-        }
-        py::gil_scoped_acquire acquire;
-        if (PyErr_CheckSignals() != 0) {
-          signalled = true;
-          return r;
-        }
-      }
-    }();
-    if (signalled) throw py::error_already_set();
-    if (closed_meanwhile) {
-      throw py::value_error("the engine was closed while waiting for room '" + room + "'");
+    const auto until = std::chrono::steady_clock::now() + limit;
+    auto closed = [&] {
+      return py::value_error("the engine was closed while waiting for room '" + room + "'");
+    };
+    while (true) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          until - std::chrono::steady_clock::now());
+      StatusOr<transfer::RequestInfo> r = [&] {
+        const auto held = hold();
+        py::gil_scoped_release release;
+        return held->WaitRequest(room, std::clamp(left, std::chrono::milliseconds(0), wait_slice_));
+      }();
+      const bool timed_out = !r.ok() && r.status().code() == StatusCode::kDeadlineExceeded;
+      // A close() interrupts the engine's waits (TransferEngine::Interrupt) or, between two
+      // slices, ends this one.
+      if (!r.ok() && closing_.load(std::memory_order_acquire)) throw closed();
+      if (!timed_out) return InfoDict(ValueOrThrow(std::move(r), room));
+      if (left <= wait_slice_) return py::none();
+      if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+      if (closing_.load(std::memory_order_acquire) || engine_ == nullptr) throw closed();
     }
-    if (!info.ok() && info.status().code() == StatusCode::kDeadlineExceeded) return py::none();
-    return InfoDict(ValueOrThrow(std::move(info), room));
   }
 
   void Abort(const std::string& room, const std::string& reason) {

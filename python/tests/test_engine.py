@@ -395,24 +395,33 @@ def test_durations_and_events_are_checked(pair) -> None:
 
 
 def test_room_ids_and_aux_slots_are_checked(pair) -> None:
-    with pytest.raises(TypeError, match=r"room: expected a str or an int, got NoneType"):
+    with pytest.raises(TypeError, match=r"room \(a str or an int\): expected an int, got NoneType"):
         pair.decode.receive(None, pair.peer, [1])
-    with pytest.raises(TypeError, match=r"room: expected a str or an int, got float"):
+    with pytest.raises(TypeError, match=r"room \(a str or an int\): expected an int, got float"):
         pair.prefill.send(1.5, [1])
-    with pytest.raises(ValueError, match=r"aux_slot = -1: must be >= 0 \(None: no aux data\)"):
-        pair.decode.receive("aux", pair.peer, [1], aux_slot=-1)
-    with pytest.raises(TypeError, match=r"aux_slot: expected an int or None, got str"):
+    with pytest.raises(ValueError, match=r"aux_slot = -2: must be >= 0 \(None or -1: no aux"):
+        pair.decode.receive("aux", pair.peer, [1], aux_slot=-2)
+    with pytest.raises(TypeError, match=r"aux_slot \(an int or None\): expected an int, got str"):
         pair.prefill.send("aux", [1], aux_slot="0")
-    # Nothing was started by the refused calls; an int room id is its decimal text.
-    with pytest.raises(KeyError):
-        pair.decode.request("aux")
+    with pytest.raises(TypeError, match=r"expected an int, got bool"):
+        pair.prefill.send("aux", [1], aux_slot=True)
     with pytest.raises(ValueError, match=r"port = 70000: must be 1\.\.65535"):
         pair.decode.connect("127.0.0.1", 70000)
     with pytest.raises(ValueError, match=r"peer = -3: not a peer"):
         pair.decode.receive("aux", -3, [1])
-    req = pair.decode.receive(7, pair.peer, [2], aux_slot=np.int64(1))
+    # Nothing was started by the refused calls; an int-like room id is its decimal text, and
+    # -1 (SGLang's sentinel) means no aux data, as None does.
+    with pytest.raises(KeyError):
+        pair.decode.request("aux")
+    req = pair.decode.receive(np.int64(7), pair.peer, [2], aux_slot=np.int64(1))
     assert req.room == "7"
     req.abort()
+    req = pair.decode.receive("no-aux", pair.peer, [3], aux_slot=-1)
+    req.abort()
+    if torch is not None:
+        req = pair.decode.receive(torch.tensor(8), pair.peer, [4], aux_slot=torch.tensor(2))
+        assert req.room == "8"
+        req.abort()
 
 
 def test_a_signal_handler_runs_while_the_main_thread_waits(pair) -> None:
@@ -428,9 +437,9 @@ def test_a_signal_handler_runs_while_the_main_thread_waits(pair) -> None:
     try:
         req = pair.decode.receive("signalled", pair.peer, [4])
         timer = threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGUSR1))
-        t0 = time.monotonic()
-        timer.start()
         with pytest.raises(Stop):
+            timer.start()
+            t0 = time.monotonic()
             req.wait()  # no timeout: the engine's wait is sliced; the handler runs between slices
         assert time.monotonic() - t0 < 5
         timer.join()
@@ -469,3 +478,27 @@ p.close()
                           timeout=60)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "refused: the engine is closed" in done.stdout, done.stdout
+
+
+def test_a_signal_handler_that_closes_the_engine_ends_the_wait() -> None:
+    # A SIGTERM-style handler that closes the engine runs between two slices of a wait on the
+    # main thread; the wait holds no reference to the engine then, so the close completes and
+    # the wait ends saying so. In a child process: a hang ends at the timeout.
+    code = f"""
+import os, signal, sys, threading
+sys.path.insert(0, {os.path.dirname(__file__)!r})
+from conftest import Pair
+p = Pair()
+req = p.decode.receive("r", p.peer, [3])
+signal.signal(signal.SIGUSR1, lambda signum, frame: p.decode.close())
+threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGUSR1)).start()
+try:
+    req.wait()
+except ValueError as e:
+    print("ended:", e)
+p.prefill.close()
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "ended: the engine was closed while waiting for room 'r'" in done.stdout, done.stdout
