@@ -998,6 +998,12 @@ TEST_F(UcxAmRawTest, AConnectUnderWayDoesNotKeepADisconnectedBackendsMessagesAdm
 
   auto first = receiver_->Connect(*target_descriptor);
   ASSERT_TRUE(first.ok()) << first.status();
+  // A write over the first link: its hello is answered, so that its disconnect below does not
+  // wait for that answer from the held backend.
+  auto w = receiver_->PostWrite(*first, std::vector<CopyRun>{{0, 0, 0, 4096}});
+  ASSERT_TRUE(w.ok()) << w.status();
+  KVT_ASSERT_OK(WaitFor(*receiver_, *w));
+  receiver_->Release(*w);
   hold->store(true);
   std::atomic<bool> connecting{true};
   StatusOr<PeerId> second = NotFound("not connected yet");

@@ -408,11 +408,9 @@ class UcxBackend final : public Backend {
     peer.error = std::make_shared<std::atomic<int>>(UCS_OK);
     // Setting up the endpoint waits for the peer and lets other callers in meanwhile
     // (Register refuses while a Connect is under way). The peer backend's messages to us are
-    // admitted now (its own hello may come while we wait) and again once connected: a
-    // Disconnect of its last other link during the wait drops them, and only a link that is
-    // connected in the end takes them back.
+    // admitted again (if a Disconnect dropped them) only once the link is connected: a Connect
+    // that fails leaves them as they were.
     ConnectingScope connecting(*this);
-    if (staging_) staging_->AdmitSender(peer.remote_instance);
     if (peer.staged) {
       // Staged peers live on the staging worker; this worker has no endpoint to them.
       KVT_RETURN_IF_ERROR(

@@ -956,7 +956,9 @@ void StagedTransport::HandleHellos() {
       }
     }
     Status sent = SendControl(it->second.ep, kAmHelloAck, Encode(ack), message);
-    if (!sent.ok()) KVT_LOG_WARN("ucx", "staging hello ack not sent: {}", sent.ToString());
+    if (!sent.ok()) {
+      WarnPerMessage(delivery_warnings_, "staging hello ack not sent: {}", sent.ToString());
+    }
   }
 }
 

@@ -219,7 +219,9 @@ class StagedTransport {
   // are waited for (bounded). New links are accepted.
   void FenceSender(uint64_t instance);
   // Accepts it again (a new connection to it was made).
-  void AdmitSender(uint64_t instance) { dropped_.erase(instance); }
+  void AdmitSender(uint64_t instance) {
+    if (dropped_.erase(instance) != 0) std::erase(dropped_order_, instance);
+  }
 
   // ---- progress -----------------------------------------------------------------------------
   // Moves every slot and control message forward; call after each ucp_worker_progress.
