@@ -28,4 +28,9 @@ void AddCopyCommand(CLI::App& app, int& exit_code);
 // and the launch's latency until its completion is seen: the floor under a one-page request.
 void AddCudaCallsCommand(CLI::App& app, int& exit_code);
 
+// `kvt-bench control`: the control plane alone, TransferRequest / TransferDone round trips
+// between two io threads over a socket (sleeping or polling) or a lane: the floor under a
+// request's two control messages.
+void AddControlCommand(CLI::App& app, int& exit_code);
+
 }  // namespace kvt::bench

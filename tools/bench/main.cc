@@ -14,6 +14,7 @@ int main(int argc, char** argv) {
   kvt::bench::AddLoadCommand(app, exit_code);
   kvt::bench::AddCopyCommand(app, exit_code);
   kvt::bench::AddCudaCallsCommand(app, exit_code);
+  kvt::bench::AddControlCommand(app, exit_code);
   CLI11_PARSE(app, argc, argv);
   return exit_code;
 }

@@ -3,7 +3,8 @@
 // through TransferLayout::FromBufInfos) and with kvt's own pool, every page size verifies and the
 // JSON says which memory was used; a bad --memory is refused naming the value. With --ucx-tls tcp
 // the table and the JSON carry the plain-socket ceiling and kvt's ratios to it; without, neither.
-// Also `kvt-bench copy`, the same binary's host-copy benchmark.
+// Also `kvt-bench copy`, the same binary's host-copy benchmark, and `kvt-bench control`, its
+// control-plane round trips.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -124,7 +125,8 @@ TEST(KvtBenchCopy, TinyRunPrintsEveryRowAndWritesItsJson) {
   const std::string json = dir + "/copy.json";
   const ToolResult r = RunTool(Bench(),
                                "copy --run-bytes 2KiB,64KiB --threads 1,2 --memory shared,private "
-                               "--bytes 4MiB --pool 16MiB --iters 2 --json " + json);
+                               "--bytes 4MiB --pool 16MiB --iters 2 --json " +
+                                   json);
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   EXPECT_THAT(r.out, HasSubstr("ratio"));
   const nlohmann::json doc = ReadJson(json);
@@ -148,6 +150,42 @@ TEST(KvtBenchCopy, BadFlagsAreRefusedNamingTheValue) {
   r = RunTool(Bench(), "copy --bytes 64MiB --pool 16MiB");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_THAT(r.err, HasSubstr("must hold one run"));
+}
+
+// `kvt-bench control` (the control plane alone): a short run times round trips in every mode,
+// its JSON holds them; bad flags are refused naming the value.
+TEST(KvtBenchControl, ShortRunTimesEveryModeAndWritesItsJson) {
+  const std::string dir =
+      ::testing::TempDir() + "/kvt-bench-control-cli-" + std::to_string(getpid());
+  std::filesystem::create_directories(dir);
+  const std::string json = dir + "/control.json";
+  const ToolResult r =
+      RunTool(Bench(), "control --messages 200 --warmup 20 --pages 4 --json " + json);
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_THAT(r.out, HasSubstr("socket-poll"));
+  const nlohmann::json doc = ReadJson(json);
+  ASSERT_TRUE(doc.contains("results")) << doc.dump();
+  ASSERT_EQ(doc["results"].size(), 3u) << doc.dump();
+  for (const auto& row : doc["results"]) {
+    EXPECT_FALSE(row.contains("error")) << row.dump();
+    EXPECT_EQ(row.value("round_trips", 0), 200) << row.dump();
+    EXPECT_GT(row.value("rtt_us_p50", 0.0), 0.0) << row.dump();
+    EXPECT_LE(row.value("rtt_us_p50", 0.0), row.value("rtt_us_p99", 0.0)) << row.dump();
+    EXPECT_DOUBLE_EQ(row.value("one_message_us_p50", 0.0), row.value("rtt_us_p50", 0.0) / 2);
+  }
+  std::filesystem::remove_all(dir);
+}
+
+TEST(KvtBenchControl, BadFlagsAreRefusedNamingTheValue) {
+  ToolResult r = RunTool(Bench(), "control --modes socket,shm");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_THAT(r.err, HasSubstr("--modes has 'shm'; give socket, socket-poll or lane"));
+  r = RunTool(Bench(), "control --messages 5");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_THAT(r.err, HasSubstr("--messages is 5; give 10..10000000"));
+  r = RunTool(Bench(), "control --pages 0");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_THAT(r.err, HasSubstr("--pages is 0; give 1..65536"));
 }
 
 // `kvt-bench cuda-calls`: bad flags are refused naming the value before any CUDA call; without
