@@ -74,6 +74,9 @@ if [ "${KVT_RUN_TRANSFER:-1}" = 1 ]; then
   step "transfer cuda_ipc, control threads sleeping" 120 "$bin/kvt-bench" transfer \
     --backend cuda_ipc --iters 20 --verify --layerwise-requests 30 \
     --json "$out/transfer-cuda-ipc-sleeping.json" 2>&1 | tee "$out/transfer-cuda-ipc-sleeping.log"
+  # The control plane alone on the same host: the floor under the to-prefill and done phases.
+  step "control plane" 60 "$bin/kvt-bench" control --json "$out/control.json" 2>&1 |
+    tee "$out/control.log"
 fi
 if [ "${KVT_RUN_STAGED:-1}" = 1 ]; then
   step "transfer ucx staged" 120 "$bin/kvt-bench" transfer --backend ucx --device cuda:0 \
