@@ -1,5 +1,7 @@
 #include "agent_rpc.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 
 #include "control/protocol.h"
@@ -49,6 +51,7 @@ StatusOr<std::unique_ptr<control::ControlServer>> AgentRpc::Serve(
       for (size_t i = 0; i < kSubmitWorkers; ++i) workers_.emplace_back([this] { WorkerLoop(); });
     }
   }
+  max_frame_bytes_ = options.limits.max_frame_bytes;
   // Connections come once server_ is stored: replies go through it.
   KVT_ASSIGN_OR_RETURN(auto server, control::ControlServer::Create(
                                         options, this, control::AcceptStart::kOnStartAccepting));
@@ -265,6 +268,23 @@ void AgentRpc::OnMessage(control::ConnectionId id, const v1::Envelope& envelope)
         p->set_verified(r.verified);
         p->set_mismatches(r.mismatches);
         p->set_pages_quarantined(r.pages_quarantined);
+      }
+      // A reply that cannot be sent (over the frame limit) or taken (over the reports a client
+      // accepts) would leave the driver waiting for nothing: it gets an error saying what to
+      // ask instead.
+      const size_t bytes = reply.ByteSizeLong();
+      const int reports = out->reports_size();
+      if (reports > kMaxReportsPerReply || bytes + kReplyHeadroom > max_frame_bytes_) {
+        const size_t per_report = std::max<size_t>(1, bytes / std::max(1, reports));
+        const size_t fit =
+            std::min<size_t>(kMaxReportsPerReply, (max_frame_bytes_ - kReplyHeadroom) / per_report);
+        reply = control::MakeErrorEnvelope(ResourceExhausted(fmt::format(
+            "QueryRequests {} {} rooms: the reply would hold {} reports in {} bytes, over what "
+            "one reply carries ({} reports, {} bytes); name at most {} room_ids per call",
+            envelope.query_requests().room_ids().empty() ? "without room_ids asks for all"
+                                                         : "names",
+            reports, reports, bytes, kMaxReportsPerReply, max_frame_bytes_,
+            std::max<size_t>(1, fit / 2))));
       }
       break;
     }

@@ -78,7 +78,13 @@ class AgentRpc : public control::ControlHandler {
   v1::Envelope Submit(const v1::SubmitRequest& request);
   StatusOr<HostPort> ResolvePrefill(const std::string& name);
 
+  // The most reports a QueryRequestsReply may hold (what validation lets a client take), and
+  // the bytes a reply frame leaves for its envelope around them.
+  static constexpr int kMaxReportsPerReply = 65536;
+  static constexpr size_t kReplyHeadroom = 64;
+
   Agent* const agent_;
+  uint32_t max_frame_bytes_ = control::kDefaultMaxFrameBytes;  // of the server Serve starts
   const std::string name_;
   const bool prefill_;
   const uint32_t tp_rank_;

@@ -22,8 +22,10 @@ int main(int argc, char** argv) {
   app.add_option("--listen", listen, "host:port to listen on (port 0: any)");
   app.add_option("--heartbeat-ms", heartbeat_ms, "heartbeat interval asked of agents")
       ->check(tools::IntAtLeast(1));
-  app.add_option("--missed-heartbeats", missed, "entries expire after this many missed")
-      ->check(tools::IntAtLeast(1));
+  app.add_option("--missed-heartbeats", missed,
+                 "entries expire after this many missed (>= 2: a client refreshes every "
+                 "interval plus a round trip)")
+      ->check(tools::IntAtLeast(2));
   app.add_option("--ready-file", ready_file, "write the bound port here as JSON when ready");
   app.add_flag("--exit-with-parent", exit_with_parent, "exit when the parent process exits");
   CLI11_PARSE(app, argc, argv);

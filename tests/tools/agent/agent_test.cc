@@ -240,7 +240,9 @@ TEST(AdvertiseTest, RefusesWildcardsEmptyHostsAndBadPortsNamingTheText) {
 }
 
 TEST(AdvertiseTest, AdvertiseOverridesTheListenAddressAndTheBoundPortIsTheDefault) {
-  AdvertiseInputs in{.prefill = true, .listen_host = "0.0.0.0", .bound_port = 7300};
+  AdvertiseInputs in;
+  in.listen_host = "0.0.0.0";
+  in.bound_port = 7300;
   in.advertise = Advertise{"10.1.2.3", std::nullopt};
   EXPECT_EQ(*AdvertisedControlAddress(in), "10.1.2.3:7300");
   in.advertise = Advertise{"10.1.2.3", 9000};
@@ -256,11 +258,11 @@ TEST(AdvertiseTest, AdvertiseOverridesTheListenAddressAndTheBoundPortIsTheDefaul
 // host whose registry is on loopback, the loopback address; tests/multinode checks real ones).
 TEST(AdvertiseTest, WildcardListenDerivesTheInterfaceTowardTheRegistry) {
   for (const std::string wildcard : {"0.0.0.0", "::"}) {
-    AdvertiseInputs in{.prefill = true,
-                       .listen_host = wildcard,
-                       .bound_port = 7300,
-                       .registry_host = "127.0.0.1",
-                       .registry_port = 7400};
+    AdvertiseInputs in;
+    in.listen_host = wildcard;
+    in.bound_port = 7300;
+    in.registry_host = "127.0.0.1";
+    in.registry_port = 7400;
     auto address = AdvertisedControlAddress(in);
     ASSERT_TRUE(address.ok()) << address.status();
     EXPECT_EQ(*address, "127.0.0.1:7300") << wildcard;
@@ -273,10 +275,11 @@ TEST(AdvertiseTest, WildcardListenDerivesTheInterfaceTowardTheRegistry) {
 }
 
 TEST(AdvertiseTest, DecodeAgentsAdvertiseAHostAndNoPort) {
-  AdvertiseInputs in{.prefill = false,
-                     .listen_host = "127.0.0.1",
-                     .registry_host = "127.0.0.1",
-                     .registry_port = 7400};
+  AdvertiseInputs in;
+  in.prefill = false;
+  in.listen_host = "127.0.0.1";
+  in.registry_host = "127.0.0.1";
+  in.registry_port = 7400;
   EXPECT_EQ(*AdvertisedControlAddress(in), "127.0.0.1:0");
   in.advertise = Advertise{"10.1.2.3", std::nullopt};
   EXPECT_EQ(*AdvertisedControlAddress(in), "10.1.2.3:0");
@@ -454,6 +457,41 @@ TEST(AgentRpcTest, DecodeRefusesAnIncompatiblePrefillEntryBeforeAnyRequest) {
   rpc.Stop();
 }
 
+// A QueryRequests whose reply would not fit one frame is answered with an error saying how many
+// room_ids to name per call, and the connection keeps serving.
+TEST(AgentRpcTest, AQueryWhoseReplyWouldNotFitSaysHowManyRoomsToName) {
+  auto agent = Agent::Create(SmallAgent(pool::MemoryKind::kHost, "loopback"));
+  ASSERT_TRUE(agent.ok()) << agent.status();
+  AgentRpc rpc(agent->get(), "decode-test", /*prefill=*/false, 0, 1, std::nullopt, std::nullopt);
+  control::ControlServerOptions options;
+  options.limits.max_frame_bytes = 4096;
+  auto rpc_server = rpc.Serve(options);
+  ASSERT_TRUE(rpc_server.ok()) << rpc_server.status();
+  auto driver =
+      RpcClient::Connect("127.0.0.1", (*rpc_server)->port(), "driver", std::chrono::seconds(5));
+  ASSERT_TRUE(driver.ok()) << driver.status();
+  v1::Envelope query;
+  for (int i = 0; i < 200; ++i) {
+    std::string room = "r";  // appended: GCC 12 warns falsely (-Wrestrict) on "r" + ...
+    room += std::to_string(i);
+    query.mutable_query_requests()->add_room_ids(room);
+  }
+  auto reply = driver->Call(query, std::chrono::seconds(10));
+  ASSERT_FALSE(reply.ok()) << "a reply came: " << reply->ShortDebugString();
+  EXPECT_EQ(reply.status().code(), StatusCode::kResourceExhausted) << reply.status();
+  EXPECT_THAT(reply.status().message(), HasSubstr("QueryRequests names 200 rooms"));
+  EXPECT_THAT(reply.status().message(), HasSubstr("4096 bytes"));
+  EXPECT_THAT(reply.status().message(), HasSubstr("room_ids per call"));
+  // Still serving: a query that fits is answered.
+  v1::Envelope small;
+  small.mutable_query_requests()->add_room_ids("r1");
+  auto answered = driver->Call(small, std::chrono::seconds(10));
+  ASSERT_TRUE(answered.ok()) << answered.status();
+  ASSERT_EQ(answered->query_requests_reply().reports_size(), 1);
+  EXPECT_EQ(answered->query_requests_reply().reports(0).status(), v1::STATUS_CODE_NOT_FOUND);
+  rpc.Stop();
+}
+
 // ---- kvt-agent's command line --------------------------------------------------------------
 
 TEST(KvtAgentCliTest, BadDeviceNamesAreRefusedBeforeAnythingStarts) {
@@ -510,16 +548,16 @@ TEST(KvtAgentCliTest, RangeErrorsSayFlagRangeAndValuePlainly) {
   struct Case {
     std::string args, flag, value, allowed;
   };
-  for (const Case& c : {Case{"--layers 0", "--layers", "0", "1..4096"},
-                        Case{"--heads -3", "--heads", "-3", "1..65536"},
-                        Case{"--tokens 0", "--tokens", "0", ">= 1"},
-                        Case{"--deadline-ms 0", "--deadline-ms", "0", "1..3600000"},
-                        Case{"--ucx-copy-threads 65", "--ucx-copy-threads", "65", "0..64"},
-                        Case{"--ucx-staging-slots 0", "--ucx-staging-slots", "0", "1..4096"},
-                        Case{"--ucx-staging-slot-bytes 100", "--ucx-staging-slot-bytes", "100",
-                             "4096..4294967296"},
-                        Case{"--layer-time-us -5", "--layer-time-us", "-5", ">= 0"},
-                        Case{"--page-size 16x", "--page-size", "16x", "1..65536"}}) {
+  for (const Case& c :
+       {Case{"--layers 0", "--layers", "0", "1..4096"},
+        Case{"--heads -3", "--heads", "-3", "1..65536"},
+        Case{"--tokens 0", "--tokens", "0", ">= 1"},
+        Case{"--deadline-ms 0", "--deadline-ms", "0", "1..3600000"},
+        Case{"--ucx-copy-threads 65", "--ucx-copy-threads", "65", "0..64"},
+        Case{"--ucx-staging-slots 0", "--ucx-staging-slots", "0", "1..4096"},
+        Case{"--ucx-staging-slot-bytes 100", "--ucx-staging-slot-bytes", "100", "4096..4294967296"},
+        Case{"--layer-time-us -5", "--layer-time-us", "-5", ">= 0"},
+        Case{"--page-size 16x", "--page-size", "16x", "1..65536"}}) {
     const ToolResult r = RunTool(KVT_AGENT_PATH, c.args);
     EXPECT_NE(r.exit_code, 0) << c.args;
     const std::string text = r.out + r.err;

@@ -152,6 +152,16 @@ TEST_F(KvtDemoCliTest, AnAgentThatCannotRunIsNamed) {
   EXPECT_THAT(r.err, ::testing::Not(HasSubstr("status 32512")));
 }
 
+// kvt-bootstrap refuses a heartbeat count under which entries expire between two refreshes.
+TEST_F(KvtDemoCliTest, TheBootstrapRefusesOneMissedHeartbeat) {
+  const ToolResult r =
+      RunTool(Binary("kvt-bootstrap", "../../tools/bootstrap/kvt-bootstrap", KVT_BOOTSTRAP_PATH),
+              "--missed-heartbeats 1");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_THAT(r.err, HasSubstr("--missed-heartbeats"));
+  EXPECT_THAT(r.err, HasSubstr("2"));
+}
+
 // Entries of `dir` whose name starts with "kvt-demo-" (the demo's working folders).
 std::vector<std::string> WorkingFolders(const std::string& dir) {
   std::vector<std::string> out;

@@ -330,6 +330,38 @@ TEST(RegistryTest, RefusesBadRegistrationsAndUnreachableRegistries) {
   RegistryServerOptions bad = FastRegistry();
   bad.heartbeat_interval = 0ms;
   EXPECT_EQ(RegistryServer::Create(bad).status().code(), StatusCode::kInvalidArgument);
+  bad = FastRegistry();
+  bad.missed_heartbeats = 1;  // entries would expire between two refreshes
+  const Status one = RegistryServer::Create(bad).status();
+  EXPECT_EQ(one.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(one.message().find("missed_heartbeats=1: must be >= 2"), std::string::npos) << one;
+}
+
+// A lookup that matches more agents than one reply carries is answered with an error saying
+// how to narrow it (instead of a reply the client would refuse); narrower lookups still work.
+TEST(RegistryTest, ALookupMatchingMoreThanOneReplyHoldsSaysHowToNarrowIt) {
+  RegistryServerOptions options = FastRegistry();
+  options.server.validation.max_agents_per_reply = 2;
+  auto server = RegistryServer::Create(options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  const uint16_t port = (*server)->port();
+  auto p0 = RegistryClient::Start(ClientTo(port), Agent("llama-p", AgentRole::kPrefill, 0, 7000));
+  auto p1 = RegistryClient::Start(ClientTo(port), Agent("llama-p", AgentRole::kPrefill, 1, 7001));
+  auto d0 = RegistryClient::Start(ClientTo(port), Agent("llama-d", AgentRole::kDecode, 0, 7100));
+  ASSERT_TRUE(p0.ok() && p1.ok() && d0.ok()) << p0.status() << p1.status() << d0.status();
+
+  auto all = RegistryClient::Lookup(ClientTo(port), "", AgentRole::kAny, std::nullopt);
+  ASSERT_FALSE(all.ok());
+  EXPECT_EQ(all.status().code(), StatusCode::kResourceExhausted) << all.status();
+  EXPECT_NE(all.status().message().find("the lookup matches 3 agents; one reply holds 2"),
+            std::string::npos)
+      << all.status();
+  EXPECT_NE(all.status().message().find("look up by name, role or tp_rank"), std::string::npos)
+      << all.status();
+  auto prefill =
+      RegistryClient::Lookup(ClientTo(port), "llama-p", AgentRole::kPrefill, std::nullopt);
+  ASSERT_TRUE(prefill.ok()) << prefill.status();
+  EXPECT_EQ(prefill->size(), 2u);
 }
 
 }  // namespace

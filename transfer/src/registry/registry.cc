@@ -279,11 +279,17 @@ class RegistryServer::Impl : public control::ControlHandler {
   }
 
   Status Init() {
-    if (options_.heartbeat_interval.count() <= 0 || options_.missed_heartbeats < 1) {
+    if (options_.heartbeat_interval.count() <= 0) {
       return InvalidArgument(
           "heartbeat_interval=" + std::to_string(options_.heartbeat_interval.count()) +
-          " ms and missed_heartbeats=" + std::to_string(options_.missed_heartbeats) +
-          " must be positive");
+          " ms: must be positive");
+    }
+    if (options_.missed_heartbeats < 2) {
+      // A client refreshes every interval plus a round trip: an entry that lives one interval
+      // would be gone between two refreshes.
+      return InvalidArgument("missed_heartbeats=" + std::to_string(options_.missed_heartbeats) +
+                             ": must be >= 2 (entries live that many heartbeat intervals, and a "
+                             "client refreshes every interval plus a round trip)");
     }
     control::ControlServerOptions server = options_.server;
     if (server.server_id == "kvt") server.server_id = "kvt-bootstrap";
@@ -361,15 +367,29 @@ class RegistryServer::Impl : public control::ControlHandler {
       auto agents = Lookup<v1::AgentInfo>(
           q.name(), q.role(),
           q.has_tp_rank() ? std::optional<uint32_t>(q.tp_rank()) : std::nullopt);
-      for (auto& a : agents) *reply.mutable_lookup_agents_reply()->add_agents() = std::move(a);
-      reply.mutable_lookup_agents_reply();  // an empty answer is still an answer
+      // What a client takes (its validation limits; the server's own are the same by default).
+      const size_t limit = options_.server.validation.max_agents_per_reply;
+      if (agents.size() > limit) {
+        // More than a client takes in one reply: an error saying how to narrow the lookup,
+        // rather than a reply the client would refuse.
+        reply = control::MakeErrorEnvelope(v1::STATUS_CODE_RESOURCE_EXHAUSTED,
+                                           "the lookup matches " + std::to_string(agents.size()) +
+                                               " agents; one reply holds " + std::to_string(limit) +
+                                               ": look up by name, role or tp_rank");
+      } else {
+        for (auto& a : agents) *reply.mutable_lookup_agents_reply()->add_agents() = std::move(a);
+        reply.mutable_lookup_agents_reply();  // an empty answer is still an answer
+      }
     } else {
       reply = control::MakeErrorEnvelope(
           v1::STATUS_CODE_INVALID_ARGUMENT,
           "the bootstrap registry answers RegisterAgent and LookupAgents, not " +
               std::string(control::BodyName(envelope)));
     }
-    (void)server_->Send(conn, reply);
+    if (Status sent = server_->Send(conn, reply); !sent.ok()) {
+      KVT_LOG_WARN("ctl", "bootstrap registry: reply to connection {} not sent: {}", conn,
+                   sent.ToString());
+    }
   }
 
   void OnConnect(control::ConnectionId conn, const control::ConnectionInfo& info) override {

@@ -106,7 +106,9 @@ struct AgentEntry {
 struct RegistryServerOptions {
   control::ControlServerOptions server;  // bind address, port, cluster token, limits
   std::chrono::milliseconds heartbeat_interval{1000};
-  int missed_heartbeats = 3;  // entries expire after this many intervals without a refresh
+  // Entries expire after this many intervals without a refresh; >= 2 (a client refreshes every
+  // interval plus a round trip).
+  int missed_heartbeats = 3;
 };
 
 class RegistryServer {
