@@ -6,6 +6,7 @@
 #include <ifaddrs.h>
 #include <netinet/in.h>
 
+#include <memory>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -62,14 +63,24 @@ bool WaitUntil(const std::function<bool()>& cond, std::chrono::milliseconds limi
   return cond();
 }
 
+// Two prefill ranks of "llama-p" (ports 7000, 7001) and rank 0 of "llama-d" (7100), registered
+// with the registry at `port`; `agents` keeps their registrations.
+void RegisterThree(uint16_t port, std::vector<std::unique_ptr<RegistryClient>>& agents) {
+  for (const AgentEntry& e : {Agent("llama-p", AgentRole::kPrefill, 0, 7000),
+                              Agent("llama-p", AgentRole::kPrefill, 1, 7001),
+                              Agent("llama-d", AgentRole::kDecode, 0, 7100)}) {
+    auto registration = RegistryClient::Start(ClientTo(port), e);
+    ASSERT_TRUE(registration.ok()) << e.name << ": " << registration.status();
+    agents.push_back(std::move(registration).value());
+  }
+}
+
 TEST(RegistryTest, RegistersAndLooksUpByNameRoleAndRank) {
   auto server = RegistryServer::Create(FastRegistry());
   ASSERT_TRUE(server.ok()) << server.status();
   const uint16_t port = (*server)->port();
-  auto p0 = RegistryClient::Start(ClientTo(port), Agent("llama-p", AgentRole::kPrefill, 0, 7000));
-  auto p1 = RegistryClient::Start(ClientTo(port), Agent("llama-p", AgentRole::kPrefill, 1, 7001));
-  auto d0 = RegistryClient::Start(ClientTo(port), Agent("llama-d", AgentRole::kDecode, 0, 7100));
-  ASSERT_TRUE(p0.ok() && p1.ok() && d0.ok()) << p0.status() << p1.status() << d0.status();
+  std::vector<std::unique_ptr<RegistryClient>> agents;
+  ASSERT_NO_FATAL_FAILURE(RegisterThree(port, agents));
   EXPECT_EQ((*server)->size(), 3u);
 
   auto all = RegistryClient::Lookup(ClientTo(port), "", AgentRole::kAny, std::nullopt);
@@ -345,10 +356,8 @@ TEST(RegistryTest, ALookupMatchingMoreThanOneReplyHoldsSaysHowToNarrowIt) {
   auto server = RegistryServer::Create(options);
   ASSERT_TRUE(server.ok()) << server.status();
   const uint16_t port = (*server)->port();
-  auto p0 = RegistryClient::Start(ClientTo(port), Agent("llama-p", AgentRole::kPrefill, 0, 7000));
-  auto p1 = RegistryClient::Start(ClientTo(port), Agent("llama-p", AgentRole::kPrefill, 1, 7001));
-  auto d0 = RegistryClient::Start(ClientTo(port), Agent("llama-d", AgentRole::kDecode, 0, 7100));
-  ASSERT_TRUE(p0.ok() && p1.ok() && d0.ok()) << p0.status() << p1.status() << d0.status();
+  std::vector<std::unique_ptr<RegistryClient>> agents;
+  ASSERT_NO_FATAL_FAILURE(RegisterThree(port, agents));
 
   auto all = RegistryClient::Lookup(ClientTo(port), "", AgentRole::kAny, std::nullopt);
   ASSERT_FALSE(all.ok());
