@@ -1242,8 +1242,6 @@ class UcxBackend final : public Backend {
     return static_cast<uint32_t>(std::clamp<size_t>((size_t{8} << 20) / message_bytes, 2, 64));
   }
 
-  // Flushes the endpoint and waits (bounded) for the flush: its connection is then set up.
-  // Unavailable when the peer does not answer in time. mutex_ held.
   // One round of what the progress thread does under mutex_: both workers, and the staging
   // transport's slots and messages. For a caller that waits with the lock, so that other peers'
   // writes go on even when the progress thread does not get the lock meanwhile.
@@ -1256,17 +1254,19 @@ class UcxBackend final : public Backend {
     return progressed;
   }
 
-  // Progresses until `req` completes or `bound` passes. `yield`: every kYieldEvery (however
-  // busy the workers are), other callers take mutex_ (YieldLocked), so that one peer that does
-  // not answer stalls only this call; the rounds in between progress everything
-  // (ProgressOnceLocked), not only the worker `req` is on.
-  void ProgressUntilLocked(void* req, std::chrono::milliseconds bound, bool yield) {
+  // Progresses until `done()` or `bound` passes; whether `done()` held. `yield`: every
+  // kYieldEvery (however busy the workers are), other callers take mutex_ (YieldLocked), so
+  // that one peer that does not answer stalls only this call; the rounds in between progress
+  // everything (ProgressOnceLocked), not only the worker the awaited request is on. The one
+  // wait loop of the backend's bounded waits (flushes, endpoint closes, a write's flush).
+  template <typename Done>
+  bool ProgressUntilLocked(Done&& done, std::chrono::milliseconds bound, bool yield) {
     constexpr auto kYieldEvery = std::chrono::microseconds(200);
     const auto start = Clock::now();
     auto last_yield = start;
-    while (ucp_request_check_status(req) == UCS_INPROGRESS) {
+    while (!done()) {
       const auto now = Clock::now();
-      if (now - start >= bound) return;
+      if (now - start >= bound) return false;
       if (!yield) {
         ucp_worker_progress(worker_);
         continue;
@@ -1277,7 +1277,11 @@ class UcxBackend final : public Backend {
         last_yield = Clock::now();
       }
     }
+    return true;
   }
+
+  // Whether `req` (a request of worker_) is no longer in progress.
+  static bool Finished(void* req) { return ucp_request_check_status(req) != UCS_INPROGRESS; }
 
   // Whether a connected peer other than `id` links to the backend `instance`. mutex_ held.
   bool SharesInstanceLocked(PeerId id, uint64_t instance) const {
@@ -1287,14 +1291,15 @@ class UcxBackend final : public Backend {
     });
   }
 
-  // `yield`: past a short spin, other callers may take mutex_ between rounds of progress
-  // (YieldLocked), so that a peer that does not answer stalls only this call.
+  // Flushes the endpoint and waits (bounded) for the flush: its connection is then set up.
+  // Unavailable when the peer does not answer in time. mutex_ held. `yield`: as
+  // ProgressUntilLocked's.
   Status FlushLocked(ucp_ep_h ep, const std::string& what, bool yield = false) {
     ucp_request_param_t param = {};
     ucs_status_ptr_t req = ucp_ep_flush_nbx(ep, &param);
     if (req == nullptr) return OkStatus();
     if (UCS_PTR_IS_ERR(req)) return UcsStatus(UCS_PTR_STATUS(req), what);
-    ProgressUntilLocked(req, std::chrono::seconds(5), yield);
+    ProgressUntilLocked([req] { return Finished(req); }, std::chrono::seconds(5), yield);
     const ucs_status_t st = ucp_request_check_status(req);
     if (st == UCS_INPROGRESS) {
       // Left to UCX: freeing a request still in flight only drops our handle.
@@ -1396,21 +1401,16 @@ class UcxBackend final : public Backend {
         write.status = Internal("the write's posting was not stopped before waiting");
       }
     }
-    const auto give_up = Clock::now() + std::chrono::seconds(30);
-    while (write.flush != nullptr) {
-      // Yielding waits run in API calls: they progress the staging transport too.
-      if (yield) {
-        ProgressOnceLocked();
-      } else {
-        ucp_worker_progress(worker_);
-      }
-      PollLocked(write);
-      if (yield && write.flush != nullptr) YieldLocked();
-      if (write.flush != nullptr && Clock::now() > give_up) {
-        KVT_LOG_ERROR("ucx", "a flush did not finish in 30 s; leaking its request");
-        write.flush = nullptr;
-        write.status = DeadlineExceeded("UCX flush did not finish in 30 s");
-      }
+    const bool flushed = ProgressUntilLocked(
+        [&] {
+          PollLocked(write);
+          return write.flush == nullptr;
+        },
+        std::chrono::seconds(30), yield);
+    if (!flushed) {
+      KVT_LOG_ERROR("ucx", "a flush did not finish in 30 s; leaking its request");
+      write.flush = nullptr;
+      write.status = DeadlineExceeded("UCX flush did not finish in 30 s");
     }
   }
 
@@ -1418,7 +1418,7 @@ class UcxBackend final : public Backend {
   // unannounced cannot hang us), forced when it is known dead. UCX documents the forced close as
   // needing UCP_ERR_HANDLING_MODE_PEER because it may cause errors on the remote side; with the
   // remote gone there is no remote side left to disturb.
-  // `yield`: as FlushLocked's; only for a peer no longer in peers_.
+  // `yield`: as ProgressUntilLocked's; only for a peer no longer in peers_.
   void ClosePeerLocked(Peer& peer, bool peer_dead = false, bool yield = false) {
     for (ucp_rkey_h rkey : peer.rkeys) ucp_rkey_destroy(rkey);
     peer.rkeys.clear();
@@ -1436,8 +1436,7 @@ class UcxBackend final : public Backend {
     retired_errors_.push_back(peer.error);
     if (retired_errors_.size() > kRetiredErrors) retired_errors_.pop_front();
     if (req == nullptr || UCS_PTR_IS_ERR(req)) return;
-    ProgressUntilLocked(req, std::chrono::seconds(2), yield);
-    if (ucp_request_check_status(req) == UCS_INPROGRESS) {
+    if (!ProgressUntilLocked([req] { return Finished(req); }, std::chrono::seconds(2), yield)) {
       KVT_LOG_WARN("ucx", "endpoint close did not finish in 2 s (peer gone?); leaving it");
     }
     ucp_request_free(req);
