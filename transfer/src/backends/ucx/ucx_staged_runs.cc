@@ -287,7 +287,7 @@ ucs_status_t StagedTransport::OnRuns(void* arg, const void* header, size_t heade
     std::memcpy(&notice.chunk, h + 32, 4);
   }
   auto refuse = [&](ucs_status_t why, const Status& status) {
-    WarnPerMessage(self->refusal_warnings_, "refusing a run message: {}", status.ToString());
+    WarnLimited(self->refusal_warnings_, "ucx", "refusing a run message: {}", status.ToString());
     if (self->senders_.count(notice.sender) != 0) self->pending_acks_.emplace_back(notice, status);
     return rndv ? why : UCS_OK;
   };

@@ -901,7 +901,7 @@ void StagedTransport::HandleHellos() {
       Status valid = ucx_check::CheckWorkerAddress(
           {reinterpret_cast<const uint8_t*>(h.address.data()), h.address.size()});
       if (!valid.ok()) {
-        WarnPerMessage(hello_warnings_, "cannot answer a staging hello: {}", valid.ToString());
+        WarnLimited(hello_warnings_, "ucx", "cannot answer a staging hello: {}", valid.ToString());
         continue;
       }
       ucp_ep_params_t ep = {};
@@ -915,7 +915,8 @@ void StagedTransport::HandleHellos() {
       ucp_ep_h handle = nullptr;
       Status created = UcsStatus(ucp_ep_create(worker_, &ep, &handle), "ucp_ep_create");
       if (!created.ok()) {
-        WarnPerMessage(hello_warnings_, "cannot answer a staging hello: {}", created.ToString());
+        WarnLimited(hello_warnings_, "ucx", "cannot answer a staging hello: {}",
+                    created.ToString());
         continue;
       }
       it = senders_.emplace(h.hello.sender, Sender{handle, {}, {}}).first;
@@ -957,7 +958,7 @@ void StagedTransport::HandleHellos() {
     }
     Status sent = SendControl(it->second.ep, kAmHelloAck, Encode(ack), message);
     if (!sent.ok()) {
-      WarnPerMessage(delivery_warnings_, "staging hello ack not sent: {}", sent.ToString());
+      WarnLimited(delivery_warnings_, "ucx", "staging hello ack not sent: {}", sent.ToString());
     }
   }
 }
@@ -1159,7 +1160,7 @@ void StagedTransport::SendAckNow(const ChunkNotice& notice, const Status& status
   ChunkAck ack{notice.link, notice.write, notice.chunk, status.code()};
   std::string message = status.message().substr(0, kMaxAckMessage);
   Status sent = SendControl(it->second.ep, kAmChunkAck, Encode(ack), std::move(message));
-  if (!sent.ok()) WarnPerMessage(delivery_warnings_, "chunk ack not sent: {}", sent.ToString());
+  if (!sent.ok()) WarnLimited(delivery_warnings_, "ucx", "chunk ack not sent: {}", sent.ToString());
 }
 
 // ---- callbacks (inside ucp_worker_progress, mutex held) -----------------------------------------
@@ -1175,7 +1176,7 @@ ucs_status_t StagedTransport::OnChunk(void* arg, const void* header, size_t head
   // ack's reason is the one the sender reports. To any other sender refusing a rendezvous chunk
   // fails its send with `why`; an eager one can only be dropped.
   auto refuse = [&](ucs_status_t why, const Status& status) {
-    WarnPerMessage(self->refusal_warnings_, "refusing a staged chunk: {}", status.ToString());
+    WarnLimited(self->refusal_warnings_, "ucx", "refusing a staged chunk: {}", status.ToString());
     if (notice.ok() && self->senders_.count(notice->sender) != 0) {
       self->pending_acks_.emplace_back(*notice, status);
       return UCS_OK;
@@ -1220,20 +1221,20 @@ ucs_status_t StagedTransport::OnSlotChunk(void* arg, const void* header, size_t 
   auto* self = static_cast<StagedTransport*>(arg);
   StatusOr<SlotNotice> notice = DecodeSlotNotice(Bytes(header, header_length));
   if (!notice.ok()) {
-    WarnPerMessage(self->refusal_warnings_, "ignoring a malformed slot notice: {}",
-                   notice.status().ToString());
+    WarnLimited(self->refusal_warnings_, "ucx", "ignoring a malformed slot notice: {}",
+                notice.status().ToString());
     return UCS_OK;
   }
   if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0) {
     // Its sender waits for the data to be taken: refusing it fails the send.
-    WarnPerMessage(self->refusal_warnings_,
-                   "refusing a slot notice sent by rendezvous ({} bytes of prefix)", length);
+    WarnLimited(self->refusal_warnings_, "ucx",
+                "refusing a slot notice sent by rendezvous ({} bytes of prefix)", length);
     return UCS_ERR_INVALID_PARAM;
   }
   // Refused with an ack (sent from Pump): the sender's slot and credit come back at once.
   auto refuse = [&](const Status& why) {
-    WarnPerMessage(self->refusal_warnings_, "refusing a staged chunk read in place: {}",
-                   why.ToString());
+    WarnLimited(self->refusal_warnings_, "ucx", "refusing a staged chunk read in place: {}",
+                why.ToString());
     self->pending_acks_.emplace_back(notice->notice, why);
     return UCS_OK;
   };
@@ -1392,14 +1393,13 @@ ucs_status_t StagedTransport::OnHello(void* arg, const void* header, size_t head
   auto* self = static_cast<StagedTransport*>(arg);
   StatusOr<Hello> hello = DecodeHello(Bytes(header, header_length));
   if (!hello.ok() || (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0 || length == 0) {
-    WarnPerMessage(self->hello_warnings_, "ignoring a malformed staging hello");
+    WarnLimited(self->hello_warnings_, "ucx", "ignoring a malformed staging hello");
     return UCS_OK;
   }
   if (hello->key_bytes >= length) {
-    WarnPerMessage(
-        self->hello_warnings_,
-        "ignoring a staging hello whose key of {} bytes leaves no address in its {} bytes",
-        hello->key_bytes, length);
+    WarnLimited(self->hello_warnings_, "ucx",
+                "ignoring a staging hello whose key of {} bytes leaves no address in its {} bytes",
+                hello->key_bytes, length);
     return UCS_OK;
   }
   // Endpoints cannot be created inside a callback; Pump answers it.
@@ -1485,9 +1485,9 @@ void StagedTransport::PumpControl() {
       continue;
     }
     if (st == UCS_INPROGRESS) {
-      WarnPerMessage(delivery_warnings_,
-                     "a staging control message was not delivered in {} ms; cancelling it",
-                     kControlBound.count());
+      WarnLimited(delivery_warnings_, "ucx",
+                  "a staging control message was not delivered in {} ms; cancelling it",
+                  kControlBound.count());
       ucp_request_cancel(worker_, it->request);
       if (ucp_request_check_status(it->request) == UCS_INPROGRESS) {
         // UCX still owns the buffers; keep them (this transport outlives the worker).

@@ -78,7 +78,6 @@
 
 #include "backends/ucx/ucx_staged_copier.h"
 #include "backends/ucx/ucx_staged_protocol.h"
-#include "kvt/common/log.h"
 #include "kvt/common/log_limiter.h"
 #include "kvt/common/status.h"
 #include "kvt/kernels/cuda_util.h"
@@ -487,18 +486,11 @@ class StagedTransport {
   // Warnings a peer causes once per message go through a limiter of their kind (at most 10 a
   // second each, the rest counted; LogLimiter), so that a flood of one kind neither fills the
   // log nor hides a line of another: refused chunks, slot notices and run messages; hellos
-  // ignored or not answered; acks and control messages that could not be delivered.
+  // ignored or not answered; acks and control messages that could not be delivered
+  // (WarnLimited).
   LogLimiter refusal_warnings_{10, std::chrono::seconds(1)};
   LogLimiter hello_warnings_{10, std::chrono::seconds(1)};
   LogLimiter delivery_warnings_{10, std::chrono::seconds(1)};
-  template <typename... Args>
-  static void WarnPerMessage(LogLimiter& limiter, fmt::format_string<Args...> format,
-                             Args&&... args) {
-    uint64_t held_back = 0;
-    if (!limiter.Admit(&held_back)) return;
-    KVT_LOG_WARN("ucx", "{}{}", fmt::format(format, std::forward<Args>(args)...),
-                 LogLimiter::HeldBack(held_back));
-  }
   std::vector<PendingHello> hellos_;
   std::vector<Bye> byes_;
 
