@@ -76,15 +76,8 @@ StatusOr<Identity> MakeIdentity(int pages) {
   KVT_ASSIGN_OR_RETURN(transfer::TransferLayout layout,
                        transfer::TransferLayout::FromBufInfos(ptrs, lens, items, o));
   KVT_ASSIGN_OR_RETURN(v1::Layout proto, transfer::LayoutToProto(layout));
-  std::vector<transfer::LocalRegion> regions;
-  for (const transfer::TransferLayout::FlatBuffer& b : layout.Flatten()) {
-    transfer::LocalRegion r;
-    r.base = b.info.ptr;
-    r.length = b.info.length;
-    r.item_len = b.info.item_len;
-    r.layer = b.layer;
-    regions.push_back(r);
-  }
+  const std::vector<transfer::LocalRegion> regions =
+      transfer::LocalRegionsOf(layout, layout.Flatten());
   KVT_ASSIGN_OR_RETURN(std::unique_ptr<transfer::Backend> backend,
                        transfer::CreateBackend("loopback"));
   KVT_ASSIGN_OR_RETURN(transfer::PeerDescriptor descriptor, backend->Register(regions));

@@ -73,24 +73,13 @@ class TransferEngine::Impl {
     if (!ctx_.backend) {
       KVT_ASSIGN_OR_RETURN(ctx_.backend, CreateBackend(options.backend));
     }
-    const bool cuda = ctx_.layout.device >= 0;
-    std::vector<LocalRegion> regions;
-    for (const TransferLayout::FlatBuffer& b : ctx_.buffers) {
-      LocalRegion r;
-      r.base = b.info.ptr;
-      r.length = b.info.length;
-      r.item_len = b.info.item_len;
-      r.kind = cuda ? MemoryKind::kCuda : MemoryKind::kHost;
-      r.device = cuda ? ctx_.layout.device : -1;
-      r.layer = b.layer;
-      regions.push_back(r);
-    }
+    const std::vector<LocalRegion> regions = LocalRegionsOf(ctx_.layout, ctx_.buffers);
     KVT_ASSIGN_OR_RETURN(PeerDescriptor descriptor, ctx_.backend->Register(regions));
     const BackendCapabilities caps = ctx_.backend->Capabilities();
     // Device backends take page lists (one gather/scatter launch per layer batch) and wait for
     // the producer's event on the GPU; the others copy on the CPU once it has completed.
     ctx_.page_writes = caps.page_writes;
-    ctx_.waits_on_events = caps.page_writes && cuda;
+    ctx_.waits_on_events = caps.page_writes && ctx_.layout.device >= 0;
     ctx_.notified = caps.notifies_completion;
     ctx_.hinted = caps.completion_hints;
     if (ctx_.notified) {
@@ -107,8 +96,8 @@ class TransferEngine::Impl {
     ctx_.local_info.set_pid(static_cast<uint32_t>(getpid()));
     ctx_.local_info.set_process_start(engine::OwnProcessStart());
     if (options.prefill) {
-      ctx_.local_info.set_fence_ms(static_cast<uint32_t>(
-          (options.peer_timeout + engine::kFenceTeardown).count()));
+      ctx_.local_info.set_fence_ms(
+          static_cast<uint32_t>((options.peer_timeout + engine::kFenceTeardown).count()));
     }
     ctx_.worker = std::make_unique<engine::Worker>(*ctx_.backend);
     if (options.prefill) {
@@ -185,8 +174,7 @@ class TransferEngine::Impl {
                             options.aux_slot);
   }
 
-  Status Send(const std::string& room, std::vector<int32_t> src_pages,
-              const SendOptions& options) {
+  Status Send(const std::string& room, std::vector<int32_t> src_pages, const SendOptions& options) {
     const std::chrono::milliseconds deadline = options.deadline;
     if (prefill_ == nullptr) {
       return FailedPrecondition("Send is for prefill engines; this engine is decode");

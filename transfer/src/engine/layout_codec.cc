@@ -78,6 +78,24 @@ StatusOr<v1::Layout> LayoutToProto(const TransferLayout& t) {
   return layout;
 }
 
+std::vector<LocalRegion> LocalRegionsOf(const TransferLayout& layout,
+                                        std::span<const TransferLayout::FlatBuffer> buffers) {
+  const bool cuda = layout.device >= 0;
+  std::vector<LocalRegion> regions;
+  regions.reserve(buffers.size());
+  for (const TransferLayout::FlatBuffer& b : buffers) {
+    LocalRegion r;
+    r.base = b.info.ptr;
+    r.length = b.info.length;
+    r.item_len = b.info.item_len;
+    r.kind = cuda ? MemoryKind::kCuda : MemoryKind::kHost;
+    r.device = cuda ? layout.device : -1;
+    r.layer = b.layer;
+    regions.push_back(r);
+  }
+  return regions;
+}
+
 v1::PeerInfo MakePeerInfo(const std::string& name, bool prefill, const v1::Layout& layout,
                           const PeerDescriptor& descriptor, std::span<const LocalRegion> regions) {
   v1::PeerInfo info;

@@ -5,16 +5,22 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "kvt/common/status.h"
-#include "kvt/transfer/layout.h"
 #include "kvt/transfer/backend.h"
+#include "kvt/transfer/layout.h"
 #include "kvt/v1/peer.pb.h"
 
 namespace kvt::transfer {
 
 // The wire form of a layout: its model description (no pointers), groups always listed.
 StatusOr<v1::Layout> LayoutToProto(const TransferLayout& layout);
+
+// The regions a backend registers for the layout's buffers (`buffers`: layout.Flatten()), in
+// that order: host or CUDA memory of the layout's device, with each buffer's layer.
+std::vector<LocalRegion> LocalRegionsOf(const TransferLayout& layout,
+                                        std::span<const TransferLayout::FlatBuffer> buffers);
 
 v1::PeerInfo MakePeerInfo(const std::string& name, bool prefill, const v1::Layout& layout,
                           const PeerDescriptor& descriptor, std::span<const LocalRegion> regions);
