@@ -466,7 +466,7 @@ class Engine {
       if (!timed_out) return InfoDict(ValueOrThrow(std::move(r), room));
       if (left <= wait_slice_) return py::none();
       if (PyErr_CheckSignals() != 0) throw py::error_already_set();
-      if (closing_.load(std::memory_order_acquire) || engine_ == nullptr) throw closed();
+      if (closing_.load(std::memory_order_acquire)) throw closed();
     }
   }
 

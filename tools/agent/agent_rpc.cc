@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "control/protocol.h"
+#include "control/validate.h"
 #include "kvt/common/log.h"
 
 namespace kvt::tools {
@@ -274,16 +275,16 @@ void AgentRpc::OnMessage(control::ConnectionId id, const v1::Envelope& envelope)
       // ask instead.
       const size_t bytes = reply.ByteSizeLong();
       const int reports = out->reports_size();
-      if (reports > kMaxReportsPerReply || bytes + kReplyHeadroom > max_frame_bytes_) {
+      if (reports > control::kMaxReportsPerReply || bytes + kReplyHeadroom > max_frame_bytes_) {
         const size_t per_report = std::max<size_t>(1, bytes / std::max(1, reports));
-        const size_t fit =
-            std::min<size_t>(kMaxReportsPerReply, (max_frame_bytes_ - kReplyHeadroom) / per_report);
+        const size_t fit = std::min<size_t>(control::kMaxReportsPerReply,
+                                            (max_frame_bytes_ - kReplyHeadroom) / per_report);
         reply = control::MakeErrorEnvelope(ResourceExhausted(fmt::format(
             "QueryRequests {} {} rooms: the reply would hold {} reports in {} bytes, over what "
             "one reply carries ({} reports, {} bytes); name at most {} room_ids per call",
             envelope.query_requests().room_ids().empty() ? "without room_ids asks for all"
                                                          : "names",
-            reports, reports, bytes, kMaxReportsPerReply, max_frame_bytes_,
+            reports, reports, bytes, control::kMaxReportsPerReply, max_frame_bytes_,
             std::max<size_t>(1, fit / 2))));
       }
       break;

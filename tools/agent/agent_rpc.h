@@ -78,9 +78,7 @@ class AgentRpc : public control::ControlHandler {
   v1::Envelope Submit(const v1::SubmitRequest& request);
   StatusOr<HostPort> ResolvePrefill(const std::string& name);
 
-  // The most reports a QueryRequestsReply may hold (what validation lets a client take), and
-  // the bytes a reply frame leaves for its envelope around them.
-  static constexpr int kMaxReportsPerReply = 65536;
+  // The bytes a reply frame leaves for its envelope around the reports.
   static constexpr size_t kReplyHeadroom = 64;
 
   Agent* const agent_;

@@ -533,7 +533,7 @@ Status Validate(const v1::Envelope& envelope, const PeerContext& peer,
     }
     case v1::Envelope::kQueryRequestsReply:
       return CheckCount("query_requests_reply.reports",
-                        envelope.query_requests_reply().reports_size(), 65536);
+                        envelope.query_requests_reply().reports_size(), kMaxReportsPerReply);
     case v1::Envelope::kQueryStats:
     case v1::Envelope::kAgentStatsReply:
       return OkStatus();

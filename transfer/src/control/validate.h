@@ -21,6 +21,9 @@
 
 namespace kvt::control {
 
+// The most reports a QueryRequestsReply may hold (its validation refuses more).
+inline constexpr int kMaxReportsPerReply = 65536;
+
 // What is known about the peer on this connection. Zero means "not known yet" (before Hello);
 // checks that need the value are skipped then.
 struct PeerContext {
