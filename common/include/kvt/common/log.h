@@ -9,11 +9,25 @@
 
 #include <memory>
 #include <string_view>
+#include <utility>
+
+#include "kvt/common/log_limiter.h"
 
 namespace kvt {
 
 // The logger for a component tag. Never null.
 std::shared_ptr<spdlog::logger> Logger(std::string_view tag);
+
+// A warning of component `tag` (as KVT_LOG_WARN) when `limiter` admits one, saying how many
+// lines it held back before; nothing (not even the formatting) when it does not.
+template <typename... Args>
+void WarnLimited(LogLimiter& limiter, std::string_view tag, fmt::format_string<Args...> format,
+                 Args&&... args) {
+  uint64_t held_back = 0;
+  if (!limiter.Admit(&held_back)) return;
+  Logger(tag)->warn("{}{}", fmt::format(format, std::forward<Args>(args)...),
+                    LogLimiter::HeldBack(held_back));
+}
 
 }  // namespace kvt
 

@@ -2,19 +2,14 @@
 // it held back meanwhile are counted, and the next line let through says how many. For warnings
 // a peer can cause once per message (every message of a fenced sender is refused with a
 // warning), which would otherwise flood the log and cost a formatted line per message.
-// Hand-written: spdlog (the logging library) has no rate limit of its own.
+// Hand-written: spdlog (the logging library) has no rate limit of its own. WarnLimited
+// (kvt/common/log.h) writes a warning through one.
 #pragma once
-
-#include <fmt/format.h>
 
 #include <chrono>
 #include <cstdint>
 #include <mutex>
 #include <string>
-#include <string_view>
-#include <utility>
-
-#include "kvt/common/log.h"
 
 namespace kvt {
 
@@ -40,16 +35,5 @@ class LogLimiter {
   uint32_t in_window_ = 0;            // guarded by mu_: lines let through in this window
   uint64_t held_back_ = 0;            // guarded by mu_: since the last line let through
 };
-
-// A warning of component `tag` (as KVT_LOG_WARN) when `limiter` admits one, saying how many
-// lines it held back before; nothing (not even the formatting) when it does not.
-template <typename... Args>
-void WarnLimited(LogLimiter& limiter, std::string_view tag, fmt::format_string<Args...> format,
-                 Args&&... args) {
-  uint64_t held_back = 0;
-  if (!limiter.Admit(&held_back)) return;
-  Logger(tag)->warn("{}{}", fmt::format(format, std::forward<Args>(args)...),
-                    LogLimiter::HeldBack(held_back));
-}
 
 }  // namespace kvt

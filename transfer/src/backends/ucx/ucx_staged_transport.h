@@ -78,7 +78,7 @@
 
 #include "backends/ucx/ucx_staged_copier.h"
 #include "backends/ucx/ucx_staged_protocol.h"
-#include "kvt/common/log_limiter.h"
+#include "kvt/common/log.h"
 #include "kvt/common/status.h"
 #include "kvt/kernels/cuda_util.h"
 #include "kvt/transfer/backend.h"
