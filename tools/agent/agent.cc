@@ -7,8 +7,10 @@
 #include <map>
 #include <mutex>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <thread>
+#include <utility>
 
 #include "kvt/common/log.h"
 #include "kvt/kernels/cuda_util.h"
@@ -102,8 +104,50 @@ class Agent::Impl {
     return OkStatus();
   }
 
+  Status Claim(const std::string& room, int64_t tokens) {
+    if (room.empty()) return InvalidArgument("room id is empty; give every request a room id");
+    std::lock_guard<std::mutex> lock(mu_);
+    return ClaimLocked(room, tokens);
+  }
+
+  Status Release(const std::string& room) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = claims_.find(room);
+    if (it == claims_.end()) return OkStatus();
+    if (it->second.submitting) {
+      return FailedPrecondition("room '" + room +
+                                "' is in Submit, which ends its claim itself; release only a "
+                                "claim whose Submit will not come");
+    }
+    const Status aborted = AbortedBeforeStart(room, it->second);
+    claims_.erase(it);
+    return aborted;
+  }
+
+  Status ConnectPrefill(const std::string& room, const std::string& host, uint16_t port) {
+    if (options_.prefill) {
+      return FailedPrecondition("room '" + room +
+                                "': a prefill agent connects to no peer (decode agents connect "
+                                "to it); submit the room without a prefill address");
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = claims_.find(room);
+      if (it == claims_.end()) {
+        return FailedPrecondition("room '" + room +
+                                  "' is not claimed on this agent; Claim it before connecting");
+      }
+      if (it->second.abort_reason) return AbortedBeforeStart(room, it->second);
+    }
+    StatusOr<transfer::PeerHandle> peer = engine_->ConnectPeer(host, port);
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = claims_.find(room);
+    if (it != claims_.end() && it->second.abort_reason) return AbortedBeforeStart(room, it->second);
+    return peer.status();
+  }
+
   Status Submit(const SubmitSpec& spec) {
-    if (spec.room.empty()) return InvalidArgument("room id is empty");
+    if (spec.room.empty()) return InvalidArgument("room id is empty; give every request a room id");
     if (spec.tokens <= 0) {
       return InvalidArgument("room '" + spec.room + "': tokens=" + std::to_string(spec.tokens) +
                              " must be positive");
@@ -112,58 +156,156 @@ class Agent::Impl {
     const int64_t num_pages = (spec.tokens + page_size - 1) / page_size;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (requests_.count(spec.room) != 0) {
-        return AlreadyExists("room '" + spec.room + "' was already submitted to this agent");
+      auto it = claims_.find(spec.room);
+      if (it == claims_.end()) {
+        KVT_RETURN_IF_ERROR(ClaimLocked(spec.room, spec.tokens));
+        it = claims_.find(spec.room);
+      } else if (it->second.submitting) {
+        return AlreadyExists("room '" + spec.room +
+                             "' is being submitted to this agent already; wait for that "
+                             "submit's reply");
+      } else if (it->second.abort_reason) {
+        const Status aborted = AbortedBeforeStart(spec.room, it->second);
+        claims_.erase(it);
+        return aborted;
       }
+      it->second.submitting = true;
+      it->second.tokens = spec.tokens;
     }
-    KVT_ASSIGN_OR_RETURN(std::vector<int32_t> pages, allocator_->Allocate(num_pages));
-    Request request;
-    request.spec = spec;
-    request.pages = pages;
-    request.submitted = Clock::now();
+    StatusOr<std::vector<int32_t>> allocated = allocator_->Allocate(num_pages);
+    if (!allocated.ok()) return EndClaim(spec.room, allocated.status());
+    const std::vector<int32_t> pages = *std::move(allocated);
+    Range page_list;
     if (cuda_ != nullptr && options_.prefill) {
       // The forward's device copy of the page list (decode verifies one room at a time and
       // takes its run then).
       StatusOr<Range> range = cuda_->arena->Allocate(num_pages);
       if (!range.ok()) {
-        (void)allocator_->Free(pages);
-        return range.status().WithContext("room '" + spec.room + "'");
+        FreePages(spec.room, pages, Range{});
+        return EndClaim(spec.room, range.status().WithContext("room '" + spec.room + "'"));
       }
-      request.page_list = *range;
+      page_list = *range;
     }
-    Status started;
-    if (options_.prefill) {
-      started = engine_->Send(spec.room, pages, spec.deadline);
-    } else {
-      StatusOr<transfer::PeerHandle> peer =
-          engine_->ConnectPeer(spec.prefill_host, spec.prefill_port);
-      started =
-          peer.ok() ? engine_->Receive(spec.room, *peer, pages, spec.deadline) : peer.status();
+    bool aborted_meanwhile = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      Claimed& claim = claims_.at(spec.room);
+      aborted_meanwhile = claim.abort_reason.has_value();
+      if (!aborted_meanwhile) {
+        claim.pages = pages;  // from here on an abort frees them
+        claim.page_list = page_list;
+      }
+    }
+    if (aborted_meanwhile) {
+      FreePages(spec.room, pages, page_list);
+      return EndClaim(spec.room, OkStatus());
+    }
+    // Decode: connecting may take seconds (a peer that does not answer its hello); an abort
+    // meanwhile frees the pages at once, and the room goes no further when the connect ends.
+    StatusOr<transfer::PeerHandle> peer = transfer::PeerHandle{};
+    if (!options_.prefill) peer = engine_->ConnectPeer(spec.prefill_host, spec.prefill_port);
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      auto it = claims_.find(spec.room);
+      if (it->second.abort_reason) {
+        // The abort took the pages and freed them.
+        const Status aborted = AbortedBeforeStart(spec.room, it->second);
+        claims_.erase(it);
+        return aborted;
+      }
+      if (!peer.ok()) {
+        claims_.erase(it);
+        lock.unlock();
+        FreePages(spec.room, pages, page_list);
+        return peer.status();
+      }
+      it->second.starting = true;  // an abort from here on is applied once the engine has it
+    }
+    Status started = options_.prefill ? engine_->Send(spec.room, pages, spec.deadline)
+                                      : engine_->Receive(spec.room, *peer, pages, spec.deadline);
+    std::optional<std::string> abort_reason;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto node = claims_.extract(spec.room);
+      abort_reason = node.mapped().abort_reason;
+      if (!started.ok() && abort_reason) {
+        started = AbortedBeforeStart(spec.room, node.mapped());
+        RecordAbortedLocked(spec.room, spec.tokens, started);
+      }
+      if (started.ok()) {
+        Request request;
+        request.spec = spec;
+        request.pages = pages;
+        request.page_list = page_list;
+        request.submitted = Clock::now();
+        ++stats_.submitted;
+        requests_.emplace(spec.room, std::move(request));
+        pending_.push_back(spec.room);
+        if (options_.prefill) forward_queue_.push_back(spec.room);
+        cv_.notify_all();
+      }
     }
     if (!started.ok()) {
-      (void)allocator_->Free(pages);
-      if (request.page_list.valid()) cuda_->arena->Free(request.page_list);
+      FreePages(spec.room, pages, page_list);
       return started;
     }
-    std::lock_guard<std::mutex> lock(mu_);
-    ++stats_.submitted;
-    requests_.emplace(spec.room, std::move(request));
-    pending_.push_back(spec.room);
-    if (options_.prefill) forward_queue_.push_back(spec.room);
-    cv_.notify_all();
+    if (abort_reason) {
+      // Aborted while the engine took the room: the engine aborts it and tells the peer.
+      (void)engine_->Abort(spec.room, *abort_reason);
+      return Aborted("room '" + spec.room + "' was aborted while it started: " + *abort_reason);
+    }
     return OkStatus();
   }
 
   Status Abort(const std::string& room, const std::string& reason) {
+    bool before_start = false;
+    std::vector<int32_t> pages;
+    Range page_list;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (requests_.count(room) == 0) {
-        return NotFound("room '" + room + "' was not submitted to this agent");
+      auto claim = claims_.find(room);
+      if (claim != claims_.end() && !claim->second.abort_reason) {
+        before_start = true;
+        // Not started: it goes no further.
+        Claimed& c = claim->second;
+        c.abort_reason = reason;
+        KVT_LOG_WARN("tool", "{} room '{}' aborted before it started: {}",
+                     options_.prefill ? "prefill" : "decode", room, reason);
+        if (c.starting) return OkStatus();  // Submit aborts it once the engine has it
+        pages = std::exchange(c.pages, {});
+        page_list = std::exchange(c.page_list, Range{});
+        RecordAbortedLocked(room, c.tokens, AbortedBeforeStart(room, c));
+      } else {
+        auto it = requests_.find(room);
+        if (it == requests_.end()) {
+          if (claim != claims_.end()) return OkStatus();  // aborted already; the engine has it now
+          return NotFound("room '" + room +
+                          "' was not submitted to this agent (or ended before the last " +
+                          std::to_string(options_.max_reports) +
+                          " reports it keeps); check the room id and the agent it went to");
+        }
+        if (it->second.ended) {
+          return AlreadyEnded(room, it->second.report.state, it->second.report.status);
+        }
       }
     }
-    Status st = engine_->Abort(room, reason);
-    // The monitor may already have finished and forgotten the room: nothing left to abort.
-    return st.code() == StatusCode::kNotFound ? OkStatus() : st;
+    if (before_start) {
+      FreePages(room, pages, page_list);
+      return OkStatus();
+    }
+    // Started: the engine aborts it and tells the peer.
+    StatusOr<transfer::RequestInfo> info = engine_->GetRequest(room);
+    if (info.ok() && IsFinal(info->state)) return AlreadyEnded(room, info->state, info->status);
+    // A room that ends between that look and the abort is answered OK; its report says how.
+    Status aborted = engine_->Abort(room, reason);
+    if (aborted.code() != StatusCode::kNotFound) return aborted;
+    // The monitor finished and forgot the room meanwhile.
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = requests_.find(room);
+    if (it != requests_.end() && it->second.ended) {
+      return AlreadyEnded(room, it->second.report.state, it->second.report.status);
+    }
+    return aborted;
   }
 
   std::vector<RequestReport> Reports(const std::vector<std::string>& rooms) const {
@@ -174,6 +316,15 @@ class Agent::Impl {
       if (it == requests_.end()) {
         RequestReport r;
         r.room = room;
+        auto claim = claims_.find(room);
+        if (claim != claims_.end()) {
+          // Not started yet (or aborted while the engine takes it).
+          r.tokens = claim->second.tokens;
+          r.state =
+              claim->second.abort_reason ? RequestState::kFailed : RequestState::kBootstrapping;
+          r.status = AbortedBeforeStart(room, claim->second);
+          return r;
+        }
         r.state = RequestState::kFailed;
         r.status = NotFound("no room '" + room + "' on this agent");
         return r;
@@ -200,6 +351,9 @@ class Agent::Impl {
     };
     if (rooms.empty()) {
       for (const auto& [room, req] : requests_) out.push_back(report_of(room));
+      for (const auto& [room, claim] : claims_) {
+        if (requests_.count(room) == 0) out.push_back(report_of(room));
+      }
     } else {
       for (const std::string& room : rooms) out.push_back(report_of(room));
     }
@@ -225,7 +379,8 @@ class Agent::Impl {
     Clock::time_point submitted;
     // Prefill: the forward thread has enqueued (CUDA) or done (host) all it will for the room.
     bool forward_done = false;
-    bool done = false;
+    bool ended = false;  // final, and `report` says how (its pages may not be back yet)
+    bool done = false;   // ended and its pages are back
     RequestReport report;
     // CUDA prefill. Written by the forward thread before forward_done, read by the monitor
     // after it. The events go back to the pool only once the room is final (the engine may
@@ -531,6 +686,12 @@ class Agent::Impl {
           std::chrono::duration<double, std::micro>(Clock::now() - request->submitted).count(),
           report.status.ToString());
     }
+    {
+      // From here on an abort is answered with how the room ended.
+      std::lock_guard<std::mutex> lock(mu_);
+      request->report = report;
+      request->ended = true;
+    }
     (void)engine_->Forget(room);
     if (cuda_ != nullptr) {
       // The room is final and its forward finished on the device: nothing waits on these.
@@ -552,10 +713,89 @@ class Agent::Impl {
     request->done = true;
     request->report = std::move(report);
     finished_.push_back(room);
+    TrimReportsLocked();
+  }
+
+  void TrimReportsLocked() {
     while (finished_.size() > options_.max_reports) {
       requests_.erase(finished_.front());
       finished_.pop_front();
     }
+  }
+
+  // A room between its claim and the engine's start (see Agent::Claim).
+  struct Claimed {
+    int64_t tokens = 0;
+    bool submitting = false;     // Submit runs for it
+    bool starting = false;       // Submit is handing it to the engine: an abort is applied after
+    std::vector<int32_t> pages;  // allocated by Submit, not yet the engine's
+    Range page_list;             // CUDA prefill: the pages' device copy
+    std::optional<std::string> abort_reason;  // set once aborted
+  };
+
+  Status ClaimLocked(const std::string& room, int64_t tokens) {
+    if (claims_.count(room) != 0) {
+      return AlreadyExists("room '" + room +
+                           "' is being submitted to this agent already; wait for that submit's "
+                           "reply");
+    }
+    if (requests_.count(room) != 0) {
+      return AlreadyExists("room '" + room +
+                           "' was already submitted to this agent; QueryRequests has its report, "
+                           "and a new request needs a new room id");
+    }
+    Claimed claim;
+    claim.tokens = tokens;
+    claims_.emplace(room, std::move(claim));
+    return OkStatus();
+  }
+
+  // OK, or the Aborted status of a claim that was aborted.
+  static Status AbortedBeforeStart(const std::string& room, const Claimed& claim) {
+    if (!claim.abort_reason) return OkStatus();
+    return Aborted("room '" + room + "' was aborted before it started: " + *claim.abort_reason);
+  }
+
+  // Ends the claim of a Submit that failed with `status` (or was aborted meanwhile: then the
+  // abort's status).
+  Status EndClaim(const std::string& room, const Status& status) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = claims_.find(room);
+    if (it == claims_.end()) return status;
+    const Status aborted = AbortedBeforeStart(room, it->second);
+    claims_.erase(it);
+    return aborted.ok() ? status : aborted;
+  }
+
+  // The final report of a room aborted before its engine had it.
+  void RecordAbortedLocked(const std::string& room, int64_t tokens, const Status& why) {
+    Request request;
+    request.spec.room = room;
+    request.spec.tokens = tokens;
+    request.ended = true;
+    request.done = true;
+    request.report.room = room;
+    request.report.state = RequestState::kFailed;
+    request.report.status = why;
+    request.report.tokens = tokens;
+    requests_.emplace(room, std::move(request));
+    finished_.push_back(room);
+    TrimReportsLocked();
+  }
+
+  static Status AlreadyEnded(const std::string& room, RequestState state, const Status& status) {
+    return FailedPrecondition(
+        "room '" + room + "' already ended (" + transfer::RequestStateName(state) +
+        (status.ok() ? std::string() : ": " + status.ToString()) +
+        "); there is nothing left to abort, and QueryRequests has its report");
+  }
+
+  void FreePages(const std::string& room, const std::vector<int32_t>& pages, Range page_list) {
+    if (!pages.empty()) {
+      Status freed = allocator_->Free(pages);
+      if (!freed.ok()) KVT_LOG_ERROR("tool", "freeing room '{}': {}", room, freed.ToString());
+    }
+    if (page_list.valid()) cuda_->arena->Free(page_list);
   }
 
   // Decode, CUDA pools: checks the received pages on the device (the pattern kernel reads a
@@ -594,6 +834,7 @@ class Agent::Impl {
   std::condition_variable cv_;
   bool stop_ = false;
   std::map<std::string, Request> requests_;
+  std::map<std::string, Claimed> claims_;  // claimed, not yet the engine's (or aborted meanwhile)
   std::deque<std::string> pending_;        // submitted, not yet final
   std::deque<std::string> forward_queue_;  // prefill: rooms whose forward has not run
   std::deque<std::string> finished_;       // final rooms, oldest first (bounded report memory)
@@ -609,6 +850,11 @@ StatusOr<std::unique_ptr<Agent>> Agent::Create(const AgentOptions& options) {
   return std::unique_ptr<Agent>(new Agent(std::move(impl)));
 }
 
+Status Agent::Claim(const std::string& room, int64_t tokens) { return impl_->Claim(room, tokens); }
+Status Agent::Release(const std::string& room) { return impl_->Release(room); }
+Status Agent::ConnectPrefill(const std::string& room, const std::string& host, uint16_t port) {
+  return impl_->ConnectPrefill(room, host, port);
+}
 Status Agent::Submit(const SubmitSpec& spec) { return impl_->Submit(spec); }
 Status Agent::Abort(const std::string& room, const std::string& reason) {
   return impl_->Abort(room, reason);

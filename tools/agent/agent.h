@@ -68,7 +68,7 @@ struct RequestReport {
   double latency_us = 0;  // this side: submitted -> final
   bool verified = false;  // decode: the pattern check ran and found no mismatch
   uint64_t mismatches = 0;
-  std::string first_mismatch;  // where, when mismatches > 0
+  std::string first_mismatch;      // where, when mismatches > 0
   bool pages_quarantined = false;  // decode: failed, pages not reusable yet
 };
 
@@ -90,9 +90,28 @@ class Agent {
   Agent(const Agent&) = delete;
   Agent& operator=(const Agent&) = delete;
 
-  // ResourceExhausted when the pool has too few free pages now (retry later).
+  // Claims `room` for a submit that is still being prepared (waiting for a worker, looking up
+  // or connecting to its prefill agent): from then on Abort finds the room, Reports show it
+  // Bootstrapping, and another Claim or Submit of it is AlreadyExists. Submit of a claimed room
+  // takes the claim over; Release gives it up when no Submit follows. Unclaimed rooms are
+  // claimed by Submit itself.
+  Status Claim(const std::string& room, int64_t tokens);
+  // Gives up a claim whose Submit will not come. Returns the Aborted status the room ended with
+  // when it was aborted meanwhile (its report stays), OK otherwise (the room leaves no trace).
+  Status Release(const std::string& room);
+  // Decode: connects to the prefill engine at host:port for claimed `room` (Submit then finds
+  // the connection open). For callers that must tell a failed connect from other failures, e.g.
+  // to drop an address they looked up. Aborted when the room is aborted before or during the
+  // connect; the connect's own error otherwise.
+  Status ConnectPrefill(const std::string& room, const std::string& host, uint16_t port);
+  // ResourceExhausted when the pool has too few free pages now (retry later). Aborted when the
+  // room is aborted while claimed or during this call: before its engine has it (a decode room
+  // connecting to its peer) nothing is sent; after, the engine aborts it and tells the peer.
   Status Submit(const SubmitSpec& spec);
-  // Aborts a submitted room (its engine tells the peer). NotFound for unknown rooms.
+  // Aborts a room. A started room's engine tells the peer. A room that is claimed or still in
+  // Submit (connecting to its peer) is stopped before anything is sent: its pages return now,
+  // its report says it was aborted, and its Submit returns Aborted. FailedPrecondition naming
+  // the state (and status) for a room that already ended; NotFound for unknown rooms.
   Status Abort(const std::string& room, const std::string& reason);
   // Reports for these rooms (all known rooms when empty); unknown rooms are NotFound entries.
   std::vector<RequestReport> Reports(const std::vector<std::string>& rooms) const;

@@ -69,16 +69,15 @@ void AgentRpc::Stop() {
     stopping_ = true;
     workers.swap(workers_);
     dropped.swap(jobs_);
-    for (const SubmitJob& job : dropped)
-      rooms_in_flight_.erase(job.request.submit_request().room_id());
   }
   work_cv_.notify_all();
   for (const SubmitJob& job : dropped) {
+    const std::string& room = job.request.submit_request().room_id();
+    (void)agent_->Release(room);  // never started: the room leaves no trace
     Reply(job.connection, job.request.id(),
-          control::MakeErrorEnvelope(v1::STATUS_CODE_UNAVAILABLE,
-                                     "the agent is stopping; submit room '" +
-                                         job.request.submit_request().room_id() +
-                                         "' to another agent"));
+          control::MakeErrorEnvelope(
+              v1::STATUS_CODE_UNAVAILABLE,
+              "the agent is stopping; submit room '" + room + "' to another agent"));
   }
   for (std::thread& worker : workers) {
     if (worker.joinable()) worker.join();
@@ -86,39 +85,30 @@ void AgentRpc::Stop() {
 }
 
 void AgentRpc::QueueSubmit(control::ConnectionId id, const v1::Envelope& envelope) {
-  const std::string& room = envelope.submit_request().room_id();
-  std::string refusal;
-  v1::StatusCode code = v1::STATUS_CODE_OK;
+  const v1::SubmitRequest& request = envelope.submit_request();
+  const std::string& room = request.room_id();
+  Status refusal;
   {
     std::lock_guard<std::mutex> lock(work_mu_);
     if (stopping_) {
-      code = v1::STATUS_CODE_UNAVAILABLE;
-      refusal = "the agent is stopping; submit room '" + room + "' to another agent";
-    } else if (rooms_in_flight_.count(room) != 0) {
-      code = v1::STATUS_CODE_ALREADY_EXISTS;
-      refusal = "room '" + room + "' is being submitted to this agent already; wait for that " +
-                "submit's reply";
+      refusal = Unavailable("the agent is stopping; submit room '" + room + "' to another agent");
     } else if (jobs_.size() >= kMaxQueuedSubmits) {
-      code = v1::STATUS_CODE_RESOURCE_EXHAUSTED;
-      refusal = "room '" + room + "': " + std::to_string(jobs_.size()) +
-                " submits are waiting for one of " + std::to_string(kSubmitWorkers) +
-                " workers (the limit is " + std::to_string(kMaxQueuedSubmits) +
-                "; some prefill peers may not answer); retry later";
+      refusal =
+          ResourceExhausted("room '" + room + "': " + std::to_string(jobs_.size()) +
+                            " submits are waiting for one of " + std::to_string(kSubmitWorkers) +
+                            " workers (the limit is " + std::to_string(kMaxQueuedSubmits) +
+                            "; some prefill peers may not answer); retry later");
     } else {
-      rooms_in_flight_.insert(room);
-      jobs_.push_back(SubmitJob{id, envelope});
+      // Claimed while queued: an abort finds the room from now on.
+      refusal = agent_->Claim(room, static_cast<int64_t>(request.num_tokens()));
+      if (refusal.ok()) jobs_.push_back(SubmitJob{id, envelope});
     }
   }
-  if (code == v1::STATUS_CODE_OK) {
+  if (refusal.ok()) {
     work_cv_.notify_one();
     return;
   }
-  v1::Envelope reply;
-  auto* r = reply.mutable_submit_reply();
-  r->set_room_id(room);
-  r->set_status(code);
-  r->set_message(refusal);
-  Reply(id, envelope.id(), std::move(reply));
+  Reply(id, envelope.id(), MakeSubmitReply(room, refusal));
 }
 
 void AgentRpc::WorkerLoop() {
@@ -131,13 +121,67 @@ void AgentRpc::WorkerLoop() {
       job = std::move(jobs_.front());
       jobs_.pop_front();
     }
-    v1::Envelope reply = Submit(job.request.submit_request());
-    {
-      std::lock_guard<std::mutex> lock(work_mu_);
-      rooms_in_flight_.erase(job.request.submit_request().room_id());
-    }
-    Reply(job.connection, job.request.id(), std::move(reply));
+    const v1::SubmitRequest& request = job.request.submit_request();
+    Reply(job.connection, job.request.id(), MakeSubmitReply(request.room_id(), Submit(request)));
   }
+}
+
+std::optional<AgentRpc::SubmitJob> AgentRpc::TakeQueued(const std::string& room) {
+  std::lock_guard<std::mutex> lock(work_mu_);
+  auto it = std::find_if(jobs_.begin(), jobs_.end(), [&](const SubmitJob& job) {
+    return job.request.submit_request().room_id() == room;
+  });
+  if (it == jobs_.end()) return std::nullopt;
+  SubmitJob job = std::move(*it);
+  jobs_.erase(it);
+  return job;
+}
+
+v1::Envelope AgentRpc::HandleAbort(control::ConnectionId id, const v1::AbortRoom& abort) {
+  const std::string& room = abort.room_id();
+  const std::string reason = abort.reason().empty() ? "aborted by the driver" : abort.reason();
+  // A submit still waiting for a worker leaves the queue (and is answered now); one on a worker
+  // stops before its room reaches the engine (Agent::Abort). Taken from the queue before the
+  // abort, so that no worker starts it in between.
+  std::optional<SubmitJob> queued = TakeQueued(room);
+  const Status aborted = agent_->Abort(room, reason);
+  if (queued) {
+    const Status released = agent_->Release(room);
+    Reply(queued->connection, queued->request.id(),
+          MakeSubmitReply(room, released.ok() ? aborted : released));
+  }
+  if (aborted.ok()) {
+    KVT_LOG_INFO("tool", "room '{}' aborted by driver connection {}: {}", room, id, reason);
+  }
+  return MakeSubmitReply(room, aborted);
+}
+
+void AgentRpc::OnDisconnect(control::ConnectionId id, const Status& why) {
+  // The driver is gone and nobody waits for these replies: its submits that have not started
+  // are dropped (they hold no pages yet). Submits already on a worker and started rooms go on
+  // as any room does, to their end or their deadline.
+  std::vector<SubmitJob> dropped;
+  {
+    std::lock_guard<std::mutex> lock(work_mu_);
+    for (auto it = jobs_.begin(); it != jobs_.end();) {
+      if (it->connection == id) {
+        dropped.push_back(std::move(*it));
+        it = jobs_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  if (dropped.empty()) return;
+  const std::string reason = "the driver that submitted it disconnected (connection " +
+                             std::to_string(id) + ": " + why.ToString() + ")";
+  for (const SubmitJob& job : dropped) {
+    const std::string& room = job.request.submit_request().room_id();
+    (void)agent_->Abort(room, reason);  // its report says why it never ran
+    (void)agent_->Release(room);
+  }
+  KVT_LOG_WARN("tool", "driver connection {} closed with {} submit(s) not started; dropped them",
+               id, dropped.size());
 }
 
 void AgentRpc::Reply(control::ConnectionId id, uint64_t reply_to, v1::Envelope reply) {
@@ -206,34 +250,56 @@ StatusOr<HostPort> AgentRpc::ResolvePrefill(const std::string& name) {
   return address;
 }
 
-v1::Envelope AgentRpc::Submit(const v1::SubmitRequest& request) {
-  SubmitSpec spec;
-  spec.room = request.room_id();
-  spec.tokens = static_cast<int64_t>(request.num_tokens());
-  spec.deadline = std::chrono::milliseconds(request.deadline_ms());
-  Status status;
-  if (!prefill_) {
-    StatusOr<HostPort> prefill =
-        !request.prefill_address().empty() ? ParseHostPort(request.prefill_address())
-        : !request.prefill_name().empty()
-            ? ResolvePrefill(request.prefill_name())
-            : StatusOr<HostPort>(InvalidArgument(
-                  "a decode agent needs prefill_address or prefill_name for room '" +
-                  request.room_id() + "'"));
-    if (prefill.ok()) {
-      spec.prefill_host = prefill->host;
-      spec.prefill_port = prefill->port;
-    } else {
-      status = prefill.status();
-    }
-  }
-  if (status.ok()) status = agent_->Submit(spec);
+v1::Envelope AgentRpc::MakeSubmitReply(const std::string& room, const Status& status) {
   v1::Envelope reply;
   auto* r = reply.mutable_submit_reply();
-  r->set_room_id(request.room_id());
+  r->set_room_id(room);
   r->set_status(control::ToProtoCode(status.code()));
   if (!status.ok()) r->set_message(control::Truncate(status.message(), 4000));
   return reply;
+}
+
+void AgentRpc::ForgetResolved(const std::string& name, const HostPort& address) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = resolved_.find(name);
+  // Only this address: another submit may have looked up a new one meanwhile.
+  if (it != resolved_.end() && it->second.address.host == address.host &&
+      it->second.address.port == address.port) {
+    resolved_.erase(it);
+  }
+}
+
+Status AgentRpc::Submit(const v1::SubmitRequest& request) {
+  const std::string& room = request.room_id();
+  SubmitSpec spec;
+  spec.room = room;
+  spec.tokens = static_cast<int64_t>(request.num_tokens());
+  spec.deadline = std::chrono::milliseconds(request.deadline_ms());
+  if (!prefill_) {
+    const bool by_name = request.prefill_address().empty() && !request.prefill_name().empty();
+    StatusOr<HostPort> prefill =
+        !request.prefill_address().empty() ? ParseHostPort(request.prefill_address())
+        : by_name
+            ? ResolvePrefill(request.prefill_name())
+            : StatusOr<HostPort>(InvalidArgument(
+                  "a decode agent needs prefill_address or prefill_name for room '" + room + "'"));
+    // Connected before any page is taken, so that a peer that does not answer holds none, and
+    // a failed connect is told from the other failures.
+    Status connected = prefill.ok() ? agent_->ConnectPrefill(room, prefill->host, prefill->port)
+                                    : prefill.status();
+    if (!connected.ok()) {
+      // A looked-up address that cannot be reached is looked up again by the next submit (the
+      // prefill agent may have restarted elsewhere).
+      if (by_name && prefill.ok() && connected.code() != StatusCode::kAborted) {
+        ForgetResolved(request.prefill_name(), *prefill);
+      }
+      const Status released = agent_->Release(room);
+      return released.ok() ? connected : released;
+    }
+    spec.prefill_host = prefill->host;
+    spec.prefill_port = prefill->port;
+  }
+  return agent_->Submit(spec);
 }
 
 void AgentRpc::OnMessage(control::ConnectionId id, const v1::Envelope& envelope) {
@@ -242,17 +308,9 @@ void AgentRpc::OnMessage(control::ConnectionId id, const v1::Envelope& envelope)
     case v1::Envelope::kSubmitRequest:
       QueueSubmit(id, envelope);  // answered by a worker, or at once when refused
       return;
-    case v1::Envelope::kAbortRoom: {
-      const Status st =
-          agent_->Abort(envelope.abort_room().room_id(), envelope.abort_room().reason().empty()
-                                                             ? "aborted by the driver"
-                                                             : envelope.abort_room().reason());
-      auto* r = reply.mutable_submit_reply();
-      r->set_room_id(envelope.abort_room().room_id());
-      r->set_status(control::ToProtoCode(st.code()));
-      if (!st.ok()) r->set_message(control::Truncate(st.message(), 4000));
+    case v1::Envelope::kAbortRoom:
+      reply = HandleAbort(id, envelope.abort_room());
       break;
-    }
     case v1::Envelope::kQueryRequests: {
       std::vector<std::string> rooms(envelope.query_requests().room_ids().begin(),
                                      envelope.query_requests().room_ids().end());

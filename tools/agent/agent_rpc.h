@@ -8,7 +8,12 @@
 // its hello), and the io thread must keep answering the other calls (stats, queries, aborts)
 // within milliseconds. A submit's reply goes out when it is done, tied to its request by
 // reply_to; a submit that finds every worker busy and kMaxQueuedSubmits waiting is answered
-// RESOURCE_EXHAUSTED at once.
+// RESOURCE_EXHAUSTED at once. A submit's room is claimed on the agent from the moment it is
+// queued (Agent::Claim), so AbortRoom stops it wherever it is: still queued (the submit is
+// answered ABORTED at once), looking up or connecting to its prefill agent (answered ABORTED
+// when that ends; nothing reaches the peer), or started (the engines abort it). A driver whose
+// connection closes has its queued submits dropped; their reports say why. A looked-up prefill
+// address that cannot be connected to is dropped from the cache.
 //
 // Thread safety: the server calls OnMessage from its I/O threads; the handler is thread-safe.
 // Stop() (or the destructor) joins the workers; call it before the server and the agent are
@@ -23,7 +28,6 @@
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -59,7 +63,7 @@ class AgentRpc : public control::ControlHandler {
       const control::ControlServerOptions& options);
 
   void OnMessage(control::ConnectionId id, const v1::Envelope& envelope) override;
-  void OnDisconnect(control::ConnectionId id, const Status& why) override {}
+  void OnDisconnect(control::ConnectionId id, const Status& why) override;
 
   // Stops taking submits, answers the queued ones UNAVAILABLE and joins the workers (a submit
   // in progress finishes first). Idempotent.
@@ -75,8 +79,15 @@ class AgentRpc : public control::ControlHandler {
   void QueueSubmit(control::ConnectionId id, const v1::Envelope& envelope);
   void WorkerLoop();
   void Reply(control::ConnectionId id, uint64_t reply_to, v1::Envelope reply);
-  v1::Envelope Submit(const v1::SubmitRequest& request);
+  static v1::Envelope MakeSubmitReply(const std::string& room, const Status& status);
+  // Runs one submit of a claimed room (the claim ends with it).
+  Status Submit(const v1::SubmitRequest& request);
+  v1::Envelope HandleAbort(control::ConnectionId id, const v1::AbortRoom& abort);
+  // Removes the room's submit from the queue when it is still there.
+  std::optional<SubmitJob> TakeQueued(const std::string& room);
   StatusOr<HostPort> ResolvePrefill(const std::string& name);
+  // Drops `name` from the look-up cache while it still resolves to `address`.
+  void ForgetResolved(const std::string& name, const HostPort& address);
 
   // The bytes a reply frame leaves for its envelope around the reports.
   static constexpr size_t kReplyHeadroom = 64;
@@ -100,8 +111,7 @@ class AgentRpc : public control::ControlHandler {
 
   std::mutex work_mu_;  // guards the members below
   std::condition_variable work_cv_;
-  std::deque<SubmitJob> jobs_;
-  std::set<std::string> rooms_in_flight_;  // queued or running: a second submit is refused
+  std::deque<SubmitJob> jobs_;  // their rooms are claimed on the agent
   bool stopping_ = false;
   std::vector<std::thread> workers_;
 };

@@ -1,18 +1,29 @@
 // The agent's building blocks and kvt-agent's command line: device names, the page-list
-// arena's bookkeeping, which pool/backend pairs the agent refuses (and how it says so), and
-// what a started agent reports in its ready file. Runs without a GPU; device-dependent
-// expectations follow what this process sees.
+// arena's bookkeeping, which pool/backend pairs the agent refuses (and how it says so), what a
+// started agent reports in its ready file, and its driver RPC in-process (aborts wherever a
+// room is, drivers that disconnect, the prefill address cache). Runs without a GPU;
+// device-dependent expectations follow what this process sees.
 #include "agent.h"
 
+#include <arpa/inet.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <poll.h>
 #include <signal.h>
 #include <stdlib.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
+#include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <filesystem>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <thread>
+#include <vector>
 
 #include "advertise.h"
 #include "agent_rpc.h"
@@ -384,7 +395,8 @@ TEST(KvtAgentCliTest, BadAdvertiseIsRefusedBeforeAnythingStarts) {
 
 // ---- a decode agent checks the prefill entry's layout before any request --------------------
 
-// A control server that only counts connections: the stand-in for a prefill engine.
+// A control server that only counts connections and messages, and answers nothing (a hello
+// to it waits for its timeout): the stand-in for a prefill engine.
 class CountingHandler : public control::ControlHandler {
  public:
   void OnConnect(control::ConnectionId, const control::ConnectionInfo&) override { ++connects; }
@@ -490,6 +502,566 @@ TEST(AgentRpcTest, AQueryWhoseReplyWouldNotFitSaysHowManyRoomsToName) {
   ASSERT_EQ(answered->query_requests_reply().reports_size(), 1);
   EXPECT_EQ(answered->query_requests_reply().reports(0).status(), v1::STATUS_CODE_NOT_FOUND);
   rpc.Stop();
+}
+
+// ---- aborts, drivers that leave, and the prefill address cache ------------------------------
+
+using Clock = std::chrono::steady_clock;
+using namespace std::chrono_literals;
+
+// Polls `done` every 5 ms until it holds or `timeout` has passed; its last answer.
+template <typename Condition>
+bool WaitFor(Condition done, std::chrono::milliseconds timeout) {
+  const auto until = Clock::now() + timeout;
+  while (!done()) {
+    if (Clock::now() >= until) return done();
+    std::this_thread::sleep_for(5ms);
+  }
+  return true;
+}
+
+// A loopback TCP proxy in front of `upstream_port` that holds every connection's bytes until
+// Open(): a connect through it stays under way (no challenge, no hello answer) for as long as a
+// test needs, then completes as a direct one would.
+class GatedProxy {
+ public:
+  explicit GatedProxy(uint16_t upstream_port) : upstream_port_(upstream_port) {
+    listen_fd_ = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof(addr);
+    if (listen_fd_ < 0 || bind(listen_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+        listen(listen_fd_, 16) != 0 ||
+        getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+      return;
+    }
+    port_ = ntohs(addr.sin_port);
+    threads_.emplace_back([this] { AcceptLoop(); });
+  }
+  ~GatedProxy() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    for (std::thread& t : threads_) t.join();  // every loop looks at stop_ at least every 20 ms
+    for (int fd : fds_) close(fd);
+    if (listen_fd_ >= 0) close(listen_fd_);
+  }
+  GatedProxy(const GatedProxy&) = delete;
+  GatedProxy& operator=(const GatedProxy&) = delete;
+
+  uint16_t port() const { return port_; }  // 0: the listener could not be set up
+  int accepted() const { return accepted_.load(); }
+  void Open() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      open_ = true;
+    }
+    cv_.notify_all();
+  }
+
+ private:
+  bool Stopping() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return stop_;
+  }
+
+  void AcceptLoop() {
+    while (!Stopping()) {
+      pollfd p{listen_fd_, POLLIN, 0};
+      if (poll(&p, 1, 20) <= 0) continue;
+      const int client = accept(listen_fd_, nullptr, nullptr);
+      if (client < 0) continue;
+      const int server = socket(AF_INET, SOCK_STREAM, 0);
+      sockaddr_in up{};
+      up.sin_family = AF_INET;
+      up.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+      up.sin_port = htons(upstream_port_);
+      if (server < 0 || connect(server, reinterpret_cast<sockaddr*>(&up), sizeof(up)) != 0) {
+        close(client);
+        if (server >= 0) close(server);
+        continue;
+      }
+      fds_.push_back(client);
+      fds_.push_back(server);
+      ++accepted_;
+      pumps_.emplace_back([this, client, server] { Pump(client, server); });
+      pumps_.emplace_back([this, client, server] { Pump(server, client); });
+    }
+    for (std::thread& t : pumps_) t.join();
+  }
+
+  void Pump(int from, int to) {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return open_ || stop_; });
+    }
+    char buffer[16384];
+    while (!Stopping()) {
+      pollfd p{from, POLLIN, 0};
+      if (poll(&p, 1, 20) <= 0) continue;
+      const ssize_t n = read(from, buffer, sizeof(buffer));
+      if (n <= 0) {
+        shutdown(to, SHUT_WR);
+        return;
+      }
+      for (ssize_t sent = 0; sent < n;) {
+        const ssize_t w = write(to, buffer + sent, static_cast<size_t>(n - sent));
+        if (w <= 0) return;
+        sent += w;
+      }
+    }
+  }
+
+  const uint16_t upstream_port_;
+  int listen_fd_ = -1;
+  uint16_t port_ = 0;
+  std::atomic<int> accepted_{0};
+  // The accept thread's: it starts the pumps and joins them before it ends.
+  std::vector<int> fds_;
+  std::vector<std::thread> pumps_;
+  std::vector<std::thread> threads_;  // the accept thread
+  std::mutex mu_;                     // guards open_ and stop_
+  std::condition_variable cv_;
+  bool open_ = false;
+  bool stop_ = false;
+};
+
+// A loopback port nobody listens on: one the kernel picked, released again.
+uint16_t UnusedPort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  uint16_t port = 0;
+  if (fd >= 0 && bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
+    port = ntohs(addr.sin_port);
+  }
+  if (fd >= 0) close(fd);
+  return port;
+}
+
+// Joins the RPC's submit workers before the server they reply through goes, on every return
+// (declared after the server).
+struct StopWorkers {
+  AgentRpc* rpc;
+  ~StopWorkers() { rpc->Stop(); }
+};
+
+AgentOptions PrefillAgent() {
+  AgentOptions o = SmallAgent(pool::MemoryKind::kHost, "loopback");
+  o.name = "prefill-test";
+  o.prefill = true;
+  return o;
+}
+
+v1::Envelope SubmitEnvelope(uint64_t id, const std::string& room, uint64_t tokens,
+                            const std::string& prefill_address) {
+  v1::Envelope e;
+  e.set_id(id);
+  auto* s = e.mutable_submit_request();
+  s->set_room_id(room);
+  s->set_num_tokens(tokens);
+  if (!prefill_address.empty()) s->set_prefill_address(prefill_address);
+  return e;
+}
+
+std::string Loopback(uint16_t port) { return "127.0.0.1:" + std::to_string(port); }
+
+// A driver connection that may have many calls under way (RpcClient has one at a time).
+StatusOr<std::unique_ptr<control::ControlClient>> PipelinedDriver(uint16_t port,
+                                                                  const std::string& name) {
+  control::ControlClientOptions o;
+  o.port = port;
+  o.client_id = name;
+  o.role = v1::ROLE_TOOL;
+  return control::ControlClient::Connect(o);
+}
+
+StatusOr<v1::SubmitReply> AbortRoomCall(RpcClient& rpc, const std::string& room,
+                                        const std::string& reason) {
+  v1::Envelope abort;
+  abort.mutable_abort_room()->set_room_id(room);
+  abort.mutable_abort_room()->set_reason(reason);
+  KVT_ASSIGN_OR_RETURN(v1::Envelope reply, rpc.Call(abort, 10s));
+  if (!reply.has_submit_reply()) return Internal("AbortRoom answered " + reply.ShortDebugString());
+  return reply.submit_reply();
+}
+
+StatusOr<v1::RequestReport> ReportOf(RpcClient& rpc, const std::string& room) {
+  v1::Envelope query;
+  query.mutable_query_requests()->add_room_ids(room);
+  KVT_ASSIGN_OR_RETURN(v1::Envelope reply, rpc.Call(query, 10s));
+  if (reply.query_requests_reply().reports_size() != 1) {
+    return Internal("QueryRequests answered " + reply.ShortDebugString());
+  }
+  return reply.query_requests_reply().reports(0);
+}
+
+// One prefill stand-in per submit worker, none answering a hello: a submit to each keeps one
+// of the decode agent's submit workers connecting until the stand-ins stop.
+struct BusyWorkers {
+  std::vector<std::unique_ptr<CountingHandler>> handlers;
+  std::vector<std::unique_ptr<control::ControlServer>> servers;
+  std::unique_ptr<control::ControlClient> driver;
+
+  Status Occupy(uint16_t rpc_port) {
+    for (size_t i = 0; i < AgentRpc::kSubmitWorkers; ++i) {
+      handlers.push_back(std::make_unique<CountingHandler>());
+      KVT_ASSIGN_OR_RETURN(
+          auto server,
+          control::ControlServer::Create(control::ControlServerOptions{}, handlers.back().get()));
+      servers.push_back(std::move(server));
+    }
+    KVT_ASSIGN_OR_RETURN(driver, PipelinedDriver(rpc_port, "busy-driver"));
+    for (size_t i = 0; i < servers.size(); ++i) {
+      KVT_RETURN_IF_ERROR(driver->Send(
+          SubmitEnvelope(i + 1, "busy-" + std::to_string(i), 16, Loopback(servers[i]->port()))));
+    }
+    // Each stand-in got its hello: every worker is connecting.
+    const bool all = WaitFor(
+        [&] {
+          int hellos = 0;
+          for (const auto& h : handlers) hellos += h->messages.load();
+          return hellos == static_cast<int>(handlers.size());
+        },
+        20s);
+    return all ? OkStatus() : DeadlineExceeded("the busy submits did not all reach their peers");
+  }
+
+  // Ends the connects (their submits fail) and takes their replies.
+  Status Release() {
+    for (auto& server : servers) server->Stop();
+    for (size_t i = 0; i < servers.size(); ++i) KVT_RETURN_IF_ERROR(driver->Receive(20s).status());
+    return OkStatus();
+  }
+};
+
+// An AbortRoom reaches a submit still waiting for a worker: the abort is answered OK, the
+// submit is answered ABORTED at once (not when a worker frees up), and the room's report says
+// it was aborted; a second abort is told the room already ended.
+TEST(AgentRpcTest, AbortOfAQueuedSubmitAnswersItAndReportsTheAbort) {
+  AgentOptions options = SmallAgent(pool::MemoryKind::kHost, "loopback");
+  options.engine.hello_timeout = 30s;  // the busy submits end when their stand-ins stop
+  auto agent = Agent::Create(options);
+  ASSERT_TRUE(agent.ok()) << agent.status();
+  AgentRpc rpc(agent->get(), "decode-test", /*prefill=*/false, 0, 1, std::nullopt, std::nullopt);
+  auto rpc_server = rpc.Serve(control::ControlServerOptions{});
+  ASSERT_TRUE(rpc_server.ok()) << rpc_server.status();
+  StopWorkers stop_workers{&rpc};
+  BusyWorkers busy;
+  const Status occupied = busy.Occupy((*rpc_server)->port());
+  ASSERT_TRUE(occupied.ok()) << occupied;
+
+  auto driver = PipelinedDriver((*rpc_server)->port(), "driver");
+  ASSERT_TRUE(driver.ok()) << driver.status();
+  ASSERT_TRUE((*driver)->Send(SubmitEnvelope(77, "queued-room", 40, "127.0.0.1:1")).ok());
+  auto observer = RpcClient::Connect("127.0.0.1", (*rpc_server)->port(), "observer", 5s);
+  ASSERT_TRUE(observer.ok()) << observer.status();
+  EXPECT_TRUE(WaitFor(
+      [&] {
+        auto r = ReportOf(*observer, "queued-room");
+        return r.ok() && r->state() == v1::REQUEST_STATE_BOOTSTRAPPING;
+      },
+      10s))
+      << "the queued room is not reported as bootstrapping";
+
+  auto aborted = AbortRoomCall(*observer, "queued-room", "the user cancelled");
+  ASSERT_TRUE(aborted.ok()) << aborted.status();
+  EXPECT_EQ(aborted->status(), v1::STATUS_CODE_OK) << aborted->message();
+  auto submit_reply = (*driver)->Receive(5s);  // the workers are all still connecting
+  ASSERT_TRUE(submit_reply.ok()) << "the aborted submit was not answered: "
+                                 << submit_reply.status();
+  EXPECT_EQ(submit_reply->reply_to(), 77u);
+  EXPECT_EQ(submit_reply->submit_reply().status(), v1::STATUS_CODE_ABORTED)
+      << submit_reply->ShortDebugString();
+  EXPECT_THAT(submit_reply->submit_reply().message(), HasSubstr("the user cancelled"));
+
+  auto report = ReportOf(*observer, "queued-room");
+  ASSERT_TRUE(report.ok()) << report.status();
+  EXPECT_EQ(report->state(), v1::REQUEST_STATE_FAILED);
+  EXPECT_EQ(report->status(), v1::STATUS_CODE_ABORTED);
+  EXPECT_THAT(report->message(), HasSubstr("room 'queued-room' was aborted before it started"));
+  EXPECT_THAT(report->message(), HasSubstr("the user cancelled"));
+
+  auto again = AbortRoomCall(*observer, "queued-room", "twice");
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->status(), v1::STATUS_CODE_FAILED_PRECONDITION) << again->message();
+  EXPECT_THAT(again->message(), HasSubstr("room 'queued-room' already ended (Failed: Aborted"));
+
+  const Status released = busy.Release();
+  EXPECT_TRUE(released.ok()) << released;
+  EXPECT_EQ((*agent)->Stats().submitted, 0u);
+  EXPECT_EQ((*agent)->Stats().free_pages, (*agent)->Stats().total_pages);
+}
+
+// An AbortRoom reaches a submit that is connecting to its prefill agent: the abort is answered
+// OK and reported at once, and when the connect completes the submit is answered ABORTED
+// without its request reaching either engine.
+TEST(AgentRpcTest, AbortWhileConnectingStopsTheSubmitBeforeItReachesThePeer) {
+  auto prefill = Agent::Create(PrefillAgent());
+  ASSERT_TRUE(prefill.ok()) << prefill.status();
+  auto decode = Agent::Create(SmallAgent(pool::MemoryKind::kHost, "loopback"));
+  ASSERT_TRUE(decode.ok()) << decode.status();
+  GatedProxy proxy((*prefill)->engine_port());
+  ASSERT_NE(proxy.port(), 0);
+  AgentRpc rpc(decode->get(), "decode-test", /*prefill=*/false, 0, 1, std::nullopt, std::nullopt);
+  auto rpc_server = rpc.Serve(control::ControlServerOptions{});
+  ASSERT_TRUE(rpc_server.ok()) << rpc_server.status();
+  StopWorkers stop_workers{&rpc};
+  auto driver = PipelinedDriver((*rpc_server)->port(), "driver");
+  ASSERT_TRUE(driver.ok()) << driver.status();
+  ASSERT_TRUE(
+      (*driver)->Send(SubmitEnvelope(5, "connecting-room", 40, Loopback(proxy.port()))).ok());
+  ASSERT_TRUE(WaitFor([&] { return proxy.accepted() == 1; }, 10s)) << "no connect came";
+
+  auto observer = RpcClient::Connect("127.0.0.1", (*rpc_server)->port(), "observer", 5s);
+  ASSERT_TRUE(observer.ok()) << observer.status();
+  auto aborted = AbortRoomCall(*observer, "connecting-room", "the user cancelled");
+  ASSERT_TRUE(aborted.ok()) << aborted.status();
+  EXPECT_EQ(aborted->status(), v1::STATUS_CODE_OK) << aborted->message();
+  auto report = ReportOf(*observer, "connecting-room");
+  ASSERT_TRUE(report.ok()) << report.status();
+  EXPECT_EQ(report->state(), v1::REQUEST_STATE_FAILED);
+  EXPECT_EQ(report->status(), v1::STATUS_CODE_ABORTED);
+  EXPECT_THAT(report->message(), HasSubstr("the user cancelled"));
+
+  proxy.Open();  // the connect completes now
+  auto submit_reply = (*driver)->Receive(20s);
+  ASSERT_TRUE(submit_reply.ok()) << submit_reply.status();
+  EXPECT_EQ(submit_reply->submit_reply().status(), v1::STATUS_CODE_ABORTED)
+      << submit_reply->ShortDebugString();
+  EXPECT_EQ((*decode)->engine().GetRequest("connecting-room").status().code(),
+            StatusCode::kNotFound)
+      << "the aborted room was handed to the decode engine";
+  EXPECT_EQ((*prefill)->engine().GetRequest("connecting-room").status().code(),
+            StatusCode::kNotFound)
+      << "the aborted room's request reached the prefill engine";
+  EXPECT_EQ((*decode)->Stats().submitted, 0u);
+  EXPECT_EQ((*decode)->Stats().free_pages, (*decode)->Stats().total_pages);
+}
+
+// Through the agent's own API: a room aborted while Submit connects to its peer gives its pages
+// back at once, and Submit returns Aborted once the connect completes.
+TEST(AgentTest, AbortWhileConnectingFreesThePagesAtOnce) {
+  auto prefill = Agent::Create(PrefillAgent());
+  ASSERT_TRUE(prefill.ok()) << prefill.status();
+  auto decode = Agent::Create(SmallAgent(pool::MemoryKind::kHost, "loopback"));
+  ASSERT_TRUE(decode.ok()) << decode.status();
+  GatedProxy proxy((*prefill)->engine_port());
+  ASSERT_NE(proxy.port(), 0);
+  const int64_t total = (*decode)->Stats().total_pages;
+
+  Status submitted = Internal("Submit did not return");
+  std::thread submit([&] {
+    SubmitSpec spec;
+    spec.room = "connecting-room";
+    spec.tokens = 40;  // 3 pages of 16 tokens
+    spec.prefill_host = "127.0.0.1";
+    spec.prefill_port = proxy.port();
+    submitted = (*decode)->Submit(spec);
+  });
+  const bool connecting = WaitFor([&] { return proxy.accepted() == 1; }, 10s);
+  EXPECT_TRUE(connecting) << "no connect came";
+  EXPECT_EQ((*decode)->Stats().free_pages, total - 3);
+  const Status aborted = (*decode)->Abort("connecting-room", "the user cancelled");
+  EXPECT_TRUE(aborted.ok()) << aborted;
+  EXPECT_EQ((*decode)->Stats().free_pages, total) << "the aborted room kept its pages";
+  for (const RequestReport& report : (*decode)->Reports({"connecting-room"})) {
+    EXPECT_EQ(report.state, transfer::RequestState::kFailed);
+    EXPECT_EQ(report.status.code(), StatusCode::kAborted) << report.status;
+  }
+
+  proxy.Open();
+  submit.join();  // the connect completes once the proxy passes its bytes
+  EXPECT_EQ(submitted.code(), StatusCode::kAborted) << submitted;
+  EXPECT_EQ((*decode)->engine().GetRequest("connecting-room").status().code(),
+            StatusCode::kNotFound);
+  EXPECT_EQ((*decode)->Stats().free_pages, total);
+}
+
+// An abort of a room that already ended (failed or succeeded) says so, naming the room and how
+// it ended, and leaves its report as it was.
+TEST(AgentRpcTest, AbortOfAnEndedRoomSaysHowItEndedAndChangesNothing) {
+  auto prefill = Agent::Create(PrefillAgent());
+  ASSERT_TRUE(prefill.ok()) << prefill.status();
+  AgentRpc rpc(prefill->get(), "prefill-test", /*prefill=*/true, 0, 1, std::nullopt, std::nullopt);
+  auto rpc_server = rpc.Serve(control::ControlServerOptions{});
+  ASSERT_TRUE(rpc_server.ok()) << rpc_server.status();
+  StopWorkers stop_workers{&rpc};
+  auto driver = RpcClient::Connect("127.0.0.1", (*rpc_server)->port(), "driver", 5s);
+  ASSERT_TRUE(driver.ok()) << driver.status();
+  v1::Envelope submit = SubmitEnvelope(0, "late-room", 20, "");
+  submit.mutable_submit_request()->set_deadline_ms(100);  // no decode side comes
+  auto accepted = driver->Call(submit, 10s);
+  ASSERT_TRUE(accepted.ok()) << accepted.status();
+  ASSERT_EQ(accepted->submit_reply().status(), v1::STATUS_CODE_OK)
+      << accepted->submit_reply().message();
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        auto r = ReportOf(*driver, "late-room");
+        return r.ok() && r->state() == v1::REQUEST_STATE_FAILED;
+      },
+      10s));
+
+  auto aborted = AbortRoomCall(*driver, "late-room", "too late");
+  ASSERT_TRUE(aborted.ok()) << aborted.status();
+  EXPECT_EQ(aborted->status(), v1::STATUS_CODE_FAILED_PRECONDITION) << aborted->message();
+  EXPECT_THAT(aborted->message(), HasSubstr("room 'late-room' already ended (Failed"));
+  EXPECT_THAT(aborted->message(), HasSubstr("DeadlineExceeded"));
+  auto report = ReportOf(*driver, "late-room");
+  ASSERT_TRUE(report.ok()) << report.status();
+  EXPECT_EQ(report->status(), v1::STATUS_CODE_DEADLINE_EXCEEDED) << report->message();
+
+  // A success, on both sides.
+  auto decode = Agent::Create(SmallAgent(pool::MemoryKind::kHost, "loopback"));
+  ASSERT_TRUE(decode.ok()) << decode.status();
+  SubmitSpec spec;
+  spec.room = "done-room";
+  spec.tokens = 40;
+  spec.prefill_host = "127.0.0.1";
+  spec.prefill_port = (*prefill)->engine_port();
+  ASSERT_TRUE((*decode)->Submit(spec).ok());
+  SubmitSpec prefill_spec;
+  prefill_spec.room = "done-room";
+  prefill_spec.tokens = 40;
+  ASSERT_TRUE((*prefill)->Submit(prefill_spec).ok());
+  for (Agent* agent : {decode->get(), prefill->get()}) {
+    ASSERT_TRUE(WaitFor(
+        [&] { return agent->Reports({"done-room"})[0].state == transfer::RequestState::kSuccess; },
+        10s))
+        << agent->Reports({"done-room"})[0].status;
+    const Status again = agent->Abort("done-room", "too late");
+    EXPECT_EQ(again.code(), StatusCode::kFailedPrecondition) << again;
+    EXPECT_THAT(again.message(), HasSubstr("room 'done-room' already ended (Success)"));
+    EXPECT_EQ(agent->Reports({"done-room"})[0].state, transfer::RequestState::kSuccess);
+  }
+  EXPECT_TRUE((*decode)->Reports({"done-room"})[0].verified);
+}
+
+// A driver that disconnects has its submits that no worker has started dropped: they never
+// run, and their reports say why. The submits of other drivers go on.
+TEST(AgentRpcTest, QueuedSubmitsOfADriverThatLeftAreDropped) {
+  auto prefill = Agent::Create(PrefillAgent());
+  ASSERT_TRUE(prefill.ok()) << prefill.status();
+  AgentOptions options = SmallAgent(pool::MemoryKind::kHost, "loopback");
+  options.engine.hello_timeout = 30s;  // the busy submits end when their stand-ins stop
+  auto decode = Agent::Create(options);
+  ASSERT_TRUE(decode.ok()) << decode.status();
+  AgentRpc rpc(decode->get(), "decode-test", /*prefill=*/false, 0, 1, std::nullopt, std::nullopt);
+  auto rpc_server = rpc.Serve(control::ControlServerOptions{});
+  ASSERT_TRUE(rpc_server.ok()) << rpc_server.status();
+  StopWorkers stop_workers{&rpc};
+  BusyWorkers busy;
+  const Status occupied = busy.Occupy((*rpc_server)->port());
+  ASSERT_TRUE(occupied.ok()) << occupied;
+
+  const std::string prefill_address = Loopback((*prefill)->engine_port());
+  const std::vector<std::string> rooms = {"left-0", "left-1", "left-2"};
+  {
+    auto leaving = PipelinedDriver((*rpc_server)->port(), "leaving-driver");
+    ASSERT_TRUE(leaving.ok()) << leaving.status();
+    for (size_t i = 0; i < rooms.size(); ++i) {
+      ASSERT_TRUE((*leaving)->Send(SubmitEnvelope(i + 1, rooms[i], 16, prefill_address)).ok());
+    }
+    (*leaving)->Close();
+  }
+  auto observer = RpcClient::Connect("127.0.0.1", (*rpc_server)->port(), "observer", 5s);
+  ASSERT_TRUE(observer.ok()) << observer.status();
+  for (const std::string& room : rooms) {
+    StatusOr<v1::RequestReport> report = NotFound("not asked");
+    EXPECT_TRUE(WaitFor(
+        [&] {
+          report = ReportOf(*observer, room);
+          return report.ok() && report->state() == v1::REQUEST_STATE_FAILED &&
+                 report->status() == v1::STATUS_CODE_ABORTED;
+        },
+        10s))
+        << room << ": " << (report.ok() ? report->ShortDebugString() : report.status().ToString());
+    if (report.ok()) {
+      EXPECT_THAT(report->message(), HasSubstr("disconnected"));
+    }
+  }
+
+  // The workers free up; a submit queued after the dropped ones runs, and they do not.
+  const Status released = busy.Release();
+  ASSERT_TRUE(released.ok()) << released;
+  auto marker = observer->Call(SubmitEnvelope(0, "marker", 16, prefill_address), 20s);
+  ASSERT_TRUE(marker.ok()) << marker.status();
+  EXPECT_EQ(marker->submit_reply().status(), v1::STATUS_CODE_OK)
+      << marker->submit_reply().message();
+  EXPECT_EQ((*decode)->Stats().submitted, 1u);
+  for (const std::string& room : rooms) {
+    EXPECT_EQ((*decode)->engine().GetRequest(room).status().code(), StatusCode::kNotFound) << room;
+  }
+}
+
+// A decode agent that cannot connect to the address it looked up forgets it: the next submit
+// looks the prefill agent up again (it may have restarted elsewhere) instead of retrying the
+// dead address for the rest of the cache's lifetime.
+TEST(AgentRpcTest, AFailedConnectDropsTheCachedPrefillAddress) {
+  transfer::RegistryServerOptions registry_options;
+  registry_options.heartbeat_interval = 100ms;
+  registry_options.missed_heartbeats = 2;
+  auto registry = transfer::RegistryServer::Create(registry_options);
+  ASSERT_TRUE(registry.ok()) << registry.status();
+  transfer::RegistryClientOptions client;
+  client.port = (*registry)->port();
+
+  const uint16_t dead_port = UnusedPort();
+  ASSERT_NE(dead_port, 0);
+  const AgentOptions decode_options = SmallAgent(pool::MemoryKind::kHost, "loopback");
+  transfer::AgentEntry entry;
+  entry.name = "moving-prefill";
+  entry.role = transfer::AgentRole::kPrefill;
+  entry.control_address = Loopback(dead_port);
+  entry.layout = LayoutOf(decode_options);
+  auto registration = transfer::RegistryClient::Start(client, entry);
+  ASSERT_TRUE(registration.ok()) << registration.status();
+
+  AgentOptions options = decode_options;
+  options.engine.hello_timeout = 300ms;  // the stand-in below never answers
+  auto agent = Agent::Create(options);
+  ASSERT_TRUE(agent.ok()) << agent.status();
+  AgentRpc rpc(agent->get(), "decode-test", /*prefill=*/false, 0, 1, client, LayoutOf(options));
+  auto rpc_server = rpc.Serve(control::ControlServerOptions{});
+  ASSERT_TRUE(rpc_server.ok()) << rpc_server.status();
+  StopWorkers stop_workers{&rpc};
+  auto driver = RpcClient::Connect("127.0.0.1", (*rpc_server)->port(), "driver", 5s);
+  ASSERT_TRUE(driver.ok()) << driver.status();
+  v1::Envelope first = SubmitEnvelope(0, "room-1", 16, "");
+  first.mutable_submit_request()->set_prefill_name("moving-prefill");
+  auto refused = driver->Call(first, 10s);
+  ASSERT_TRUE(refused.ok()) << refused.status();
+  EXPECT_EQ(refused->submit_reply().status(), v1::STATUS_CODE_UNAVAILABLE)
+      << refused->submit_reply().message();
+
+  // The prefill agent comes back at another address (its old entry expires first).
+  registration->reset();
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        return (*registry)
+            ->Lookup("moving-prefill", transfer::AgentRole::kPrefill, std::nullopt)
+            .empty();
+      },
+      10s));
+  CountingHandler stand_in;
+  auto stand_in_server = control::ControlServer::Create(control::ControlServerOptions{}, &stand_in);
+  ASSERT_TRUE(stand_in_server.ok()) << stand_in_server.status();
+  entry.control_address = Loopback((*stand_in_server)->port());
+  auto moved = transfer::RegistryClient::Start(client, entry);
+  ASSERT_TRUE(moved.ok()) << moved.status();
+
+  v1::Envelope second = SubmitEnvelope(0, "room-2", 16, "");
+  second.mutable_submit_request()->set_prefill_name("moving-prefill");
+  auto reply = driver->Call(second, 10s);
+  ASSERT_TRUE(reply.ok()) << reply.status();
+  EXPECT_EQ(stand_in.connects.load(), 1)
+      << "the second submit went to the cached dead address: " << reply->submit_reply().message();
 }
 
 // ---- kvt-agent's command line --------------------------------------------------------------
