@@ -1,5 +1,6 @@
 // kvt-bootstrap: the registry server. Agents register and heartbeat; look-ups by name, role and
-// rank; entries expire when heartbeats stop. Runs until SIGINT/SIGTERM.
+// rank; entries expire when heartbeats stop; a key held by a live agent is not taken over by
+// another; at most --max-entries live entries. Runs until SIGINT/SIGTERM.
 #include <CLI/CLI.hpp>
 #include <iostream>
 #include <nlohmann/json.hpp>
@@ -18,6 +19,7 @@ int main(int argc, char** argv) {
   std::string ready_file;
   int64_t heartbeat_ms = 1000;
   int missed = 3;
+  int64_t max_entries = static_cast<int64_t>(transfer::RegistryServerOptions{}.max_entries);
   bool exit_with_parent = false;
   app.add_option("--listen", listen, "host:port to listen on (port 0: any)");
   app.add_option("--heartbeat-ms", heartbeat_ms, "heartbeat interval asked of agents")
@@ -26,6 +28,11 @@ int main(int argc, char** argv) {
                  "entries expire after this many missed (>= 2: a client refreshes every "
                  "interval plus a round trip)")
       ->check(tools::IntAtLeast(2));
+  app.add_option("--max-entries", max_entries,
+                 "live entries held at most (one per agent TP rank); a registration of a new "
+                 "name/role/rank beyond it is refused naming this flag")
+      ->capture_default_str()
+      ->check(tools::IntRange(1, int64_t{1} << 20));
   app.add_option("--ready-file", ready_file, "write the bound port here as JSON when ready");
   app.add_flag("--exit-with-parent", exit_with_parent, "exit when the parent process exits");
   CLI11_PARSE(app, argc, argv);
@@ -48,6 +55,7 @@ int main(int argc, char** argv) {
   options.server.cluster_token = control::ClusterTokenFromEnv();
   options.heartbeat_interval = std::chrono::milliseconds(heartbeat_ms);
   options.missed_heartbeats = missed;
+  options.max_entries = static_cast<size_t>(max_entries);
   auto server = transfer::RegistryServer::Create(options);
   if (!server.ok()) return fail(server.status());
   nlohmann::json ready = {{"pid", getpid()}, {"port", (*server)->port()}};

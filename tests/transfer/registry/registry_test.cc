@@ -47,6 +47,15 @@ RegistryServerOptions FastRegistry(uint16_t port = 0) {
   return o;
 }
 
+// Entries live 1 s (10 intervals of 100 ms): a refreshing entry stays live through a loaded
+// machine's stalls, and one that stopped is gone within a bounded wait.
+RegistryServerOptions SteadyRegistry() {
+  RegistryServerOptions o;
+  o.heartbeat_interval = 100ms;
+  o.missed_heartbeats = 10;
+  return o;
+}
+
 RegistryClientOptions ClientTo(uint16_t port) {
   RegistryClientOptions c;
   c.port = port;
@@ -371,6 +380,214 @@ TEST(RegistryTest, ALookupMatchingMoreThanOneReplyHoldsSaysHowToNarrowIt) {
       RegistryClient::Lookup(ClientTo(port), "llama-p", AgentRole::kPrefill, std::nullopt);
   ASSERT_TRUE(prefill.ok()) << prefill.status();
   EXPECT_EQ(prefill->size(), 2u);
+}
+
+// A registry connection that sends RegisterAgent itself: registrations that are never
+// refreshed, several over one connection.
+class RawRegistrant {
+ public:
+  static std::unique_ptr<RawRegistrant> Connect(uint16_t port) {
+    control::ControlClientOptions options;
+    options.port = port;
+    options.role = v1::ROLE_PREFILL;
+    auto client = control::ControlClient::Connect(options);
+    EXPECT_TRUE(client.ok()) << client.status();
+    if (!client.ok()) return nullptr;
+    return std::unique_ptr<RawRegistrant>(new RawRegistrant(std::move(client).value()));
+  }
+
+  // The reply's status and message (INTERNAL and the reason when there is no reply).
+  std::pair<v1::StatusCode, std::string> Register(const std::string& name,
+                                                  const std::string& address) {
+    v1::Envelope request;
+    request.set_id(++next_id_);
+    v1::AgentInfo* agent = request.mutable_register_agent()->mutable_agent();
+    agent->set_name(name);
+    agent->set_role(v1::ROLE_PREFILL);
+    agent->set_tp_size(1);
+    agent->set_control_address(address);
+    if (Status sent = client_->Send(request); !sent.ok()) {
+      return {v1::STATUS_CODE_INTERNAL, sent.ToString()};
+    }
+    auto reply = client_->Receive(2s);
+    if (!reply.ok()) return {v1::STATUS_CODE_INTERNAL, reply.status().ToString()};
+    if (!reply->has_register_agent_reply()) return {v1::STATUS_CODE_INTERNAL, "no reply"};
+    return {reply->register_agent_reply().status(), reply->register_agent_reply().message()};
+  }
+
+ private:
+  explicit RawRegistrant(std::unique_ptr<control::ControlClient> client)
+      : client_(std::move(client)) {}
+  std::unique_ptr<control::ControlClient> client_;
+  uint64_t next_id_ = 0;
+};
+
+// A registry at its max_entries refuses new keys, naming the limit, the flag and the key, and
+// goes on refreshing the keys it holds.
+TEST(RegistryTest, AFullRegistryRefusesNewKeysNamingTheLimitAndKeepsRefreshing) {
+  RegistryServerOptions options = SteadyRegistry();
+  options.max_entries = 2;
+  auto server = RegistryServer::Create(options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  const uint16_t port = (*server)->port();
+  auto p0 = RegistryClient::Start(ClientTo(port), Agent("llama-p", AgentRole::kPrefill, 0, 7000));
+  ASSERT_TRUE(p0.ok()) << p0.status();
+  auto p1 = RegistryClient::Start(ClientTo(port), Agent("llama-p", AgentRole::kPrefill, 1, 7001));
+  ASSERT_TRUE(p1.ok()) << p1.status();
+
+  auto third = RegistryClient::Start(ClientTo(port), Agent("llama-d", AgentRole::kDecode, 0, 0));
+  ASSERT_FALSE(third.ok());
+  EXPECT_EQ(third.status().code(), StatusCode::kResourceExhausted) << third.status();
+  EXPECT_THAT(third.status().message(), ::testing::HasSubstr("holds 2 live entries"));
+  EXPECT_THAT(third.status().message(), ::testing::HasSubstr("--max-entries 2"));
+  EXPECT_THAT(third.status().message(), ::testing::HasSubstr("decode 'llama-d' rank 0"));
+  EXPECT_THAT(third.status().message(), ::testing::HasSubstr("raise --max-entries"));
+
+  // The held keys are refreshed as before (a refresh is no new entry).
+  const uint64_t before = (*p0)->refreshes() + (*p1)->refreshes();
+  EXPECT_TRUE(WaitUntil([&] { return (*p0)->refreshes() + (*p1)->refreshes() >= before + 4; }));
+  EXPECT_EQ((*server)->size(), 2u);
+  EXPECT_TRUE((*server)->Lookup("llama-d", AgentRole::kAny, std::nullopt).empty());
+
+  RegistryServerOptions none = SteadyRegistry();
+  none.max_entries = 0;
+  const Status refused = RegistryServer::Create(none).status();
+  EXPECT_EQ(refused.code(), StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused.message(), ::testing::HasSubstr("max_entries=0: must be >= 1"));
+}
+
+// Entries that stop refreshing expire as registrations arrive, without any look-up: their keys
+// stop counting against max_entries, and a registry that is only registered to holds no more
+// than its live entries.
+TEST(RegistryTest, ExpiredEntriesMakeRoomWithoutAnyLookup) {
+  RegistryServerOptions options = SteadyRegistry();
+  options.max_entries = 2;
+  auto server = RegistryServer::Create(options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto raw = RawRegistrant::Connect((*server)->port());
+  ASSERT_NE(raw, nullptr);
+  EXPECT_EQ(raw->Register("gone-0", "127.0.0.1:7000").first, v1::STATUS_CODE_OK);
+  EXPECT_EQ(raw->Register("gone-1", "127.0.0.1:7001").first, v1::STATUS_CODE_OK);
+  const auto [code, message] = raw->Register("next", "127.0.0.1:7002");
+  EXPECT_EQ(code, v1::STATUS_CODE_RESOURCE_EXHAUSTED) << message;
+  // Neither gone-* is refreshed: once they expired (1 s), the registration goes through.
+  EXPECT_TRUE(WaitUntil(
+      [&] { return raw->Register("next", "127.0.0.1:7002").first == v1::STATUS_CODE_OK; }, 10s));
+  EXPECT_EQ((*server)->size(), 1u);
+  EXPECT_EQ((*server)->Lookup("next", AgentRole::kPrefill, std::nullopt).size(), 1u);
+}
+
+// A key held by a live agent is not taken over by an agent at another address (or on another
+// host): the registration is refused naming the key, both addresses and what to do, and the
+// holder keeps its entry and its refreshes.
+TEST(RegistryTest, AKeyHeldByALiveAgentIsRefusedToAnotherNamingTheHolder) {
+  auto server = RegistryServer::Create(SteadyRegistry());
+  ASSERT_TRUE(server.ok()) << server.status();
+  const uint16_t port = (*server)->port();
+  auto holder =
+      RegistryClient::Start(ClientTo(port), Agent("llama-p", AgentRole::kPrefill, 0, 7000));
+  ASSERT_TRUE(holder.ok()) << holder.status();
+
+  auto other =
+      RegistryClient::Start(ClientTo(port), Agent("llama-p", AgentRole::kPrefill, 0, 7001));
+  ASSERT_FALSE(other.ok()) << "a second agent took over prefill 'llama-p' rank 0";
+  EXPECT_EQ(other.status().code(), StatusCode::kAlreadyExists) << other.status();
+  const std::string& message = other.status().message();
+  EXPECT_THAT(message, ::testing::HasSubstr("prefill 'llama-p' rank 0 is held by the agent at "
+                                            "127.0.0.1:7000 (host_id host-a)"));
+  EXPECT_THAT(message, ::testing::HasSubstr("the registration of 127.0.0.1:7001 (host_id host-a, "
+                                            "connection from 127.0.0.1:"));
+  EXPECT_THAT(message, ::testing::HasSubstr("another name or tp_rank (kvt-agent --name / "
+                                            "--tp-rank)"));
+  EXPECT_THAT(message, ::testing::HasSubstr("once its entry expired (1000 ms after its last "
+                                            "heartbeat)"));
+
+  AgentEntry elsewhere = Agent("llama-p", AgentRole::kPrefill, 0, 7000);
+  elsewhere.host_id = "host-b";  // the same address on another machine
+  auto moved = RegistryClient::Start(ClientTo(port), elsewhere);
+  ASSERT_FALSE(moved.ok());
+  EXPECT_EQ(moved.status().code(), StatusCode::kAlreadyExists) << moved.status();
+
+  // Other ranks and roles of the same name are other keys.
+  auto rank1 =
+      RegistryClient::Start(ClientTo(port), Agent("llama-p", AgentRole::kPrefill, 1, 7001));
+  EXPECT_TRUE(rank1.ok()) << rank1.status();
+
+  const uint64_t before = (*holder)->refreshes();
+  EXPECT_TRUE(WaitUntil([&] { return (*holder)->refreshes() >= before + 2; }));
+  auto found = (*server)->Lookup("llama-p", AgentRole::kPrefill, 0u);
+  ASSERT_EQ(found.size(), 1u);
+  EXPECT_EQ(found[0].control_address, "127.0.0.1:7000");
+  EXPECT_EQ(found[0].host_id, "host-a");
+}
+
+// Two live agents giving the same address (two decode agents of one host register HOST:0) are
+// told apart by their connections: the second is refused while the first's is open.
+TEST(RegistryTest, TwoLiveAgentsGivingTheSameAddressAreToldApart) {
+  auto server = RegistryServer::Create(SteadyRegistry());
+  ASSERT_TRUE(server.ok()) << server.status();
+  const uint16_t port = (*server)->port();
+  const AgentEntry decode = Agent("llama-d", AgentRole::kDecode, 0, 0);
+  auto first = RegistryClient::Start(ClientTo(port), decode);
+  ASSERT_TRUE(first.ok()) << first.status();
+  auto second = RegistryClient::Start(ClientTo(port), decode);
+  ASSERT_FALSE(second.ok()) << "two agents shared decode 'llama-d' rank 0";
+  EXPECT_EQ(second.status().code(), StatusCode::kAlreadyExists) << second.status();
+  EXPECT_THAT(second.status().message(),
+              ::testing::HasSubstr("two agents register the same control address"));
+  EXPECT_THAT(second.status().message(), ::testing::HasSubstr("127.0.0.1:0"));
+  const uint64_t before = (*first)->refreshes();
+  EXPECT_TRUE(WaitUntil([&] { return (*first)->refreshes() >= before + 2; }));
+}
+
+// The same agent registering again (a restart at the same address, after its connection
+// closed) takes its entry back at once, without waiting for it to expire.
+TEST(RegistryTest, TheSameAgentRegistersAgainOnceItsConnectionClosed) {
+  auto server = RegistryServer::Create(SteadyRegistry());
+  ASSERT_TRUE(server.ok()) << server.status();
+  const uint16_t port = (*server)->port();
+  AgentEntry agent = Agent("llama-p", AgentRole::kPrefill, 0, 7000);
+  auto first = RegistryClient::Start(ClientTo(port), agent);
+  ASSERT_TRUE(first.ok()) << first.status();
+  first->reset();  // the agent stops (its connection closes); it restarts with a new layout
+  agent.layout->num_pages = 129;
+  agent.layout->num_tokens = 2048;
+  auto again = RegistryClient::Start(ClientTo(port), agent);
+  ASSERT_TRUE(again.ok()) << again.status();
+  auto found = (*server)->Lookup("llama-p", AgentRole::kPrefill, 0u);
+  ASSERT_EQ(found.size(), 1u);
+  EXPECT_EQ(found[0].layout->num_pages, 129u);
+}
+
+// An agent at another address waits for a holder whose connection closed (it may reconnect):
+// Unavailable saying when the key frees, then the key is its own once the entry expired.
+TEST(RegistryTest, AnExpiredHolderIsReplaced) {
+  auto server = RegistryServer::Create(SteadyRegistry());
+  ASSERT_TRUE(server.ok()) << server.status();
+  const uint16_t port = (*server)->port();
+  auto holder =
+      RegistryClient::Start(ClientTo(port), Agent("llama-p", AgentRole::kPrefill, 0, 7000));
+  ASSERT_TRUE(holder.ok()) << holder.status();
+  holder->reset();
+  const AgentEntry successor = Agent("llama-p", AgentRole::kPrefill, 0, 7001);
+  auto early = RegistryClient::Start(ClientTo(port), successor);
+  ASSERT_FALSE(early.ok());
+  EXPECT_EQ(early.status().code(), StatusCode::kUnavailable) << early.status();
+  EXPECT_THAT(early.status().message(), ::testing::HasSubstr("127.0.0.1:7000"));
+  EXPECT_THAT(early.status().message(), ::testing::HasSubstr("its connection has closed"));
+  EXPECT_THAT(early.status().message(), ::testing::HasSubstr("retry once its entry expired"));
+
+  std::unique_ptr<RegistryClient> registered;
+  EXPECT_TRUE(WaitUntil(
+      [&] {
+        auto attempt = RegistryClient::Start(ClientTo(port), successor);
+        if (attempt.ok()) registered = std::move(attempt).value();
+        return registered != nullptr;
+      },
+      10s));
+  auto found = (*server)->Lookup("llama-p", AgentRole::kPrefill, 0u);
+  ASSERT_EQ(found.size(), 1u);
+  EXPECT_EQ(found[0].control_address, "127.0.0.1:7001");
 }
 
 }  // namespace

@@ -2,10 +2,12 @@
 
 #include <arpa/inet.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <map>
 #include <mutex>
+#include <set>
 #include <thread>
 #include <tuple>
 #include <type_traits>
@@ -291,6 +293,11 @@ class RegistryServer::Impl : public control::ControlHandler {
                              ": must be >= 2 (entries live that many heartbeat intervals, and a "
                              "client refreshes every interval plus a round trip)");
     }
+    if (options_.max_entries < 1) {
+      return InvalidArgument(
+          "max_entries=0: must be >= 1 (the live entries the registry holds, one per agent TP "
+          "rank; kvt-bootstrap --max-entries)");
+    }
     control::ControlServerOptions server = options_.server;
     if (server.server_id == "kvt") server.server_id = "kvt-bootstrap";
     // Connections come once server_ is stored: replies go through it.
@@ -308,7 +315,7 @@ class RegistryServer::Impl : public control::ControlHandler {
   std::vector<T> Lookup(const std::string& name, v1::Role role,
                         std::optional<uint32_t> rank) const {
     std::lock_guard<std::mutex> lock(mu_);
-    ExpireLocked();
+    ExpireLocked(Clock::now());
     std::vector<T> out;
     for (const auto& [key, entry] : entries_) {
       if (!name.empty() && entry.info.name() != name) continue;
@@ -325,7 +332,7 @@ class RegistryServer::Impl : public control::ControlHandler {
 
   size_t size() const {
     std::lock_guard<std::mutex> lock(mu_);
-    ExpireLocked();
+    ExpireLocked(Clock::now());
     return entries_.size();
   }
 
@@ -348,17 +355,10 @@ class RegistryServer::Impl : public control::ControlHandler {
         KVT_LOG_WARN("ctl", "refused a registration: {}", reachable.message());
         r->set_status(control::ToProtoCode(reachable.code()));
         r->set_message(reachable.message());
+      } else if (Status stored = Store(conn, agent, std::move(converted).value()); !stored.ok()) {
+        r->set_status(control::ToProtoCode(stored.code()));
+        r->set_message(stored.message());
       } else {
-        std::lock_guard<std::mutex> lock(mu_);
-        Entry& entry = entries_[Key{agent.name(), agent.role(), agent.tp_rank()}];
-        const bool fresh = !entry.info.IsInitialized() || entry.info.name().empty();
-        entry.info = agent;
-        entry.entry = std::move(converted).value();
-        entry.refreshed = Clock::now();
-        if (fresh) {
-          KVT_LOG_INFO("ctl", "registered {} '{}' rank {}/{} at {}", DescribeRole(agent.role()),
-                       agent.name(), agent.tp_rank(), agent.tp_size(), agent.control_address());
-        }
         r->set_status(v1::STATUS_CODE_OK);
         r->set_heartbeat_interval_ms(static_cast<uint32_t>(options_.heartbeat_interval.count()));
       }
@@ -407,34 +407,141 @@ class RegistryServer::Impl : public control::ControlHandler {
   // then a loopback control address is refused, as from any other host).
   std::string RemoteAddress(control::ConnectionId conn) const {
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = remote_addresses_.find(conn);
-    return it == remote_addresses_.end() ? std::string("<unknown>") : it->second;
+    return RemoteAddressLocked(conn);
   }
 
   struct Entry {
     v1::AgentInfo info;  // as registered, for look-ups over the wire
     AgentEntry entry;    // the same, for RegistryServer::Lookup
     Clock::time_point refreshed;
+    control::ConnectionId conn = 0;  // the connection of the latest registration
+    std::string registrant;          // where that connection comes from, "ip:port"
   };
 
-  void ExpireLocked() const {
-    const auto ttl = options_.heartbeat_interval * options_.missed_heartbeats;
-    const auto now = Clock::now();
-    for (auto it = entries_.begin(); it != entries_.end();) {
-      if (now - it->second.refreshed > ttl) {
-        KVT_LOG_INFO("ctl", "expired '{}' ({} without a heartbeat)", it->second.info.name(),
-                     std::to_string(ttl.count()) + " ms");
-        it = entries_.erase(it);
-      } else {
-        ++it;
+  std::chrono::milliseconds Ttl() const {
+    return options_.heartbeat_interval * options_.missed_heartbeats;
+  }
+
+  static std::string DescribeKey(const v1::AgentInfo& agent) {
+    return DescribeRole(agent.role()) + " '" + agent.name() + "' rank " +
+           std::to_string(agent.tp_rank());
+  }
+
+  // "host:port (host_id H, <extra>)", the parts present.
+  static std::string DescribeAgent(const v1::AgentInfo& agent, const std::string& extra = "") {
+    std::string details = agent.host_id().empty() ? "" : "host_id " + agent.host_id();
+    if (!extra.empty()) details += (details.empty() ? "" : ", ") + extra;
+    return agent.control_address() + (details.empty() ? "" : " (" + details + ")");
+  }
+
+  // Adds or refreshes `agent`'s entry, registered over `conn`; AlreadyExists / Unavailable when
+  // another agent holds its key (see registry.h), ResourceExhausted when the registry is full.
+  Status Store(control::ConnectionId conn, const v1::AgentInfo& agent, AgentEntry converted) {
+    std::lock_guard<std::mutex> lock(mu_);
+    const Clock::time_point now = Clock::now();
+    ExpireLocked(now);
+    Key key{agent.name(), agent.role(), agent.tp_rank()};
+    auto it = entries_.find(key);
+    if (it != entries_.end()) {
+      Entry& held = it->second;
+      const bool holder_connected = remote_addresses_.count(held.conn) != 0;
+      const bool same_address = held.info.control_address() == agent.control_address() &&
+                                held.info.host_id() == agent.host_id();
+      if (!same_address || (held.conn != conn && holder_connected)) {
+        Status refused = RefuseTaken(held, agent, conn, holder_connected, now);
+        KVT_LOG_WARN("ctl", "refused a registration: {}", refused.message());
+        return refused;
       }
+      by_refresh_.erase({held.refreshed, key});
+      held.info = agent;
+      held.entry = std::move(converted);
+      held.refreshed = now;
+      held.conn = conn;
+      held.registrant = RemoteAddressLocked(conn);
+      by_refresh_.insert({now, std::move(key)});
+      return OkStatus();
     }
+    if (entries_.size() >= options_.max_entries) {
+      Status full = ResourceExhausted(
+          "the registry holds " + std::to_string(entries_.size()) +
+          " live entries, its limit (max_entries; kvt-bootstrap --max-entries " +
+          std::to_string(options_.max_entries) + "): the registration of " + DescribeKey(agent) +
+          " at " + agent.control_address() +
+          " is refused; raise --max-entries, or stop agents that no longer serve (an entry "
+          "expires " +
+          std::to_string(Ttl().count()) + " ms after its last heartbeat)");
+      KVT_LOG_WARN("ctl", "refused a registration: {}", full.message());
+      return full;
+    }
+    Entry& entry = entries_[key];
+    entry.info = agent;
+    entry.entry = std::move(converted);
+    entry.refreshed = now;
+    entry.conn = conn;
+    entry.registrant = RemoteAddressLocked(conn);
+    by_refresh_.insert({now, std::move(key)});
+    KVT_LOG_INFO("ctl", "registered {} '{}' rank {}/{} at {}", DescribeRole(agent.role()),
+                 agent.name(), agent.tp_rank(), agent.tp_size(), agent.control_address());
+    return OkStatus();
+  }
+
+  // Why `agent`, arriving over `conn`, may not take the key `held` has.
+  Status RefuseTaken(const Entry& held, const v1::AgentInfo& agent, control::ConnectionId conn,
+                     bool holder_connected, Clock::time_point now) const {
+    const auto since = std::chrono::duration_cast<std::chrono::milliseconds>(now - held.refreshed);
+    const auto left = Ttl() - since;
+    const std::string what = DescribeKey(agent) + " is held by the agent at " +
+                             DescribeAgent(held.info) + ", last refreshed " +
+                             std::to_string(since.count()) + " ms ago";
+    const std::string refused =
+        "; the registration of " +
+        DescribeAgent(agent, "connection from " + RemoteAddressLocked(conn)) + " is refused: ";
+    const std::string other_name =
+        "give this agent another name or tp_rank (kvt-agent --name / --tp-rank)";
+    if (holder_connected) {
+      const std::string over = "over its open connection from " + held.registrant;
+      return AlreadyExists(what + " " + over + refused +
+                           (held.info.control_address() == agent.control_address()
+                                ? "two agents register the same control address; give each its own "
+                                  "(kvt-agent --advertise HOST[:PORT]), or "
+                                : "") +
+                           other_name + ", or stop the agent at " + held.info.control_address() +
+                           " and register again once its entry expired (" +
+                           std::to_string(Ttl().count()) + " ms after its last heartbeat)");
+    }
+    return Unavailable(what + ", and its connection has closed" + refused +
+                       "retry once its entry expired (in at most " +
+                       std::to_string(std::max<int64_t>(left.count(), 0)) +
+                       " ms unless that agent reconnects), or " + other_name);
+  }
+
+  // Drops the entries not refreshed for the TTL. Oldest first from by_refresh_: the work is one
+  // step per entry dropped, each entry dropped once.
+  void ExpireLocked(Clock::time_point now) const {
+    const auto ttl = Ttl();
+    while (!by_refresh_.empty() && now - by_refresh_.begin()->first > ttl) {
+      auto oldest = by_refresh_.begin();
+      auto it = entries_.find(oldest->second);
+      if (it != entries_.end()) {
+        KVT_LOG_INFO("ctl", "expired {} at {} ({} ms without a heartbeat)",
+                     DescribeKey(it->second.info), it->second.info.control_address(), ttl.count());
+        entries_.erase(it);
+      }
+      by_refresh_.erase(oldest);
+    }
+  }
+
+  std::string RemoteAddressLocked(control::ConnectionId conn) const {
+    auto it = remote_addresses_.find(conn);
+    return it == remote_addresses_.end() ? std::string("<unknown>") : it->second;
   }
 
   const RegistryServerOptions options_;
   std::unique_ptr<control::ControlServer> server_;
-  mutable std::mutex mu_;  // guards entries_ and remote_addresses_
+  mutable std::mutex mu_;  // guards entries_, by_refresh_ and remote_addresses_
   mutable std::map<Key, Entry> entries_;
+  // (refreshed, key) of every entry, oldest first: what ExpireLocked walks.
+  mutable std::set<std::pair<Clock::time_point, Key>> by_refresh_;
   std::map<control::ConnectionId, std::string> remote_addresses_;  // of open connections
 };
 

@@ -1,10 +1,21 @@
 // The bootstrap registry: where agents announce themselves and find each other.
 //
-// RegistryServer keeps one entry per (name, role, tp_rank). Agents register with RegisterAgent
-// and refresh their entry by registering again every heartbeat interval (the interval is in the
-// reply); an entry not refreshed for `missed_heartbeats` intervals expires. Because refreshes
-// carry the whole entry, a restarted registry is re-filled by the agents' next heartbeats.
-// Look-ups filter by name, role and rank.
+// RegistryServer keeps one entry per (name, role, tp_rank), the entry's key. Agents register
+// with RegisterAgent and refresh their entry by registering again every heartbeat interval (the
+// interval is in the reply); an entry not refreshed for `missed_heartbeats` intervals expires.
+// Expired entries are dropped whenever the registry handles a message or answers Lookup/size,
+// so a registry that is only registered to holds no more than the live entries, and at most
+// `max_entries` of them. Because refreshes carry the whole entry, a restarted registry is
+// re-filled by the agents' next heartbeats. Look-ups filter by name, role and rank.
+//
+// A key belongs to the agent holding its live entry. A registration of that key is the
+// holder's own (a refresh, or the same agent registering again) when it names the same
+// control_address and host_id and arrives over the holder's connection, or over a new one once
+// the holder's has closed (a client reconnects only after its connection failed; a restarted
+// agent bound to the same port). Any other registration of a live key is refused, naming the
+// key and the holder's address: AlreadyExists while the holder's connection is open (another
+// agent is live under that key), Unavailable once it has closed (the holder may be gone: its
+// entry expires within `missed_heartbeats` intervals, after which the key is free).
 //
 // RegistryClient is the agent's side: it registers once (failing if the registry cannot be
 // reached), then refreshes from a background thread, reconnecting after connection loss.
@@ -109,6 +120,9 @@ struct RegistryServerOptions {
   // Entries expire after this many intervals without a refresh; >= 2 (a client refreshes every
   // interval plus a round trip).
   int missed_heartbeats = 3;
+  // Live entries held at most (one per agent TP rank); >= 1. A registration of a new key beyond
+  // it is refused with ResourceExhausted naming the limit; refreshes of held keys are not.
+  size_t max_entries = 16384;
 };
 
 class RegistryServer {
@@ -146,7 +160,10 @@ class RegistryClient {
   // cannot be sent (a layout dtype that is no pool dtype) or names an address no peer can reach
   // (a wildcard or empty host, port 0 on a prefill entry: see AgentEntry::control_address);
   // the registry refuses those too, a loopback address reached from another host, roles other
-  // than kPrefill and kDecode and entries out of its limits, naming the field and value.
+  // than kPrefill and kDecode and entries out of its limits, naming the field and value. A key
+  // held by another live agent is AlreadyExists (Unavailable while that agent's connection is
+  // closed: retry once its entry expired), a registry full of live entries ResourceExhausted;
+  // both name the key. A refresh refused later is logged and tried again next interval.
   static StatusOr<std::unique_ptr<RegistryClient>> Start(const RegistryClientOptions& options,
                                                          const AgentEntry& self);
   ~RegistryClient();
