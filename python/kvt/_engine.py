@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import operator
 import threading
 from typing import Any, Optional, Union
 
 from . import _kvt
+from ._args import index as _index
+from ._args import int_in as _int_in
 from ._errors import TransferError, from_status
 from ._layout import TransferLayout, _is_torch_tensor
 
@@ -112,17 +113,6 @@ def _seconds(value: Optional[float], what: str) -> float:
     return float(value)
 
 
-def _index(value: Any, what: str) -> int:
-    """An int from an int-like value (int, numpy integer, a one-element integer tensor);
-    bools and anything else are refused naming the type."""
-    if not isinstance(value, bool):
-        try:
-            return operator.index(value)
-        except TypeError:
-            pass
-    raise TypeError(f"{what}: expected an int, got {type(value).__name__} ({value!r})")
-
-
 def _room(room: Any) -> str:
     """A room id from a str or an int-like value; anything else (None, bytes, a float) is
     refused."""
@@ -131,15 +121,44 @@ def _room(room: Any) -> str:
     return str(_index(room, "room (a str or an int)"))
 
 
+# The largest int32 and int64: layer counts are int32, aux slots int64 (the engine's types).
+_INT32_MAX = 2**31 - 1
+_INT64_MAX = 2**63 - 1
+
+
 def _aux_slot(value: Any) -> int:
     """The native aux slot: -1 for None or -1 (no aux data, SGLang's sentinel), else a slot
-    >= 0; other negative values are refused."""
+    >= 0; other negative values are refused, and so are slots past int64."""
     if value is None:
         return -1
     slot = _index(value, "aux_slot (an int or None)")
     if slot < -1:
         raise ValueError(f"aux_slot = {slot}: must be >= 0 (None or -1: no aux data)")
+    if slot > _INT64_MAX:
+        raise ValueError(f"aux_slot = {slot} is out of range [-1, {_INT64_MAX}]: pass a slot of "
+                         "the layout's aux buffers")
     return slot
+
+
+def _layer_range(layers: Union[None, int, tuple[int, int], range]) -> tuple[int, int]:
+    """(begin, end) for the native receive: (0, -1) for every layer."""
+    if layers is None:
+        return 0, -1
+    hint = "layers are counted from 0, as int32"
+    if isinstance(layers, range):
+        if layers.step != 1:
+            raise ValueError(f"layers = {layers!r}: a range of step {layers.step}; kvt moves "
+                             "consecutive layers, pass range(begin, end)")
+        begin, end = layers.start, layers.stop
+    elif isinstance(layers, tuple):
+        if len(layers) != 2:
+            raise ValueError(f"layers = {layers!r}: expected (begin, end)")
+        begin, end = layers
+    else:
+        return 0, _int_in(layers, "layers", 1, _INT32_MAX,
+                          "layers=n moves layers [0, n) (int32); None: every layer")
+    return (_int_in(begin, "layers (begin)", 0, _INT32_MAX, hint),
+            _int_in(end, "layers (end)", -1, _INT32_MAX, hint + "; -1: to the last layer"))
 
 
 def _event_handle(event: Any, cuda_layout: bool) -> int:
@@ -149,7 +168,7 @@ def _event_handle(event: Any, cuda_layout: bool) -> int:
         raise TypeError(f"event = {event}: pass a torch.cuda.Event, a raw cudaEvent_t handle "
                         "(int) or None")
     if isinstance(event, int):
-        return event
+        return _int_in(event, "event", 0, 2**64 - 1, "a raw cudaEvent_t handle (0: none)")
     handle = getattr(event, "cuda_event", None)  # torch.cuda.Event
     if isinstance(handle, int) and not isinstance(handle, bool):
         if handle == 0 and cuda_layout:
@@ -319,7 +338,8 @@ class TransferEngine:
         self._prune_events_at = 64
         self._cuda_layout = int(layout.summary()["device"]) >= 0
         self._engine = _kvt.Engine(
-            layout._native, role == "prefill", backend, ucx_tls, name, bind, int(port),
+            layout._native, role == "prefill", backend, ucx_tls, name, bind,
+            _int_in(port, "port", 0, 65535, "0: any free port"),
             cluster_token, _seconds(deadline, "deadline"),
             _seconds(hello_timeout, "hello_timeout"), _seconds(peer_timeout, "peer_timeout"),
             _seconds(heartbeat_interval, "heartbeat_interval"), _seconds(retention, "retention"),
@@ -349,7 +369,7 @@ class TransferEngine:
         """Connects to the prefill engine at host:port (layouts are compared in the hello; a
         mismatch raises TransferError naming both sides' values). Connecting again to a live
         address returns the same peer."""
-        port = int(port)
+        port = _index(port, "port")
         if not 0 < port <= 65535:
             raise ValueError(f"port = {port}: must be 1..65535 (the prefill engine's "
                              "engine.port)")
@@ -370,28 +390,24 @@ class TransferEngine:
         Args:
             aux_slot: this engine's aux slot that receives the prefill slot's bytes.
             deadline: seconds (None: the engine's default).
-            layers: None (every layer), n (layers [0, n)), (begin, end) or a range.
+            layers: None (every layer), n >= 1 (layers [0, n)), (begin, end) (end -1: to the
+                last layer) or a range of step 1.
 
         Raises:
-            ValueError: a bad page id (naming its position and value) or argument.
+            ValueError: a bad page id (naming its position and value) or an argument out of
+                its range (naming it, its value and the range).
+            TypeError: an id or count that is no int (a bool, a float, a str), naming it.
             OutOfRangeError: a page id past the pool's end.
             TransferError: an unknown or lost peer (code "FailedPrecondition" /
                 "Unavailable").
         """
-        begin, end = 0, -1
-        if isinstance(layers, range):
-            begin, end = layers.start, layers.stop
-        elif isinstance(layers, tuple):
-            begin, end = layers
-        elif layers is not None:
-            end = int(layers)
-        handle = peer.handle if isinstance(peer, Peer) else int(peer)
-        if handle < 0:
+        begin, end = _layer_range(layers)
+        handle = peer.handle if isinstance(peer, Peer) else _index(peer, "peer")
+        if not 0 <= handle < 2**64:
             raise ValueError(f"peer = {handle}: not a peer; pass what connect() returned")
         room = _room(room)
         self._engine.receive(room, handle, _pages(dst_pages, "dst_pages"),
-                             _seconds(deadline, "deadline"), int(begin), int(end),
-                             _aux_slot(aux_slot))
+                             _seconds(deadline, "deadline"), begin, end, _aux_slot(aux_slot))
         return Request(self, room)
 
     # ---- prefill side --------------------------------------------------------------------
@@ -422,10 +438,11 @@ class TransferEngine:
         a ``torch.cuda.Event`` alive until the room is final; a raw handle is the caller's to
         keep valid until then."""
         room = _room(room)
+        n = _int_in(n, "n", 0, _INT32_MAX, "layers [0, n) of the room's latest chunk are written")
         handle = _event_handle(event, self._cuda_layout)
         if event is not None and not isinstance(event, int):
             self._keep_event(room, event)
-        self._engine.layers_ready(room, int(n), handle)
+        self._engine.layers_ready(room, n, handle)
 
     def _keep_event(self, room: str, event: Any) -> None:
         with self._events_lock:

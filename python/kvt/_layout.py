@@ -6,6 +6,7 @@ import sys
 from typing import Any, Optional, Sequence, Union
 
 from . import _kvt
+from ._args import index as _index
 
 __all__ = ["TransferLayout", "dtype_name"]
 
@@ -81,14 +82,15 @@ def _named_arrays(tensors: Sequence[Any], label: str) -> list[tuple[str, Any]]:
     return [(f"{label}[{i}]", t) for i, t in enumerate(tensors) if isinstance(t, np.ndarray)]
 
 
-def _ints(values: IntArray) -> list[int]:
-    """An int, a list of ints or a 1-D integer array as Python ints (one per buffer)."""
+def _ints(values: IntArray, what: str) -> list[int]:
+    """An int, a list of ints or a 1-D integer array as Python ints (one per buffer); a bool or
+    another value that is no int raises TypeError naming ``what[i]``."""
     np = sys.modules.get("numpy")
     if isinstance(values, int) or (np is not None and isinstance(values, np.integer)):
-        return [int(values)]
+        return [_index(values, f"{what}[0]")]
     if np is not None and isinstance(values, np.ndarray):
-        return [int(v) for v in values.reshape(-1).tolist()]
-    return [int(v) for v in values]
+        values = values.reshape(-1).tolist()
+    return [_index(v, f"{what}[{i}]") for i, v in enumerate(values)]
 
 
 def _check_tensors(tensors: Sequence[Any], ptrs: list[int], lens: list[int], device: int,
@@ -309,10 +311,10 @@ class TransferLayout:
                 a pointer that is not its tensor's, ...), naming the buffer and value.
         """
         checks = draft_start is not None or tensors is not None or layer_offsets is not None
-        ptrs = _ints(kv_data_ptrs) if checks else []
-        target = int(target_buffers)
+        ptrs = _ints(kv_data_ptrs, "kv_data_ptrs") if checks else []
+        target = _index(target_buffers, "target_buffers")
         if draft_start is not None:
-            start = int(draft_start)
+            start = _index(draft_start, "draft_start")
             if not 0 < start <= len(ptrs):
                 raise ValueError(
                     f"draft_start = {start}: the draft model's first buffer must be in "
@@ -327,25 +329,29 @@ class TransferLayout:
         arrays: list[tuple[str, Any]] = []
         if tensors is not None:
             tensors = list(tensors)
-            _check_tensors(tensors, ptrs, _ints(kv_data_lens), int(device),
+            _check_tensors(tensors, ptrs, _ints(kv_data_lens, "kv_data_lens"),
+                           _index(device, "device"),
                            ("tensors", "kv_data_ptrs", "kv_data_lens"))
             keepalive += tensors
             arrays += _named_arrays(tensors, "tensors")
         if aux_tensors is not None:
             aux_tensors = list(aux_tensors)
-            _check_tensors(aux_tensors, [] if aux_data_ptrs is None else _ints(aux_data_ptrs),
-                           [] if aux_data_lens is None else _ints(aux_data_lens), -1,
+            _check_tensors(aux_tensors,
+                           [] if aux_data_ptrs is None else _ints(aux_data_ptrs, "aux_data_ptrs"),
+                           [] if aux_data_lens is None else _ints(aux_data_lens, "aux_data_lens"),
+                           -1,
                            ("aux_tensors", "aux_data_ptrs", "aux_data_lens"))
             keepalive += aux_tensors
             arrays += _named_arrays(aux_tensors, "aux_tensors")
         if layer_offsets is not None:
             _check_layer_offsets(layer_offsets, len(ptrs), target or len(ptrs),
                                  1 if latent else 2)
+        # The native layer checks every int (a bool or a value out of its range is refused
+        # naming the argument).
         native = _kvt.Layout.from_buf_infos(
-            kv_data_ptrs, kv_data_lens, kv_item_lens, int(page_size), dtype_name(dtype),
-            int(head_num), int(head_dim), bool(latent), int(device), unit_lens, target,
-            int(draft_head_num), int(draft_head_dim), int(tp_rank), int(tp_size),
-            int(total_kv_heads), aux_data_ptrs, aux_data_lens, aux_item_lens)
+            kv_data_ptrs, kv_data_lens, kv_item_lens, page_size, dtype_name(dtype), head_num,
+            head_dim, bool(latent), device, unit_lens, target, draft_head_num, draft_head_dim,
+            tp_rank, tp_size, total_kv_heads, aux_data_ptrs, aux_data_lens, aux_item_lens)
         return cls(native, keepalive, arrays)
 
     @classmethod
@@ -385,7 +391,7 @@ class TransferLayout:
                     f"{len(groups[1][1])}: give one K and one V tensor per layer")
         if not groups[0][1]:
             raise ValueError("k_tensors is empty: give one tensor per layer")
-        page_size = int(page_size)
+        page_size = _index(page_size, "page_size")
         if page_size <= 0:
             raise ValueError(f"page_size = {page_size}: must be >= 1")
         ptrs: list[int] = []
@@ -463,8 +469,8 @@ class TransferLayout:
             keepalive.append(a)
         native = _kvt.Layout.from_buf_infos(
             ptrs, lens, item_lens, page_size, kv_dtype, int(head_num), int(head_dim),
-            v_tensors is None, int(first[3]), None, 0, 0, 0, int(tp_rank), int(tp_size),
-            int(total_kv_heads), aux_ptrs or None, aux_lens or None, aux_items or None)
+            v_tensors is None, int(first[3]), None, 0, 0, 0, tp_rank, tp_size, total_kv_heads,
+            aux_ptrs or None, aux_lens or None, aux_items or None)
         arrays = [a for label, tensors in groups for a in _named_arrays(tensors, label)]
         return cls(native, keepalive, arrays + _named_arrays(list(aux or ()), "aux"))
 

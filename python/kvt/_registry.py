@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from . import _kvt
+from ._args import int_in as _int_in
 
 __all__ = ["AgentEntry", "Announcement", "Bootstrap", "RegistryClient", "find_bootstrap",
            "start_bootstrap"]
@@ -68,10 +69,8 @@ class RegistryClient:
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, cluster_token: str = "",
                  client_id: str = "kvt-python", timeout: float = 5.0):
-        if not 0 < int(port) < 65536:
-            raise ValueError(f"port = {port}: give the registry's port (1..65535)")
         self.host = host
-        self.port = int(port)
+        self.port = _int_in(port, "port", 1, 65535, "give the registry's port")
         self.cluster_token = cluster_token
         self.client_id = client_id
         self.timeout = float(timeout)
@@ -82,7 +81,8 @@ class RegistryClient:
 
         Raises:
             TransferError: the registry cannot be reached (code "Unavailable").
-            ValueError: an unknown role.
+            ValueError: an unknown role, a tp_rank out of [0, 2**32 - 1].
+            TypeError: a tp_rank that is no int (a bool, a float), naming it.
         """
         rows = _kvt.registry_lookup(self.host, self.port, self.client_id, self.cluster_token,
                                     self.timeout, name, role, tp_rank)
@@ -93,9 +93,13 @@ class RegistryClient:
         """Registers an agent ("prefill" or "decode") reachable at ``control_address``
         ("host:port"; decode entries carry port 0) and keeps it registered until the returned
         Announcement is closed. The registry refuses addresses no peer can reach (wildcard
-        hosts, port 0 on a prefill entry) with ValueError naming them."""
+        hosts, port 0 on a prefill entry) with ValueError naming them; a name, role and rank
+        announced by another live agent with TransferError code "AlreadyExists" naming that
+        agent's address ("Unavailable" while that agent is disconnected: retry once its entry
+        expired); a registry at its ``--max-entries`` with code "ResourceExhausted". tp_rank
+        and tp_size are ints (not bools) in [0, 2**32 - 1] and [1, 2**32 - 1]."""
         native = _kvt.Announcement(self.host, self.port, self.cluster_token, self.timeout, name,
-                                   role, control_address, int(tp_rank), int(tp_size), host_id)
+                                   role, control_address, tp_rank, tp_size, host_id)
         return Announcement(native)
 
 
@@ -165,10 +169,11 @@ class Bootstrap:
 
 
 def start_bootstrap(host: str = "127.0.0.1", port: int = 0, *, cluster_token: str = "",
-                    heartbeat_ms: Optional[int] = None, timeout: float = 10.0,
-                    binary: Optional[str] = None) -> Bootstrap:
+                    heartbeat_ms: Optional[int] = None, max_entries: Optional[int] = None,
+                    timeout: float = 10.0, binary: Optional[str] = None) -> Bootstrap:
     """Starts kvt-bootstrap (for tests and notebooks) listening on host:port (port 0: a free
-    one) and waits until it is ready. The process exits with its parent.
+    one) and waits until it is ready. The process exits with its parent. ``heartbeat_ms`` and
+    ``max_entries`` are its ``--heartbeat-ms`` and ``--max-entries`` (None: its defaults).
 
     Raises:
         FileNotFoundError: no kvt-bootstrap binary (see :func:`find_bootstrap`).
@@ -179,10 +184,12 @@ def start_bootstrap(host: str = "127.0.0.1", port: int = 0, *, cluster_token: st
     with tempfile.TemporaryDirectory(prefix="kvt-bootstrap-") as tmp:
         ready = Path(tmp) / "ready.json"
         log = Path(tmp) / "log"
-        cmd = [exe, "--listen", f"{host}:{int(port)}", "--ready-file", str(ready),
-               "--exit-with-parent"]
+        cmd = [exe, "--listen", f"{host}:{_int_in(port, 'port', 0, 65535, '0: a free port')}",
+               "--ready-file", str(ready), "--exit-with-parent"]
         if heartbeat_ms is not None:
-            cmd += ["--heartbeat-ms", str(int(heartbeat_ms))]
+            cmd += ["--heartbeat-ms", str(_int_in(heartbeat_ms, "heartbeat_ms", 1, 2**31 - 1))]
+        if max_entries is not None:
+            cmd += ["--max-entries", str(_int_in(max_entries, "max_entries", 1, 1 << 20))]
         env = dict(os.environ)
         if cluster_token:
             env["KVT_CLUSTER_TOKEN"] = cluster_token

@@ -23,7 +23,9 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <thread>
+#include <type_traits>
 #include <utility>
 #include <variant>
 #include <vector>
@@ -111,22 +113,142 @@ T ValueOrThrow(StatusOr<T> result, const std::string& room = {}) {
   return std::move(result).value();
 }
 
+// Python's repr of `obj`, at most 80 characters (for messages).
+std::string Repr(py::handle obj) {
+  std::string text;
+  try {
+    text = py::repr(obj).cast<std::string>();
+  } catch (const py::error_already_set&) {
+    text = "<" + std::string(py::str(py::type::handle_of(obj).attr("__name__"))) + ">";
+  }
+  return text.size() <= 80 ? text : text.substr(0, 77) + "...";
+}
+
+std::string TypeName(py::handle obj) {
+  return py::str(py::type::handle_of(obj).attr("__name__")).cast<std::string>();
+}
+
+// Whether `obj` is a boolean: Python's bool, a numpy bool scalar or a torch bool tensor, all of
+// which __index__ would turn into 0 or 1.
+bool IsBool(py::handle obj) {
+  if (PyBool_Check(obj.ptr())) return true;
+  if (PyLong_CheckExact(obj.ptr()) || !py::hasattr(obj, "dtype")) return false;
+  const std::string dtype = py::str(obj.attr("dtype")).cast<std::string>();
+  return dtype == "bool" || dtype == "torch.bool";
+}
+
+// An integer from Python: an int or an int-like value (a numpy integer, a one-element integer
+// tensor: anything with __index__) in [lo, hi]. A boolean (True would read as 1) or anything
+// else raises TypeError naming `what` and the value; a value outside [lo, hi] (or beyond 64
+// bits) raises ValueError naming `what`, the value and the range. Every integer argument of the
+// module's functions comes through here (lists and arrays of them through ToInt64s), so that
+// none reaches pybind11's own conversion, whose refusal names neither the argument nor the
+// value; RegionWriter.write's rows, an array kvt.compat.mooncake builds, are the exception.
+// `hint`, when given, follows the range in the ValueError's message.
+template <typename T>
+T IntArg(py::handle obj, const std::string& what, T lo = std::numeric_limits<T>::min(),
+         T hi = std::numeric_limits<T>::max(), std::string_view hint = {}) {
+  static_assert(std::is_integral_v<T> && sizeof(T) <= 8);
+  auto refuse = [&] {
+    return py::type_error(what + ": expected an int, got " + TypeName(obj) + " (" + Repr(obj) +
+                          ")");
+  };
+  if (IsBool(obj)) throw refuse();
+  auto index = py::reinterpret_steal<py::object>(PyNumber_Index(obj.ptr()));
+  if (!index) {
+    PyErr_Clear();
+    throw refuse();
+  }
+  int overflow = 0;
+  const long long wide = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
+  bool in_range = false;
+  T value{};
+  if (overflow == 0 && !(wide == -1 && PyErr_Occurred())) {
+    if constexpr (std::is_signed_v<T>) {
+      in_range = wide >= static_cast<long long>(lo) && wide <= static_cast<long long>(hi);
+    } else {
+      in_range = wide >= 0 && static_cast<unsigned long long>(wide) >= lo &&
+                 static_cast<unsigned long long>(wide) <= hi;
+    }
+    value = static_cast<T>(wide);
+  } else if constexpr (std::is_unsigned_v<T>) {
+    if (overflow > 0) {  // above 2^63: an unsigned 64-bit value may still hold it
+      const unsigned long long u = PyLong_AsUnsignedLongLong(index.ptr());
+      in_range = !PyErr_Occurred() && u >= lo && u <= hi;
+      value = static_cast<T>(u);
+    }
+  }
+  PyErr_Clear();
+  if (!in_range) {
+    throw py::value_error(what + " = " + py::str(index).cast<std::string>() + " is out of range [" +
+                          std::to_string(lo) + ", " + std::to_string(hi) + "]" +
+                          (hint.empty() ? "" : ": " + std::string(hint)));
+  }
+  return value;
+}
+
+// As IntArg, with None for "not given".
+template <typename T>
+std::optional<T> OptionalIntArg(py::handle obj, const std::string& what,
+                                T lo = std::numeric_limits<T>::min(),
+                                T hi = std::numeric_limits<T>::max()) {
+  if (obj.is_none()) return std::nullopt;
+  return IntArg<T>(obj, what, lo, hi);
+}
+
 // A one-dimensional array of integers from an int, a sequence or any buffer (numpy arrays; the
 // Python layer hands torch tensors over as their numpy views). Converted in C++: no Python-level
-// loop. Values outside [lo, hi] are refused naming the position and the value.
-std::vector<int64_t> ToInt64s(py::handle obj, const char* what, int64_t lo, int64_t hi) {
+// loop. Values outside [lo, hi] are refused naming the position, the value and the range
+// (ValueError; `hint` follows), and so are booleans and elements that are no integers, and sets
+// and mappings, whose order is no list's (TypeError).
+std::vector<int64_t> ToInt64s(py::handle obj, const char* what, int64_t lo, int64_t hi,
+                              std::string_view hint = {}) {
   if (obj.is_none()) return {};
-  if (py::isinstance<py::int_>(obj)) {
-    py::list one;
-    one.append(obj);
-    return ToInt64s(one, what, lo, hi);
+  auto refuse_type = [&] {
+    return py::type_error(std::string(what) + ": expected an int, a list of ints or a " +
+                          "one-dimensional integer array, got " + TypeName(obj));
+  };
+  if (!py::isinstance<py::array>(obj)) {
+    const std::string first = std::string(what) + "[0]";
+    if (IsBool(obj)) IntArg<int64_t>(obj, first, lo, hi);  // refused, naming the value
+    if (PyIndex_Check(obj.ptr()) && !PySequence_Check(obj.ptr())) {
+      return {IntArg<int64_t>(obj, first, lo, hi, hint)};  // one id
+    }
+    if (PyUnicode_Check(obj.ptr()) || PyBytes_Check(obj.ptr()) || PyAnySet_Check(obj.ptr()) ||
+        PyDict_Check(obj.ptr())) {
+      throw refuse_type();
+    }
+    if (!PyObject_CheckBuffer(obj.ptr())) {
+      // Lists, tuples, ranges and other iterables: each element on its own.
+      auto items = py::reinterpret_steal<py::object>(PySequence_Fast(obj.ptr(), ""));
+      if (!items) {
+        if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+          PyErr_Clear();
+          throw refuse_type();
+        }
+        throw py::error_already_set();  // what the sequence itself raised
+      }
+      const Py_ssize_t n = PySequence_Fast_GET_SIZE(items.ptr());
+      PyObject** elements = PySequence_Fast_ITEMS(items.ptr());
+      std::vector<int64_t> out(static_cast<size_t>(n));
+      for (Py_ssize_t i = 0; i < n; ++i) {
+        PyObject* e = elements[i];
+        int overflow = 0;
+        const long long v = PyLong_CheckExact(e) ? PyLong_AsLongLongAndOverflow(e, &overflow) : 0;
+        if (PyLong_CheckExact(e) && overflow == 0 && v >= lo && v <= hi) {
+          out[static_cast<size_t>(i)] = v;  // the common case, without building a message
+          continue;
+        }
+        out[static_cast<size_t>(i)] =
+            IntArg<int64_t>(e, std::string(what) + "[" + std::to_string(i) + "]", lo, hi, hint);
+      }
+      return out;
+    }
   }
   py::array any = py::array::ensure(obj);
   if (!any) {
     PyErr_Clear();
-    throw py::type_error(std::string(what) + ": expected an int, a list of ints or a " +
-                         "one-dimensional integer array, got " +
-                         std::string(py::str(py::type::handle_of(obj).attr("__name__"))));
+    throw refuse_type();
   }
   if (any.ndim() != 1) {
     throw py::value_error(std::string(what) + ": expected a one-dimensional array, got " +
@@ -145,8 +267,9 @@ std::vector<int64_t> ToInt64s(py::handle obj, const char* what, int64_t lo, int6
     for (size_t i = 0; i < out.size(); ++i) {
       if (p[i] > static_cast<uint64_t>(hi)) {
         throw py::value_error(std::string(what) + "[" + std::to_string(i) +
-                              "] = " + std::to_string(p[i]) + " is out of range (at most " +
-                              std::to_string(hi) + ")");
+                              "] = " + std::to_string(p[i]) + " is out of range [" +
+                              std::to_string(lo) + ", " + std::to_string(hi) + "]" +
+                              (hint.empty() ? "" : ": " + std::string(hint)));
       }
       out[i] = static_cast<int64_t>(p[i]);
     }
@@ -158,28 +281,22 @@ std::vector<int64_t> ToInt64s(py::handle obj, const char* what, int64_t lo, int6
     if (p[i] < lo || p[i] > hi) {
       throw py::value_error(std::string(what) + "[" + std::to_string(i) +
                             "] = " + std::to_string(p[i]) + " is out of range [" +
-                            std::to_string(lo) + ", " + std::to_string(hi) + "]");
+                            std::to_string(lo) + ", " + std::to_string(hi) + "]" +
+                            (hint.empty() ? "" : ": " + std::string(hint)));
     }
     out[i] = p[i];
   }
   return out;
 }
 
-// Page ids: int32 as the engine takes them. Ids past the pool's end are the engine's to refuse
-// (it knows the pool); 0 and negative ids are refused here, naming the position and the value.
+// Page ids: int32 as the engine takes them, from 1 (page 0 is the pool's dummy page). Ids past
+// the pool's end are the engine's to refuse (it knows the pool); the others are refused here,
+// naming the position, the value and the range.
 std::vector<int32_t> ToPages(py::handle obj, const char* what) {
   std::vector<int64_t> wide =
-      ToInt64s(obj, what, std::numeric_limits<int32_t>::min(), std::numeric_limits<int32_t>::max());
-  std::vector<int32_t> pages(wide.size());
-  for (size_t i = 0; i < wide.size(); ++i) {
-    if (wide[i] < 1) {
-      throw py::value_error(std::string(what) + "[" + std::to_string(i) +
-                            "] = " + std::to_string(wide[i]) +
-                            ": page ids start at 1 (page 0 is the pool's dummy page)");
-    }
-    pages[i] = static_cast<int32_t>(wide[i]);
-  }
-  return pages;
+      ToInt64s(obj, what, 1, std::numeric_limits<int32_t>::max(),
+               "page ids start at 1 (page 0 is the pool's dummy page) and are int32");
+  return {wide.begin(), wide.end()};
 }
 
 std::vector<uint64_t> ToPointers(py::handle obj, const char* what) {
@@ -271,11 +388,12 @@ struct Layout {
 };
 
 Layout LayoutFromBufInfos(py::handle ptrs, py::handle lens, py::handle item_lens,
-                          uint32_t page_size, const std::string& dtype, uint32_t head_num,
-                          uint32_t head_dim, bool latent, int32_t device, py::handle unit_lens,
-                          size_t target_buffers, uint32_t draft_head_num, uint32_t draft_head_dim,
-                          uint32_t tp_rank, uint32_t tp_size, uint32_t total_kv_heads,
-                          py::handle aux_ptrs, py::handle aux_lens, py::handle aux_item_lens) {
+                          py::handle page_size, const std::string& dtype, py::handle head_num,
+                          py::handle head_dim, bool latent, py::handle device, py::handle unit_lens,
+                          py::handle target_buffers, py::handle draft_head_num,
+                          py::handle draft_head_dim, py::handle tp_rank, py::handle tp_size,
+                          py::handle total_kv_heads, py::handle aux_ptrs, py::handle aux_lens,
+                          py::handle aux_item_lens) {
   const int64_t kMax = std::numeric_limits<int64_t>::max();
   std::vector<uint64_t> p = ToPointers(ptrs, "kv_data_ptrs");
   std::vector<int64_t> l = ToInt64s(lens, "kv_data_lens", 0, kMax);
@@ -285,18 +403,19 @@ Layout LayoutFromBufInfos(py::handle ptrs, py::handle lens, py::handle item_lens
   std::vector<int64_t> al = ToInt64s(aux_lens, "aux_data_lens", 0, kMax);
   std::vector<int64_t> ail = ToInt64s(aux_item_lens, "aux_item_lens", 0, kMax);
   transfer::TransferLayout::BufInfoOptions o;
-  o.page_size = page_size;
+  o.page_size = IntArg<uint32_t>(page_size, "page_size");
   o.dtype = ValueOrThrow(ParseDType(dtype));
-  o.head_num = head_num;
-  o.head_dim = head_dim;
+  o.head_num = IntArg<uint32_t>(head_num, "head_num");
+  o.head_dim = IntArg<uint32_t>(head_dim, "head_dim");
   o.shape = latent ? transfer::KvShape::kLatent : transfer::KvShape::kKeyValue;
-  o.device = device;
-  o.tp_rank = tp_rank;
-  o.tp_size = tp_size;
-  o.total_kv_heads = total_kv_heads;
-  o.target_buffers = target_buffers;
-  o.draft_head_num = draft_head_num;
-  o.draft_head_dim = draft_head_dim;
+  o.device = IntArg<int32_t>(device, "device", -1, std::numeric_limits<int32_t>::max(),
+                             "a CUDA ordinal, or -1 for host memory");
+  o.tp_rank = IntArg<uint32_t>(tp_rank, "tp_rank");
+  o.tp_size = IntArg<uint32_t>(tp_size, "tp_size");
+  o.total_kv_heads = IntArg<uint32_t>(total_kv_heads, "total_kv_heads");
+  o.target_buffers = IntArg<size_t>(target_buffers, "target_buffers");
+  o.draft_head_num = IntArg<uint32_t>(draft_head_num, "draft_head_num");
+  o.draft_head_dim = IntArg<uint32_t>(draft_head_dim, "draft_head_dim");
   o.unit_lens = ul;
   StatusOr<transfer::TransferLayout> layout = [&] {  // Validate walks the memory's mappings
     py::gil_scoped_release release;
@@ -324,7 +443,7 @@ transfer::BackendConfig BackendConfigFor(const std::string& backend, const std::
 class Engine {
  public:
   Engine(const Layout& layout, bool prefill, const std::string& backend, const std::string& ucx_tls,
-         const std::string& name, const std::string& bind, uint16_t port,
+         const std::string& name, const std::string& bind, py::handle port,
          const std::string& cluster_token, double deadline, double hello_timeout,
          double peer_timeout, double heartbeat_interval, double retention, double control_busy_poll,
          bool control_lanes, py::object keepalive)
@@ -334,7 +453,7 @@ class Engine {
     o.prefill = prefill;
     o.backend = BackendConfigFor(backend, ucx_tls);
     o.server.bind_address = bind;
-    o.server.port = port;
+    o.server.port = IntArg<uint16_t>(port, "port");
     o.server.cluster_token = cluster_token;
     o.cluster_token = cluster_token;
     o.default_deadline = Millis(deadline);
@@ -385,7 +504,9 @@ class Engine {
     return LayoutDict(copy);
   }
 
-  uint64_t Connect(const std::string& host, uint16_t port) {
+  uint64_t Connect(const std::string& host, py::handle port_arg) {
+    const uint16_t port =
+        IntArg<uint16_t>(port_arg, "port", 1, 65535, "the prefill engine's engine.port");
     const auto held = hold();
     auto& e = *held;
     StatusOr<transfer::PeerHandle> peer = [&] {
@@ -399,34 +520,46 @@ class Engine {
     return ValueOrThrow(std::move(peer));
   }
 
-  void Receive(const std::string& room, uint64_t peer, py::handle pages, double deadline,
-               int32_t layer_begin, int32_t layer_end, int64_t aux_slot) {
+  void Receive(const std::string& room, py::handle peer_arg, py::handle pages, double deadline,
+               py::handle layer_begin, py::handle layer_end, py::handle aux_slot) {
+    const auto peer = IntArg<uint64_t>(peer_arg, "peer", 0, std::numeric_limits<uint64_t>::max(),
+                                       "pass what connect() returned");
+    transfer::ReceiveOptions o;
+    o.deadline = Millis(deadline);
+    o.layer_begin =
+        IntArg<int32_t>(layer_begin, "layers (begin)", 0, std::numeric_limits<int32_t>::max());
+    o.layer_end = IntArg<int32_t>(layer_end, "layers (end)", -1,
+                                  std::numeric_limits<int32_t>::max(), "-1: every layer");
+    o.aux_slot = IntArg<int64_t>(aux_slot, "aux_slot", -1, std::numeric_limits<int64_t>::max(),
+                                 "-1: no aux data");
     std::vector<int32_t> dst = ToPages(pages, "dst_pages");
     const auto held = hold();
     auto& e = *held;
-    transfer::ReceiveOptions o;
-    o.deadline = Millis(deadline);
-    o.layer_begin = layer_begin;
-    o.layer_end = layer_end;
-    o.aux_slot = aux_slot;
     py::gil_scoped_release release;
     ThrowIfError(e.Receive(room, peer, std::move(dst), o), room);
   }
 
   void Send(const std::string& room, py::handle pages, double deadline, bool last,
-            int64_t aux_slot) {
-    std::vector<int32_t> src = ToPages(pages, "src_pages");
-    const auto held = hold();
-    auto& e = *held;
+            py::handle aux_slot) {
     transfer::SendOptions o;
     o.deadline = Millis(deadline);
     o.last = last;
-    o.aux_slot = aux_slot;
+    o.aux_slot = IntArg<int64_t>(aux_slot, "aux_slot", -1, std::numeric_limits<int64_t>::max(),
+                                 "-1: no aux data");
+    std::vector<int32_t> src = ToPages(pages, "src_pages");
+    const auto held = hold();
+    auto& e = *held;
     py::gil_scoped_release release;
     ThrowIfError(e.Send(room, std::move(src), o), room);
   }
 
-  void LayersReady(const std::string& room, int32_t layers_done, uintptr_t event) {
+  void LayersReady(const std::string& room, py::handle layers_arg, py::handle event_arg) {
+    const auto layers_done =
+        IntArg<int32_t>(layers_arg, "n", 0, std::numeric_limits<int32_t>::max(),
+                        "layers [0, n) of the room are written");
+    const auto event =
+        IntArg<uintptr_t>(event_arg, "event", 0, std::numeric_limits<uintptr_t>::max(),
+                          "a cudaEvent_t handle, 0 for none");
     const auto held = hold();
     auto& e = *held;
     py::gil_scoped_release release;
@@ -552,10 +685,12 @@ transfer::RegistryClientOptions ClientOptions(const std::string& host, uint16_t 
   return o;
 }
 
-py::list RegistryLookup(const std::string& host, uint16_t port, const std::string& client_id,
+py::list RegistryLookup(const std::string& host, py::handle port, const std::string& client_id,
                         const std::string& cluster_token, double timeout, const std::string& name,
-                        const std::string& role, std::optional<uint32_t> tp_rank) {
-  auto o = ClientOptions(host, port, client_id, cluster_token, timeout, transfer::AgentRole::kTool);
+                        const std::string& role, py::handle tp_rank_arg) {
+  auto o = ClientOptions(host, IntArg<uint16_t>(port, "port", 1, 65535), client_id, cluster_token,
+                         timeout, transfer::AgentRole::kTool);
+  const std::optional<uint32_t> tp_rank = OptionalIntArg<uint32_t>(tp_rank_arg, "tp_rank");
   transfer::AgentRole filter = ParseRole(role);
   StatusOr<std::vector<transfer::AgentEntry>> entries = [&] {
     py::gil_scoped_release release;
@@ -569,18 +704,19 @@ py::list RegistryLookup(const std::string& host, uint16_t port, const std::strin
 // A registration kept fresh by a background thread until closed.
 class Announcement {
  public:
-  Announcement(const std::string& host, uint16_t port, const std::string& cluster_token,
+  Announcement(const std::string& host, py::handle port, const std::string& cluster_token,
                double timeout, const std::string& name, const std::string& role,
-               const std::string& control_address, uint32_t tp_rank, uint32_t tp_size,
+               const std::string& control_address, py::handle tp_rank, py::handle tp_size,
                const std::string& host_id) {
     transfer::AgentEntry self;
     self.name = name;
     self.role = ParseRole(role);
-    self.tp_rank = tp_rank;
-    self.tp_size = tp_size;
+    self.tp_rank = IntArg<uint32_t>(tp_rank, "tp_rank");
+    self.tp_size = IntArg<uint32_t>(tp_size, "tp_size", 1);
     self.control_address = control_address;
     self.host_id = host_id;
-    auto o = ClientOptions(host, port, name, cluster_token, timeout, self.role);
+    auto o = ClientOptions(host, IntArg<uint16_t>(port, "port", 1, 65535), name, cluster_token,
+                           timeout, self.role);
     StatusOr<std::unique_ptr<transfer::RegistryClient>> client = [&] {
       py::gil_scoped_release release;
       return transfer::RegistryClient::Start(o, self);
@@ -672,6 +808,9 @@ class RegionWriter {
   // backend checks the address and keys before using them (a peer may lie).
   uint64_t Connect(const std::string& backend, const std::string& address,
                    const py::list& regions) {
+    const auto field = [](size_t i, const char* name) {
+      return "peer region " + std::to_string(i) + " " + name;
+    };
     transfer::PeerDescriptor peer;
     peer.backend = backend;
     peer.address = address;
@@ -682,8 +821,8 @@ class RegionWriter {
                               std::to_string(t.size()) + " fields; expected (base, length, key)");
       }
       transfer::RemoteRegion r;
-      r.base = t[0].cast<uint64_t>();
-      r.length = t[1].cast<uint64_t>();
+      r.base = IntArg<uint64_t>(t[0], field(i, "base"));
+      r.length = IntArg<uint64_t>(t[1], field(i, "length"));
       r.item_len = r.length;
       r.key = t[2].cast<std::string>();
       peer.regions.push_back(std::move(r));
@@ -693,7 +832,8 @@ class RegionWriter {
     return ValueOrThrow(own->Connect(peer));
   }
 
-  void Disconnect(uint64_t peer) {
+  void Disconnect(py::handle peer_arg) {
+    const auto peer = IntArg<uint64_t>(peer_arg, "peer");
     const auto backend = hold();
     py::gil_scoped_release release;
     ThrowIfError(backend->Disconnect(peer));
@@ -701,9 +841,10 @@ class RegionWriter {
 
   // Writes the runs (rows of [local region, peer region, src offset, dst offset, bytes]) and
   // returns once every byte is visible at the peer; DeadlineExceeded after `timeout` seconds.
-  void Write(uint64_t peer,
+  void Write(py::handle peer_arg,
              const py::array_t<uint64_t, py::array::c_style | py::array::forcecast>& rows,
              double timeout) {
+    const auto peer = IntArg<uint64_t>(peer_arg, "peer");
     if (rows.ndim() != 2 || rows.shape(1) != 5) {
       throw py::value_error(
           "runs must be an N x 5 array of [local region, peer region, src offset, dst offset, "
@@ -779,7 +920,8 @@ class RegionWriter {
 
 // Where a pointer lives: -1 for host memory (pageable or pinned), else its CUDA device ordinal.
 // Managed memory is refused (no backend moves it), naming the pointer.
-int32_t PointerDevice(uint64_t pointer) {
+int32_t PointerDevice(py::handle pointer_arg) {
+  const auto pointer = IntArg<uint64_t>(pointer_arg, "pointer");
   cudaPointerAttributes attributes{};
   const cudaError_t err =
       cudaPointerGetAttributes(&attributes, reinterpret_cast<const void*>(pointer));
@@ -832,7 +974,7 @@ PYBIND11_MODULE(_kvt, m) {
 
   py::class_<Engine>(m, "Engine")
       .def(py::init<const Layout&, bool, const std::string&, const std::string&, const std::string&,
-                    const std::string&, uint16_t, const std::string&, double, double, double,
+                    const std::string&, py::handle, const std::string&, double, double, double,
                     double, double, double, bool, py::object>(),
            py::arg("layout"), py::arg("prefill"), py::arg("backend"), py::arg("ucx_tls"),
            py::arg("name"), py::arg("bind"), py::arg("port"), py::arg("cluster_token"),
@@ -856,8 +998,8 @@ PYBIND11_MODULE(_kvt, m) {
 
   m.def("registry_lookup", &RegistryLookup);
   py::class_<Announcement>(m, "Announcement")
-      .def(py::init<const std::string&, uint16_t, const std::string&, double, const std::string&,
-                    const std::string&, const std::string&, uint32_t, uint32_t,
+      .def(py::init<const std::string&, py::handle, const std::string&, double, const std::string&,
+                    const std::string&, const std::string&, py::handle, py::handle,
                     const std::string&>())
       .def("close", &Announcement::Close)
       .def_property_readonly("refreshes", &Announcement::refreshes);

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -255,10 +256,16 @@ def test_engine_options_and_close(pair) -> None:
         pair.decode.receive("x", pair.peer, [1])
 
 
-def test_layers_ready_event_forms(pair) -> None:
+def test_layers_ready_event_forms_with_a_stand_in_for_torch_cuda_event(pair) -> None:
+    """How ``event`` becomes the native handle (kvt._engine._event_handle): None is 0, an int is
+    itself, an object's ``cuda_event`` int is taken (the attribute torch.cuda.Event exposes its
+    cudaEvent_t as; the object here is a stand-in, since a torch.cuda.Event needs a CUDA build
+    of torch and a device), a 0 handle is refused on a CUDA layout only, anything else is a
+    TypeError; then a host pool's request with no event completes. That the GPU copy waits on a
+    real recorded event is test_gpu.py's, on a machine with a GPU."""
     from kvt._engine import _event_handle
 
-    class FakeTorchEvent:  # torch.cuda.Event exposes its cudaEvent_t as .cuda_event
+    class FakeTorchEvent:  # carries cuda_event as torch.cuda.Event does; nothing else of it
         cuda_event = 0x1234
 
     assert _event_handle(None, True) == 0 and _event_handle(77, True) == 77
@@ -279,13 +286,18 @@ def test_layers_ready_event_forms(pair) -> None:
 
 
 class _Event:
-    """Stands in for torch.cuda.Event: the engine reads its ``cuda_event`` handle (0 here: no
-    event, host pools)."""
+    """A stand-in for torch.cuda.Event, which needs a CUDA build of torch and a device: only its
+    ``cuda_event`` attribute, 0 (no CUDA handle: what a host pool takes). Tests using it check
+    the Python references the engine keeps, not anything CUDA does with an event."""
 
     cuda_event = 0
 
 
-def test_layers_ready_keeps_the_event_alive_until_the_room_is_final(pair) -> None:
+def test_layers_ready_holds_the_event_object_until_the_room_is_final(pair) -> None:
+    """The object given as ``event`` stays referenced by the engine after the caller drops it,
+    while the room is not final (the native engine may wait on its handle when it posts, which
+    may be after layers_ready returns), and is let go once the room is final. Checked with a
+    stand-in object (:class:`_Event`): the references are the same for a torch.cuda.Event."""
     import gc
     import weakref
 
@@ -303,9 +315,10 @@ def test_layers_ready_keeps_the_event_alive_until_the_room_is_final(pair) -> Non
     assert alive() is None, "a final room's event is released"
 
 
-def test_every_event_of_a_room_stays_alive_until_the_room_is_final(pair) -> None:
-    # The engine keeps one event per chunk (and per posted write): each one given stays alive,
-    # not only the latest.
+def test_every_event_object_of_a_room_is_held_until_the_room_is_final(pair) -> None:
+    """The engine keeps one event per chunk (and per posted write): each object given for a
+    chunked room stays referenced, not only the latest, until the room is final. Checked with
+    stand-in objects (:class:`_Event`), as above."""
     import gc
     import weakref
 
@@ -502,3 +515,116 @@ p.prefill.close()
                           timeout=60)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "ended: the engine was closed while waiting for room 'r'" in done.stdout, done.stdout
+
+
+# An id or count too large (or too small) for the engine's integer types: each is refused with a
+# ValueError naming the argument, the value and the range, before pybind11's own conversion
+# (whose TypeError names neither).
+@pytest.mark.parametrize("call, match", [
+    (lambda p: p.decode.receive("big", p.peer, [2**64]),
+     r"dst_pages\[0\] = 18446744073709551616 is out of range \[1, 2147483647\]: page ids"),
+    (lambda p: p.decode.receive("big", p.peer, [5, 2**63, -1]),
+     r"dst_pages\[1\] = 9223372036854775808 is out of range \[1, 2147483647\]"),
+    (lambda p: p.prefill.send("big", 2**40),
+     r"src_pages\[0\] = 1099511627776 is out of range \[1, 2147483647\]"),
+    (lambda p: p.decode.receive("big", p.peer, [1], layers=2**31),
+     r"layers = 2147483648 is out of range \[1, 2147483647\]"),
+    (lambda p: p.decode.receive("big", p.peer, [1], layers=(0, 2**40)),
+     r"layers \(end\) = 1099511627776 is out of range \[-1, 2147483647\]"),
+    (lambda p: p.decode.receive("big", p.peer, [1], layers=-3),
+     r"layers = -3 is out of range \[1, 2147483647\]"),
+    (lambda p: p.decode.receive("big", 2**64, [1]),
+     r"peer = 18446744073709551616: not a peer; pass what connect\(\) returned"),
+    (lambda p: p.decode.receive("big", p.peer, [1], aux_slot=2**63),
+     r"aux_slot = 9223372036854775808 is out of range \[-1, 9223372036854775807\]"),
+    (lambda p: p.prefill.layers_ready("big", 2**31),
+     r"n = 2147483648 is out of range \[0, 2147483647\]"),
+    (lambda p: p.prefill.layers_ready("big", -1),
+     r"n = -1 is out of range \[0, 2147483647\]"),
+    (lambda p: p.prefill.layers_ready("big", 1, event=-1),
+     r"event = -1 is out of range \[0, 18446744073709551615\]"),
+    (lambda p: p.prefill.layers_ready("big", 1, event=2**64),
+     r"event = 18446744073709551616 is out of range \[0, 18446744073709551615\]"),
+    (lambda p: kvt.TransferEngine("decode", p.decode.layout, port=70000),
+     r"port = 70000 is out of range \[0, 65535\]"),
+    (lambda p: p.decode.connect("127.0.0.1", 2**70),
+     r"port = 1180591620717411303424: must be 1\.\.65535"),
+])
+def test_out_of_range_ints_name_the_argument_the_value_and_the_range(pair, call, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        call(pair)
+
+
+# The native layer, which the package calls, applies the same rule: no value reaches
+# pybind11's argument conversion.
+@pytest.mark.parametrize("call, match", [
+    (lambda p: p.decode._native_engine().receive("n", 2**64, [1], 0.0, 0, -1, -1),
+     r"peer = 18446744073709551616 is out of range \[0, 18446744073709551615\]"),
+    (lambda p: p.decode._native_engine().receive("n", p.peer.handle, [1], 0.0, 0, 2**31, -1),
+     r"layers \(end\) = 2147483648 is out of range \[-1, 2147483647\]"),
+    (lambda p: p.decode._native_engine().receive("n", p.peer.handle, [1], 0.0, 0, -1, 2**63),
+     r"aux_slot = 9223372036854775808 is out of range"),
+    (lambda p: p.prefill._native_engine().send("n", [1], 0.0, True, -2),
+     r"aux_slot = -2 is out of range \[-1, 9223372036854775807\]"),
+    (lambda p: p.prefill._native_engine().layers_ready("n", 2**31, 0),
+     r"n = 2147483648 is out of range \[0, 2147483647\]"),
+    (lambda p: p.prefill._native_engine().layers_ready("n", 1, -1),
+     r"event = -1 is out of range \[0, 18446744073709551615\]"),
+    (lambda p: p.decode._native_engine().connect("127.0.0.1", 65536),
+     r"port = 65536 is out of range \[1, 65535\]"),
+    (lambda p: kvt._kvt.pointer_device(-1),
+     r"pointer = -1 is out of range \[0, 18446744073709551615\]"),
+    (lambda p: kvt._kvt.registry_lookup("127.0.0.1", 1, "t", "", 1.0, "", "any", 2**32),
+     r"tp_rank = 4294967296 is out of range \[0, 4294967295\]"),
+])
+def test_the_native_layer_refuses_out_of_range_ints_naming_them(pair, call, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        call(pair)
+
+
+def _bool_calls():
+    from conftest import make_pool
+    pool = make_pool()
+    calls = [
+        ("dst_pages[0]", lambda p: p.decode.receive("b", p.peer, [True])),
+        ("dst_pages[0]", lambda p: p.decode.receive("b", p.peer, True)),
+        ("dst_pages[1]", lambda p: p.decode.receive("b", p.peer, [2, False, 3])),
+        ("dst_pages[0]", lambda p: p.decode.receive("b", p.peer, [np.True_])),
+        ("dst_pages[0]", lambda p: p.decode.receive("b", p.peer, np.True_)),
+        ("src_pages[0]", lambda p: p.prefill.send("b", [True])),
+        ("layers", lambda p: p.decode.receive("b", p.peer, [1], layers=True)),
+        ("layers (end)", lambda p: p.decode.receive("b", p.peer, [1], layers=(0, True))),
+        ("peer", lambda p: p.decode.receive("b", True, [1])),
+        ("aux_slot (an int or None)",
+         lambda p: p.decode.receive("b", p.peer, [1], aux_slot=np.True_)),
+        ("n", lambda p: p.prefill.layers_ready("b", True)),
+        ("port", lambda p: p.decode.connect("127.0.0.1", True)),
+        ("port", lambda p: kvt.TransferEngine("decode", p.decode.layout, port=True)),
+        ("page_size", lambda p: kvt.TransferLayout.from_tensors(pool.k_buffer, pool.v_buffer,
+                                                                page_size=True)),
+        ("tp_rank", lambda p: kvt.TransferLayout.from_tensors(pool.k_buffer, pool.v_buffer,
+                                                              page_size=4, tp_rank=True)),
+        ("tp_rank", lambda p: kvt.RegistryClient("127.0.0.1", 1).lookup(tp_rank=True)),
+        ("tp_size", lambda p: kvt.RegistryClient("127.0.0.1", 1).announce(
+            "b", "prefill", "127.0.0.1:1", tp_size=True)),
+        ("port", lambda p: kvt.RegistryClient("127.0.0.1", True)),
+        ("n", lambda p: p.prefill._native_engine().layers_ready("b", True, 0)),
+        ("dst_pages[0]", lambda p: p.decode._native_engine().receive(
+            "b", p.peer.handle, [True], 0.0, 0, -1, -1)),
+    ]
+    if torch is not None:
+        calls.append(("n", lambda p: p.prefill.layers_ready("b", torch.tensor(True))))
+    return calls
+
+
+# True and False are ints to Python (True == 1) but never an id or a count here: refused with
+# TypeError naming the argument and the value, and nothing is started.
+@pytest.mark.parametrize("what, call", _bool_calls())
+def test_booleans_are_refused_as_ids_and_counts(pair, what, call) -> None:
+    with pytest.raises(TypeError,
+                       match=re.escape(what) + r": expected an int, got (bool_?|Tensor) \("):
+        call(pair)
+    with pytest.raises(KeyError):
+        pair.decode.request("b")
+    with pytest.raises(KeyError):
+        pair.prefill.request("b")

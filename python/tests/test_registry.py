@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 
 import pytest
 
@@ -52,3 +53,50 @@ def test_announce_and_lookup() -> None:
     with pytest.raises(kvt.TransferError) as e:
         kvt.RegistryClient("127.0.0.1", registry.port, timeout=0.5).lookup()
     assert e.value.code == "Unavailable"
+
+
+def _bootstrap_binary() -> str:
+    """kvt-bootstrap as start_bootstrap finds it; the test is skipped where there is none."""
+    try:
+        return kvt.find_bootstrap()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
+def test_a_key_announced_by_a_live_agent_is_refused_to_another() -> None:
+    binary = _bootstrap_binary()
+    with kvt.start_bootstrap(binary=binary) as registry:
+        client = registry.client()
+        with client.announce("py-held", "prefill", "127.0.0.1:4567", tp_size=2) as holder:
+            with pytest.raises(kvt.TransferError) as refused:
+                client.announce("py-held", "prefill", "127.0.0.1:4568", tp_size=2)
+            assert refused.value.code == "AlreadyExists"
+            message = str(refused.value)
+            assert "prefill 'py-held' rank 0 is held by the agent at 127.0.0.1:4567" in message
+            assert "127.0.0.1:4568" in message and "another name or tp_rank" in message
+            # Another rank of the name is another key; the holder keeps its entry.
+            with client.announce("py-held", "prefill", "127.0.0.1:4568", tp_rank=1, tp_size=2):
+                entries = client.lookup("py-held", role="prefill")
+                assert [(e.tp_rank, e.control_address) for e in entries] == [
+                    (0, "127.0.0.1:4567"), (1, "127.0.0.1:4568")]
+            assert holder.refreshes >= 1
+
+
+def test_a_full_registry_refuses_new_keys_naming_max_entries() -> None:
+    binary = _bootstrap_binary()
+    with kvt.start_bootstrap(binary=binary, max_entries=1) as registry:
+        client = registry.client()
+        with client.announce("only", "prefill", "127.0.0.1:4567"):
+            with pytest.raises(kvt.TransferError) as refused:
+                client.announce("second", "prefill", "127.0.0.1:4568")
+            assert refused.value.code == "ResourceExhausted"
+            assert "--max-entries 1" in str(refused.value)
+            assert "prefill 'second' rank 0" in str(refused.value)
+            assert [e.name for e in client.lookup()] == ["only"]
+    with pytest.raises(ValueError, match=r"max_entries = 0 is out of range \[1, 1048576\]"):
+        kvt.start_bootstrap(binary=binary, max_entries=0)
+    # The program's own flag check, for those who start it by hand.
+    done = subprocess.run([binary, "--max-entries", "0"], capture_output=True, text=True,
+                          timeout=30)
+    assert done.returncode != 0
+    assert "--max-entries" in done.stderr and "0 is not allowed" in done.stderr, done.stderr
