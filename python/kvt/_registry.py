@@ -42,7 +42,7 @@ class AgentEntry:
 
 class Announcement:
     """A registration the registry keeps while a background thread refreshes it; ends with
-    :meth:`close` (or the context manager)."""
+    :meth:`close` (or the context manager), which removes it from the registry."""
 
     def __init__(self, native: Any):
         self._native = native
@@ -53,7 +53,11 @@ class Announcement:
         return self._native.refreshes
 
     def close(self) -> None:
-        """Stops refreshing (the entry expires after the registry's missed heartbeats)."""
+        """Stops refreshing and removes the entry from the registry, so that the name, role and
+        rank are free for another agent at once. Waits at most the client's ``timeout`` for the
+        registry and never raises for it: when the registry cannot be reached or does not answer
+        in time (logged at warn), the entry expires after the registry's missed heartbeats.
+        Closing again does nothing; an announcement that is collected unclosed is closed."""
         self._native.close()
 
     def __enter__(self) -> "Announcement":
@@ -92,12 +96,13 @@ class RegistryClient:
                  tp_size: int = 1, host_id: str = "") -> Announcement:
         """Registers an agent ("prefill" or "decode") reachable at ``control_address``
         ("host:port"; decode entries carry port 0) and keeps it registered until the returned
-        Announcement is closed. The registry refuses addresses no peer can reach (wildcard
-        hosts, port 0 on a prefill entry) with ValueError naming them; a name, role and rank
-        announced by another live agent with TransferError code "AlreadyExists" naming that
-        agent's address ("Unavailable" while that agent is disconnected: retry once its entry
-        expired); a registry at its ``--max-entries`` with code "ResourceExhausted". tp_rank
-        and tp_size are ints (not bools) in [0, 2**32 - 1] and [1, 2**32 - 1]."""
+        Announcement is closed, which removes the entry. The registry refuses addresses no peer
+        can reach (wildcard hosts, port 0 on a prefill entry) with ValueError naming them; a
+        name, role and rank announced by another live agent with TransferError code
+        "AlreadyExists" naming that agent's address ("Unavailable" while that agent is
+        disconnected: retry once its entry expired); a registry at its ``--max-entries`` with
+        code "ResourceExhausted". tp_rank and tp_size are ints (not bools) in [0, 2**32 - 1]
+        and [1, 2**32 - 1]."""
         native = _kvt.Announcement(self.host, self.port, self.cluster_token, self.timeout, name,
                                    role, control_address, tp_rank, tp_size, host_id)
         return Announcement(native)

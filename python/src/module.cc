@@ -701,7 +701,8 @@ py::list RegistryLookup(const std::string& host, py::handle port, const std::str
   return out;
 }
 
-// A registration kept fresh by a background thread until closed.
+// A registration kept fresh by a background thread until closed; closing (or collecting) it
+// unregisters (RegistryClient's destructor).
 class Announcement {
  public:
   Announcement(const std::string& host, py::handle port, const std::string& cluster_token,
@@ -717,6 +718,7 @@ class Announcement {
     self.host_id = host_id;
     auto o = ClientOptions(host, IntArg<uint16_t>(port, "port", 1, 65535), name, cluster_token,
                            timeout, self.role);
+    o.unregister_timeout = o.timeout;  // close() waits for the registry as long as any call
     StatusOr<std::unique_ptr<transfer::RegistryClient>> client = [&] {
       py::gil_scoped_release release;
       return transfer::RegistryClient::Start(o, self);

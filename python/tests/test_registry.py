@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 
 import pytest
 
@@ -100,3 +101,23 @@ def test_a_full_registry_refuses_new_keys_naming_max_entries() -> None:
                           timeout=30)
     assert done.returncode != 0
     assert "--max-entries" in done.stderr and "0 is not allowed" in done.stderr, done.stderr
+
+
+def test_closing_an_announcement_frees_its_key_at_once() -> None:
+    binary = _bootstrap_binary()
+    # Entries would live 30 s without their heartbeats: a key free at once was unregistered.
+    with kvt.start_bootstrap(binary=binary, heartbeat_ms=10000) as registry:
+        client = registry.client()
+        first = client.announce("py-closed", "prefill", "127.0.0.1:4567")
+        assert [e.control_address for e in client.lookup("py-closed")] == ["127.0.0.1:4567"]
+        first.close()
+        assert client.lookup("py-closed") == []
+        with client.announce("py-closed", "prefill", "127.0.0.1:4568"):
+            assert [e.control_address for e in client.lookup("py-closed")] == ["127.0.0.1:4568"]
+        assert client.lookup("py-closed") == []
+        first.close()  # closing again does nothing
+        orphan = registry.client(timeout=0.5).announce("py-orphan", "prefill", "127.0.0.1:4567")
+    # The registry is gone: close() waits at most the client's timeout, and does not raise.
+    start = time.monotonic()
+    orphan.close()
+    assert time.monotonic() - start < 3.0

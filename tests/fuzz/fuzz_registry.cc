@@ -1,7 +1,8 @@
-// The bootstrap registry's side of RegisterAgent / LookupAgents (and a registry client's of the
-// replies): Validate, then what the server reads before it stores an entry: the role and the
-// layout's dtype, which must convert for every registration Validate accepts. The server's
-// handler itself answers over its socket, so it is not called here.
+// The bootstrap registry's side of RegisterAgent / UnregisterAgent / LookupAgents (and a registry
+// client's of the replies): Validate, then what the server reads before it stores an entry: the
+// role and the layout's dtype, which must convert for every registration Validate accepts (an
+// unregistration carries the same AgentInfo, checked the same way). The server's handler itself
+// answers over its socket, so it is not called here.
 //
 // Input: the serialized kvt.v1.Envelope.
 #include <cstddef>
@@ -31,6 +32,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   switch (envelope.body_case()) {
     case v1::Envelope::kRegisterAgent:
       CheckAgent(envelope.register_agent().agent());
+      break;
+    case v1::Envelope::kUnregisterAgent:
+      CheckAgent(envelope.unregister_agent().agent());
       break;
     case v1::Envelope::kLookupAgentsReply:
       for (const v1::AgentInfo& agent : envelope.lookup_agents_reply().agents()) CheckAgent(agent);

@@ -135,6 +135,16 @@ std::vector<std::pair<std::string, v1::Envelope>> RegistryMessages() {
   no_dtype.mutable_register_agent()->mutable_agent()->mutable_layout()->set_dtype(
       v1::DTYPE_UNSPECIFIED);
   out.emplace_back("near_no_dtype", no_dtype);
+  out.emplace_back("unregister_agent", ct::MakeAgentUnregistration());
+  v1::Envelope unregister_no_address = ct::MakeAgentUnregistration();
+  unregister_no_address.mutable_unregister_agent()->mutable_agent()->set_control_address(
+      "10.0.0.5");
+  out.emplace_back("near_unregister_no_port", unregister_no_address);
+  v1::Envelope unregistered;
+  unregistered.mutable_register_agent_reply()->set_status(v1::STATUS_CODE_NOT_FOUND);
+  unregistered.mutable_register_agent_reply()->set_message(
+      "prefill 'prefill-a' rank 1 is not registered");
+  out.emplace_back("unregister_agent_reply", unregistered);
   return out;
 }
 

@@ -144,6 +144,52 @@ TEST_F(AgentBootstrapTest, AgentGivesUpAfterTheWaitItWasGiven) {
   EXPECT_NE(log.find("retrying in"), std::string::npos) << log;
 }
 
+// An agent stopped by SIGTERM removes its registry entry on the way out: its name, role and
+// rank are free at once for an agent at another address, long before the entry would have
+// expired (--heartbeat-ms 10000: 30 s without heartbeats).
+TEST_F(AgentBootstrapTest, AStoppedAgentsKeyIsFreeAtOnce) {
+  tools::BootstrapCommand command;
+  command.binary = bootstrap_bin_;
+  command.ready_file = dir_ + "/bootstrap.json";
+  command.heartbeat_ms = 10000;
+  auto bootstrap = tools::ChildProcess::Spawn(command.Argv(), dir_ + "/bootstrap.log");
+  ASSERT_TRUE(bootstrap.ok()) << bootstrap.status();
+  auto bootstrap_ready = tools::WaitReadyFile(command.ready_file, 30s, bootstrap->pid());
+  ASSERT_TRUE(bootstrap_ready.ok()) << bootstrap_ready.status();
+  const uint16_t port = nlohmann::json::parse(*bootstrap_ready).value("port", 0);
+  ASSERT_NE(port, 0) << *bootstrap_ready;
+
+  auto agent = tools::ChildProcess::Spawn(AgentArgs(port), dir_ + "/agent.log");
+  ASSERT_TRUE(agent.ok()) << agent.status();
+  auto ready = tools::WaitReadyFile(dir_ + "/agent.json", 30s, agent->pid());
+  ASSERT_TRUE(ready.ok()) << ready.status();
+  transfer::RegistryClientOptions client;
+  client.port = port;
+  auto before =
+      transfer::RegistryClient::Lookup(client, "ops-decode", transfer::AgentRole::kDecode, 0u);
+  ASSERT_TRUE(before.ok()) << before.status();
+  ASSERT_EQ(before->size(), 1u) << "the agent did not register";
+
+  EXPECT_EQ(agent->Stop(), 0) << "kvt-agent did not exit cleanly on SIGTERM";
+  auto after =
+      transfer::RegistryClient::Lookup(client, "ops-decode", transfer::AgentRole::kDecode, 0u);
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_TRUE(after->empty()) << "the stopped agent's entry is still there at "
+                              << (after->empty() ? "" : after->front().control_address);
+  EXPECT_NE(ReadAll(dir_ + "/agent.log").find("unregistered from the bootstrap"),
+            std::string::npos);
+
+  transfer::AgentEntry successor;
+  successor.name = "ops-decode";
+  successor.role = transfer::AgentRole::kDecode;
+  successor.control_address = "127.0.0.2:0";
+  client.role = transfer::AgentRole::kDecode;
+  auto taken = transfer::RegistryClient::Start(client, successor);
+  ASSERT_TRUE(taken.ok()) << "the key is not free: " << taken.status();
+  EXPECT_TRUE((*taken)->Unregister(2s).ok());
+  bootstrap->Stop();
+}
+
 using AgentLogTest = ClusterTest;
 
 // 2 layers x 300 ms: an abort 150 ms in lands mid-forward.

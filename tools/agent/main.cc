@@ -1,7 +1,7 @@
 // kvt-agent: a prefill or decode node agent. It owns a KV pool, runs a transfer engine,
 // registers with the bootstrap registry (when given) and serves a driver RPC (SubmitRequest,
 // QueryRequests, QueryStats). Runs until SIGINT/SIGTERM (or its parent exits, with
-// --exit-with-parent).
+// --exit-with-parent), then stops serving and removes its registry entry.
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
@@ -24,6 +24,9 @@
 namespace {
 
 using namespace kvt;
+
+// How long a stopping agent waits for the bootstrap to remove its entry.
+constexpr std::chrono::milliseconds kUnregisterTimeout{1000};
 
 int Fail(const Status& status) {
   std::cerr << "kvt-agent: " << status.ToString() << "\n";
@@ -374,6 +377,16 @@ int main(int argc, char** argv) {
   KVT_LOG_INFO("tool", "kvt-agent {} stopping on signal {}", name, sig);
   (*server)->Stop();
   handler.Stop();
+  if (registration != nullptr) {
+    // The key is free for a successor at once; a registry that cannot be reached only delays
+    // that until the entry expires.
+    const Status unregistered = registration->Unregister(kUnregisterTimeout);
+    if (unregistered.ok()) {
+      KVT_LOG_INFO("tool", "kvt-agent {} unregistered from the bootstrap at {}", name, bootstrap);
+    } else {
+      KVT_LOG_WARN("tool", "kvt-agent {} could not unregister: {}", name, unregistered.ToString());
+    }
+  }
   registration.reset();
   agent->reset();
   return 0;

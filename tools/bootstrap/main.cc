@@ -1,6 +1,7 @@
-// kvt-bootstrap: the registry server. Agents register and heartbeat; look-ups by name, role and
-// rank; entries expire when heartbeats stop; a key held by a live agent is not taken over by
-// another; at most --max-entries live entries. Runs until SIGINT/SIGTERM.
+// kvt-bootstrap: the registry server. Agents register and heartbeat, and unregister when they
+// stop; look-ups by name, role and rank; entries expire when heartbeats stop; a key held by a
+// live agent is not taken over by another; at most --max-entries live entries. Runs until
+// SIGINT/SIGTERM.
 #include <CLI/CLI.hpp>
 #include <iostream>
 #include <nlohmann/json.hpp>

@@ -1040,7 +1040,7 @@ TEST(AgentRpcTest, AFailedConnectDropsTheCachedPrefillAddress) {
   EXPECT_EQ(refused->submit_reply().status(), v1::STATUS_CODE_UNAVAILABLE)
       << refused->submit_reply().message();
 
-  // The prefill agent comes back at another address (its old entry expires first).
+  // The prefill agent stops (removing its entry) and comes back at another address.
   registration->reset();
   ASSERT_TRUE(WaitFor(
       [&] {

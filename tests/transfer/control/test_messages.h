@@ -87,6 +87,14 @@ inline v1::Envelope MakeAgentRegistration() {
   return envelope;
 }
 
+// The agent of MakeAgentRegistration ending its registration.
+inline v1::Envelope MakeAgentUnregistration() {
+  v1::Envelope envelope;
+  *envelope.mutable_unregister_agent()->mutable_agent() =
+      MakeAgentRegistration().register_agent().agent();
+  return envelope;
+}
+
 inline v1::Envelope MakeHeartbeat(uint64_t sequence = 7) {
   v1::Envelope envelope;
   envelope.mutable_heartbeat()->set_sequence(sequence);

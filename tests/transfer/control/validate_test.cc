@@ -212,6 +212,18 @@ INSTANTIATE_TEST_SUITE_P(
                e.mutable_register_agent()->mutable_agent()->mutable_layout()->set_tp_rank(0);
              },
              "register_agent.agent.layout.tp_rank/tp_size = 0/2"},
+        Case{"UnregisterOk", testing::MakeAgentUnregistration, nullptr, ""},
+        Case{"UnregisterNoAgent", testing::MakeAgentUnregistration,
+             [](v1::Envelope& e) { e.mutable_unregister_agent()->clear_agent(); },
+             "unregister_agent.agent is missing; send the entry as it was registered"},
+        Case{"UnregisterNoName", testing::MakeAgentUnregistration,
+             [](v1::Envelope& e) { e.mutable_unregister_agent()->mutable_agent()->clear_name(); },
+             "unregister_agent.agent.name"},
+        Case{"UnregisterBadAddress", testing::MakeAgentUnregistration,
+             [](v1::Envelope& e) {
+               e.mutable_unregister_agent()->mutable_agent()->set_control_address("10.0.0.5");
+             },
+             "unregister_agent.agent.control_address = \"10.0.0.5\": expected \"host:port\""},
         Case{"RegisterReplyOk", RegisterReply, nullptr, ""},
         Case{"RegisterReplyNoStatus", RegisterReply,
              [](v1::Envelope& e) { e.mutable_register_agent_reply()->clear_status(); },

@@ -5,13 +5,20 @@
 #include <gtest/gtest.h>
 #include <ifaddrs.h>
 #include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
+#include <atomic>
+#include <cerrno>
+#include <cstring>
 #include <memory>
 #include <thread>
 #include <utility>
 #include <vector>
 
 #include "control/control_client.h"
+#include "control/control_server.h"
 
 namespace kvt::transfer {
 namespace {
@@ -83,6 +90,74 @@ void RegisterThree(uint16_t port, std::vector<std::unique_ptr<RegistryClient>>& 
     agents.push_back(std::move(registration).value());
   }
 }
+
+// The wire form of Agent(name, role, rank, port): what a RegistryClient sends for it.
+v1::AgentInfo Info(const std::string& name, uint32_t rank, uint16_t port,
+                   const std::string& host_id = "host-a") {
+  v1::AgentInfo info;
+  info.set_name(name);
+  info.set_role(v1::ROLE_PREFILL);
+  info.set_tp_rank(rank);
+  info.set_tp_size(2);
+  info.set_control_address("127.0.0.1:" + std::to_string(port));
+  info.set_host_id(host_id);
+  return info;
+}
+
+// A registry connection that sends RegisterAgent / UnregisterAgent itself: registrations that
+// are never refreshed, several over one connection, and an agent that is killed (its connection
+// closes without an unregistration).
+class RawRegistrant {
+ public:
+  static std::unique_ptr<RawRegistrant> Connect(uint16_t port) {
+    control::ControlClientOptions options;
+    options.port = port;
+    options.role = v1::ROLE_PREFILL;
+    auto client = control::ControlClient::Connect(options);
+    EXPECT_TRUE(client.ok()) << client.status();
+    if (!client.ok()) return nullptr;
+    return std::unique_ptr<RawRegistrant>(new RawRegistrant(std::move(client).value()));
+  }
+
+  // The reply's status and message (INTERNAL and the reason when there is no reply).
+  std::pair<v1::StatusCode, std::string> Register(const std::string& name,
+                                                  const std::string& address) {
+    v1::AgentInfo agent;
+    agent.set_name(name);
+    agent.set_role(v1::ROLE_PREFILL);
+    agent.set_tp_size(1);
+    agent.set_control_address(address);
+    return Register(agent);
+  }
+  std::pair<v1::StatusCode, std::string> Register(const v1::AgentInfo& agent) {
+    v1::Envelope request;
+    *request.mutable_register_agent()->mutable_agent() = agent;
+    return Call(request);
+  }
+  std::pair<v1::StatusCode, std::string> Unregister(const v1::AgentInfo& agent) {
+    v1::Envelope request;
+    *request.mutable_unregister_agent()->mutable_agent() = agent;
+    return Call(request);
+  }
+
+ private:
+  explicit RawRegistrant(std::unique_ptr<control::ControlClient> client)
+      : client_(std::move(client)) {}
+
+  std::pair<v1::StatusCode, std::string> Call(v1::Envelope& request) {
+    request.set_id(++next_id_);
+    if (Status sent = client_->Send(request); !sent.ok()) {
+      return {v1::STATUS_CODE_INTERNAL, sent.ToString()};
+    }
+    auto reply = client_->Receive(2s);
+    if (!reply.ok()) return {v1::STATUS_CODE_INTERNAL, reply.status().ToString()};
+    if (!reply->has_register_agent_reply()) return {v1::STATUS_CODE_INTERNAL, "no reply"};
+    return {reply->register_agent_reply().status(), reply->register_agent_reply().message()};
+  }
+
+  std::unique_ptr<control::ControlClient> client_;
+  uint64_t next_id_ = 0;
+};
 
 TEST(RegistryTest, RegistersAndLooksUpByNameRoleAndRank) {
   auto server = RegistryServer::Create(FastRegistry());
@@ -304,8 +379,14 @@ TEST(RegistryTest, EntriesExpireWhenHeartbeatsStop) {
   std::this_thread::sleep_for(300ms);
   EXPECT_EQ((*server)->size(), 1u);
   EXPECT_GE((*client)->refreshes(), 3u);
-  client->reset();  // the agent stops
-  EXPECT_TRUE(WaitUntil([&] { return (*server)->size() == 0; }));
+  // An agent that is killed never unregisters: its entry expires.
+  auto killed = RawRegistrant::Connect((*server)->port());
+  ASSERT_NE(killed, nullptr);
+  ASSERT_EQ(killed->Register("killed", "127.0.0.1:7201").first, v1::STATUS_CODE_OK);
+  killed.reset();
+  EXPECT_TRUE(WaitUntil(
+      [&] { return (*server)->Lookup("killed", AgentRole::kAny, std::nullopt).empty(); }));
+  EXPECT_EQ((*server)->size(), 1u);
 }
 
 TEST(RegistryTest, RestartedRegistryIsRefilledByHeartbeats) {
@@ -381,46 +462,6 @@ TEST(RegistryTest, ALookupMatchingMoreThanOneReplyHoldsSaysHowToNarrowIt) {
   ASSERT_TRUE(prefill.ok()) << prefill.status();
   EXPECT_EQ(prefill->size(), 2u);
 }
-
-// A registry connection that sends RegisterAgent itself: registrations that are never
-// refreshed, several over one connection.
-class RawRegistrant {
- public:
-  static std::unique_ptr<RawRegistrant> Connect(uint16_t port) {
-    control::ControlClientOptions options;
-    options.port = port;
-    options.role = v1::ROLE_PREFILL;
-    auto client = control::ControlClient::Connect(options);
-    EXPECT_TRUE(client.ok()) << client.status();
-    if (!client.ok()) return nullptr;
-    return std::unique_ptr<RawRegistrant>(new RawRegistrant(std::move(client).value()));
-  }
-
-  // The reply's status and message (INTERNAL and the reason when there is no reply).
-  std::pair<v1::StatusCode, std::string> Register(const std::string& name,
-                                                  const std::string& address) {
-    v1::Envelope request;
-    request.set_id(++next_id_);
-    v1::AgentInfo* agent = request.mutable_register_agent()->mutable_agent();
-    agent->set_name(name);
-    agent->set_role(v1::ROLE_PREFILL);
-    agent->set_tp_size(1);
-    agent->set_control_address(address);
-    if (Status sent = client_->Send(request); !sent.ok()) {
-      return {v1::STATUS_CODE_INTERNAL, sent.ToString()};
-    }
-    auto reply = client_->Receive(2s);
-    if (!reply.ok()) return {v1::STATUS_CODE_INTERNAL, reply.status().ToString()};
-    if (!reply->has_register_agent_reply()) return {v1::STATUS_CODE_INTERNAL, "no reply"};
-    return {reply->register_agent_reply().status(), reply->register_agent_reply().message()};
-  }
-
- private:
-  explicit RawRegistrant(std::unique_ptr<control::ControlClient> client)
-      : client_(std::move(client)) {}
-  std::unique_ptr<control::ControlClient> client_;
-  uint64_t next_id_ = 0;
-};
 
 // A registry at its max_entries refuses new keys, naming the limit, the flag and the key, and
 // goes on refreshing the keys it holds.
@@ -547,9 +588,10 @@ TEST(RegistryTest, TheSameAgentRegistersAgainOnceItsConnectionClosed) {
   ASSERT_TRUE(server.ok()) << server.status();
   const uint16_t port = (*server)->port();
   AgentEntry agent = Agent("llama-p", AgentRole::kPrefill, 0, 7000);
-  auto first = RegistryClient::Start(ClientTo(port), agent);
-  ASSERT_TRUE(first.ok()) << first.status();
-  first->reset();  // the agent stops (its connection closes); it restarts with a new layout
+  auto first = RawRegistrant::Connect(port);
+  ASSERT_NE(first, nullptr);
+  ASSERT_EQ(first->Register(Info("llama-p", 0, 7000)).first, v1::STATUS_CODE_OK);
+  first.reset();  // the agent is killed (its connection closes); it restarts with a new layout
   agent.layout->num_pages = 129;
   agent.layout->num_tokens = 2048;
   auto again = RegistryClient::Start(ClientTo(port), agent);
@@ -565,10 +607,10 @@ TEST(RegistryTest, AnExpiredHolderIsReplaced) {
   auto server = RegistryServer::Create(SteadyRegistry());
   ASSERT_TRUE(server.ok()) << server.status();
   const uint16_t port = (*server)->port();
-  auto holder =
-      RegistryClient::Start(ClientTo(port), Agent("llama-p", AgentRole::kPrefill, 0, 7000));
-  ASSERT_TRUE(holder.ok()) << holder.status();
-  holder->reset();
+  auto holder = RawRegistrant::Connect(port);
+  ASSERT_NE(holder, nullptr);
+  ASSERT_EQ(holder->Register(Info("llama-p", 0, 7000)).first, v1::STATUS_CODE_OK);
+  holder.reset();  // killed: its connection closes, its entry stays until it expires
   const AgentEntry successor = Agent("llama-p", AgentRole::kPrefill, 0, 7001);
   auto early = RegistryClient::Start(ClientTo(port), successor);
   ASSERT_FALSE(early.ok());
@@ -588,6 +630,263 @@ TEST(RegistryTest, AnExpiredHolderIsReplaced) {
   auto found = (*server)->Lookup("llama-p", AgentRole::kPrefill, 0u);
   ASSERT_EQ(found.size(), 1u);
   EXPECT_EQ(found[0].control_address, "127.0.0.1:7001");
+}
+
+// ---- unregistration ----
+
+// Entries that would live half a minute without their heartbeats: a key freed at once was
+// freed by the unregistration, not by expiry.
+RegistryServerOptions LongLivedRegistry() {
+  RegistryServerOptions o;
+  o.heartbeat_interval = 1s;
+  o.missed_heartbeats = 30;
+  return o;
+}
+
+// An agent that unregisters frees its key at once: another agent (at another address) takes
+// it without waiting for the entry to expire. The stopped client refreshes no more and ends
+// its registration once.
+TEST(RegistryTest, UnregisterFreesTheKeyForAnotherAgentAtOnce) {
+  auto server = RegistryServer::Create(LongLivedRegistry());
+  ASSERT_TRUE(server.ok()) << server.status();
+  const uint16_t port = (*server)->port();
+  auto holder =
+      RegistryClient::Start(ClientTo(port), Agent("llama-p", AgentRole::kPrefill, 0, 7000));
+  ASSERT_TRUE(holder.ok()) << holder.status();
+  auto other_rank =
+      RegistryClient::Start(ClientTo(port), Agent("llama-p", AgentRole::kPrefill, 1, 7001));
+  ASSERT_TRUE(other_rank.ok()) << other_rank.status();
+
+  const Status unregistered = (*holder)->Unregister(2s);
+  ASSERT_TRUE(unregistered.ok()) << unregistered;
+  EXPECT_TRUE((*server)->Lookup("llama-p", AgentRole::kPrefill, 0u).empty());
+  EXPECT_EQ((*server)->Lookup("llama-p", AgentRole::kPrefill, 1u).size(), 1u)
+      << "another rank's entry went too";
+
+  auto successor =
+      RegistryClient::Start(ClientTo(port), Agent("llama-p", AgentRole::kPrefill, 0, 7002));
+  ASSERT_TRUE(successor.ok()) << successor.status();
+  auto found = (*server)->Lookup("llama-p", AgentRole::kPrefill, 0u);
+  ASSERT_EQ(found.size(), 1u);
+  EXPECT_EQ(found[0].control_address, "127.0.0.1:7002");
+
+  const Status again = (*holder)->Unregister(2s);
+  EXPECT_EQ(again.code(), StatusCode::kFailedPrecondition) << again;
+  EXPECT_THAT(again.message(), ::testing::HasSubstr("prefill 'llama-p' rank 0 at 127.0.0.1:7000"));
+  EXPECT_THAT(again.message(), ::testing::HasSubstr("already ended"));
+  const uint64_t refreshes = (*holder)->refreshes();
+  const uint64_t successor_before = (*successor)->refreshes();
+  // The registry answers every 1 s heartbeat of the successor; the stopped holder sends none.
+  EXPECT_TRUE(WaitUntil([&] { return (*successor)->refreshes() > successor_before; }, 5s));
+  EXPECT_EQ((*holder)->refreshes(), refreshes);
+}
+
+// Destroying a RegistryClient unregisters too.
+TEST(RegistryTest, DestroyingTheClientUnregisters) {
+  auto server = RegistryServer::Create(LongLivedRegistry());
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto holder = RegistryClient::Start(ClientTo((*server)->port()),
+                                      Agent("llama-d", AgentRole::kDecode, 0, 0));
+  ASSERT_TRUE(holder.ok()) << holder.status();
+  EXPECT_EQ((*server)->size(), 1u);
+  holder->reset();
+  EXPECT_EQ((*server)->size(), 0u);
+}
+
+// Only the holder removes its entry: an unregistration giving another address (or host_id), or
+// the holder's address over another connection while the holder's is open, is refused naming
+// the key, the holder and the sender; the holder keeps its entry and its refreshes.
+TEST(RegistryTest, UnregisterFromANonHolderIsRefusedNamingTheHolder) {
+  auto server = RegistryServer::Create(LongLivedRegistry());
+  ASSERT_TRUE(server.ok()) << server.status();
+  const uint16_t port = (*server)->port();
+  auto holder =
+      RegistryClient::Start(ClientTo(port), Agent("llama-p", AgentRole::kPrefill, 0, 7000));
+  ASSERT_TRUE(holder.ok()) << holder.status();
+  auto raw = RawRegistrant::Connect(port);
+  ASSERT_NE(raw, nullptr);
+
+  const auto [code, message] = raw->Unregister(Info("llama-p", 0, 7001));
+  EXPECT_EQ(code, v1::STATUS_CODE_FAILED_PRECONDITION) << message;
+  EXPECT_THAT(message, ::testing::HasSubstr("prefill 'llama-p' rank 0 is held by the agent at "
+                                            "127.0.0.1:7000 (host_id host-a) over its open "
+                                            "connection from 127.0.0.1:"));
+  EXPECT_THAT(message, ::testing::HasSubstr("the unregistration from 127.0.0.1:7001 (host_id "
+                                            "host-a, connection from 127.0.0.1:"));
+  EXPECT_THAT(message, ::testing::HasSubstr("only the holder removes its entry"));
+  EXPECT_THAT(message, ::testing::HasSubstr("until that agent stops"));
+
+  EXPECT_EQ(raw->Unregister(Info("llama-p", 0, 7000, "host-b")).first,
+            v1::STATUS_CODE_FAILED_PRECONDITION);
+  const auto [same_code, same_message] = raw->Unregister(Info("llama-p", 0, 7000));
+  EXPECT_EQ(same_code, v1::STATUS_CODE_FAILED_PRECONDITION) << same_message;
+  EXPECT_THAT(same_message, ::testing::HasSubstr("over its open connection"));
+
+  auto found = (*server)->Lookup("llama-p", AgentRole::kPrefill, 0u);
+  ASSERT_EQ(found.size(), 1u);
+  EXPECT_EQ(found[0].control_address, "127.0.0.1:7000");
+  const uint64_t before = (*holder)->refreshes();
+  EXPECT_TRUE(WaitUntil([&] { return (*holder)->refreshes() > before; }, 5s));
+  EXPECT_TRUE((*holder)->Unregister(2s).ok());
+  EXPECT_EQ((*server)->size(), 0u);
+}
+
+// An agent whose connection closed (it reconnects) removes its entry over a new connection.
+TEST(RegistryTest, TheHolderUnregistersOverANewConnectionOnceItsOwnClosed) {
+  auto server = RegistryServer::Create(LongLivedRegistry());
+  ASSERT_TRUE(server.ok()) << server.status();
+  const uint16_t port = (*server)->port();
+  auto first = RawRegistrant::Connect(port);
+  ASSERT_NE(first, nullptr);
+  ASSERT_EQ(first->Register(Info("llama-p", 0, 7000)).first, v1::STATUS_CODE_OK);
+  first.reset();
+  auto second = RawRegistrant::Connect(port);
+  ASSERT_NE(second, nullptr);
+  // Refused (FAILED_PRECONDITION, nothing changes) until the registry has seen the first
+  // connection close.
+  std::pair<v1::StatusCode, std::string> answer;
+  EXPECT_TRUE(WaitUntil([&] {
+    answer = second->Unregister(Info("llama-p", 0, 7000));
+    return answer.first != v1::STATUS_CODE_FAILED_PRECONDITION;
+  }));
+  EXPECT_EQ(answer.first, v1::STATUS_CODE_OK) << answer.second;
+  EXPECT_EQ((*server)->size(), 0u);
+}
+
+// A key without a live entry is NOT_FOUND, naming it.
+TEST(RegistryTest, UnregisterOfAnUnknownKeyIsNotFoundNamingIt) {
+  auto server = RegistryServer::Create(LongLivedRegistry());
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto raw = RawRegistrant::Connect((*server)->port());
+  ASSERT_NE(raw, nullptr);
+  const auto [code, message] = raw->Unregister(Info("nobody", 1, 7000));
+  EXPECT_EQ(code, v1::STATUS_CODE_NOT_FOUND) << message;
+  EXPECT_THAT(message, ::testing::HasSubstr("prefill 'nobody' rank 1 has no live entry"));
+  EXPECT_THAT(message, ::testing::HasSubstr("the key is free"));
+
+  // An entry removed once is unknown the second time.
+  ASSERT_EQ(raw->Register(Info("once", 0, 7000)).first, v1::STATUS_CODE_OK);
+  EXPECT_EQ(raw->Unregister(Info("once", 0, 7000)).first, v1::STATUS_CODE_OK);
+  EXPECT_EQ(raw->Unregister(Info("once", 0, 7000)).first, v1::STATUS_CODE_NOT_FOUND);
+}
+
+// A control server that takes RegisterAgent and never answers: a registry that went silent.
+class SilentRegistry : public control::ControlHandler {
+ public:
+  void OnMessage(control::ConnectionId, const v1::Envelope& envelope) override {
+    if (envelope.has_register_agent()) ++registrations;
+    if (envelope.has_unregister_agent()) ++unregistrations;
+  }
+  void OnDisconnect(control::ConnectionId, const Status&) override {}
+  std::atomic<int> registrations{0};
+  std::atomic<int> unregistrations{0};
+};
+
+// A registry that is gone costs Unregister no more than its bound.
+TEST(RegistryTest, UnregisterFromAGoneRegistryReturnsWithinItsBound) {
+  auto server = RegistryServer::Create(LongLivedRegistry());
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto holder = RegistryClient::Start(ClientTo((*server)->port()),
+                                      Agent("llama-p", AgentRole::kPrefill, 0, 7000));
+  ASSERT_TRUE(holder.ok()) << holder.status();
+  server->reset();
+  const auto start = std::chrono::steady_clock::now();
+  const Status unregistered = (*holder)->Unregister(300ms);
+  const auto took = std::chrono::steady_clock::now() - start;
+  ASSERT_FALSE(unregistered.ok());
+  EXPECT_THAT(unregistered.message(),
+              ::testing::HasSubstr("unregistering prefill 'llama-p' rank 0 at 127.0.0.1:7000"));
+  EXPECT_THAT(unregistered.message(),
+              ::testing::HasSubstr("its entry expires once its heartbeats are missed"));
+  EXPECT_LT(took, 2s) << "Unregister(300ms) took "
+                      << std::chrono::duration_cast<std::chrono::milliseconds>(took).count()
+                      << " ms";
+}
+
+// A registry that stops answering while a refresh waits for it (for up to the client's 10 s
+// timeout) holds neither Unregister nor the destructor beyond their bound: the refresh is given
+// up at once, and the unregistration's own wait ends at the bound (DeadlineExceeded).
+TEST(RegistryTest, UnregisterFromASilentRegistryReturnsWithinItsBound) {
+  auto server = RegistryServer::Create(FastRegistry());
+  ASSERT_TRUE(server.ok()) << server.status();
+  const uint16_t port = (*server)->port();
+  RegistryClientOptions patient = ClientTo(port);
+  patient.timeout = 10s;
+  patient.unregister_timeout = 300ms;
+  auto explicit_stop =
+      RegistryClient::Start(patient, Agent("llama-p", AgentRole::kPrefill, 0, 7000));
+  ASSERT_TRUE(explicit_stop.ok()) << explicit_stop.status();
+  auto destroyed = RegistryClient::Start(patient, Agent("llama-p", AgentRole::kPrefill, 1, 7001));
+  ASSERT_TRUE(destroyed.ok()) << destroyed.status();
+  server->reset();
+  SilentRegistry silent;
+  control::ControlServerOptions same_port;
+  same_port.port = port;
+  auto silent_server = control::ControlServer::Create(same_port, &silent);
+  ASSERT_TRUE(silent_server.ok()) << silent_server.status();
+  // Both clients reconnected and wait for the answer to a refresh.
+  ASSERT_TRUE(WaitUntil([&] { return silent.registrations.load() >= 2; }, 10s));
+
+  auto start = std::chrono::steady_clock::now();
+  const Status unregistered = (*explicit_stop)->Unregister(300ms);
+  auto took = std::chrono::steady_clock::now() - start;
+  EXPECT_EQ(unregistered.code(), StatusCode::kDeadlineExceeded) << unregistered;
+  EXPECT_THAT(unregistered.message(), ::testing::HasSubstr("within 300 ms failed"));
+  EXPECT_LT(took, 3s) << "Unregister(300ms) took "
+                      << std::chrono::duration_cast<std::chrono::milliseconds>(took).count()
+                      << " ms";
+
+  start = std::chrono::steady_clock::now();
+  destroyed->reset();
+  took = std::chrono::steady_clock::now() - start;
+  EXPECT_LT(took, 3s) << "the destructor (unregister_timeout 300 ms) took "
+                      << std::chrono::duration_cast<std::chrono::milliseconds>(took).count()
+                      << " ms";
+  EXPECT_TRUE(WaitUntil([&] { return silent.unregistrations.load() == 2; }));
+}
+
+// A registry that takes connections and never says a word (the refresh waits in the handshake,
+// and so would the unregistration's new connection) holds Unregister no longer either.
+TEST(RegistryTest, UnregisterFromARegistryThatNeverSpeaksReturnsWithinItsBound) {
+  auto server = RegistryServer::Create(FastRegistry());
+  ASSERT_TRUE(server.ok()) << server.status();
+  const uint16_t port = (*server)->port();
+  RegistryClientOptions patient = ClientTo(port);
+  patient.timeout = 10s;
+  auto holder = RegistryClient::Start(patient, Agent("llama-p", AgentRole::kPrefill, 0, 7000));
+  ASSERT_TRUE(holder.ok()) << holder.status();
+  server->reset();
+  // A listening socket that nobody accepts on: connections complete in the kernel, and no
+  // byte ever comes.
+  const int mute = socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(mute, 0);
+  const int one = 1;
+  setsockopt(mute, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = htons(port);
+  ASSERT_EQ(bind(mute, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)), 0)
+      << std::strerror(errno);
+  ASSERT_EQ(listen(mute, 16), 0) << std::strerror(errno);
+  // The client's connection closed with the registry; its refresh thread connects again and
+  // waits for the greeting.
+  pollfd waiting{.fd = mute, .events = POLLIN, .revents = 0};
+  ASSERT_EQ(poll(&waiting, 1, 10000), 1) << "the client did not connect again";
+  const int accepted = accept(mute, nullptr, nullptr);
+  ASSERT_GE(accepted, 0) << std::strerror(errno);
+  const uint64_t refreshes = (*holder)->refreshes();
+  const auto start = std::chrono::steady_clock::now();
+  const Status unregistered = (*holder)->Unregister(300ms);
+  const auto took = std::chrono::steady_clock::now() - start;
+  close(accepted);
+  close(mute);
+  EXPECT_FALSE(unregistered.ok());
+  EXPECT_THAT(unregistered.message(), ::testing::HasSubstr("within 300 ms failed"));
+  EXPECT_LT(took, 3s) << "Unregister(300ms) took "
+                      << std::chrono::duration_cast<std::chrono::milliseconds>(took).count()
+                      << " ms";
+  EXPECT_EQ((*holder)->refreshes(), refreshes);
 }
 
 }  // namespace

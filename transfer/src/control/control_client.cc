@@ -15,6 +15,7 @@
 #include <future>
 #include <mutex>
 #include <optional>
+#include <stop_token>
 #include <thread>
 
 #include "connection.h"
@@ -84,7 +85,8 @@ void ControlClient::Impl::Shutdown() {
 }
 
 StatusOr<std::unique_ptr<ControlClient>> ControlClient::Connect(const ControlClientOptions& options,
-                                                                Handler* handler) {
+                                                                Handler* handler,
+                                                                std::stop_token stop) {
   if (!options.cluster_token.empty()) KVT_RETURN_IF_ERROR(CheckClusterToken(options.cluster_token));
   if (options.client_id.empty() || options.client_id.size() > options.validation.max_name_bytes) {
     return InvalidArgument(
@@ -94,6 +96,10 @@ StatusOr<std::unique_ptr<ControlClient>> ControlClient::Connect(const ControlCli
   if (options.max_inbox_frames < 1) return InvalidArgument("max_inbox_frames must be >= 1");
   KVT_RETURN_IF_ERROR(internal::CheckConnectionLimits(options.limits));
   KVT_RETURN_IF_ERROR(internal::CheckBusyPoll(options.busy_poll));
+  const std::string target = fmt::format("{}:{}", options.host, options.port);
+  if (stop.stop_requested()) {
+    return Aborted(fmt::format("connecting to {} was stopped before it began", target));
+  }
 
   auto impl = std::make_unique<Impl>(options, handler);
   Impl* raw = impl.get();
@@ -113,12 +119,12 @@ StatusOr<std::unique_ptr<ControlClient>> ControlClient::Connect(const ControlCli
     tcp::resolver resolver;
     asio::steady_timer timer;
     bool timed_out = false;
+    bool stopped = false;   // a stop was requested on Connect's stop_token
     bool finished = false;  // a completion reported; the timer must not touch the socket now
     std::promise<Status> done;
   };
   auto state = std::make_shared<ConnectState>(raw->io);
   std::future<Status> connected = state->done.get_future();
-  const std::string target = fmt::format("{}:{}", options.host, options.port);
   asio::post(state->strand, [state, &options, target] {
     state->timer.expires_after(options.connect_timeout);
     state->timer.async_wait([state](const boost::system::error_code& ec) {
@@ -132,7 +138,9 @@ StatusOr<std::unique_ptr<ControlClient>> ControlClient::Connect(const ControlCli
                     const boost::system::error_code& ec, std::string_view step) {
       state->finished = true;
       state->timer.cancel();
-      if (state->timed_out) {
+      if (state->stopped) {
+        state->done.set_value(Aborted(fmt::format("connecting to {} was stopped", target)));
+      } else if (state->timed_out) {
         state->done.set_value(DeadlineExceeded(
             fmt::format("connecting to {} timed out after {} ms ({})", target, Ms(timeout), step)));
       } else {
@@ -143,7 +151,7 @@ StatusOr<std::unique_ptr<ControlClient>> ControlClient::Connect(const ControlCli
     state->resolver.async_resolve(
         options.host, std::to_string(options.port),
         [state, fail](const boost::system::error_code& ec, tcp::resolver::results_type results) {
-          if (ec) return fail(ec, "resolve");
+          if (ec || state->stopped) return fail(ec, "resolve");
           asio::async_connect(
               state->socket, results,
               [state, fail](const boost::system::error_code& connect_ec, const tcp::endpoint&) {
@@ -153,6 +161,17 @@ StatusOr<std::unique_ptr<ControlClient>> ControlClient::Connect(const ControlCli
                 state->done.set_value(OkStatus());
               });
         });
+  });
+  // Posted after the steps above, so it runs after them on the strand; the resolve handler checks
+  // `stopped` for a stop that came between resolving and connecting.
+  std::stop_callback stop_connecting(stop, [state] {
+    asio::post(state->strand, [state] {
+      if (state->finished) return;
+      state->stopped = true;
+      state->resolver.cancel();
+      boost::system::error_code ignored;
+      state->socket.close(ignored);
+    });
   });
   if (connected.wait_for(options.connect_timeout + kWaitMargin) != std::future_status::ready) {
     return DeadlineExceeded(fmt::format("connecting to {} did not finish in {} ms", target,
@@ -209,12 +228,22 @@ StatusOr<std::unique_ptr<ControlClient>> ControlClient::Connect(const ControlCli
                                                            std::move(config), std::move(callbacks));
   raw->connection->Start();
 
+  // Declared before `lock`: a callback running on another thread takes the mutex, and this
+  // callback's destructor waits for it.
+  std::stop_callback stop_handshake(stop, [raw] {
+    std::lock_guard<std::mutex> guard(raw->mutex);
+    raw->changed.notify_all();
+  });
   std::unique_lock<std::mutex> lock(raw->mutex);
   if (!raw->changed.wait_for(lock, options.limits.handshake_timeout + kWaitMargin,
-                             [raw] { return raw->open || raw->closed; })) {
+                             [&] { return raw->open || raw->closed || stop.stop_requested(); })) {
     lock.unlock();
     return DeadlineExceeded(fmt::format("handshake with {} did not finish in {} ms", target,
                                         Ms(options.limits.handshake_timeout + kWaitMargin)));
+  }
+  if (!raw->open && !raw->closed) {
+    lock.unlock();
+    return Aborted(fmt::format("connecting to {} was stopped during the handshake", target));
   }
   if (!raw->open) {
     Status why = raw->close_status;
@@ -234,18 +263,27 @@ Status ControlClient::Send(const v1::Envelope& envelope, QueueLimit limit) {
   return impl_->connection->Send(envelope, limit);
 }
 
-StatusOr<v1::Envelope> ControlClient::Receive(std::chrono::milliseconds timeout) {
+StatusOr<v1::Envelope> ControlClient::Receive(std::chrono::milliseconds timeout,
+                                              std::stop_token stop) {
   if (impl_->handler != nullptr) {
     return FailedPrecondition("ControlClient::Receive: this client delivers to its Handler");
   }
+  // Declared before `lock` (see Connect).
+  std::stop_callback wake(stop, [this] {
+    std::lock_guard<std::mutex> guard(impl_->mutex);
+    impl_->changed.notify_all();
+  });
   std::unique_lock<std::mutex> lock(impl_->mutex);
-  impl_->changed.wait_for(lock, timeout, [&] { return !impl_->inbox.empty() || impl_->closed; });
+  impl_->changed.wait_for(lock, timeout, [&] {
+    return !impl_->inbox.empty() || impl_->closed || stop.stop_requested();
+  });
   if (!impl_->inbox.empty()) {
     v1::Envelope envelope = std::move(impl_->inbox.front());
     impl_->inbox.pop_front();
     return envelope;
   }
   if (impl_->closed) return impl_->close_status;
+  if (stop.stop_requested()) return Aborted("stopped while waiting for a control message");
   return DeadlineExceeded(fmt::format("no control message within {} ms", Ms(timeout)));
 }
 

@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <stop_token>
 #include <string>
 
 #include "control/validate.h"
@@ -53,11 +54,13 @@ class ControlClient {
 
   // Connects and authenticates; returns once the connection is ready for Send(), or fails
   // within connect_timeout + limits.handshake_timeout. `handler` may be null (use Receive());
-  // otherwise the caller owns it and it must outlive the client.
+  // otherwise the caller owns it and it must outlive the client. A stop requested on `stop`
+  // (from any thread) ends the attempt at once with Aborted.
   // Errors: DeadlineExceeded (timeouts), Unavailable (refused / reset), FailedPrecondition
-  // (authentication refused or impossible, with the server's message).
+  // (authentication refused or impossible, with the server's message), Aborted (stopped).
   static StatusOr<std::unique_ptr<ControlClient>> Connect(const ControlClientOptions& options,
-                                                          Handler* handler = nullptr);
+                                                          Handler* handler = nullptr,
+                                                          std::stop_token stop = {});
 
   ControlClient(const ControlClient&) = delete;
   ControlClient& operator=(const ControlClient&) = delete;
@@ -69,8 +72,9 @@ class ControlClient {
 
   // The next received message, waiting up to `timeout`. Only without a Handler
   // (FailedPrecondition otherwise). DeadlineExceeded when nothing came; once the connection is
-  // closed and the inbox is empty, the Status it closed with.
-  StatusOr<v1::Envelope> Receive(std::chrono::milliseconds timeout);
+  // closed and the inbox is empty, the Status it closed with; Aborted when a stop was requested
+  // on `stop` before a message came (the connection stays open).
+  StatusOr<v1::Envelope> Receive(std::chrono::milliseconds timeout, std::stop_token stop = {});
 
   // False once the connection has closed (either side).
   bool connected() const;

@@ -396,6 +396,13 @@ Status Validate(const v1::Envelope& envelope, const PeerContext& peer,
         return InvalidArgument("register_agent.agent is missing");
       }
       return ValidateAgentInfo(envelope.register_agent().agent(), "register_agent.agent", limits);
+    case v1::Envelope::kUnregisterAgent:
+      if (!envelope.unregister_agent().has_agent()) {
+        return InvalidArgument(
+            "unregister_agent.agent is missing; send the entry as it was registered");
+      }
+      return ValidateAgentInfo(envelope.unregister_agent().agent(), "unregister_agent.agent",
+                               limits);
     case v1::Envelope::kRegisterAgentReply: {
       const v1::RegisterAgentReply& m = envelope.register_agent_reply();
       KVT_RETURN_IF_ERROR(

@@ -8,6 +8,8 @@
 #include <map>
 #include <mutex>
 #include <set>
+#include <stop_token>
+#include <system_error>
 #include <thread>
 #include <tuple>
 #include <type_traits>
@@ -362,6 +364,11 @@ class RegistryServer::Impl : public control::ControlHandler {
         r->set_status(v1::STATUS_CODE_OK);
         r->set_heartbeat_interval_ms(static_cast<uint32_t>(options_.heartbeat_interval.count()));
       }
+    } else if (envelope.has_unregister_agent()) {
+      const Status removed = Remove(conn, envelope.unregister_agent().agent());
+      auto* r = reply.mutable_register_agent_reply();
+      r->set_status(control::ToProtoCode(removed.code()));
+      r->set_message(removed.message());
     } else if (envelope.has_lookup_agents()) {
       const v1::LookupAgents& q = envelope.lookup_agents();
       auto agents = Lookup<v1::AgentInfo>(
@@ -383,7 +390,7 @@ class RegistryServer::Impl : public control::ControlHandler {
     } else {
       reply = control::MakeErrorEnvelope(
           v1::STATUS_CODE_INVALID_ARGUMENT,
-          "the bootstrap registry answers RegisterAgent and LookupAgents, not " +
+          "the bootstrap registry answers RegisterAgent, UnregisterAgent and LookupAgents, not " +
               std::string(control::BodyName(envelope)));
     }
     if (Status sent = server_->Send(conn, reply); !sent.ok()) {
@@ -445,9 +452,7 @@ class RegistryServer::Impl : public control::ControlHandler {
     if (it != entries_.end()) {
       Entry& held = it->second;
       const bool holder_connected = remote_addresses_.count(held.conn) != 0;
-      const bool same_address = held.info.control_address() == agent.control_address() &&
-                                held.info.host_id() == agent.host_id();
-      if (!same_address || (held.conn != conn && holder_connected)) {
+      if (!IsHolder(held, agent, conn, holder_connected)) {
         Status refused = RefuseTaken(held, agent, conn, holder_connected, now);
         KVT_LOG_WARN("ctl", "refused a registration: {}", refused.message());
         return refused;
@@ -483,6 +488,58 @@ class RegistryServer::Impl : public control::ControlHandler {
     KVT_LOG_INFO("ctl", "registered {} '{}' rank {}/{} at {}", DescribeRole(agent.role()),
                  agent.name(), agent.tp_rank(), agent.tp_size(), agent.control_address());
     return OkStatus();
+  }
+
+  // Removes `agent`'s entry, asked over `conn`: NotFound when its key has no live entry,
+  // FailedPrecondition when another agent holds the key (the holder rule of Store).
+  Status Remove(control::ConnectionId conn, const v1::AgentInfo& agent) {
+    std::lock_guard<std::mutex> lock(mu_);
+    const Clock::time_point now = Clock::now();
+    ExpireLocked(now);
+    const Key key{agent.name(), agent.role(), agent.tp_rank()};
+    auto it = entries_.find(key);
+    if (it == entries_.end()) {
+      return NotFound(DescribeKey(agent) + " has no live entry in this registry (it expired, or " +
+                      "was registered with a registry that has restarted since); nothing to " +
+                      "unregister for " + agent.control_address() + ": the key is free");
+    }
+    const Entry& held = it->second;
+    const bool holder_connected = remote_addresses_.count(held.conn) != 0;
+    if (!IsHolder(held, agent, conn, holder_connected)) {
+      Status refused = RefuseRemoval(held, agent, conn, holder_connected, now);
+      KVT_LOG_WARN("ctl", "refused an unregistration: {}", refused.message());
+      return refused;
+    }
+    KVT_LOG_INFO("ctl", "unregistered {} at {}", DescribeKey(agent), held.info.control_address());
+    by_refresh_.erase({held.refreshed, key});
+    entries_.erase(it);
+    return OkStatus();
+  }
+
+  // Whether `agent`, arriving over `conn`, is the agent holding `held` (registry.h): the same
+  // control_address and host_id, over the holder's connection or a new one once that has closed.
+  static bool IsHolder(const Entry& held, const v1::AgentInfo& agent, control::ConnectionId conn,
+                       bool holder_connected) {
+    const bool same_address = held.info.control_address() == agent.control_address() &&
+                              held.info.host_id() == agent.host_id();
+    return same_address && (held.conn == conn || !holder_connected);
+  }
+
+  // Why `agent`, arriving over `conn`, may not remove the entry `held`.
+  Status RefuseRemoval(const Entry& held, const v1::AgentInfo& agent, control::ConnectionId conn,
+                       bool holder_connected, Clock::time_point now) const {
+    const auto since = std::chrono::duration_cast<std::chrono::milliseconds>(now - held.refreshed);
+    const auto left = std::max<int64_t>((Ttl() - since).count(), 0);
+    return FailedPrecondition(
+        DescribeKey(agent) + " is held by the agent at " + DescribeAgent(held.info) +
+        (holder_connected ? " over its open connection from " + held.registrant
+                          : ", whose connection has closed") +
+        "; the unregistration from " +
+        DescribeAgent(agent, "connection from " + RemoteAddressLocked(conn)) +
+        " is refused: only the holder removes its entry (over the connection it registered over, "
+        "or a new one once that has closed, giving the same control_address and host_id). The "
+        "entry stays until that agent stops, or expires " +
+        std::to_string(left) + " ms from now without its heartbeats");
   }
 
   // Why `agent`, arriving over `conn`, may not take the key `held` has.
@@ -571,56 +628,121 @@ control::ControlClientOptions ClientOptions(const RegistryClientOptions& o) {
   c.role = ToProto(o.role);
   c.cluster_token = o.cluster_token;
   c.connect_timeout = o.timeout;
+  // A registry connection closes once its request was answered, or once waiting for the
+  // answer was given up: nothing is left to send, and waiting for the registry's goodbye (which
+  // a silent or stopped registry never says) would only hold up the caller.
+  c.limits.close_linger = std::chrono::milliseconds(20);
   return c;
 }
 
-// Sends `request` and waits for the answer (an Error frame becomes its Status).
-StatusOr<v1::Envelope> Call(control::ControlClient& client, const v1::Envelope& request,
-                            std::chrono::milliseconds timeout) {
-  KVT_RETURN_IF_ERROR(client.Send(request));
-  KVT_ASSIGN_OR_RETURN(v1::Envelope reply, client.Receive(timeout));
-  if (reply.has_error()) return control::StatusFromError(reply.error());
-  return reply;
+std::chrono::milliseconds Until(Clock::time_point deadline) {
+  return std::max(std::chrono::milliseconds(0),
+                  std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()));
 }
+
+// Sends `request` and waits for its answer, at most `timeout` and until a stop is requested on
+// `stop`. Answers to earlier requests (a refresh whose wait was cut short) are skipped; an Error
+// frame becomes its Status.
+StatusOr<v1::Envelope> Call(control::ControlClient& client, const v1::Envelope& request,
+                            std::chrono::milliseconds timeout, std::stop_token stop = {}) {
+  KVT_RETURN_IF_ERROR(client.Send(request));
+  const Clock::time_point deadline = Clock::now() + timeout;
+  while (true) {
+    StatusOr<v1::Envelope> reply = client.Receive(Until(deadline), stop);
+    if (!reply.ok()) {
+      if (reply.status().code() != StatusCode::kDeadlineExceeded) return reply.status();
+      return DeadlineExceeded("no answer within " + std::to_string(timeout.count()) + " ms");
+    }
+    if (reply->reply_to() != 0 && reply->reply_to() != request.id()) continue;
+    if (reply->has_error()) return control::StatusFromError(reply->error());
+    return reply;
+  }
+}
+
+// Requests a stop on its token at `deadline`, unless destroyed first: bounds a call that takes a
+// stop_token but counts its timeouts step by step (a connect, then a handshake).
+class StopAt {
+ public:
+  explicit StopAt(Clock::time_point deadline) {
+    try {
+      thread_ = std::jthread([this, deadline](std::stop_token cancelled) {
+        std::mutex mu;
+        std::condition_variable_any cv;
+        std::unique_lock<std::mutex> lock(mu);
+        cv.wait_until(lock, cancelled, deadline, [] { return false; });
+        if (!cancelled.stop_requested()) source_.request_stop();
+      });
+    } catch (const std::system_error&) {
+      // No thread to spare: the call's own timeouts still bound each of its steps.
+    }
+  }
+  std::stop_token token() const { return source_.get_token(); }
+
+ private:
+  std::stop_source source_;
+  std::jthread thread_;  // declared last: stopped and joined before source_ goes
+};
 
 }  // namespace
 
 class RegistryClient::Impl {
  public:
   Impl(const RegistryClientOptions& options, v1::AgentInfo self)
-      : options_(options), self_(std::move(self)) {}
+      : options_(options),
+        self_(std::move(self)),
+        where_("the bootstrap at " + options_.host + ":" + std::to_string(options_.port)) {}
 
+  // Unregisters unless Unregister did (or registering failed); a failure is logged: the entry
+  // then expires.
   ~Impl() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
+    std::lock_guard<std::mutex> lock(end_mu_);
+    if (!registered_) return;
+    registered_ = false;
+    if (Status removed = End(options_.unregister_timeout); !removed.ok()) {
+      KVT_LOG_WARN("ctl", "{}", removed.ToString());
     }
-    cv_.notify_all();
-    if (thread_.joinable()) thread_.join();
   }
 
   Status Init() {
-    KVT_RETURN_IF_ERROR(RegisterOnce().WithContext("registering with the bootstrap at " +
-                                                   options_.host + ":" +
-                                                   std::to_string(options_.port)));
-    thread_ = std::thread([this] { RefreshLoop(); });
+    KVT_RETURN_IF_ERROR(RegisterOnce({}).WithContext("registering with " + where_));
+    refresher_ = std::jthread([this](std::stop_token stop) { RefreshLoop(stop); });
+    std::lock_guard<std::mutex> lock(end_mu_);
+    registered_ = true;
     return OkStatus();
   }
 
   uint64_t refreshes() const { return refreshes_.load(); }
 
+  Status Unregister(std::chrono::milliseconds timeout) {
+    std::lock_guard<std::mutex> lock(end_mu_);
+    if (!registered_) {
+      return FailedPrecondition("the registration of " + DescribeSelf() + " with " + where_ +
+                                " has already ended (by an earlier Unregister); start a new "
+                                "RegistryClient to register again");
+    }
+    registered_ = false;
+    return End(timeout);
+  }
+
  private:
-  Status RegisterOnce() {
+  std::string DescribeSelf() const {
+    return DescribeRole(self_.role()) + " '" + self_.name() + "' rank " +
+           std::to_string(self_.tp_rank()) + " at " + self_.control_address();
+  }
+
+  Status RegisterOnce(std::stop_token stop) {
     if (!client_ || !client_->connected()) {
       client_.reset();
-      KVT_ASSIGN_OR_RETURN(client_, control::ControlClient::Connect(ClientOptions(options_)));
+      KVT_ASSIGN_OR_RETURN(client_,
+                           control::ControlClient::Connect(ClientOptions(options_), nullptr, stop));
     }
     v1::Envelope request;
     request.set_id(++next_id_);
     *request.mutable_register_agent()->mutable_agent() = self_;
-    StatusOr<v1::Envelope> reply = Call(*client_, request, options_.timeout);
+    StatusOr<v1::Envelope> reply = Call(*client_, request, options_.timeout, stop);
     if (!reply.ok()) {
-      client_.reset();
+      // A wait cut short by a stop keeps the connection: the unregistration goes over it.
+      if (!stop.stop_requested()) client_.reset();
       return reply.status();
     }
     if (!reply->has_register_agent_reply()) {
@@ -638,30 +760,84 @@ class RegistryClient::Impl {
     return OkStatus();
   }
 
-  void RefreshLoop() {
-    std::unique_lock<std::mutex> lock(mu_);
-    while (!stop_) {
-      cv_.wait_for(lock, interval_);
-      if (stop_) break;
-      lock.unlock();
-      Status st = RegisterOnce();
-      if (!st.ok()) {
+  void RefreshLoop(std::stop_token stop) {
+    std::mutex mu;  // only for the wait: a stop request is what wakes it early
+    std::condition_variable_any cv;
+    while (true) {
+      {
+        std::unique_lock<std::mutex> lock(mu);
+        cv.wait_for(lock, stop, interval_, [] { return false; });
+      }
+      if (stop.stop_requested()) return;
+      Status st = RegisterOnce(stop);
+      if (!st.ok() && !stop.stop_requested()) {
         KVT_LOG_WARN("ctl", "bootstrap refresh failed ({}); retrying", st.ToString());
       }
-      lock.lock();
     }
+  }
+
+  // Stops the refreshes, then asks the registry to remove the entry, all by `timeout` from now.
+  Status End(std::chrono::milliseconds timeout) {
+    const Clock::time_point deadline = Clock::now() + timeout;
+    // A refresh waiting on the registry gives up at the stop request.
+    refresher_.request_stop();
+    if (refresher_.joinable()) refresher_.join();
+    Status removed = RemoveEntry(deadline, timeout);
+    client_.reset();
+    return removed;
+  }
+
+  // The registry's answer (which names the key), or why there was none.
+  Status RemoveEntry(Clock::time_point deadline, std::chrono::milliseconds timeout) {
+    auto unanswered = [&](const Status& why) {
+      return why.WithContext("unregistering " + DescribeSelf() + " from " + where_ + " within " +
+                             std::to_string(timeout.count()) +
+                             " ms failed; its entry expires once its heartbeats are missed");
+    };
+    if (!client_ || !client_->connected()) {
+      client_.reset();
+      // A new connection, which the registry takes from the holder once the old one has closed.
+      const std::chrono::milliseconds left = Until(deadline);
+      if (left.count() == 0) return unanswered(DeadlineExceeded("no time left to connect"));
+      control::ControlClientOptions c = ClientOptions(options_);
+      c.connect_timeout = std::min(c.connect_timeout, left);
+      c.limits.handshake_timeout = std::min(c.limits.handshake_timeout, left);
+      const StopAt give_up(deadline);
+      auto connected = control::ControlClient::Connect(c, nullptr, give_up.token());
+      if (!connected.ok()) {
+        return unanswered(connected.status().code() == StatusCode::kAborted
+                              ? DeadlineExceeded("connecting did not finish in time")
+                              : connected.status());
+      }
+      client_ = std::move(connected).value();
+    }
+    v1::Envelope request;
+    request.set_id(++next_id_);
+    *request.mutable_unregister_agent()->mutable_agent() = self_;
+    StatusOr<v1::Envelope> reply = Call(*client_, request, Until(deadline));
+    if (!reply.ok()) return unanswered(reply.status());
+    if (!reply->has_register_agent_reply()) {
+      return Internal("the bootstrap answered UnregisterAgent with " +
+                      std::string(control::BodyName(*reply)));
+    }
+    const v1::RegisterAgentReply& r = reply->register_agent_reply();
+    if (r.status() != v1::STATUS_CODE_OK) {
+      return Status(control::FromProtoCode(r.status()), r.message());
+    }
+    return OkStatus();
   }
 
   const RegistryClientOptions options_;
   const v1::AgentInfo self_;
-  std::unique_ptr<control::ControlClient> client_;  // used by Init, then the refresh thread only
+  const std::string where_;  // "the bootstrap at host:port"
+  // Used by Init, then the refresh thread, then End (after joining it): one thread at a time.
+  std::unique_ptr<control::ControlClient> client_;
   uint64_t next_id_ = 0;
   std::chrono::milliseconds interval_{1000};
   std::atomic<uint64_t> refreshes_{0};
-  std::thread thread_;
-  std::mutex mu_;  // guards stop_
-  std::condition_variable cv_;
-  bool stop_ = false;
+  std::mutex end_mu_;        // guards registered_; held while the registration ends
+  bool registered_ = false;  // Init succeeded, and the registration has not ended
+  std::jthread refresher_;   // declared last: stopped and joined before the members it uses go
 };
 
 RegistryClient::RegistryClient(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -676,6 +852,9 @@ StatusOr<std::unique_ptr<RegistryClient>> RegistryClient::Start(
   return std::unique_ptr<RegistryClient>(new RegistryClient(std::move(impl)));
 }
 uint64_t RegistryClient::refreshes() const { return impl_->refreshes(); }
+Status RegistryClient::Unregister(std::chrono::milliseconds timeout) {
+  return impl_->Unregister(timeout);
+}
 
 StatusOr<std::vector<AgentEntry>> RegistryClient::Lookup(const RegistryClientOptions& options,
                                                          const std::string& name, AgentRole role,

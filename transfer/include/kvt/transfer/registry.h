@@ -2,7 +2,9 @@
 //
 // RegistryServer keeps one entry per (name, role, tp_rank), the entry's key. Agents register
 // with RegisterAgent and refresh their entry by registering again every heartbeat interval (the
-// interval is in the reply); an entry not refreshed for `missed_heartbeats` intervals expires.
+// interval is in the reply); an agent that stops cleanly removes its entry (UnregisterAgent),
+// and the entry of one that does not (killed, or cut off) expires once it has not been
+// refreshed for `missed_heartbeats` intervals.
 // Expired entries are dropped whenever the registry handles a message or answers Lookup/size,
 // so a registry that is only registered to holds no more than the live entries, and at most
 // `max_entries` of them. Because refreshes carry the whole entry, a restarted registry is
@@ -15,10 +17,14 @@
 // agent bound to the same port). Any other registration of a live key is refused, naming the
 // key and the holder's address: AlreadyExists while the holder's connection is open (another
 // agent is live under that key), Unavailable once it has closed (the holder may be gone: its
-// entry expires within `missed_heartbeats` intervals, after which the key is free).
+// entry expires within `missed_heartbeats` intervals, after which the key is free). Only the
+// holder removes its entry, by the same rule: an unregistration from anyone else is refused
+// (FailedPrecondition naming the key and the holder), one for a key without a live entry is
+// NotFound naming the key; once removed, the key is free at once.
 //
 // RegistryClient is the agent's side: it registers once (failing if the registry cannot be
-// reached), then refreshes from a background thread, reconnecting after connection loss.
+// reached), then refreshes from a background thread, reconnecting after connection loss, until
+// it unregisters (Unregister, or its destructor).
 //
 // The API speaks plain C++ (AgentRole, AgentEntry); the wire messages stay inside the library.
 //
@@ -152,23 +158,44 @@ struct RegistryClientOptions {
   AgentRole role = AgentRole::kTool;  // this client's role in the connection greeting
   std::string cluster_token;
   std::chrono::milliseconds timeout{5000};  // connect + each reply
+  // How long RegistryClient's destructor waits for the registry to remove the entry (when
+  // Unregister was not called).
+  std::chrono::milliseconds unregister_timeout{1000};
 };
 
 class RegistryClient {
  public:
-  // Registers `self` and keeps it registered until destroyed. InvalidArgument when `self`
-  // cannot be sent (a layout dtype that is no pool dtype) or names an address no peer can reach
-  // (a wildcard or empty host, port 0 on a prefill entry: see AgentEntry::control_address);
-  // the registry refuses those too, a loopback address reached from another host, roles other
-  // than kPrefill and kDecode and entries out of its limits, naming the field and value. A key
-  // held by another live agent is AlreadyExists (Unavailable while that agent's connection is
-  // closed: retry once its entry expired), a registry full of live entries ResourceExhausted;
-  // both name the key. A refresh refused later is logged and tried again next interval.
+  // Registers `self` and keeps it registered until Unregister or destruction. InvalidArgument
+  // when `self` cannot be sent (a layout dtype that is no pool dtype) or names an address no
+  // peer can reach (a wildcard or empty host, port 0 on a prefill entry: see
+  // AgentEntry::control_address); the registry refuses those too, a loopback address reached
+  // from another host, roles other than kPrefill and kDecode and entries out of its limits,
+  // naming the field and value. A key held by another live agent is AlreadyExists (Unavailable
+  // while that agent's connection is closed: retry once its entry expired), a registry full of
+  // live entries ResourceExhausted; both name the key. A refresh refused later is logged and
+  // tried again next interval.
   static StatusOr<std::unique_ptr<RegistryClient>> Start(const RegistryClientOptions& options,
                                                          const AgentEntry& self);
+  // Unregisters as Unregister(options.unregister_timeout) does, unless Unregister was called
+  // (or Start failed); a failure is logged at warn (the entry then expires). So a registration
+  // ends with its RegistryClient, and only a process that is killed (or cannot reach the
+  // registry as it stops) leaves an entry behind to expire.
   ~RegistryClient();
   RegistryClient(const RegistryClient&) = delete;
   RegistryClient& operator=(const RegistryClient&) = delete;
+
+  // Ends the registration: stops the refreshes, then asks the registry to remove the entry,
+  // over the registration's connection (a new one when that has closed), waiting at most
+  // `timeout` for it whatever the registry does: a refresh still waiting on the registry is
+  // given up at once, and a registry that is gone or does not answer costs `timeout` (plus a
+  // few milliseconds to close the connection). OK once the entry is gone and its key free for
+  // any agent. The registry's refusals name the key: NotFound when it holds no live entry for
+  // it (the entry expired, or the registry restarted and was not refreshed yet),
+  // FailedPrecondition when another agent holds it. Unavailable or DeadlineExceeded when the
+  // registry could not be reached or did not answer in time: the entry then expires after the
+  // registry's missed heartbeats. The client refreshes no more, whatever the result; a second
+  // call is FailedPrecondition.
+  Status Unregister(std::chrono::milliseconds timeout);
 
   // Refreshes that reached the registry so far (registration included).
   uint64_t refreshes() const;
