@@ -745,14 +745,8 @@ class RegistryClient::Impl {
       if (!stop.stop_requested()) client_.reset();
       return reply.status();
     }
-    if (!reply->has_register_agent_reply()) {
-      return Internal("the bootstrap answered RegisterAgent with " +
-                      std::string(control::BodyName(*reply)));
-    }
+    KVT_RETURN_IF_ERROR(ReplyStatus(*reply, "RegisterAgent"));
     const v1::RegisterAgentReply& r = reply->register_agent_reply();
-    if (r.status() != v1::STATUS_CODE_OK) {
-      return Status(control::FromProtoCode(r.status()), r.message());
-    }
     if (r.heartbeat_interval_ms() > 0) {
       interval_ = std::chrono::milliseconds(r.heartbeat_interval_ms());
     }
@@ -816,11 +810,16 @@ class RegistryClient::Impl {
     *request.mutable_unregister_agent()->mutable_agent() = self_;
     StatusOr<v1::Envelope> reply = Call(*client_, request, Until(deadline));
     if (!reply.ok()) return unanswered(reply.status());
-    if (!reply->has_register_agent_reply()) {
-      return Internal("the bootstrap answered UnregisterAgent with " +
-                      std::string(control::BodyName(*reply)));
+    return ReplyStatus(*reply, "UnregisterAgent");
+  }
+
+  // The status a RegisterAgentReply to `request` carries (both calls are answered with one).
+  static Status ReplyStatus(const v1::Envelope& reply, const char* request) {
+    if (!reply.has_register_agent_reply()) {
+      return Internal(std::string("the bootstrap answered ") + request + " with " +
+                      std::string(control::BodyName(reply)));
     }
-    const v1::RegisterAgentReply& r = reply->register_agent_reply();
+    const v1::RegisterAgentReply& r = reply.register_agent_reply();
     if (r.status() != v1::STATUS_CODE_OK) {
       return Status(control::FromProtoCode(r.status()), r.message());
     }
