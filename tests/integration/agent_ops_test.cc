@@ -105,7 +105,7 @@ TEST_F(AgentBootstrapTest, AgentStartedBeforeTheBootstrapWaitsForIt) {
   ASSERT_NE(port, 0);
   auto agent = tools::ChildProcess::Spawn(AgentArgs(port), dir_ + "/agent.log");
   ASSERT_TRUE(agent.ok()) << agent.status();
-  ASSERT_TRUE(WaitForLog(dir_ + "/agent.log", "cannot be reached", 20s))
+  ASSERT_TRUE(WaitForLog(dir_ + "/agent.log", "not registered with the bootstrap at", 20s))
       << "the agent did not report the missing bootstrap";
   ASSERT_TRUE(agent->running()) << "the agent exited instead of waiting for the bootstrap";
 
@@ -139,7 +139,11 @@ TEST_F(AgentBootstrapTest, AgentGivesUpAfterTheWaitItWasGiven) {
   while (agent->running() && Clock::now() < until) std::this_thread::sleep_for(20ms);
   ASSERT_FALSE(agent->running()) << "the agent kept waiting beyond --bootstrap-wait-s 1";
   const std::string log = ReadAll(dir_ + "/agent.log");
-  EXPECT_NE(log.find("did not answer within 1 s"), std::string::npos) << log;
+  EXPECT_NE(log.find("could not register with the bootstrap at 127.0.0.1:" + std::to_string(port) +
+                     " within 1 s"),
+            std::string::npos)
+      << log;
+  EXPECT_NE(log.find("start kvt-bootstrap there"), std::string::npos) << log;
   EXPECT_NE(log.find("--bootstrap-wait-s"), std::string::npos) << log;
   EXPECT_NE(log.find("retrying in"), std::string::npos) << log;
 }

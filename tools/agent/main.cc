@@ -34,7 +34,8 @@ int Fail(const Status& status) {
 }
 
 // Registers with the bootstrap, retrying while it cannot be reached (it may start after the
-// agents, or restart): the delay doubles from 100 ms up to 5 s, for at most `wait` in all.
+// agents, or restart) or holds this key for an agent that went away (until that entry
+// expires): the delay doubles from 100 ms up to 5 s, for at most `wait` in all.
 // Other refusals (authentication, a rejected registration) are returned at once. Aborted when
 // SIGINT/SIGTERM arrives meanwhile.
 StatusOr<std::unique_ptr<transfer::RegistryClient>> RegisterWithRetry(
@@ -56,12 +57,17 @@ StatusOr<std::unique_ptr<transfer::RegistryClient>> RegisterWithRetry(
     const StatusCode code = client.status().code();
     if (code != StatusCode::kUnavailable && code != StatusCode::kDeadlineExceeded) return client;
     if (Clock::now() + delay > give_up) {
-      return Unavailable("the bootstrap at " + where + " did not answer within " +
-                         std::to_string(wait.count()) + " s (" + client.status().ToString() +
-                         "); start kvt-bootstrap there, or raise --bootstrap-wait-s");
+      return Unavailable(
+          "could not register with the bootstrap at " + where + " within " +
+          std::to_string(wait.count()) + " s; the last attempt: " + client.status().ToString() +
+          ". If the bootstrap cannot be reached, start kvt-bootstrap there; if it says another "
+          "agent holds this name and rank, stop that agent or give this one another --name / "
+          "--tp-rank; or raise --bootstrap-wait-s");
     }
-    KVT_LOG_WARN("tool", "the bootstrap at {} cannot be reached ({}); retrying in {} ms", where,
-                 client.status().ToString(), delay.count());
+    // Unavailable comes from a bootstrap that cannot be reached, or from one that holds this
+    // key for an agent whose connection closed until its entry expires: both pass with time.
+    KVT_LOG_WARN("tool", "not registered with the bootstrap at {} yet ({}); retrying in {} ms",
+                 where, client.status().ToString(), delay.count());
     if (const int sig = tools::WaitForTerminationSignalFor(delay); sig != 0) {
       return Aborted("stopped by signal " + std::to_string(sig) +
                      " while waiting for the bootstrap at " + where);
