@@ -176,6 +176,15 @@ def test_refusals_name_the_value_and_move_nothing(target: Target) -> None:
                 "descriptors 0 and 1", "overlapping")
         refused(target.session, [base, base], [peer], [ITEM], "2 buffers, 1 peer addresses")
         refused(target.session, [-5], [peer], [ITEM], "buffers[0] = -5")
+        # Bools would read as 0 and 1, ints past 64 bits as numpy objects: both named.
+        refused(target.session, [base], [peer], [True], "lengths[0] = True: a bool")
+        refused(target.session, (base, base + ITEM), [peer, peer + ITEM], [ITEM, False],
+                "lengths[1] = False: a bool")
+        refused(target.session, [base], [2**64 + 3], [ITEM],
+                "peer_buffer_addresses[0] = 18446744073709551619 is out of range [0, "
+                "18446744073709551615]")
+        refused(target.session, [2**64 - 1, -1], [peer, peer], [ITEM, ITEM],
+                "buffers[1] = -1 is out of range")
         refused("no-port", [base], [peer], [ITEM], "'no-port'", "host:port")
         with socket.socket() as s:  # a port nobody listens on
             s.bind(("127.0.0.1", 0))
@@ -188,6 +197,11 @@ def test_refusals_name_the_value_and_move_nothing(target: Target) -> None:
         assert engine.register(base + 8, 16) == -1 and str(base + 8) in engine.last_error
         assert engine.register(0, 16) == -1 and "ptr=0" in engine.last_error
         assert engine.deregister(12345) == -1 and "12345" in engine.last_error
+        assert engine.register(True, 16) == -1
+        assert "ptr: expected an int, got bool (True)" in engine.last_error
+        assert engine.register(base, 2**64) == -1
+        assert "length = 18446744073709551616 is out of range" in engine.last_error
+        assert engine.deregister(np.bool_(True)) == -1 and "got bool_" in engine.last_error
 
         # raise_errors: the same refusals as exceptions.
         engine.raise_errors = True
@@ -195,6 +209,10 @@ def test_refusals_name_the_value_and_move_nothing(target: Target) -> None:
             engine.batch_transfer_sync(target.session, [stray.ctypes.data], [peer], [ITEM])
         with pytest.raises(kvt.TransferError, match="cannot read its registrations"):
             engine.batch_transfer_sync(dead, [base], [peer], [ITEM])
+        with pytest.raises(TypeError, match="a bool is not an address or a length"):
+            engine.batch_transfer_sync(target.session, [base], [peer], [True])
+        with pytest.raises(TypeError, match="ptr: expected an int, got bool"):
+            engine.register(False, 16)
         # And the engine still works.
         assert engine.batch_transfer_sync(target.session, [base], [peer], [ITEM]) == 0
     finally:

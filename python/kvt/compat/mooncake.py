@@ -46,7 +46,7 @@ from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
-from .. import _kvt
+from .. import _args, _kvt
 from .._errors import TransferError
 
 __all__ = ["TransferEngine"]
@@ -148,11 +148,42 @@ class _Session:
         return False  # closed, or bytes nobody asked for: not a kvt session port any more
 
 
+_U64_MAX = 2**64 - 1
+
+
+def _address(value: Any, what: str) -> int:
+    """One address or length: an int-like value in [0, 2**64 - 1] (a bool is refused, as it
+    would read as 0 or 1)."""
+    try:
+        return _args.int_in(value, what, 0, _U64_MAX, "addresses and lengths are 64-bit")
+    except TypeError as e:
+        raise _Refused(str(e), TypeError) from None
+    except ValueError as e:
+        raise _Refused(str(e)) from None
+
+
 def _u64(values: Addresses, what: str) -> np.ndarray:
-    """Addresses or lengths as uint64, from ints, lists or integer arrays (no Python loop)."""
+    """Addresses or lengths as uint64, from ints, lists or integer arrays (no Python loop for
+    arrays; lists and tuples are checked element by element for bools, which numpy would turn
+    into 0 and 1)."""
     if hasattr(values, "detach") and hasattr(values, "numpy"):  # torch CPU tensor
         values = values.detach().cpu().numpy()
+    if isinstance(values, (list, tuple)):
+        for i, v in enumerate(values):
+            if _args.is_bool(v):
+                raise _Refused(f"{what}[{i}] = {v!r}: a bool is not an address or a length; pass "
+                               "ints", TypeError)
+    elif _args.is_bool(values) and np.ndim(values) == 0:
+        raise _Refused(f"{what} = {values!r}: a bool is not an address or a length; pass ints",
+                       TypeError)
     a = np.asarray(values)
+    if a.size and (a.dtype == object or (isinstance(values, (list, tuple)) and
+                                         a.dtype.kind not in "iu")):
+        # Python ints past 64 bits, or ints of both signs past int64 (which numpy turns into
+        # floats), or other objects: each converted exactly, or the first bad one named.
+        items = list(values) if isinstance(values, (list, tuple)) else a.reshape(-1).tolist()
+        a = np.asarray([_address(v, f"{what}[{i}]") for i, v in enumerate(items)],
+                       dtype=np.uint64).reshape(a.shape)
     if a.ndim == 0:
         a = a.reshape(1)
     if a.ndim != 1:
@@ -273,7 +304,7 @@ class TransferEngine:
     def register(self, ptr: int, length: int) -> int:
         """Registers ``length`` bytes at ``ptr`` (host memory or CUDA memory) for transfers
         from and into it. 0 on success, -1 (or an exception) when refused."""
-        return self._call(self._register, int(ptr), int(length))
+        return self._call(lambda: self._register(_address(ptr, "ptr"), _address(length, "length")))
 
     def register_memory(self, addr: int, capacity: int) -> int:
         """Mooncake's name for :meth:`register`."""
@@ -294,7 +325,7 @@ class TransferEngine:
 
     def deregister(self, ptr: int) -> int:
         """Removes the region registered at ``ptr``; peers can no longer write into it."""
-        return self._call(self._deregister, int(ptr))
+        return self._call(lambda: self._deregister(_address(ptr, "ptr")))
 
     def unregister_memory(self, addr: int) -> int:
         """Mooncake's name for :meth:`deregister`."""
