@@ -449,8 +449,9 @@ class RegistryServer::Impl : public control::ControlHandler {
     ExpireLocked(now);
     Key key{agent.name(), agent.role(), agent.tp_rank()};
     auto it = entries_.find(key);
-    if (it != entries_.end()) {
-      Entry& held = it->second;
+    const bool fresh = it == entries_.end();
+    if (!fresh) {
+      const Entry& held = it->second;
       const bool holder_connected = remote_addresses_.count(held.conn) != 0;
       if (!IsHolder(held, agent, conn, holder_connected)) {
         Status refused = RefuseTaken(held, agent, conn, holder_connected, now);
@@ -458,15 +459,7 @@ class RegistryServer::Impl : public control::ControlHandler {
         return refused;
       }
       by_refresh_.erase({held.refreshed, key});
-      held.info = agent;
-      held.entry = std::move(converted);
-      held.refreshed = now;
-      held.conn = conn;
-      held.registrant = RemoteAddressLocked(conn);
-      by_refresh_.insert({now, std::move(key)});
-      return OkStatus();
-    }
-    if (entries_.size() >= options_.max_entries) {
+    } else if (entries_.size() >= options_.max_entries) {
       Status full = ResourceExhausted(
           "the registry holds " + std::to_string(entries_.size()) +
           " live entries, its limit (max_entries; kvt-bootstrap --max-entries " +
@@ -478,15 +471,17 @@ class RegistryServer::Impl : public control::ControlHandler {
       KVT_LOG_WARN("ctl", "refused a registration: {}", full.message());
       return full;
     }
-    Entry& entry = entries_[key];
+    Entry& entry = fresh ? entries_[key] : it->second;
     entry.info = agent;
     entry.entry = std::move(converted);
     entry.refreshed = now;
     entry.conn = conn;
     entry.registrant = RemoteAddressLocked(conn);
     by_refresh_.insert({now, std::move(key)});
-    KVT_LOG_INFO("ctl", "registered {} '{}' rank {}/{} at {}", DescribeRole(agent.role()),
-                 agent.name(), agent.tp_rank(), agent.tp_size(), agent.control_address());
+    if (fresh) {
+      KVT_LOG_INFO("ctl", "registered {} '{}' rank {}/{} at {}", DescribeRole(agent.role()),
+                   agent.name(), agent.tp_rank(), agent.tp_size(), agent.control_address());
+    }
     return OkStatus();
   }
 
