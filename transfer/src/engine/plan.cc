@@ -155,15 +155,24 @@ StatusOr<Plan> BuildPlan(const PlanSpec& spec, std::vector<CopyRun> storage) {
     segments.push_back({s, d, 1});
   }
 
-  // The buffers of each layer of the range, in index order.
+  // The buffers of each layer of the range, in index order: layer l's are
+  // by_layer[layer_start[l] .. layer_start[l + 1]) (one flat list, not a list per layer: a
+  // one-page request's plan is on its latency path, and that was an allocation per layer).
   const size_t layers = static_cast<size_t>(spec.layer_end - spec.layer_begin);
-  std::vector<std::vector<uint32_t>> by_layer(layers);
-  size_t in_range = 0;
-  for (size_t i = 0; i < buffers.size(); ++i) {
-    if (!InRange(spec, buffers[i])) continue;
-    by_layer[static_cast<size_t>(buffers[i].layer - spec.layer_begin)].push_back(
-        static_cast<uint32_t>(i));
-    ++in_range;
+  std::vector<size_t> layer_start(layers + 1, 0);
+  for (const PlanBuffer& b : buffers) {
+    if (InRange(spec, b)) ++layer_start[static_cast<size_t>(b.layer - spec.layer_begin) + 1];
+  }
+  for (size_t l = 0; l < layers; ++l) layer_start[l + 1] += layer_start[l];
+  const size_t in_range = layer_start[layers];
+  std::vector<uint32_t> by_layer(in_range);
+  {
+    std::vector<size_t> next(layer_start.begin(), layer_start.end() - 1);
+    for (size_t i = 0; i < buffers.size(); ++i) {
+      if (!InRange(spec, buffers[i])) continue;
+      by_layer[next[static_cast<size_t>(buffers[i].layer - spec.layer_begin)]++] =
+          static_cast<uint32_t>(i);
+    }
   }
 
   Plan plan;
@@ -175,7 +184,8 @@ StatusOr<Plan> BuildPlan(const PlanSpec& spec, std::vector<CopyRun> storage) {
   plan.layer_begin_index.reserve(layers + 1);
   for (size_t l = 0; l < layers; ++l) {
     plan.layer_begin_index.push_back(plan.runs.size());
-    for (const uint32_t buffer : by_layer[l]) {
+    for (size_t k = layer_start[l]; k < layer_start[l + 1]; ++k) {
+      const uint32_t buffer = by_layer[k];
       const PlanBuffer& b = buffers[buffer];
       const PageUnit whole{0, 0, b.src_item_len};
       const std::span<const PageUnit> units =
