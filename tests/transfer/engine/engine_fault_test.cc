@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "control/control_server.h"
+#include "engine/request_table.h"
 #include "engine_test_util.h"
 #include "kvt/testing/status.h"
 #include "kvt/testing/tcp_relay.h"
@@ -592,6 +593,82 @@ TEST(EngineHintTest, TheWatchedWriteCompletesWithHintsAndWithoutThem) {
     d->reset();
     p->reset();
   }
+}
+
+// Wakeup::SpinUntil, the hot poller's wait: it ends at a kick (also one that came before it),
+// and at its deadline without one; the kick is consumed either way. Bounded: a spin that never
+// ends fails the test after 10 s instead of hanging it.
+TEST(WakeupTest, ASpinEndsAtAKickOrAtItsDeadline) {
+  using engine::Wakeup;
+  auto spin_for = [](Wakeup& wakeup, std::chrono::milliseconds d) {
+    return std::async(std::launch::async, [&wakeup, d] { wakeup.SpinUntil(Clock::now() + d); });
+  };
+  Wakeup kicked;
+  std::future<void> spin = spin_for(kicked, 20s);
+  std::this_thread::sleep_for(20ms);
+  kicked.Kick();
+  ASSERT_EQ(spin.wait_for(10s), std::future_status::ready) << "a kick did not end the spin";
+  EXPECT_FALSE(kicked.pending()) << "the spin left its kick pending";
+
+  Wakeup early;
+  early.Kick();  // before the spin: not lost
+  spin = spin_for(early, 20s);
+  ASSERT_EQ(spin.wait_for(10s), std::future_status::ready) << "an earlier kick was lost";
+  EXPECT_FALSE(early.pending());
+
+  Wakeup idle;
+  spin = spin_for(idle, 30ms);
+  ASSERT_EQ(spin.wait_for(10s), std::future_status::ready) << "the spin outlived its deadline";
+  idle.KickBefore(Clock::now() + 1h);  // not spinning or sleeping now: the kick is kept
+  EXPECT_TRUE(idle.pending());
+  EXPECT_TRUE(idle.Consume());
+  EXPECT_FALSE(idle.pending());
+}
+
+// A busy-polling prefill engine keeps its poller spinning (not sleeping) for its polling window
+// after it watched a device write (Wakeup::SpinUntil). Meanwhile every write is still seen
+// complete and verified, a room that comes during the spin still ends at its deadline, and the
+// engine stops at once.
+TEST(EngineHintTest, AHotPollerSeesEveryWriteAndEveryEarlierDeadline) {
+  std::unique_ptr<pool::KvPool> src_pool = MakePool(SmallPoolOptions());
+  std::unique_ptr<pool::KvPool> dst_pool = MakePool(SmallPoolOptions());
+  LoopbackOptions paged;
+  paged.page_writes = true;
+  paged.delay = 300us;  // each write runs a while: the poller watches it
+  auto hinting = std::make_shared<HintingBackend>(Loopback(paged), /*truthful=*/true);
+  EngineOptions po = Options("prefill-0", true);
+  po.control_busy_poll = 20s;  // the poller stays hot for the whole test
+  auto p = TransferEngine::Create(po, src_pool.get(), hinting);
+  LoopbackOptions plain;
+  plain.page_writes = true;
+  auto d = TransferEngine::Create(Options("decode-0", false), dst_pool.get(), Loopback(plain));
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_TRUE(d.ok()) << d.status();
+  auto peer = (*d)->ConnectPeer("127.0.0.1", (*p)->port());
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  for (int i = 0; i < 10; ++i) {
+    std::string room = "r";
+    room += std::to_string(i);
+    const std::vector<int32_t> src = {1 + i, 30 + i}, dst = {40 + i, 5 + i};
+    Fill(*src_pool, 200 + i, src);
+    KVT_ASSERT_OK((*d)->Receive(room, *peer, dst));
+    KVT_ASSERT_OK((*p)->Send(room, src));
+    KVT_ASSERT_OK((*p)->LayersReady(room, 4));
+    auto info = (*d)->WaitRequest(room, 5s);
+    ASSERT_TRUE(info.ok()) << info.status();
+    EXPECT_EQ(info->state, RequestState::kSuccess) << room << ": " << info->status;
+    EXPECT_EQ(Mismatches(*dst_pool, 200 + i, dst), 0u) << room;
+  }
+  // The poller spins now (its window runs 20 s from the last write it watched).
+  const auto start = Clock::now();
+  KVT_ASSERT_OK((*p)->Send("orphan", {3, 4}, 300ms));
+  auto info = (*p)->WaitRequest("orphan", 5s);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->state, RequestState::kFailed);
+  EXPECT_EQ(info->status.code(), StatusCode::kDeadlineExceeded) << info->status;
+  EXPECT_LT(Clock::now() - start, 3s) << "the spinning poller missed the room's deadline";
+  d->reset();
+  p->reset();  // a spinning poller stops at once
 }
 
 // A control server that completes the handshake and then never answers: a prefill engine

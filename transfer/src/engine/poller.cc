@@ -43,6 +43,7 @@ void Poller::Loop() {
   // Short sleeps while writes are in flight: without this the kernel rounds each one up by the
   // default 50 µs timer slack.
   (void)prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
+  Clock::time_point last_watch;  // when the poller last watched a device write
   while (!stopping_.load()) {
     const EngineSide::PollResult pass = side_.PollPass(Clock::now());
     if (stopping_.load()) break;
@@ -66,11 +67,21 @@ void Poller::Loop() {
         while (Clock::now() < next) pacer.Wait();
       }
       (void)ctx_.wakeup.Consume();
+      last_watch = Clock::now();
       continue;
     }
     // Writes in flight that nobody watches now: the backend's notice wakes the poller when the
     // oldest completes (a write posted after this kicks the poller itself).
     if (ctx_.notified) ctx_.backend->ArmCompletionNotice();
+    // A busy-polling engine that just watched a device write keeps its poller hot for the
+    // control plane's polling window: the next write's kick is then seen at once, where waking
+    // a sleeping poller costs microseconds that the GPU's copy of a small write does not hide.
+    // The pass runs again at the window's end, so a room that came meanwhile is looked at.
+    const Clock::time_point hot_until = last_watch + ctx_.options.control_busy_poll;
+    if (ctx_.options.control_busy_poll.count() > 0 && Clock::now() < hot_until) {
+      ctx_.wakeup.SpinUntil(std::min(hot_until, pass.next));
+      continue;
+    }
     ctx_.wakeup.WaitUntil(pass.next);
   }
 }

@@ -831,7 +831,7 @@ void PrefillSide::QueueDoneLocked(const PrefillRoom& room, AfterUnlock& after) {
   }
   const ConnectionId conn = room.conn;
   ++pending_dones_;
-  after.messages.push_back([this, conn, done] {
+  after.messages.push_back([this, conn, done = std::move(done)] {
     SendTo(conn, done, control::QueueLimit::kExempt);  // one per room: never dropped
     MutexLock lock(ctx_.mu);
     --pending_dones_;

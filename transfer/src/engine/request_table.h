@@ -19,6 +19,7 @@
 #include <utility>
 #include <vector>
 
+#include "control/spin.h"
 #include "kvt/common/mutex.h"
 #include "kvt/common/status.h"
 #include "kvt/transfer/engine.h"
@@ -36,19 +37,19 @@ class Wakeup {
   void Kick() {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      pending_ = true;
+      pending_.store(true, std::memory_order_release);
     }
     cv_.notify_all();
   }
-  // Kicks only when the poller must run before `when`: unless it sleeps already until no later
-  // than that (a kick costs a wake-up of the poller thread, and the pass it runs takes the
-  // engine's lock from the caller's next call). Clock::time_point::max(): nothing to run for.
+  // Kicks only when the poller must run before `when`: unless it sleeps (or spins) already until
+  // no later than that (a kick costs a wake-up of the poller thread, and the pass it runs takes
+  // the engine's lock from the caller's next call). Clock::time_point::max(): nothing to run for.
   void KickBefore(Clock::time_point when) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (sleeping_ && sleep_until_ <= when) return;  // it wakes in time anyway
       if (when == Clock::time_point::max()) return;
-      pending_ = true;
+      pending_.store(true, std::memory_order_release);
     }
     cv_.notify_all();
   }
@@ -57,25 +58,38 @@ class Wakeup {
     std::unique_lock<std::mutex> lock(mu_);
     sleeping_ = true;
     sleep_until_ = deadline;
-    cv_.wait_until(lock, deadline, [this] { return pending_; });
+    cv_.wait_until(lock, deadline, [this] { return pending_.load(std::memory_order_relaxed); });
     sleeping_ = false;
-    pending_ = false;
+    pending_.store(false, std::memory_order_relaxed);
+  }
+  // WaitUntil without sleeping: polls for a kick (a load per pass, yielding the core now and
+  // then: control::internal::SpinPacer) until `deadline`, so a kick is seen within a fraction of
+  // a microsecond instead of after a thread wake-up. Kicks for later than `deadline` are not
+  // needed meanwhile, as for a sleeping poller.
+  void SpinUntil(Clock::time_point deadline) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      sleeping_ = true;
+      sleep_until_ = deadline;
+    }
+    control::internal::SpinPacer pacer;
+    while (!pending_.load(std::memory_order_acquire) && Clock::now() < deadline) pacer.Wait();
+    std::lock_guard<std::mutex> lock(mu_);
+    sleeping_ = false;
+    pending_.store(false, std::memory_order_relaxed);
   }
   bool Consume() {
     std::lock_guard<std::mutex> lock(mu_);
-    return std::exchange(pending_, false);
+    return pending_.exchange(false, std::memory_order_relaxed);
   }
-  // Read without consuming (a spinning poller stops when a kick comes).
-  bool pending() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return pending_;
-  }
+  // Read without consuming and without the mutex (a spinning poller stops when a kick comes).
+  bool pending() const { return pending_.load(std::memory_order_acquire); }
 
  private:
-  std::mutex mu_;  // guards pending_ only; never held while blocking
+  std::mutex mu_;  // guards the writes of pending_ and the sleep state; never held while blocking
   std::condition_variable cv_;
-  bool pending_ = false;
-  bool sleeping_ = false;  // in WaitUntil, until sleep_until_
+  std::atomic<bool> pending_{false};
+  bool sleeping_ = false;  // in WaitUntil or SpinUntil, until sleep_until_
   Clock::time_point sleep_until_;
 };
 
@@ -144,12 +158,14 @@ struct AfterUnlock {
     return !dead_peers.empty() || !releases.empty() || !disconnects.empty() || !tasks.empty();
   }
   bool empty() const { return frees.empty() && !may_block() && messages.empty(); }
-  // Runs everything (the caller does not hold the engine's mutex).
+  // Runs everything (the caller does not hold the engine's mutex). Writes that may be in flight
+  // are released before the messages (an abort's ack or a failed room's done promises they are
+  // quiesced); completed writes are freed after them, so a TransferDone does not wait for that.
   void Run(Backend& backend) {
     for (PeerId p : dead_peers) (void)backend.Disconnect(p, Backend::DisconnectMode::kPeerDead);
-    for (WriteId w : frees) backend.Release(w);
     for (WriteId w : releases) backend.Release(w);
     for (auto& m : messages) m();
+    for (WriteId w : frees) backend.Release(w);
     for (PeerId p : disconnects) (void)backend.Disconnect(p, Backend::DisconnectMode::kPeerDead);
     for (auto& t : tasks) t();
     dead_peers.clear();
