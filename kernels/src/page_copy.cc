@@ -1,6 +1,7 @@
 // Validation and CPU reference of page copy / pack / unpack (host compiler), shared with the
 // CUDA entry points in page_copy.cu.
 #include <algorithm>
+#include <bit>
 #include <cstring>
 #include <string>
 #include <utility>
@@ -21,6 +22,23 @@ UnitSplit SplitItems(const PageCopyTuning& t, int64_t item_bytes) {
     if (chunks <= 0x7FFFFFFF) u = UnitSplit{t.chunk_bytes, static_cast<uint32_t>(chunks)};
   }
   return u;
+}
+
+int64_t LaunchChunkBytes(const PageCopyTuning& t, int64_t item_bytes, uint64_t num_items,
+                         int sms) {
+  const int64_t chunk = t.chunk_bytes;
+  if (chunk <= 0 || t.min_chunk_bytes <= 0 || t.min_chunk_bytes >= chunk || item_bytes <= 0 ||
+      num_items == 0) {
+    return chunk;
+  }
+  const uint64_t want = static_cast<uint64_t>(std::max(sms, 1)) * kSmallLaunchUnitsPerSm;
+  const uint64_t units = num_items * SplitItems(t, item_bytes).chunks_per_item;
+  if (units >= want || num_items >= want) return chunk;
+  // Fewer than `want` items (and units): the bytes fit 64 bits with room to spare.
+  const uint64_t per_unit = (num_items * static_cast<uint64_t>(item_bytes) + want - 1) / want;
+  const uint64_t pow2 = std::bit_ceil(std::max<uint64_t>(per_unit, 16));
+  return std::clamp(static_cast<int64_t>(std::min<uint64_t>(pow2, static_cast<uint64_t>(chunk))),
+                    static_cast<int64_t>(t.min_chunk_bytes), chunk);
 }
 
 uint64_t GridBlocks(const PageCopyTuning& t, uint64_t num_units, uint64_t groups_per_block, int sms,

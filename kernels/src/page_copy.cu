@@ -403,6 +403,12 @@ Status ValidateTuning(const PageCopyTuning& t) {
     return InvalidArgument("PageCopyTuning: chunk_bytes is " + std::to_string(t.chunk_bytes) +
                            "; it must be 0 (whole items) or a positive multiple of 16");
   }
+  if (t.min_chunk_bytes < 0 || t.min_chunk_bytes % 16 != 0) {
+    return InvalidArgument("PageCopyTuning: min_chunk_bytes is " +
+                           std::to_string(t.min_chunk_bytes) +
+                           "; it must be 0 (small launches keep chunk_bytes) or a positive "
+                           "multiple of 16");
+  }
   if (t.blocks_per_sm < 0) {
     return InvalidArgument("PageCopyTuning: blocks_per_sm is " + std::to_string(t.blocks_per_sm) +
                            "; it must be >= 0 (0: no cap, or as many as fit when persistent)");
@@ -451,12 +457,13 @@ StatusOr<Launch> PlanLaunch(const CopyDesc& desc, const PageCopyTuning& tuning) 
   l.d.prefetch_l2 = t.prefetch_l2;
   const uint64_t num_items =
       static_cast<uint64_t>(l.d.num_buffers) * static_cast<uint64_t>(l.d.num_pages);
+  KVT_ASSIGN_OR_RETURN(int sms, CurrentDeviceSmCount());
+  t.chunk_bytes = static_cast<int32_t>(LaunchChunkBytes(t, l.d.bytes, num_items, sms));
   const UnitSplit split = SplitItems(t, l.d.bytes);
   l.d.chunk_bytes = split.chunk_bytes;
   l.d.chunks_per_item = split.chunks_per_item;
   l.num_units = num_items * l.d.chunks_per_item;
   t.unroll = EffectiveUnroll(t, l.d.bytes);
-  KVT_ASSIGN_OR_RETURN(int sms, CurrentDeviceSmCount());
   l.group = ThreadsPerItem(t, l.d.chunk_bytes);
   int fit = 0;  // only a persistent grid without a blocks_per_sm cap asks the occupancy
   if (t.persistent && t.blocks_per_sm == 0) {

@@ -61,6 +61,13 @@ struct UnitSplit {
 };
 UnitSplit SplitItems(const PageCopyTuning& tuning, int64_t item_bytes);
 
+// The chunk size a launch of `num_items` items of `item_bytes` uses on `sms` multiprocessors:
+// tuning.chunk_bytes, or for a launch with fewer units than kSmallLaunchUnitsPerSm per
+// multiprocessor at that size, the smallest power of two that still makes about that many units,
+// no smaller than tuning.min_chunk_bytes (PageCopyTuning::min_chunk_bytes).
+int64_t LaunchChunkBytes(const PageCopyTuning& tuning, int64_t item_bytes, uint64_t num_items,
+                         int sms);
+
 // Blocks of a launch with `groups_per_block` groups per block: one group per unit, capped at
 // sms x blocks_per_sm when the tuning sets blocks_per_sm, else at sms x `fit_per_sm` (the
 // blocks that fit at once) for a persistent grid, and always at gridDim.x's limit (2^31 - 1).

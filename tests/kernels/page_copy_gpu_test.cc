@@ -114,6 +114,11 @@ const CopyCase kCases[] = {
     {"identity_source", 4, 64, 2048, 0, 0, 0, 0, 0, 0, false, true},
     {"identity_destination", 4, 64, 2048, 0, 0, 0, 0, 0, 0, true, false},
     {"offset_inside_page", 4, 64, 512, 256, 1024, 1024, 512, 0, 0, true, true},
+    // One page of a 32-layer pool at 16 and 64 tokens: launches small enough to be split into
+    // chunks below the tuning's (PageCopyTuning::min_chunk_bytes).
+    {"one_page_16_tokens", 64, 1, 32768, 0, 0, 0, 0, 0, 0, true, true},
+    {"one_page_64_tokens", 64, 1, 131072, 0, 0, 0, 0, 0, 0, true, true},
+    {"one_page_odd_items", 64, 1, 32768 + 48 + 5, 0, 0, 0, 0, 0, 0, true, true},
 };
 
 class PageCopyGpuTest : public ::testing::TestWithParam<CopyCase> {};

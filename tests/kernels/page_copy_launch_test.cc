@@ -28,6 +28,41 @@ TEST(PageCopyLaunchTest, ItemsSplitIntoChunksOfTheTuning) {
   EXPECT_EQ(SplitItems(t, int64_t{1} << 40).chunk_bytes, int64_t{1} << 40);
 }
 
+// A launch too small to give every multiprocessor kSmallLaunchUnitsPerSm units splits finer:
+// one page of a 64-buffer pool (32 layers) on a 132-multiprocessor card.
+TEST(PageCopyLaunchTest, SmallLaunchesSplitIntoSmallerChunks) {
+  using internal::LaunchChunkBytes;
+  PageCopyTuning t;  // 16 KiB chunks, 2 KiB at the least
+  const int sms = 132;
+  // 16 tokens (32 KiB items): 128 units of 16 KiB would leave most multiprocessors idle;
+  // 2 MiB over 2112 wanted units is 993 bytes a unit, so the floor holds: 1024 units of 2 KiB.
+  EXPECT_EQ(LaunchChunkBytes(t, 32768, 64, sms), 2048);
+  // 64 tokens (128 KiB items): 8 MiB / 2112 = 3972 bytes, rounded up to a power of two.
+  EXPECT_EQ(LaunchChunkBytes(t, 131072, 64, sms), 4096);
+  // 1 token (2 KiB items): the items are no larger than the floor; they stay whole.
+  EXPECT_EQ(SplitItems(t, 2048).chunks_per_item, 1u);
+  EXPECT_EQ(LaunchChunkBytes(t, 2048, 64, sms), 2048);
+  // A 1 GiB request (65536 units of 16 KiB), and a launch with as many items as wanted units,
+  // keep the tuning's chunks.
+  EXPECT_EQ(LaunchChunkBytes(t, 32768, 32768, sms), 16384);
+  EXPECT_EQ(LaunchChunkBytes(t, 512, 2112, sms), 16384);
+  // Never smaller than the floor, never larger than the tuning's chunk, always a multiple of 16.
+  EXPECT_EQ(LaunchChunkBytes(t, 16, 1, sms), 2048);
+  EXPECT_EQ(LaunchChunkBytes(t, int64_t{1} << 30, 1, sms), 16384);
+  t.min_chunk_bytes = 48;
+  EXPECT_EQ(LaunchChunkBytes(t, 32768, 64, sms), 1024);
+  EXPECT_EQ(LaunchChunkBytes(t, 1000, 1, sms), 48);
+  // Turned off: min_chunk_bytes 0, not below chunk_bytes, or whole items (chunk_bytes 0).
+  t.min_chunk_bytes = 0;
+  EXPECT_EQ(LaunchChunkBytes(t, 32768, 64, sms), 16384);
+  t.min_chunk_bytes = 16384;
+  EXPECT_EQ(LaunchChunkBytes(t, 32768, 64, sms), 16384);
+  t.min_chunk_bytes = 2048;
+  t.chunk_bytes = 0;
+  EXPECT_EQ(LaunchChunkBytes(t, 32768, 64, sms), 0);
+  EXPECT_EQ(SplitItems(t, 32768).chunks_per_item, 1u);
+}
+
 TEST(PageCopyLaunchTest, AutoUnrollFillsOneRoundOfTheGroup) {
   PageCopyTuning t;                        // unroll 0, one warp per unit, 16 KiB chunks
   EXPECT_EQ(EffectiveUnroll(t, 2048), 4);  // 1-token pages of the benchmark

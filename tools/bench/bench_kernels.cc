@@ -257,6 +257,7 @@ json TuningJson(const kernels::PageCopyTuning& t) {
               {"persistent", t.persistent},
               {"page_major", t.page_major},
               {"chunk_bytes", t.chunk_bytes},
+              {"min_chunk_bytes", t.min_chunk_bytes},
               {"prefetch_l2", t.prefetch_l2}};
 }
 

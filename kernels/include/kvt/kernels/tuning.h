@@ -41,11 +41,22 @@ struct PageCopyTuning {
   // a persistent grid it also balances the grid's last round. 0 = whole items. Must be a
   // multiple of 16 (chunk starts keep the item's alignment).
   int32_t chunk_bytes = 16384;
+  // A launch too small to give every multiprocessor kSmallLaunchUnitsPerSm units of chunk_bytes
+  // (one page of 16 or 64 tokens: a hundred-odd 16 KiB units, a few blocks, each warp looping
+  // over its unit one memory round trip after another) splits its items into smaller chunks,
+  // down to this many bytes (a power of two chunk, enough of them for every multiprocessor), so
+  // that many warps copy it at once. 0 = never, as when it is not below chunk_bytes (or
+  // chunk_bytes is 0); else a multiple of 16.
+  int32_t min_chunk_bytes = 2048;
   // Before copying a unit, its group's first lane asks L2 to fetch the unit's whole source range
   // (cp.async.bulk.prefetch.L2; skipped when the source or length is not 16-aligned). Off by
   // default.
   bool prefetch_l2 = false;
 };
+
+// Units per multiprocessor below which a launch splits its items finer
+// (PageCopyTuning::min_chunk_bytes).
+inline constexpr int kSmallLaunchUnitsPerSm = 16;
 
 // The tuning PageCopyCuda uses.
 PageCopyTuning DefaultPageCopyTuning();
