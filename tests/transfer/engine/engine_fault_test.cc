@@ -556,42 +556,72 @@ class HintingBackend final : public Backend {
   mutable std::atomic<uint64_t> hints_{0};
 };
 
+// Two engines over loopback page writes that each run 300 us (the prefill engine's poller
+// watches them), the prefill side's backend giving completion hints (truthful ones, or hints
+// that never come); the prefill engine busy-polls for `busy_poll` (0: it does not).
+struct HintedPair {
+  std::unique_ptr<pool::KvPool> src_pool = MakePool(SmallPoolOptions());
+  std::unique_ptr<pool::KvPool> dst_pool = MakePool(SmallPoolOptions());
+  std::shared_ptr<HintingBackend> hinting;
+  std::unique_ptr<TransferEngine> prefill, decode;
+  PeerHandle peer = 0;
+
+  void Start(bool truthful, std::chrono::microseconds busy_poll) {
+    LoopbackOptions paged;
+    paged.page_writes = true;
+    paged.delay = 300us;
+    hinting = std::make_shared<HintingBackend>(Loopback(paged), truthful);
+    EngineOptions po = Options("prefill-0", true);
+    po.control_busy_poll = busy_poll;
+    auto p = TransferEngine::Create(po, src_pool.get(), hinting);
+    LoopbackOptions plain;
+    plain.page_writes = true;
+    auto d = TransferEngine::Create(Options("decode-0", false), dst_pool.get(), Loopback(plain));
+    ASSERT_TRUE(p.ok()) << p.status();
+    ASSERT_TRUE(d.ok()) << d.status();
+    prefill = std::move(p).value();
+    decode = std::move(d).value();
+    auto handle = decode->ConnectPeer("127.0.0.1", prefill->port());
+    ASSERT_TRUE(handle.ok()) << handle.status();
+    peer = *handle;
+  }
+
+  // Moves `n` two-page rooms one after another, each filled with the pattern of request
+  // seed + i and checked byte for byte once done.
+  void MoveRoomsOneAtATime(int n, int seed) {
+    for (int i = 0; i < n; ++i) {
+      std::string room = "r";  // appended: GCC 12 warns falsely (-Wrestrict) on "r" + ...
+      room += std::to_string(i);
+      const std::vector<int32_t> src = {1 + i, 30 + i}, dst = {40 + i, 5 + i};
+      Fill(*src_pool, seed + i, src);
+      KVT_ASSERT_OK(decode->Receive(room, peer, dst));
+      KVT_ASSERT_OK(prefill->Send(room, src));
+      KVT_ASSERT_OK(prefill->LayersReady(room, 4));
+      auto info = decode->WaitRequest(room, 5s);
+      ASSERT_TRUE(info.ok()) << info.status();
+      EXPECT_EQ(info->state, RequestState::kSuccess) << room << ": " << info->status;
+      EXPECT_EQ(Mismatches(*dst_pool, seed + i, dst), 0u) << room;
+    }
+  }
+
+  ~HintedPair() {
+    decode.reset();
+    prefill.reset();
+  }
+};
+
 // The poller watches a running write through the backend's completion hints: with truthful
 // hints and with hints that never come (then Check, every 50 us, sees it), every room arrives
 // byte-exact within its deadline.
 TEST(EngineHintTest, TheWatchedWriteCompletesWithHintsAndWithoutThem) {
   for (const bool truthful : {true, false}) {
     SCOPED_TRACE(truthful ? "truthful hints" : "hints that never come");
-    std::unique_ptr<pool::KvPool> src_pool = MakePool(SmallPoolOptions());
-    std::unique_ptr<pool::KvPool> dst_pool = MakePool(SmallPoolOptions());
-    LoopbackOptions paged;
-    paged.page_writes = true;
-    paged.delay = 300us;  // each write runs a while: the poller watches it
-    auto hinting = std::make_shared<HintingBackend>(Loopback(paged), truthful);
-    auto p = TransferEngine::Create(Options("prefill-0", true), src_pool.get(), hinting);
-    LoopbackOptions plain;
-    plain.page_writes = true;
-    auto d = TransferEngine::Create(Options("decode-0", false), dst_pool.get(), Loopback(plain));
-    ASSERT_TRUE(p.ok()) << p.status();
-    ASSERT_TRUE(d.ok()) << d.status();
-    auto peer = (*d)->ConnectPeer("127.0.0.1", (*p)->port());
-    ASSERT_TRUE(peer.ok()) << peer.status();
-    for (int i = 0; i < 20; ++i) {
-      std::string room = "r";  // appended: GCC 12 warns falsely (-Wrestrict) on "r" + ...
-      room += std::to_string(i);
-      const std::vector<int32_t> src = {1 + i, 30 + i}, dst = {40 + i, 5 + i};
-      Fill(*src_pool, 100 + i, src);
-      KVT_ASSERT_OK((*d)->Receive(room, *peer, dst));
-      KVT_ASSERT_OK((*p)->Send(room, src));
-      KVT_ASSERT_OK((*p)->LayersReady(room, 4));
-      auto info = (*d)->WaitRequest(room, 5s);
-      ASSERT_TRUE(info.ok()) << info.status();
-      EXPECT_EQ(info->state, RequestState::kSuccess) << room << ": " << info->status;
-      EXPECT_EQ(Mismatches(*dst_pool, 100 + i, dst), 0u) << room;
-    }
-    EXPECT_GT(hinting->hints(), 0u) << "the poller never asked for a hint";
-    d->reset();
-    p->reset();
+    HintedPair pair;
+    pair.Start(truthful, 0us);
+    if (HasFatalFailure()) return;
+    pair.MoveRoomsOneAtATime(20, 100);
+    if (HasFatalFailure()) return;
+    EXPECT_GT(pair.hinting->hints(), 0u) << "the poller never asked for a hint";
   }
 }
 
@@ -630,45 +660,20 @@ TEST(WakeupTest, ASpinEndsAtAKickOrAtItsDeadline) {
 // complete and verified, a room that comes during the spin still ends at its deadline, and the
 // engine stops at once.
 TEST(EngineHintTest, AHotPollerSeesEveryWriteAndEveryEarlierDeadline) {
-  std::unique_ptr<pool::KvPool> src_pool = MakePool(SmallPoolOptions());
-  std::unique_ptr<pool::KvPool> dst_pool = MakePool(SmallPoolOptions());
-  LoopbackOptions paged;
-  paged.page_writes = true;
-  paged.delay = 300us;  // each write runs a while: the poller watches it
-  auto hinting = std::make_shared<HintingBackend>(Loopback(paged), /*truthful=*/true);
-  EngineOptions po = Options("prefill-0", true);
-  po.control_busy_poll = 20s;  // the poller stays hot for the whole test
-  auto p = TransferEngine::Create(po, src_pool.get(), hinting);
-  LoopbackOptions plain;
-  plain.page_writes = true;
-  auto d = TransferEngine::Create(Options("decode-0", false), dst_pool.get(), Loopback(plain));
-  ASSERT_TRUE(p.ok()) << p.status();
-  ASSERT_TRUE(d.ok()) << d.status();
-  auto peer = (*d)->ConnectPeer("127.0.0.1", (*p)->port());
-  ASSERT_TRUE(peer.ok()) << peer.status();
-  for (int i = 0; i < 10; ++i) {
-    std::string room = "r";
-    room += std::to_string(i);
-    const std::vector<int32_t> src = {1 + i, 30 + i}, dst = {40 + i, 5 + i};
-    Fill(*src_pool, 200 + i, src);
-    KVT_ASSERT_OK((*d)->Receive(room, *peer, dst));
-    KVT_ASSERT_OK((*p)->Send(room, src));
-    KVT_ASSERT_OK((*p)->LayersReady(room, 4));
-    auto info = (*d)->WaitRequest(room, 5s);
-    ASSERT_TRUE(info.ok()) << info.status();
-    EXPECT_EQ(info->state, RequestState::kSuccess) << room << ": " << info->status;
-    EXPECT_EQ(Mismatches(*dst_pool, 200 + i, dst), 0u) << room;
-  }
+  HintedPair pair;
+  pair.Start(/*truthful=*/true, 20s);  // the poller stays hot for the whole test
+  if (HasFatalFailure()) return;
+  pair.MoveRoomsOneAtATime(10, 200);
+  if (HasFatalFailure()) return;
   // The poller spins now (its window runs 20 s from the last write it watched).
   const auto start = Clock::now();
-  KVT_ASSERT_OK((*p)->Send("orphan", {3, 4}, 300ms));
-  auto info = (*p)->WaitRequest("orphan", 5s);
+  KVT_ASSERT_OK(pair.prefill->Send("orphan", {3, 4}, 300ms));
+  auto info = pair.prefill->WaitRequest("orphan", 5s);
   ASSERT_TRUE(info.ok()) << info.status();
   EXPECT_EQ(info->state, RequestState::kFailed);
   EXPECT_EQ(info->status.code(), StatusCode::kDeadlineExceeded) << info->status;
   EXPECT_LT(Clock::now() - start, 3s) << "the spinning poller missed the room's deadline";
-  d->reset();
-  p->reset();  // a spinning poller stops at once
+  pair.prefill.reset();  // a spinning poller stops at once
 }
 
 // A control server that completes the handshake and then never answers: a prefill engine
