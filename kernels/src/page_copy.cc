@@ -24,8 +24,7 @@ UnitSplit SplitItems(const PageCopyTuning& t, int64_t item_bytes) {
   return u;
 }
 
-int64_t LaunchChunkBytes(const PageCopyTuning& t, int64_t item_bytes, uint64_t num_items,
-                         int sms) {
+int64_t LaunchChunkBytes(const PageCopyTuning& t, int64_t item_bytes, uint64_t num_items, int sms) {
   const int64_t chunk = t.chunk_bytes;
   if (chunk <= 0 || t.min_chunk_bytes <= 0 || t.min_chunk_bytes >= chunk || item_bytes <= 0 ||
       num_items == 0) {

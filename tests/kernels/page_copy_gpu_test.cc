@@ -114,11 +114,6 @@ const CopyCase kCases[] = {
     {"identity_source", 4, 64, 2048, 0, 0, 0, 0, 0, 0, false, true},
     {"identity_destination", 4, 64, 2048, 0, 0, 0, 0, 0, 0, true, false},
     {"offset_inside_page", 4, 64, 512, 256, 1024, 1024, 512, 0, 0, true, true},
-    // One page of a 32-layer pool at 16 and 64 tokens: launches small enough to be split into
-    // chunks below the tuning's (PageCopyTuning::min_chunk_bytes).
-    {"one_page_16_tokens", 64, 1, 32768, 0, 0, 0, 0, 0, 0, true, true},
-    {"one_page_64_tokens", 64, 1, 131072, 0, 0, 0, 0, 0, 0, true, true},
-    {"one_page_odd_items", 64, 1, 32768 + 48 + 5, 0, 0, 0, 0, 0, 0, true, true},
 };
 
 class PageCopyGpuTest : public ::testing::TestWithParam<CopyCase> {};
@@ -515,6 +510,37 @@ TEST(PageCopyInlineGpuTest, MatchesCpuReference) {
   EXPECT_GE(ran, 30) << "too few cases had tables small enough for the launch's parameters";
   EXPECT_GE(small_blocks, 10) << "too few cases launched the small parameter block";
   EXPECT_GE(large_blocks, 8) << "too few cases launched the large parameter block";
+}
+
+// One page of a 32-layer pool at 16 and 64 tokens (and items of an odd length): launches small
+// enough to be split below the tuning's chunks (PageCopyTuning::min_chunk_bytes), with tables in
+// device memory and in the launch's parameters, and the same launches unsplit, all byte-exact.
+TEST(PageCopyGpuTest, SmallLaunchesSplitFinerMatchCpuReference) {
+  KVT_SKIP_WITHOUT_GPU();
+  const CopyCase cases[] = {
+      {"one_page_16_tokens", 64, 1, 32768, 0, 0, 0, 0, 0, 0, true, true},
+      {"one_page_64_tokens", 64, 1, 131072, 0, 0, 0, 0, 0, 0, true, true},
+      {"one_page_odd_items", 64, 1, 32768 + 48 + 5, 0, 0, 0, 0, 0, 0, true, true},
+      {"few_pages_misaligned", 6, 3, 20000, 3, 5, 0, 0, 1, 2, true, true},
+  };
+  PageCopyTuning unsplit = DefaultPageCopyTuning();
+  unsplit.min_chunk_bytes = 0;
+  uint32_t seed = 500;
+  for (const CopyCase& c : cases) {
+    SCOPED_TRACE(c.name);
+    CheckCopy(c, seed++,
+              [](const PageCopyArgs& dev, cudaStream_t s) { return PageCopyCuda(dev, s); });
+    CheckCopy(c, seed++, [&](const PageCopyArgs& dev, cudaStream_t s) {
+      return PageCopyCudaTuned(dev, unsplit, s);
+    });
+    CheckCopy(c, seed++, [](const PageCopyArgs& dev, cudaStream_t s) {
+      StatusOr<InlineCopy> inl = ToInline(dev);
+      if (!inl.ok()) return inl.status();
+      if (inl->block.size() > kPageCopyInlineTableWords) return PageCopyCuda(dev, s);
+      return PageCopyCudaInline(inl->args, inl->block.data(), inl->block.size(), s);
+    });
+    if (HasFatalFailure()) return;
+  }
 }
 
 TEST(PageCopyGpuTest, EmptyInputsLaunchNothing) {
