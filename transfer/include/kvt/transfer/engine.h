@@ -137,7 +137,9 @@ struct EngineOptions {
   // this long after the last frame or request, they poll their sockets without sleeping
   // (control::BusyPollOptions): a CPU core per polling io thread, for control messages handled
   // within microseconds instead of after a thread wake-up. Needs server.num_threads = 1.
-  // WaitRequest then polls as well, for up to this long, before it sleeps.
+  // WaitRequest then polls as well, for up to this long, before it sleeps, and a prefill
+  // engine's poller that watched a device copy stays hot (spins) this long after it, so the next
+  // copy is watched from the moment it is posted.
   std::chrono::microseconds control_busy_poll{0};
   // With control_busy_poll: a control connection to a peer on this host (the same shared-memory
   // namespace and user) that polls too carries its messages through a shared-memory lane instead
