@@ -285,8 +285,10 @@ class TransferEngine:
         control_busy_poll: seconds, at most 1; 0 (the default): the control threads sleep
             between messages. > 0: while requests are in flight, and this long after, they
             poll their sockets (a CPU core each) and :meth:`Request.wait` polls for up to this
-            long before it sleeps, so a small request's messages cost microseconds, not a
-            thread wake-up each. E.g. 0.001 on a machine with cores to spare.
+            long before it sleeps, and on CUDA pools a prefill engine's poller stays hot
+            that long after each copy it watched, so a small request's messages and copies
+            cost microseconds, not a thread wake-up each. E.g. 0.001 on a machine with cores
+            to spare.
         control_lanes: with control_busy_poll, a peer on this host (same shared-memory
             namespace and user) that polls too exchanges control messages through a
             shared-memory lane instead of the socket; False keeps the socket.
