@@ -35,9 +35,9 @@ int64_t LaunchChunkBytes(const PageCopyTuning& t, int64_t item_bytes, uint64_t n
   if (units >= want || num_items >= want) return chunk;
   // Fewer than `want` items (and units): the bytes fit 64 bits with room to spare.
   const uint64_t per_unit = (num_items * static_cast<uint64_t>(item_bytes) + want - 1) / want;
-  const uint64_t pow2 = std::bit_ceil(std::max<uint64_t>(per_unit, 16));
-  return std::clamp(static_cast<int64_t>(std::min<uint64_t>(pow2, static_cast<uint64_t>(chunk))),
-                    static_cast<int64_t>(t.min_chunk_bytes), chunk);
+  // At most about 2^51 bytes here, so the power of two fits int64_t.
+  const auto pow2 = static_cast<int64_t>(std::bit_ceil(std::max<uint64_t>(per_unit, 16)));
+  return std::clamp(pow2, static_cast<int64_t>(t.min_chunk_bytes), chunk);
 }
 
 uint64_t GridBlocks(const PageCopyTuning& t, uint64_t num_units, uint64_t groups_per_block, int sms,
