@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <bit>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <utility>
 
@@ -17,7 +18,8 @@ namespace internal {
 UnitSplit SplitItems(const PageCopyTuning& t, int64_t item_bytes) {
   UnitSplit u{item_bytes, 1};
   if (t.chunk_bytes > 0 && item_bytes > t.chunk_bytes) {
-    const int64_t chunks = (item_bytes + t.chunk_bytes - 1) / t.chunk_bytes;
+    // Rounded up without item_bytes + chunk_bytes - 1, which overflows for items near 2^63.
+    const int64_t chunks = item_bytes / t.chunk_bytes + (item_bytes % t.chunk_bytes != 0 ? 1 : 0);
     // Absurdly many chunks (items of gigabytes in small chunks): keep whole items.
     if (chunks <= 0x7FFFFFFF) u = UnitSplit{t.chunk_bytes, static_cast<uint32_t>(chunks)};
   }
@@ -33,9 +35,13 @@ int64_t LaunchChunkBytes(const PageCopyTuning& t, int64_t item_bytes, uint64_t n
   const uint64_t want = static_cast<uint64_t>(std::max(sms, 1)) * kSmallLaunchUnitsPerSm;
   const uint64_t units = num_items * SplitItems(t, item_bytes).chunks_per_item;
   if (units >= want || num_items >= want) return chunk;
-  // Fewer than `want` items (and units): the bytes fit 64 bits with room to spare.
-  const uint64_t per_unit = (num_items * static_cast<uint64_t>(item_bytes) + want - 1) / want;
-  // At most about 2^51 bytes here, so the power of two fits int64_t.
+  // Items too large to split (SplitItems kept them whole) can make more bytes than 64 bits hold:
+  // they stay whole anyway.
+  const auto bytes_per_item = static_cast<uint64_t>(item_bytes);
+  if (bytes_per_item > std::numeric_limits<uint64_t>::max() / num_items) return chunk;
+  const uint64_t bytes = num_items * bytes_per_item;
+  const uint64_t per_unit = bytes / want + (bytes % want != 0 ? 1 : 0);
+  // want >= 16, so per_unit <= 2^60 and its power of two fits int64_t.
   const auto pow2 = static_cast<int64_t>(std::bit_ceil(std::max<uint64_t>(per_unit, 16)));
   return std::clamp(pow2, static_cast<int64_t>(t.min_chunk_bytes), chunk);
 }

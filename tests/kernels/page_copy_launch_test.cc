@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <limits>
 
 #include "kvt/kernels/tuning.h"
 #include "page_copy_internal.h"
@@ -26,6 +27,13 @@ TEST(PageCopyLaunchTest, ItemsSplitIntoChunksOfTheTuning) {
   t.chunk_bytes = 16;  // more than 2^31 - 1 chunks: whole items
   EXPECT_EQ(SplitItems(t, int64_t{1} << 40).chunks_per_item, 1u);
   EXPECT_EQ(SplitItems(t, int64_t{1} << 40).chunk_bytes, int64_t{1} << 40);
+  // Items near 2^63 bytes count their chunks without overflowing (and, being more than 2^31 - 1
+  // chunks of any chunk size, stay whole).
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+  t.chunk_bytes = std::numeric_limits<int32_t>::max() - 15;
+  EXPECT_EQ(SplitItems(t, kMax).chunks_per_item, 1u);
+  EXPECT_EQ(SplitItems(t, kMax).chunk_bytes, kMax);
+  EXPECT_EQ(SplitItems(t, kMax - 1).chunks_per_item, 1u);
 }
 
 // A launch too small to give every multiprocessor kSmallLaunchUnitsPerSm units splits finer:
@@ -49,6 +57,11 @@ TEST(PageCopyLaunchTest, SmallLaunchesSplitIntoSmallerChunks) {
   // Never smaller than the floor, never larger than the tuning's chunk, always a multiple of 16.
   EXPECT_EQ(LaunchChunkBytes(t, 16, 1, sms), 2048);
   EXPECT_EQ(LaunchChunkBytes(t, int64_t{1} << 30, 1, sms), 16384);
+  // Items too large to split, whose bytes in all pass 64 bits: the tuning's chunk, whole items.
+  constexpr int64_t kHuge = (int64_t{1} << 62) + 1;
+  EXPECT_EQ(SplitItems(t, kHuge).chunks_per_item, 1u);
+  EXPECT_EQ(LaunchChunkBytes(t, kHuge, 64, sms), 16384);
+  EXPECT_EQ(LaunchChunkBytes(t, std::numeric_limits<int64_t>::max(), 2, 1), 16384);
   t.min_chunk_bytes = 48;
   EXPECT_EQ(LaunchChunkBytes(t, 32768, 64, sms), 1024);
   EXPECT_EQ(LaunchChunkBytes(t, 1000, 1, sms), 48);
