@@ -145,7 +145,8 @@ class EngineLayoutGpuTest : public ::testing::TestWithParam<std::string> {
       std::vector<int32_t> s(all.begin(), all.begin() + n);
       std::shuffle(all.begin(), all.end(), rng);
       std::vector<int32_t> d(all.begin(), all.begin() + n);
-      const std::string room = "r" + std::to_string(r);
+      std::string room = "r";  // appended: GCC 12 warns falsely (-Wrestrict) on "r" + ...
+      room += std::to_string(r);
       ASSERT_TRUE(decode_->Receive(room, peer_, d).ok());
       ASSERT_TRUE(prefill_->Send(room, s).ok());
       for (int32_t l = 0; l < layers; ++l) {
