@@ -479,7 +479,9 @@ class TransferEngine:
 
     def stats(self) -> dict[str, int]:
         """requests_succeeded, requests_failed, bytes (of successful requests), writes_posted,
-        runs_posted (coalesced copy runs)."""
+        runs_posted (coalesced copy runs), control_lanes (control connections through a
+        shared-memory lane now), poller_hot_spins (times a busy-polling prefill engine's poller
+        stayed hot after it watched a device copy)."""
         return dict(self._engine.stats())
 
     def close(self) -> None:

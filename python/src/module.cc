@@ -317,8 +317,8 @@ std::chrono::milliseconds Millis(double seconds) {
   return std::chrono::milliseconds(seconds > 0 && ms == 0 ? 1 : ms);
 }
 
-// A busy-poll window given in seconds: at most a second (a longer one is a core spent for nothing
-// between requests; the C++ option takes any length, Python callers pass seconds by mistake).
+// A busy-poll window given in seconds: at most a second, as the engine takes (checked here too,
+// before the conversion to microseconds, and named in seconds as Python callers give it).
 std::chrono::microseconds BusyPollMicros(double seconds) {
   if (!(seconds >= 0 && seconds <= 1.0)) {
     throw py::value_error(
@@ -626,6 +626,7 @@ class Engine {
     d["writes_posted"] = s.writes_posted;
     d["runs_posted"] = s.runs_posted;
     d["control_lanes"] = s.control_lanes;
+    d["poller_hot_spins"] = s.poller_hot_spins;
     return d;
   }
 

@@ -221,6 +221,8 @@ def test_busy_polling_engines_move_requests_and_time_out(lanes) -> None:
             assert busy.moved(src, dst)
         for engine in (busy.decode, busy.prefill):
             assert engine.stats()["control_lanes"] == (1 if lanes else 0)
+            # Host copies are not watched on a device: the poller never stays hot for them.
+            assert engine.stats()["poller_hot_spins"] == 0
         # A room that ends after the polling window: the waiter sleeps, and is woken.
         late = busy.decode.receive("late", busy.peer, [31])
         timer = threading.Timer(0.05, lambda: (busy.prefill.send("late", [32]),

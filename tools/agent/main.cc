@@ -176,8 +176,8 @@ int main(int argc, char** argv) {
       ->check(tools::IntAtLeast(0));
   app.add_option("--control-busy-poll-us", control_busy_poll_us,
                  "engine control threads poll instead of sleeping while requests are in flight "
-                 "and this long after (0: sleep; default: 1000 on CUDA pools, whose nodes have "
-                 "cores to spare, 0 on host pools)");
+                 "and this long after, at most 1000000 (0: sleep; default: 1000 on CUDA pools, "
+                 "whose nodes have cores to spare, 0 on host pools)");
   app.add_flag("--no-control-lanes", no_control_lanes,
                "keep control messages on the TCP socket even with a busy-polling peer on this "
                "host (default: such peers use a shared-memory lane)");
@@ -286,9 +286,10 @@ int main(int argc, char** argv) {
   }
   options.engine.peer_timeout = std::chrono::milliseconds(peer_timeout_ms);
   options.engine.heartbeat_interval = std::chrono::milliseconds(engine_heartbeat_ms);
-  if (control_busy_poll_us < 0) {
+  if (control_busy_poll_us < 0 || control_busy_poll_us > 1000000) {
     return Fail(InvalidArgument("--control-busy-poll-us " + std::to_string(control_busy_poll_us) +
-                                ": must be >= 0 (or leave it out for the default)"));
+                                ": must be in 0 .. 1000000 (a second at most; or leave it out "
+                                "for the default)"));
   }
   if (app.count("--control-busy-poll-us") == 0) {
     control_busy_poll_us = device_spec->cuda() ? 1000 : 0;

@@ -625,30 +625,56 @@ TEST(EngineHintTest, TheWatchedWriteCompletesWithHintsAndWithoutThem) {
   }
 }
 
-// Wakeup::SpinUntil, the hot poller's wait: it ends at a kick (also one that came before it),
-// and at its deadline without one; the kick is consumed either way. Bounded: a spin that never
-// ends fails the test after 10 s instead of hanging it.
+// Wakeup::SpinUntil, the hot poller's wait: it ends at a kick (also one that came before it)
+// and at its deadline without one, consuming the kick either way; meanwhile, as for a sleeping
+// poller, KickBefore kicks only for a time before the spin's end. Bounded: every spin ends by
+// its own deadline (2 s), and a wait that times out kicks its spin and waits for it, so no
+// Wakeup goes while a spin still uses it.
 TEST(WakeupTest, ASpinEndsAtAKickOrAtItsDeadline) {
   using engine::Wakeup;
-  auto spin_for = [](Wakeup& wakeup, std::chrono::milliseconds d) {
-    return std::async(std::launch::async, [&wakeup, d] { wakeup.SpinUntil(Clock::now() + d); });
+  Wakeup kicked, early, later, idle;  // declared before the spins, which use them
+  std::future<void> spin;
+  const auto start = [&spin](Wakeup& wakeup, Clock::time_point deadline) {
+    spin = std::async(std::launch::async, [&wakeup, deadline] { wakeup.SpinUntil(deadline); });
   };
-  Wakeup kicked;
-  std::future<void> spin = spin_for(kicked, 20s);
+  const auto ended = [&spin](Wakeup& wakeup) {
+    if (spin.wait_for(5s) == std::future_status::ready) return true;
+    wakeup.Kick();
+    spin.wait();
+    return false;
+  };
+
+  auto t0 = Clock::now();
+  start(kicked, t0 + 2s);
   std::this_thread::sleep_for(20ms);
   kicked.Kick();
-  ASSERT_EQ(spin.wait_for(10s), std::future_status::ready) << "a kick did not end the spin";
+  ASSERT_TRUE(ended(kicked));
+  EXPECT_LT(Clock::now() - t0, 1s) << "a kick did not end the spin";
   EXPECT_FALSE(kicked.pending()) << "the spin left its kick pending";
 
-  Wakeup early;
   early.Kick();  // before the spin: not lost
-  spin = spin_for(early, 20s);
-  ASSERT_EQ(spin.wait_for(10s), std::future_status::ready) << "an earlier kick was lost";
+  t0 = Clock::now();
+  start(early, t0 + 2s);
+  ASSERT_TRUE(ended(early));
+  EXPECT_LT(Clock::now() - t0, 1s) << "an earlier kick was lost";
   EXPECT_FALSE(early.pending());
 
-  Wakeup idle;
-  spin = spin_for(idle, 30ms);
-  ASSERT_EQ(spin.wait_for(10s), std::future_status::ready) << "the spin outlived its deadline";
+  t0 = Clock::now();
+  start(later, t0 + 2s);
+  for (int i = 0; i < 500 && !later.waiting(); ++i) std::this_thread::sleep_for(1ms);
+  ASSERT_TRUE(later.waiting()) << "the spin did not start within 0.5 s";
+  later.KickBefore(t0 + 1h);  // after the spin's end: not needed, not taken
+  EXPECT_FALSE(later.pending());
+  EXPECT_EQ(spin.wait_for(50ms), std::future_status::timeout) << "a later kick ended the spin";
+  later.KickBefore(t0 + 100ms);  // before it: ends the spin
+  ASSERT_TRUE(ended(later));
+  EXPECT_LT(Clock::now() - t0, 1s) << "a kick for before the spin's end did not end it";
+  EXPECT_FALSE(later.pending());
+
+  t0 = Clock::now();
+  start(idle, t0 + 30ms);
+  ASSERT_TRUE(ended(idle));
+  EXPECT_GE(Clock::now() - t0, 30ms) << "the spin ended before its deadline without a kick";
   idle.KickBefore(Clock::now() + 1h);  // not spinning or sleeping now: the kick is kept
   EXPECT_TRUE(idle.pending());
   EXPECT_TRUE(idle.Consume());
@@ -656,16 +682,18 @@ TEST(WakeupTest, ASpinEndsAtAKickOrAtItsDeadline) {
 }
 
 // A busy-polling prefill engine keeps its poller spinning (not sleeping) for its polling window
-// after it watched a device write (Wakeup::SpinUntil). Meanwhile every write is still seen
-// complete and verified, a room that comes during the spin still ends at its deadline, and the
-// engine stops at once.
+// after it watched a device write (Wakeup::SpinUntil; counted in poller_hot_spins). Meanwhile
+// every write is still seen complete and verified, and a room that comes during the spin still
+// ends at its deadline.
 TEST(EngineHintTest, AHotPollerSeesEveryWriteAndEveryEarlierDeadline) {
   HintedPair pair;
-  pair.Start(/*truthful=*/true, 20s);  // the poller stays hot for the whole test
+  pair.Start(/*truthful=*/true, 1s);  // the longest window: hot through the rest of the test
   if (HasFatalFailure()) return;
+  EXPECT_EQ(pair.prefill->stats().poller_hot_spins, 0u) << "hot before it watched a write";
   pair.MoveRoomsOneAtATime(10, 200);
   if (HasFatalFailure()) return;
-  // The poller spins now (its window runs 20 s from the last write it watched).
+  EXPECT_GT(pair.prefill->stats().poller_hot_spins, 0u) << "the poller never stayed hot";
+  // The poller spins now (its window runs 1 s from the last write it watched).
   const auto start = Clock::now();
   KVT_ASSERT_OK(pair.prefill->Send("orphan", {3, 4}, 300ms));
   auto info = pair.prefill->WaitRequest("orphan", 5s);
@@ -673,7 +701,13 @@ TEST(EngineHintTest, AHotPollerSeesEveryWriteAndEveryEarlierDeadline) {
   EXPECT_EQ(info->state, RequestState::kFailed);
   EXPECT_EQ(info->status.code(), StatusCode::kDeadlineExceeded) << info->status;
   EXPECT_LT(Clock::now() - start, 3s) << "the spinning poller missed the room's deadline";
-  pair.prefill.reset();  // a spinning poller stops at once
+  // A prefill engine that does not busy-poll never spins.
+  HintedPair cold;
+  cold.Start(/*truthful=*/true, 0us);
+  if (HasFatalFailure()) return;
+  cold.MoveRoomsOneAtATime(3, 300);
+  if (HasFatalFailure()) return;
+  EXPECT_EQ(cold.prefill->stats().poller_hot_spins, 0u);
 }
 
 // A control server that completes the handshake and then never answers: a prefill engine

@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <limits>
 #include <numeric>
 #include <random>
 #include <thread>
@@ -491,16 +492,25 @@ TEST(EngineGuards, PoolsTheGuardsRefuseCannotBeRegistered) {
   EXPECT_NE(engine.status().message().find("state layers"), std::string::npos) << engine.status();
 }
 
-TEST(EngineGuards, NegativeControlBusyPollIsRefused) {
+TEST(EngineGuards, ControlBusyPollOutsideASecondIsRefused) {
   auto pool = MakePool(SmallPoolOptions());
+  for (const int64_t us : {int64_t{-1}, int64_t{1000001}, std::numeric_limits<int64_t>::max()}) {
+    EngineOptions e;
+    e.backend = LoopbackOptions{};
+    e.control_busy_poll = std::chrono::microseconds(us);
+    auto engine = TransferEngine::Create(e, pool.get());
+    ASSERT_FALSE(engine.ok()) << us;
+    EXPECT_EQ(engine.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(engine.status().message().find("control_busy_poll = " + std::to_string(us) +
+                                             " us: must be in 0 .. 1000000 us"),
+              std::string::npos)
+        << engine.status();
+  }
   EngineOptions e;
   e.backend = LoopbackOptions{};
-  e.control_busy_poll = std::chrono::microseconds(-1);
-  auto engine = TransferEngine::Create(e, pool.get());
-  ASSERT_FALSE(engine.ok());
-  EXPECT_EQ(engine.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(engine.status().message().find("control_busy_poll = -1"), std::string::npos)
-      << engine.status();
+  e.control_busy_poll = std::chrono::seconds(1);  // the longest window taken
+  auto longest = TransferEngine::Create(e, pool.get());
+  EXPECT_TRUE(longest.ok()) << longest.status();
 }
 
 TEST(EngineGuards, RolesAreEnforced) {

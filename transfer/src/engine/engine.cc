@@ -44,10 +44,14 @@ class TransferEngine::Impl {
 
   Status Init() {
     const EngineOptions& options = ctx_.options;
-    if (options.control_busy_poll.count() < 0) {
+    // A window longer than a second is a core spent for nothing between requests (and past
+    // about 106 days its end no longer fits the clock's nanoseconds).
+    constexpr auto kMaxBusyPoll = std::chrono::seconds(1);
+    if (options.control_busy_poll.count() < 0 || options.control_busy_poll > kMaxBusyPoll) {
       return InvalidArgument("EngineOptions::control_busy_poll = " +
                              std::to_string(options.control_busy_poll.count()) +
-                             " us: must be >= 0 (0: the control threads sleep between frames)");
+                             " us: must be in 0 .. 1000000 us (e.g. 1000 for 1 ms; 0: the control "
+                             "threads sleep between frames)");
     }
     if (options.hello_timeout.count() <= 0) {
       return InvalidArgument(
@@ -214,6 +218,7 @@ class TransferEngine::Impl {
       stats = ctx_.stats;
     }
     stats.control_lanes = side().ControlLanes();
+    stats.poller_hot_spins = ctx_.poller_hot_spins.load(std::memory_order_relaxed);
     return stats;
   }
 

@@ -43,7 +43,8 @@ void Poller::Loop() {
   // Short sleeps while writes are in flight: without this the kernel rounds each one up by the
   // default 50 µs timer slack.
   (void)prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
-  Clock::time_point last_watch;  // when the poller last watched a device write
+  // When the poller last watched a device write (none yet: long ago, so it starts cold).
+  Clock::time_point last_watch = Clock::time_point::min();
   while (!stopping_.load()) {
     const EngineSide::PollResult pass = side_.PollPass(Clock::now());
     if (stopping_.load()) break;
@@ -79,6 +80,7 @@ void Poller::Loop() {
     // The pass runs again at the window's end, so a room that came meanwhile is looked at.
     const Clock::time_point hot_until = last_watch + ctx_.options.control_busy_poll;
     if (ctx_.options.control_busy_poll.count() > 0 && Clock::now() < hot_until) {
+      ctx_.poller_hot_spins.fetch_add(1, std::memory_order_relaxed);
       ctx_.wakeup.SpinUntil(std::min(hot_until, pass.next));
       continue;
     }

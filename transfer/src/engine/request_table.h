@@ -84,9 +84,15 @@ class Wakeup {
   }
   // Read without consuming and without the mutex (a spinning poller stops when a kick comes).
   bool pending() const { return pending_.load(std::memory_order_acquire); }
+  // Whether the poller waits now, asleep or spinning (tests, to act while it does).
+  bool waiting() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return sleeping_;
+  }
 
  private:
-  std::mutex mu_;  // guards the writes of pending_ and the sleep state; never held while blocking
+  mutable std::mutex mu_;  // guards the writes of pending_ and the sleep state; never held while
+                           // blocking
   std::condition_variable cv_;
   std::atomic<bool> pending_{false};
   bool sleeping_ = false;  // in WaitUntil or SpinUntil, until sleep_until_
@@ -108,7 +114,7 @@ struct EngineContext {
 
   const EngineOptions options;
   std::shared_ptr<Backend> backend;
-  TransferLayout layout;                         // what this engine registered
+  TransferLayout layout;                            // what this engine registered
   std::vector<TransferLayout::FlatBuffer> buffers;  // its KV buffers, in buffer order
   v1::Layout local_layout;
   v1::PeerInfo local_info;
@@ -126,6 +132,8 @@ struct EngineContext {
   // How many times NotifyFinal ran: a WaitRequest that polls (control_busy_poll > 0) watches it
   // without taking the mutex, and looks at its room only when it moved.
   std::atomic<uint64_t> final_events{0};
+  // EngineStats::poller_hot_spins (the poller's; read without the mutex).
+  std::atomic<uint64_t> poller_hot_spins{0};
   void NotifyFinal() {
     final_events.fetch_add(1, std::memory_order_release);
     final_cv.NotifyAll();
@@ -139,10 +147,10 @@ struct EngineContext {
 };
 
 // Work that must not run under the engine's mutex, collected while it is held and done, in this
-// order, right after it is released: endpoints of lost or fenced peers closed, handles of
-// completed writes freed, writes still in flight
-// released (cancelled and waited for), then messages sent (so a "quiesced" message never
-// overtakes the quiescing), then backend peers disconnected, then anything else.
+// order, right after it is released: endpoints of lost or fenced peers closed, writes still in
+// flight released (cancelled and waited for), then messages sent (so a "quiesced" message never
+// overtakes the quiescing), then handles of completed writes freed (a TransferDone does not wait
+// for that), then backend peers disconnected, then anything else.
 struct AfterUnlock {
   // Peers lost or fenced: their endpoints close first (forcibly), so that their writes below end
   // at once instead of waiting on a network or a process that may not answer.

@@ -65,8 +65,8 @@ inline bool IsFinal(RequestState s) {
 struct RequestInfo {
   std::string room;
   RequestState state = RequestState::kBootstrapping;
-  Status status;              // why it failed (OK otherwise)
-  uint64_t bytes = 0;         // bytes written (prefill) / reported delivered (decode)
+  Status status;       // why it failed (OK otherwise)
+  uint64_t bytes = 0;  // bytes written (prefill) / reported delivered (decode)
   // prefill: layers whose writes were posted for every page declared so far (a new chunk of a
   // chunked room starts it again from the room's first layer)
   int32_t layers_posted = 0;
@@ -98,6 +98,9 @@ struct EngineStats {
   uint64_t runs_posted = 0;  // coalesced copy runs
   // Control connections whose messages go through a shared-memory lane now (control_lanes).
   uint64_t control_lanes = 0;
+  // Times a busy-polling prefill engine's poller stayed hot (spun instead of sleeping) after it
+  // watched a device write (control_busy_poll).
+  uint64_t poller_hot_spins = 0;
 };
 
 // A peer as seen by a decode engine.
@@ -139,7 +142,7 @@ struct EngineOptions {
   // within microseconds instead of after a thread wake-up. Needs server.num_threads = 1.
   // WaitRequest then polls as well, for up to this long, before it sleeps, and a prefill
   // engine's poller that watched a device copy stays hot (spins) this long after it, so the next
-  // copy is watched from the moment it is posted.
+  // copy is watched from the moment it is posted (EngineStats::poller_hot_spins). At most 1 s.
   std::chrono::microseconds control_busy_poll{0};
   // With control_busy_poll: a control connection to a peer on this host (the same shared-memory
   // namespace and user) that polls too carries its messages through a shared-memory lane instead
