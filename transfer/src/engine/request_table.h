@@ -91,8 +91,8 @@ class Wakeup {
   }
 
  private:
-  mutable std::mutex mu_;  // guards the writes of pending_ and the sleep state; never held while
-                           // blocking
+  // Guards the writes of pending_ and the sleep state; never held while blocking.
+  mutable std::mutex mu_;
   std::condition_variable cv_;
   std::atomic<bool> pending_{false};
   bool sleeping_ = false;  // in WaitUntil or SpinUntil, until sleep_until_
