@@ -14,12 +14,20 @@
 
 namespace kvt::kernels {
 namespace internal {
+namespace {
+
+// a / b rounded up, for a >= 0 and b > 0, without a + b - 1 (which overflows near the top).
+template <typename T>
+T CeilDiv(T a, T b) {
+  return a / b + (a % b != 0 ? 1 : 0);
+}
+
+}  // namespace
 
 UnitSplit SplitItems(const PageCopyTuning& t, int64_t item_bytes) {
   UnitSplit u{item_bytes, 1};
   if (t.chunk_bytes > 0 && item_bytes > t.chunk_bytes) {
-    // Rounded up without item_bytes + chunk_bytes - 1, which overflows for items near 2^63.
-    const int64_t chunks = item_bytes / t.chunk_bytes + (item_bytes % t.chunk_bytes != 0 ? 1 : 0);
+    const int64_t chunks = CeilDiv<int64_t>(item_bytes, t.chunk_bytes);
     // Absurdly many chunks (items of gigabytes in small chunks): keep whole items.
     if (chunks <= 0x7FFFFFFF) u = UnitSplit{t.chunk_bytes, static_cast<uint32_t>(chunks)};
   }
@@ -40,7 +48,7 @@ int64_t LaunchChunkBytes(const PageCopyTuning& t, int64_t item_bytes, uint64_t n
   const auto bytes_per_item = static_cast<uint64_t>(item_bytes);
   if (bytes_per_item > std::numeric_limits<uint64_t>::max() / num_items) return chunk;
   const uint64_t bytes = num_items * bytes_per_item;
-  const uint64_t per_unit = bytes / want + (bytes % want != 0 ? 1 : 0);
+  const uint64_t per_unit = CeilDiv(bytes, want);
   // want >= 16, so per_unit <= 2^60 and its power of two fits int64_t.
   const auto pow2 = static_cast<int64_t>(std::bit_ceil(std::max<uint64_t>(per_unit, 16)));
   return std::clamp(pow2, static_cast<int64_t>(t.min_chunk_bytes), chunk);
@@ -50,7 +58,7 @@ uint64_t GridBlocks(const PageCopyTuning& t, uint64_t num_units, uint64_t groups
                     int fit_per_sm) {
   constexpr uint64_t kMaxGridBlocks = 0x7FFFFFFFull;  // gridDim.x
   const uint64_t per_block = std::max<uint64_t>(groups_per_block, 1);
-  const uint64_t wanted = num_units / per_block + (num_units % per_block != 0 ? 1 : 0);
+  const uint64_t wanted = CeilDiv(num_units, per_block);
   uint64_t cap = kMaxGridBlocks;
   if (t.blocks_per_sm > 0) {
     cap = static_cast<uint64_t>(std::max(sms, 1)) * static_cast<uint64_t>(t.blocks_per_sm);
