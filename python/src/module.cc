@@ -320,6 +320,8 @@ std::chrono::milliseconds Millis(double seconds) {
 // A busy-poll window given in seconds: at most a second, as the engine takes (checked here too,
 // before the conversion to microseconds, and named in seconds as Python callers give it).
 std::chrono::microseconds BusyPollMicros(double seconds) {
+  static_assert(transfer::kMaxControlBusyPoll == std::chrono::seconds(1),
+                "the message below names the engine's limit in seconds");
   if (!(seconds >= 0 && seconds <= 1.0)) {
     throw py::value_error(
         "control_busy_poll = " + py::str(py::float_(seconds)).cast<std::string>() +

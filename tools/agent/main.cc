@@ -286,10 +286,11 @@ int main(int argc, char** argv) {
   }
   options.engine.peer_timeout = std::chrono::milliseconds(peer_timeout_ms);
   options.engine.heartbeat_interval = std::chrono::milliseconds(engine_heartbeat_ms);
-  if (control_busy_poll_us < 0 || control_busy_poll_us > 1000000) {
+  if (control_busy_poll_us < 0 || control_busy_poll_us > transfer::kMaxControlBusyPoll.count()) {
     return Fail(InvalidArgument("--control-busy-poll-us " + std::to_string(control_busy_poll_us) +
-                                ": must be in 0 .. 1000000 (a second at most; or leave it out "
-                                "for the default)"));
+                                ": must be in 0 .. " +
+                                std::to_string(transfer::kMaxControlBusyPoll.count()) +
+                                " (a second at most; or leave it out for the default)"));
   }
   if (app.count("--control-busy-poll-us") == 0) {
     control_busy_poll_us = device_spec->cuda() ? 1000 : 0;

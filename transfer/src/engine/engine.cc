@@ -44,14 +44,13 @@ class TransferEngine::Impl {
 
   Status Init() {
     const EngineOptions& options = ctx_.options;
-    // A window longer than a second is a core spent for nothing between requests (and past
-    // about 106 days its end no longer fits the clock's nanoseconds).
-    constexpr auto kMaxBusyPoll = std::chrono::seconds(1);
-    if (options.control_busy_poll.count() < 0 || options.control_busy_poll > kMaxBusyPoll) {
+    // (Bounded also so that a window's end always fits the clock's nanoseconds.)
+    if (options.control_busy_poll.count() < 0 || options.control_busy_poll > kMaxControlBusyPoll) {
       return InvalidArgument("EngineOptions::control_busy_poll = " +
                              std::to_string(options.control_busy_poll.count()) +
-                             " us: must be in 0 .. 1000000 us (e.g. 1000 for 1 ms; 0: the control "
-                             "threads sleep between frames)");
+                             " us: must be in 0 .. " + std::to_string(kMaxControlBusyPoll.count()) +
+                             " us (e.g. 1000 for 1 ms; 0: the control threads sleep between "
+                             "frames)");
     }
     if (options.hello_timeout.count() <= 0) {
       return InvalidArgument(

@@ -106,6 +106,10 @@ struct EngineStats {
 // A peer as seen by a decode engine.
 using PeerHandle = uint64_t;
 
+// The longest EngineOptions::control_busy_poll taken: a longer window is a core spent for nothing
+// between requests.
+inline constexpr std::chrono::microseconds kMaxControlBusyPoll{1000000};
+
 struct EngineOptions {
   std::string name = "kvt";  // agent name (in hellos and authentication)
   bool prefill = true;       // prefill (listens, writes) or decode (connects, receives)
@@ -142,7 +146,8 @@ struct EngineOptions {
   // within microseconds instead of after a thread wake-up. Needs server.num_threads = 1.
   // WaitRequest then polls as well, for up to this long, before it sleeps, and a prefill
   // engine's poller that watched a device copy stays hot (spins) this long after it, so the next
-  // copy is watched from the moment it is posted (EngineStats::poller_hot_spins). At most 1 s.
+  // copy is watched from the moment it is posted (EngineStats::poller_hot_spins). At most
+  // kMaxControlBusyPoll.
   std::chrono::microseconds control_busy_poll{0};
   // With control_busy_poll: a control connection to a peer on this host (the same shared-memory
   // namespace and user) that polls too carries its messages through a shared-memory lane instead
