@@ -33,7 +33,6 @@
 #include <cstring>
 #include <map>
 #include <mutex>
-#include <random>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -44,6 +43,7 @@
 #include "backends/cuda_ipc/cuda_ipc_codec.h"
 #include "backends/cuda_ipc/cuda_ipc_program.h"
 #include "kvt/common/log.h"
+#include "kvt/common/random.h"
 #include "kvt/kernels/cuda_util.h"
 #include "kvt/kernels/kernels.h"
 
@@ -292,11 +292,6 @@ class MappingCache {
 };
 
 // ---- The backend --------------------------------------------------------------------------
-
-uint64_t RandomU64() {
-  std::random_device device;
-  return (static_cast<uint64_t>(device()) << 32) ^ device();
-}
 
 class CudaIpcBackend final : public Backend {
  public:

@@ -4,9 +4,9 @@
 
 #include <cstring>
 #include <map>
-#include <random>
 
 #include "backends/common/host_identity.h"
+#include "kvt/common/random.h"
 
 namespace kvt::transfer::cuda_ipc {
 namespace {
@@ -230,11 +230,7 @@ const std::string& ThisBootId() {
 }
 
 uint64_t ThisProcessToken() {
-  static const uint64_t token = [] {
-    std::random_device device;
-    uint64_t value = (static_cast<uint64_t>(device()) << 32) ^ device();
-    return value ^ static_cast<uint64_t>(getpid());
-  }();
+  static const uint64_t token = [] { return RandomU64() ^ static_cast<uint64_t>(getpid()); }();
   return token;
 }
 

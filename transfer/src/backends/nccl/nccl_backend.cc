@@ -5,7 +5,6 @@
 #include <atomic>
 #include <cstring>
 #include <mutex>
-#include <random>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -16,6 +15,7 @@
 #include "backends/nccl/nccl_api.h"
 #include "backends/nccl/nccl_pair.h"
 #include "kvt/common/log.h"
+#include "kvt/common/random.h"
 #include "kvt/kernels/cuda_util.h"
 
 namespace kvt::transfer {
@@ -30,11 +30,6 @@ using nccl::SenderJob;
 
 std::string Num(uint64_t v) { return std::to_string(v); }
 std::string Num(int32_t v) { return std::to_string(v); }
-
-uint64_t RandomNonce() {
-  std::random_device device;
-  return (static_cast<uint64_t>(device()) << 32) ^ device();
-}
 
 // OK when every buffer the peer published has pages (a page size of 0 is a broken hello).
 Status CheckPeerPages(const PeerDescriptor& peer) {
@@ -164,7 +159,7 @@ class NcclBackend final : public Backend {
     std::memcpy(config.token.unique_id.data(), &id, sizeof(id));
     config.token.slot_bytes = tuning_.slot_bytes;
     config.token.idle_tick_ms = static_cast<uint64_t>(tuning_.idle_tick.count());
-    config.token.nonce = RandomNonce();
+    config.token.nonce = RandomU64();
     return StartPair(std::move(config), std::move(prepared), peer);
   }
 
