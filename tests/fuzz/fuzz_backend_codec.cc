@@ -9,8 +9,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <span>
-#include <vector>
 #include <string_view>
 #include <utility>
 #include <vector>
@@ -87,10 +87,13 @@ void DecodeUcxChunk(std::span<const uint8_t> bytes) {
   KVT_FUZZ_CHECK(h.payload_bytes == bytes.size());
 }
 
-// A hello: an offer of slots that decodes must end inside the address space and carry a key.
+// A hello: one that decodes carries a link token; an offer of slots that decodes must end inside
+// the address space and carry a key.
 void DecodeUcxHello(std::span<const uint8_t> bytes) {
   StatusOr<ucx_staging::Hello> hello = ucx_staging::DecodeHello(bytes);
-  if (!hello.ok() || hello->slots == 0) return;
+  if (!hello.ok()) return;
+  KVT_FUZZ_CHECK(hello->token != 0);
+  if (hello->slots == 0) return;
   KVT_FUZZ_CHECK(hello->key_bytes >= 1 && hello->key_bytes <= ucx_staging::kMaxKeyBytes);
   KVT_FUZZ_CHECK(hello->slots <= ucx_staging::kMaxOfferedSlots);
   KVT_FUZZ_CHECK(hello->slot_bytes >= ucx_staging::kMinSlotBytes);
@@ -117,15 +120,21 @@ void DecodeUcxChunkPrefix(std::span<const uint8_t> bytes) {
 
 // A run message's AM header against a receiver of three buffers; the first 8 bytes are the
 // data length that arrived with it. Every accepted segment lies inside its buffer and the
-// segments hold exactly the data.
+// segments hold exactly the data; whom to answer (RunsNotice) is read from any header long
+// enough, and agrees with a header that decodes.
 void DecodeRunMessage(std::span<const uint8_t> bytes) {
   static const std::vector<uint64_t> kBufferLen = {4096, 1 << 20, 100};
   if (bytes.size() < 8) return;
   uint64_t data = 0;
   std::memcpy(&data, bytes.data(), 8);
+  const std::optional<ucx_staging::ChunkNotice> notice = ucx_staging::RunsNotice(bytes.subspan(8));
+  KVT_FUZZ_CHECK(notice.has_value() == (bytes.size() - 8 >= ucx_staging::kRunsHeaderBytes));
   StatusOr<ucx_staging::DecodedRuns> runs =
       ucx_staging::DecodeRuns(bytes.subspan(8), kBufferLen, data);
   if (!runs.ok()) return;
+  KVT_FUZZ_CHECK(notice.has_value() && notice->sender == runs->header.sender &&
+                 notice->link == runs->header.link && notice->write == runs->header.write &&
+                 notice->chunk == runs->header.message && notice->token == runs->header.token);
   uint64_t total = 0;
   for (const ucx_staging::RunSegment& s : runs->segments) {
     KVT_FUZZ_CHECK(s.buffer < kBufferLen.size() && s.bytes > 0 &&

@@ -324,34 +324,42 @@ void WriteBackendCodecs() {
   const uint64_t item = 16 * 8 * 128 * 2;  // fuzz::kLocalItemLen (fuzz_common.h)
   write_chunk("ucx_chunk", {&unit, 1}, 1, 2, {item, item});
   write_chunk("ucx_chunk_whole_latent", {}, 4, 6, {256, 256});
-  write(7, "ucx_hello", Bytes(ucx_staging::Encode(ucx_staging::Hello{.sender = 1, .link = 2})));
+  write(7, "ucx_hello",
+        Bytes(ucx_staging::Encode(ucx_staging::Hello{.sender = 1, .link = 2, .token = 9})));
   write(7, "ucx_hello_offer",
         Bytes(ucx_staging::Encode(ucx_staging::Hello{.sender = 1,
                                                      .link = 2,
                                                      .slots_base = uint64_t{1} << 40,
                                                      .slot_bytes = 1 << 20,
                                                      .slots = 8,
-                                                     .key_bytes = 96})));
+                                                     .key_bytes = 96,
+                                                     .token = 9})));
   write(7, "ucx_slot_notice",
         Bytes(ucx_staging::Encode(ucx_staging::SlotNotice{
-            .notice = {.sender = 1, .link = 2, .write = 3, .chunk = 1},
+            .notice = {.sender = 1, .link = 2, .write = 3, .chunk = 1, .token = 9},
             .slot = 5,
             .payload_bytes = 4096})));
   write(7, "ucx_hello_ack",
-        Bytes(ucx_staging::Encode(
-            ucx_staging::HelloAck{
-                .receiver = 1, .link = 2, .slots = 4, .slot_bytes = 1 << 20, .in_place = true})));
+        Bytes(ucx_staging::Encode(ucx_staging::HelloAck{.receiver = 1,
+                                                        .link = 2,
+                                                        .slots = 4,
+                                                        .slot_bytes = 1 << 20,
+                                                        .in_place = true,
+                                                        .token = 9})));
   write(7, "ucx_chunk_ack",
-        Bytes(ucx_staging::Encode(ucx_staging::ChunkAck{.link = 2, .write = 3, .chunk = 1})));
-  write(7, "ucx_bye", Bytes(ucx_staging::Encode(ucx_staging::Bye{.sender = 1, .link = 2})));
+        Bytes(ucx_staging::Encode(
+            ucx_staging::ChunkAck{.link = 2, .write = 3, .chunk = 1, .token = 9})));
+  write(7, "ucx_bye",
+        Bytes(ucx_staging::Encode(ucx_staging::Bye{.sender = 1, .link = 2, .token = 9})));
   {
     // A run message: the data length (8 bytes), then the AM header of two segments.
     const std::vector<ucx_staging::RunSegment> segments = {{0, 64, 1000}, {1, 4096, 24}};
     const uint64_t data = 1024;
     std::string record(reinterpret_cast<const char*>(&data), sizeof(data));
-    record += Bytes(
-        ucx_staging::EncodeRuns({.sender = 1, .link = 2, .write = 3, .num_segments = 2}, segments)
-            .value());
+    record +=
+        Bytes(ucx_staging::EncodeRuns(
+                  {.sender = 1, .link = 2, .write = 3, .num_segments = 2, .token = 9}, segments)
+                  .value());
     write(7, "ucx_runs", record);
   }
   write(8, "ucx_address_runs",

@@ -2,8 +2,10 @@
 // over tcp): the automatic choice of path, byte exactness with many writes in flight, a
 // disconnect part-way, refusals of a peer that cannot take messages, a hostile sender whose
 // malformed or out-of-range run messages are refused with an ack naming the value while the
-// receiver keeps serving its real peers, a fenced sender that is alive (told at once, by acks
-// naming the fence), and waits for one slow peer's acks that leave other peers' writes running.
+// receiver keeps serving its real peers, a third party without a link's token that can neither
+// ack, close nor write that link, senders past the window or credits a receiver granted, a
+// fenced sender that is alive (told at once, by acks naming the fence), and waits for one slow
+// peer's acks that leave other peers' writes running.
 #include <gtest/gtest.h>
 #include <ucp/api/ucp.h>
 
@@ -11,7 +13,9 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -94,7 +98,9 @@ class UcxAmTest : public ::testing::Test {
       src.push_back(LocalRegion{reinterpret_cast<uint64_t>(buffer.data()), buffer.size(), kItem,
                                 MemoryKind::kHost, -1});
     }
-    ASSERT_TRUE(sender_->Register(src).ok());
+    auto sender_descriptor = sender_->Register(src);
+    ASSERT_TRUE(sender_descriptor.ok()) << sender_descriptor.status();
+    sender_descriptor_ = *sender_descriptor;
     auto fast_descriptor = receiver_->Register(DstRegions());
     ASSERT_TRUE(fast_descriptor.ok()) << fast_descriptor.status();
     auto third_descriptor = third_->Register(HostRegions(third_dst_, kItem));
@@ -155,6 +161,7 @@ class UcxAmTest : public ::testing::Test {
   std::unique_ptr<Backend> third_;
   std::vector<uint8_t> third_dst_;
   PeerDescriptor third_descriptor_;
+  PeerDescriptor sender_descriptor_;
   PeerId fast_ = 0;
 };
 
@@ -498,6 +505,7 @@ class RawSender {
  public:
   ~RawSender() {
     if (ep_ != nullptr) {
+      // Sends still posted complete (cancelled) as the endpoint closes.
       ucp_request_param_t param = {};
       param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
       param.flags = UCP_EP_CLOSE_FLAG_FORCE;
@@ -506,6 +514,10 @@ class RawSender {
         Progress([&] { return ucp_request_check_status(req) != UCS_INPROGRESS; });
         ucp_request_free(req);
       }
+    }
+    for (void* req : posted_) {
+      Progress([&] { return ucp_request_check_status(req) != UCS_INPROGRESS; });
+      ucp_request_free(req);
     }
     if (worker_ != nullptr) ucp_worker_destroy(worker_);
     if (context_ != nullptr) ucp_cleanup(context_);
@@ -557,12 +569,33 @@ class RawSender {
     return done;
   }
 
+  // Posts one active message by rendezvous (its data moves once the receiver takes it) and
+  // returns without progressing: the message is out, its data waits for the receiver.
+  bool PostRendezvous(unsigned id, std::vector<uint8_t> header, std::string data) {
+    ucp_request_param_t param = {};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    param.flags = UCP_AM_SEND_FLAG_RNDV;
+    // UCX reads both until the send completes.
+    const auto& [h, d] = kept_.emplace_back(std::move(header), std::move(data));
+    ucs_status_ptr_t req = ucp_am_send_nbx(ep_, id, h.data(), h.size(), d.data(), d.size(), &param);
+    if (UCS_PTR_IS_ERR(req)) return false;
+    if (req != nullptr) posted_.push_back(req);
+    return true;
+  }
+
+  // The token this sender opens `link` with (a real sender draws it at random).
+  static uint64_t token(uint64_t link) { return 0x70c3'0000'0000'0000ull ^ (link + 1); }
+  // A hello that opens `link` as the sender backend `instance`, with the link's token.
+  static ucx_staging::Hello HelloFor(uint64_t instance, uint64_t link, ucx_staging::LinkMode mode) {
+    ucx_staging::Hello hello{instance, link, mode};
+    hello.token = token(link);
+    return hello;
+  }
   // Opens copy-run link `link` as the sender backend `instance`: its hello, until acknowledged.
   bool OpenRunLink(uint64_t instance, uint64_t link) {
     hello_acked = false;
     return Send(ucx_staging::kAmHello,
-                ucx_staging::Encode(
-                    ucx_staging::Hello{instance, link, ucx_staging::LinkMode::kRuns}),
+                ucx_staging::Encode(HelloFor(instance, link, ucx_staging::LinkMode::kRuns)),
                 own_address()) &&
            Progress([&] { return hello_acked; });
   }
@@ -570,7 +603,7 @@ class RawSender {
   // `offset` of buffer 0.
   bool SendRun(uint64_t instance, uint64_t link, uint64_t write, uint32_t index, uint64_t offset,
                char fill = 'A') {
-    auto header = ucx_staging::EncodeRuns({instance, link, write, index, 1},
+    auto header = ucx_staging::EncodeRuns({instance, link, write, index, 1, token(link)},
                                           std::vector<ucx_staging::RunSegment>{{0, offset, 64}});
     return header.ok() && Send(ucx_staging::kAmRuns, *header, std::string(64, fill));
   }
@@ -589,6 +622,7 @@ class RawSender {
   std::vector<std::pair<ucx_staging::ChunkAck, std::string>> acks;
   bool hello_acked = false;
   bool in_place = false;  // the hello ack said the receiver reads our slots in place
+  uint32_t granted = 0;   // the credits (slots, or the window of run messages) it granted
 
  private:
   static ucs_status_t OnAck(void* arg, const void* header, size_t header_length, void* data,
@@ -605,6 +639,7 @@ class RawSender {
     auto ack = ucx_staging::DecodeHelloAck({static_cast<const uint8_t*>(header), header_length});
     static_cast<RawSender*>(arg)->hello_acked = ack.ok() && ack->code == StatusCode::kOk;
     static_cast<RawSender*>(arg)->in_place = ack.ok() && ack->in_place;
+    static_cast<RawSender*>(arg)->granted = ack.ok() ? ack->slots : 0;
     return UCS_OK;
   }
 
@@ -612,6 +647,8 @@ class RawSender {
   ucp_worker_h worker_ = nullptr;
   ucp_ep_h ep_ = nullptr;
   std::string own_address_;
+  std::vector<void*> posted_;                                      // PostRendezvous requests
+  std::deque<std::pair<std::vector<uint8_t>, std::string>> kept_;  // and their header and data
 };
 
 // Tests with a raw copy-run sender: receiver_ (connected to sender_) is registered again for its
@@ -649,7 +686,7 @@ TEST_F(UcxAmTest, MalformedAndOutOfRangeRunMessagesAreRefusedAndTheRealPeerIsUnd
   ASSERT_TRUE(raw.Start(split.runs_address));
   const uint64_t instance = 0x5eed;
   // Before any hello: dropped (nobody to tell), no byte moves.
-  auto header = ucx_staging::EncodeRuns({instance, 1, 1, 0, 1},
+  auto header = ucx_staging::EncodeRuns({instance, 1, 1, 0, 1, RawSender::token(1)},
                                         std::vector<ucx_staging::RunSegment>{{0, 0, 16}});
   ASSERT_TRUE(header.ok());
   ASSERT_TRUE(raw.Send(ucx_staging::kAmRuns, *header, std::string(16, 'x')));
@@ -659,13 +696,13 @@ TEST_F(UcxAmTest, MalformedAndOutOfRangeRunMessagesAreRefusedAndTheRealPeerIsUnd
   ASSERT_TRUE(raw.OpenRunLink(instance, 1));
   // A segment past the end of buffer 2, one naming a buffer that does not exist, and one whose
   // bytes disagree with the data: each answered with an error naming the value.
-  header = ucx_staging::EncodeRuns({instance, 1, 7, 0, 1},
+  header = ucx_staging::EncodeRuns({instance, 1, 7, 0, 1, RawSender::token(1)},
                                    std::vector<ucx_staging::RunSegment>{{2, kBufferBytes - 8, 16}});
   ASSERT_TRUE(raw.Send(ucx_staging::kAmRuns, *header, std::string(16, 'x')));
-  header = ucx_staging::EncodeRuns({instance, 1, 7, 1, 1},
+  header = ucx_staging::EncodeRuns({instance, 1, 7, 1, 1, RawSender::token(1)},
                                    std::vector<ucx_staging::RunSegment>{{9, 0, 16}});
   ASSERT_TRUE(raw.Send(ucx_staging::kAmRuns, *header, std::string(16, 'x')));
-  header = ucx_staging::EncodeRuns({instance, 1, 7, 2, 1},
+  header = ucx_staging::EncodeRuns({instance, 1, 7, 2, 1, RawSender::token(1)},
                                    std::vector<ucx_staging::RunSegment>{{0, 0, 16}});
   ASSERT_TRUE(raw.Send(ucx_staging::kAmRuns, *header, std::string(15, 'x')));
   ASSERT_TRUE(raw.Progress([&] { return raw.acks.size() >= 3; }));
@@ -691,6 +728,167 @@ TEST_F(UcxAmTest, MalformedAndOutOfRangeRunMessagesAreRefusedAndTheRealPeerIsUnd
   ExpectLanded(runs);
 }
 
+// A third party that can reach both staging workers, and knows the sender's instance, the link
+// and the write (small numbers), but not the link's token, can do nothing to another sender's
+// link: its acks neither complete nor fail the write, its bye does not close the link, its run
+// message on the link lands nothing, and its hello for the link does not take it over. The
+// real write lands once its own (delayed) acks come.
+TEST_F(UcxAmTest, AThirdPartyWithoutTheLinksTokenCanNeitherAckCloseNorWriteTheLink) {
+  UcxTestHooks slow;
+  slow.ack_delay_us = 1'500'000;
+  ASSERT_NO_FATAL_FAILURE(StartWithThird(slow, 70));
+  auto link = sender_->Connect(third_descriptor_);
+  ASSERT_TRUE(link.ok()) << link.status();
+  ASSERT_EQ(PathOf(*sender_, *link), "am");
+  const ucx_staging::SplitAddress sender_address =
+      ucx_staging::SplitPeerAddress(sender_descriptor_.address);
+  const ucx_staging::SplitAddress receiver_address =
+      ucx_staging::SplitPeerAddress(third_descriptor_.address);
+  ASSERT_TRUE(sender_address.trailer.has_value());
+  ASSERT_FALSE(sender_address.runs_address.empty());
+  ASSERT_FALSE(receiver_address.runs_address.empty());
+  const uint64_t instance = sender_address.trailer->instance;
+
+  const std::vector<CopyRun> first = {{0, 0, 0, 16384}};
+  auto write = sender_->PostWrite(*link, first);
+  ASSERT_TRUE(write.ok()) << write.status();
+  // Its one message is out (its ack is held back 1.5 s): forged acks reach the sender meanwhile.
+  RawSender to_sender;
+  ASSERT_TRUE(to_sender.Start(sender_address.runs_address));
+  for (uint64_t token : {uint64_t{0}, uint64_t{1}, RawSender::token(*link)}) {
+    for (StatusCode code : {StatusCode::kOk, StatusCode::kDataLoss}) {
+      ASSERT_TRUE(to_sender.Send(
+          ucx_staging::kAmChunkAck,
+          ucx_staging::Encode(ucx_staging::ChunkAck{*link, *write, 0, code, token}), "forged"));
+    }
+  }
+  // Against the receiver: a bye closing the link, a run message on it, a hello taking it over.
+  RawSender to_receiver;
+  ASSERT_TRUE(to_receiver.Start(receiver_address.runs_address));
+  ASSERT_TRUE(to_receiver.Send(ucx_staging::kAmBye,
+                               ucx_staging::Encode(ucx_staging::Bye{instance, *link, 1}), ""));
+  auto forged_run = ucx_staging::EncodeRuns({instance, *link, 99, 0, 1, 1},
+                                            std::vector<ucx_staging::RunSegment>{{1, 0, 64}});
+  ASSERT_TRUE(forged_run.ok());
+  ASSERT_TRUE(to_receiver.Send(ucx_staging::kAmRuns, *forged_run, std::string(64, 'F')));
+  ASSERT_TRUE(to_receiver.Send(
+      ucx_staging::kAmHello,
+      ucx_staging::Encode(RawSender::HelloFor(instance, *link, ucx_staging::LinkMode::kRuns)),
+      to_receiver.own_address()));
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // all of it has been handled
+  EXPECT_EQ(sender_->Check(*write).code(), StatusCode::kInProgress)
+      << "an ack without the link's token completed or failed the write: "
+      << sender_->Check(*write);
+  EXPECT_TRUE(std::all_of(third_dst_.begin() + kBufferBytes, third_dst_.begin() + kBufferBytes + 64,
+                          [](uint8_t b) { return b == kPoison; }))
+      << "a run message without the link's token landed";
+  EXPECT_FALSE(to_receiver.hello_acked) << "a second hello for an open link was answered";
+
+  // The real acks complete the write, and the link still carries the next one whole.
+  KVT_ASSERT_OK(WaitFor(*sender_, *write, std::chrono::seconds(10)));
+  sender_->Release(*write);
+  const std::vector<CopyRun> second = {{2, 0, 0, 16384}};
+  auto next = sender_->PostWrite(*link, second);
+  ASSERT_TRUE(next.ok()) << next.status();
+  KVT_ASSERT_OK(WaitFor(*sender_, *next, std::chrono::seconds(10)));
+  sender_->Release(*next);
+  EXPECT_EQ(std::memcmp(third_dst_.data(), src_[0].data(), 16384), 0);
+  EXPECT_EQ(std::memcmp(third_dst_.data() + 2 * kBufferBytes, src_[2].data(), 16384), 0);
+  EXPECT_EQ(third_dst_[kBufferBytes], kPoison);
+}
+
+// A receiver holds at most the window its hello ack granted of one link's rendezvous run
+// messages waiting to be received (each holds UCX's descriptor and an IOV of up to 4096
+// pieces): a sender past it has the extra messages refused at once, naming the window, and the
+// ones within it land.
+TEST_F(UcxAmTest, RunMessagesPastTheGrantedWindowAreRefusedAndTheOnesWithinLand) {
+  UcxOptions options = Tcp();
+  options.am_message_bytes = 4 << 20;  // a window of 2 messages
+  UcxTestHooks hooks;
+  hooks.receive_delay_us = 1'000'000;  // the messages wait here to be received
+  auto receiver = CreateUcxBackendForTest(options, hooks);
+  ASSERT_TRUE(receiver.ok()) << receiver.status();
+  dst_.assign(kBuffers * kBufferBytes, kPoison);
+  auto descriptor = (*receiver)->Register(DstRegions());
+  ASSERT_TRUE(descriptor.ok()) << descriptor.status();
+  RawSender raw;
+  ASSERT_TRUE(raw.Start(ucx_staging::SplitPeerAddress(descriptor->address).runs_address));
+  const uint64_t instance = 0x3a11;
+  ASSERT_TRUE(raw.OpenRunLink(instance, 1));
+  ASSERT_EQ(raw.granted, 2u);
+
+  for (uint32_t i = 0; i < 4; ++i) {
+    auto header = ucx_staging::EncodeRuns({instance, 1, 5, i, 1, RawSender::token(1)},
+                                          std::vector<ucx_staging::RunSegment>{{0, 64ull * i, 64}});
+    ASSERT_TRUE(header.ok());
+    ASSERT_TRUE(raw.PostRendezvous(ucx_staging::kAmRuns, *header, std::string(64, 'W')));
+  }
+  ASSERT_TRUE(raw.Progress([&] { return raw.acks.size() >= 4; })) << raw.acks.size() << " acks";
+  std::map<uint32_t, std::pair<StatusCode, std::string>> by_message;
+  for (const auto& [ack, text] : raw.acks) by_message[ack.chunk] = {ack.code, text};
+  ASSERT_EQ(by_message.size(), 4u);
+  EXPECT_EQ(by_message[0].first, StatusCode::kOk) << by_message[0].second;
+  EXPECT_EQ(by_message[1].first, StatusCode::kOk) << by_message[1].second;
+  for (uint32_t i : {2u, 3u}) {
+    EXPECT_EQ(by_message[i].first, StatusCode::kResourceExhausted) << by_message[i].second;
+    EXPECT_NE(by_message[i].second.find("has 2 run messages landing here, its window"),
+              std::string::npos)
+        << by_message[i].second;
+  }
+  EXPECT_TRUE(std::all_of(dst_.begin(), dst_.begin() + 128, [](uint8_t b) { return b == 'W'; }));
+  EXPECT_TRUE(
+      std::all_of(dst_.begin() + 128, dst_.begin() + 256, [](uint8_t b) { return b == kPoison; }));
+}
+
+// The same for staged chunks: a receiver queues no more of one link's chunks than the credits
+// (its slots) its hello ack granted; the ones past them are refused at once, naming the credits.
+TEST_F(UcxAmTest, StagedChunksPastTheGrantedCreditsAreRefusedNamingThem) {
+  UcxOptions staged = Tcp();
+  staged.cuda_mode = UcxCudaMode::kStaged;
+  staged.staging_slots = 2;
+  staged.staging_slot_bytes = 1 << 20;
+  UcxTestHooks hooks;
+  hooks.stage_host_memory = true;
+  hooks.receive_delay_us = 1'000'000;  // the chunks wait here to be taken
+  auto receiver = CreateUcxBackendForTest(staged, hooks);
+  ASSERT_TRUE(receiver.ok()) << receiver.status();
+  dst_.assign(kBuffers * kBufferBytes, kPoison);
+  auto descriptor = (*receiver)->Register(DstRegions());
+  ASSERT_TRUE(descriptor.ok()) << descriptor.status();
+  RawSender raw;
+  ASSERT_TRUE(raw.Start(ucx_staging::SplitPeerAddress(descriptor->address).worker_address));
+  const uint64_t instance = 0xc4ed;
+  ASSERT_TRUE(raw.Send(
+      ucx_staging::kAmHello,
+      ucx_staging::Encode(RawSender::HelloFor(instance, 1, ucx_staging::LinkMode::kStaged)),
+      raw.own_address()));
+  ASSERT_TRUE(raw.Progress([&] { return raw.hello_acked; }));
+  ASSERT_EQ(raw.granted, 2u);
+
+  using ucx_staging::ChunkNotice;
+  for (uint32_t i = 0; i < 4; ++i) {
+    ASSERT_TRUE(raw.Send(ucx_staging::kAmChunk,
+                         ucx_staging::Encode(ChunkNotice{instance, 1, 8, i, RawSender::token(1)}),
+                         std::string(4096, 'C')));
+  }
+  // The two past the credits are answered at once; the two queued ones once taken (they are no
+  // chunks, and are refused as malformed then).
+  ASSERT_TRUE(raw.Progress([&] { return raw.acks.size() >= 4; })) << raw.acks.size() << " acks";
+  std::map<uint32_t, std::pair<StatusCode, std::string>> by_chunk;
+  for (const auto& [ack, text] : raw.acks) by_chunk[ack.chunk] = {ack.code, text};
+  ASSERT_EQ(by_chunk.size(), 4u);
+  EXPECT_EQ(by_chunk[0].first, StatusCode::kDataLoss) << by_chunk[0].second;
+  EXPECT_EQ(by_chunk[1].first, StatusCode::kDataLoss) << by_chunk[1].second;
+  for (uint32_t i : {2u, 3u}) {
+    EXPECT_EQ(by_chunk[i].first, StatusCode::kResourceExhausted) << by_chunk[i].second;
+    EXPECT_NE(by_chunk[i].second.find("has 2 chunks queued here, the 2 credits its hello ack "
+                                      "granted"),
+              std::string::npos)
+        << by_chunk[i].second;
+  }
+  EXPECT_TRUE(std::all_of(dst_.begin(), dst_.end(), [](uint8_t b) { return b == kPoison; }));
+}
+
 // A staged receiver reads a sender's slots in place only where it mapped them for it: an offer
 // whose key is no key is answered "not in place", and slot notices it did not accept, or on a
 // link no hello opened, are refused with an ack naming the slot or the link; nothing lands.
@@ -702,7 +900,7 @@ TEST_F(UcxAmTest, SlotNoticesTheReceiverDidNotAcceptAreRefusedNamingTheSlot) {
   RawSender raw;
   ASSERT_TRUE(raw.Start(worker_address));
   const uint64_t instance = 0x51a7;
-  ucx_staging::Hello hello{instance, 1, ucx_staging::LinkMode::kStaged};
+  ucx_staging::Hello hello = RawSender::HelloFor(instance, 1, ucx_staging::LinkMode::kStaged);
   hello.slots_base = uint64_t{1} << 40;
   hello.slot_bytes = 65536;
   hello.slots = 4;
@@ -714,9 +912,11 @@ TEST_F(UcxAmTest, SlotNoticesTheReceiverDidNotAcceptAreRefusedNamingTheSlot) {
 
   using ucx_staging::SlotNotice;
   ASSERT_TRUE(raw.Send(ucx_staging::kAmSlotChunk,
-                       ucx_staging::Encode(SlotNotice{{instance, 1, 5, 0}, 2, 4096}), ""));
+                       ucx_staging::Encode(SlotNotice{{instance, 1, 5, 0, raw.token(1)}, 2, 4096}),
+                       ""));
   ASSERT_TRUE(raw.Send(ucx_staging::kAmSlotChunk,
-                       ucx_staging::Encode(SlotNotice{{instance, 9, 5, 1}, 0, 4096}), ""));
+                       ucx_staging::Encode(SlotNotice{{instance, 9, 5, 1, raw.token(9)}, 0, 4096}),
+                       ""));
   ASSERT_TRUE(raw.Progress([&] { return raw.acks.size() >= 2; }));
   ASSERT_EQ(raw.acks.size(), 2u);
   EXPECT_EQ(raw.acks[0].first.code, StatusCode::kFailedPrecondition);
@@ -738,10 +938,10 @@ TEST_F(UcxAmTest, StagedChunksOnAFencedLinkAreAnsweredNamingTheFence) {
   RawSender raw;
   ASSERT_TRUE(raw.Start(worker_address));
   const uint64_t instance = 0xfe9c5;
-  ASSERT_TRUE(
-      raw.Send(ucx_staging::kAmHello,
-               ucx_staging::Encode(ucx_staging::Hello{instance, 3, ucx_staging::LinkMode::kStaged}),
-               raw.own_address()));
+  ASSERT_TRUE(raw.Send(
+      ucx_staging::kAmHello,
+      ucx_staging::Encode(RawSender::HelloFor(instance, 3, ucx_staging::LinkMode::kStaged)),
+      raw.own_address()));
   ASSERT_TRUE(raw.Progress([&] { return raw.hello_acked; }));
   PeerDescriptor sender;
   sender.backend = "ucx";
@@ -750,10 +950,11 @@ TEST_F(UcxAmTest, StagedChunksOnAFencedLinkAreAnsweredNamingTheFence) {
 
   using ucx_staging::ChunkNotice;
   using ucx_staging::SlotNotice;
-  ASSERT_TRUE(raw.Send(ucx_staging::kAmChunk, ucx_staging::Encode(ChunkNotice{instance, 3, 8, 0}),
+  ASSERT_TRUE(raw.Send(ucx_staging::kAmChunk,
+                       ucx_staging::Encode(ChunkNotice{instance, 3, 8, 0, raw.token(3)}),
                        std::string(4096, 'C')));
   ASSERT_TRUE(raw.Send(ucx_staging::kAmSlotChunk,
-                       ucx_staging::Encode(SlotNotice{{instance, 3, 8, 1}, 0, 4096}),
+                       ucx_staging::Encode(SlotNotice{{instance, 3, 8, 1, raw.token(3)}, 0, 4096}),
                        std::string(ucx_staging::kChunkHeaderBytes, '\0')));
   ASSERT_TRUE(raw.Progress([&] { return raw.acks.size() >= 2; }))
       << "chunks on a fenced link were not answered";

@@ -410,16 +410,33 @@ TEST(StagingWire, WholePageChunksForOtherPageBytesAreRefused) {
 
 TEST(StagingWire, ControlMessagesRoundTripAndRefuseMalformedBytes) {
   using namespace ucx_staging;
-  const ChunkNotice notice{1, 2, 3, 4};
+  // Every message carries its link's token, here a different one in each.
+  const ChunkNotice notice{1, 2, 3, 4, 0x7001};
   EXPECT_EQ(*DecodeChunkNotice(Encode(notice)), notice);
-  const Hello hello{5, 6};
+  Hello hello{5, 6};
+  hello.token = 0x7002;
   EXPECT_EQ(*DecodeHello(Encode(hello)), hello);
-  const HelloAck hello_ack{7, 8, StatusCode::kFailedPrecondition, 9, 10};
+  const HelloAck hello_ack{7, 8, StatusCode::kFailedPrecondition, 9, 10, false, 0x7003};
   EXPECT_EQ(*DecodeHelloAck(Encode(hello_ack)), hello_ack);
-  const ChunkAck ack{11, 12, 13, StatusCode::kDataLoss};
+  const ChunkAck ack{11, 12, 13, StatusCode::kDataLoss, 0x7004};
   EXPECT_EQ(*DecodeChunkAck(Encode(ack)), ack);
-  const Bye bye{14, 15};
+  const Bye bye{14, 15, 0x7005};
   EXPECT_EQ(*DecodeBye(Encode(bye)), bye);
+
+  // A hello without a token opens no link, and an ack's reserved bytes are zero.
+  Hello tokenless = hello;
+  tokenless.token = 0;
+  auto no_token = DecodeHello(Encode(tokenless));
+  EXPECT_EQ(no_token.status().code(), StatusCode::kDataLoss);
+  EXPECT_NE(no_token.status().message().find("sender 5 link 6 carries link token 0"),
+            std::string::npos)
+      << no_token.status();
+  std::vector<uint8_t> ack_reserved = Encode(ack);
+  ack_reserved[28] = 2;
+  auto odd_reserved = DecodeChunkAck(ack_reserved);
+  EXPECT_EQ(odd_reserved.status().code(), StatusCode::kDataLoss);
+  EXPECT_NE(odd_reserved.status().message().find("reserved field is 2"), std::string::npos)
+      << odd_reserved.status();
 
   std::vector<uint8_t> short_ack = Encode(ack);
   short_ack.pop_back();
@@ -450,8 +467,7 @@ TEST(StagingWire, DescriptorTrailerRoundTripsAndIsOptional) {
 TEST(StagingWire, TrailerCarriesTheRunsAddressBetweenWorkerAddressAndTrailer) {
   const std::string worker = "\x01\x02worker-address";
   const std::string runs = "\x03runs-worker\x00";
-  const std::string address =
-      ucx_staging::AppendTrailer(worker, {0x1234, false, 0, 0}, runs);
+  const std::string address = ucx_staging::AppendTrailer(worker, {0x1234, false, 0, 0}, runs);
   const ucx_staging::SplitAddress split = ucx_staging::SplitPeerAddress(address);
   EXPECT_EQ(split.worker_address, worker);
   EXPECT_EQ(split.runs_address, runs);
@@ -469,7 +485,8 @@ TEST(StagingWire, TrailerCarriesTheRunsAddressBetweenWorkerAddressAndTrailer) {
 }
 
 TEST(StagingWire, HelloNamesItsModeAndRefusesUnknownOnes) {
-  const ucx_staging::Hello hello{7, 8, ucx_staging::LinkMode::kRuns};
+  ucx_staging::Hello hello{7, 8, ucx_staging::LinkMode::kRuns};
+  hello.token = 0x70c3;
   auto decoded = ucx_staging::DecodeHello(ucx_staging::Encode(hello));
   ASSERT_TRUE(decoded.ok()) << decoded.status();
   EXPECT_EQ(*decoded, hello);
@@ -482,13 +499,13 @@ TEST(StagingWire, HelloNamesItsModeAndRefusesUnknownOnes) {
 
 TEST(StagingWire, SlotOffersAndSlotNoticesRoundTripAndRefuseWhatCannotBeRight) {
   using namespace ucx_staging;
-  const Hello offer{7, 8, LinkMode::kStaged, 0x7f0000000000, 16 << 20, 8, 112};
+  const Hello offer{7, 8, LinkMode::kStaged, 0x7f0000000000, 16 << 20, 8, 112, 0x70c3};
   auto decoded = DecodeHello(Encode(offer));
   ASSERT_TRUE(decoded.ok()) << decoded.status();
   EXPECT_EQ(*decoded, offer);
-  const HelloAck in_place{1, 2, StatusCode::kOk, 8, 16 << 20, true};
+  const HelloAck in_place{1, 2, StatusCode::kOk, 8, 16 << 20, true, 0x70c3};
   EXPECT_EQ(*DecodeHelloAck(Encode(in_place)), in_place);
-  const SlotNotice notice{{1, 2, 3, 4}, 5, 4096};
+  const SlotNotice notice{{1, 2, 3, 4, 0x70c3}, 5, 4096};
   EXPECT_EQ(*DecodeSlotNotice(Encode(notice)), notice);
 
   // Each refusal names what is wrong.
@@ -551,22 +568,22 @@ TEST(StagingWire, APrefixDecodesLikeTheWholePayload) {
     auto wrong_size = ucx_staging::DecodeChunkPrefix(head, c.payload.size() + 256, MixedLimits());
     EXPECT_EQ(wrong_size.status().code(), StatusCode::kDataLoss);
     EXPECT_NE(wrong_size.status().message().find(std::to_string(c.payload.size() + 256) +
-                                                  " bytes arrived"),
+                                                 " bytes arrived"),
               std::string::npos)
         << wrong_size.status();
   }
   // Counts past the caps are capped, so a hostile header cannot make the receiver copy more.
   std::vector<uint8_t> huge(ucx_staging::kChunkHeaderBytes, 0xff);
-  EXPECT_EQ(ucx_staging::ChunkPrefixBytes(huge),
-            ucx_staging::kChunkHeaderBytes + ucx_staging::kMaxChunkPages * 4 +
-                16 * ucx_staging::kMaxUnits);
+  EXPECT_EQ(ucx_staging::ChunkPrefixBytes(huge), ucx_staging::kChunkHeaderBytes +
+                                                     ucx_staging::kMaxChunkPages * 4 +
+                                                     16 * ucx_staging::kMaxUnits);
 }
 
 TEST(StagingWire, RunMessagesRoundTripAndRefuseWhatDoesNotDescribeItself) {
   using ucx_staging::RunSegment;
   const std::vector<uint64_t> buffers = {4096, 8192};
   const std::vector<RunSegment> segments = {{0, 0, 4096}, {1, 100, 8000}, {0, 10, 1}};
-  const ucx_staging::RunsHeader header{1, 2, 3, 4, 3};
+  const ucx_staging::RunsHeader header{1, 2, 3, 4, 3, 0x70c3};
   auto bytes = ucx_staging::EncodeRuns(header, segments);
   ASSERT_TRUE(bytes.ok()) << bytes.status();
   EXPECT_EQ(bytes->size(), ucx_staging::RunsHeaderSize(3));
@@ -583,9 +600,15 @@ TEST(StagingWire, RunMessagesRoundTripAndRefuseWhatDoesNotDescribeItself) {
   };
   expect(*bytes, 4096 + 8000, StatusCode::kDataLoss, "hold 12097 bytes but 12096 arrived");
   std::vector<uint8_t> shorter(bytes->begin(), bytes->end() - 1);
-  expect(shorter, 12097, StatusCode::kDataLoss, "expected 112");
-  expect(std::vector<uint8_t>(bytes->begin(), bytes->begin() + 39), 0, StatusCode::kDataLoss,
-         "at least 40");
+  expect(shorter, 12097, StatusCode::kDataLoss, "expected 120");
+  expect(std::vector<uint8_t>(bytes->begin(), bytes->begin() + 47), 0, StatusCode::kDataLoss,
+         "at least 48");
+  // Whom to answer is read from the fixed part even of a header that does not decode.
+  const std::optional<ucx_staging::ChunkNotice> answer = ucx_staging::RunsNotice(shorter);
+  ASSERT_TRUE(answer.has_value());
+  EXPECT_EQ(*answer, (ucx_staging::ChunkNotice{1, 2, 3, 4, 0x70c3}));
+  EXPECT_FALSE(ucx_staging::RunsNotice(std::vector<uint8_t>(bytes->begin(), bytes->begin() + 47))
+                   .has_value());
   std::vector<uint8_t> magic = *bytes;
   magic[0] ^= 1;
   expect(magic, 12097, StatusCode::kDataLoss, "magic");

@@ -18,7 +18,6 @@
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <random>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -34,6 +33,7 @@
 #include "backends/ucx/ucx_util.h"
 #include "control/spin.h"
 #include "kvt/common/log.h"
+#include "kvt/common/random.h"
 #include "kvt/kernels/cuda_util.h"
 
 namespace kvt::transfer {
@@ -72,9 +72,8 @@ int AutoCopyThreads() {
 
 // A random id for this backend instance, so receivers can tell senders apart across processes.
 uint64_t NewInstanceId() {
-  std::random_device device;
-  uint64_t id = (uint64_t{device()} << 32) ^ device() ^ (static_cast<uint64_t>(getpid()) << 16) ^
-                static_cast<uint64_t>(Clock::now().time_since_epoch().count());
+  const uint64_t id = RandomU64() ^ (static_cast<uint64_t>(getpid()) << 16) ^
+                      static_cast<uint64_t>(Clock::now().time_since_epoch().count());
   return id == 0 ? 1 : id;
 }
 
@@ -116,7 +115,8 @@ class UcxBackend final : public Backend {
                      .rendezvous = options.am_rendezvous,
                      .window = RunWindow(options.am_message_bytes),
                      .fail_send_at = hooks.fail_run_send_at,
-                     .ack_delay = std::chrono::microseconds(hooks.ack_delay_us)},
+                     .ack_delay = std::chrono::microseconds(hooks.ack_delay_us),
+                     .receive_delay = std::chrono::microseconds(hooks.receive_delay_us)},
         hooks_(hooks),
         instance_(NewInstanceId()) {}
 

@@ -49,6 +49,10 @@ struct UcxTestHooks {
   // refused) only this long after it was due, so that tests can hold a sender's writes
   // unacknowledged.
   int ack_delay_us = 0;
+  // Receiving, this side starts taking each rendezvous copy-run message and each staged chunk
+  // only this long after it arrived, so that tests can hold a sender's messages queued (a
+  // hostile sender's past its window).
+  int receive_delay_us = 0;
   // While it reads true, this backend's progress thread does not progress its worker, so that
   // tests can hold a peer's writes to it (a put's flush waits for the target's progress over
   // tcp) as an unresponsive peer would.

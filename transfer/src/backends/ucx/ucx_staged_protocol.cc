@@ -432,6 +432,7 @@ std::vector<uint8_t> Encode(const ChunkNotice& m) {
   Put<uint64_t>(out.data(), 16, m.link);
   Put<uint64_t>(out.data(), 24, m.write);
   Put<uint32_t>(out.data(), 4, m.chunk);
+  Put<uint64_t>(out.data(), 32, m.token);
   return out;
 }
 
@@ -442,6 +443,7 @@ StatusOr<ChunkNotice> DecodeChunkNotice(std::span<const uint8_t> bytes) {
   m.sender = Get<uint64_t>(bytes.data(), 8);
   m.link = Get<uint64_t>(bytes.data(), 16);
   m.write = Get<uint64_t>(bytes.data(), 24);
+  m.token = Get<uint64_t>(bytes.data(), 32);
   return m;
 }
 
@@ -454,6 +456,7 @@ std::vector<uint8_t> Encode(const SlotNotice& m) {
   Put<uint64_t>(out.data(), 24, m.notice.write);
   Put<uint32_t>(out.data(), 32, m.slot);
   Put<uint64_t>(out.data(), 40, m.payload_bytes);
+  Put<uint64_t>(out.data(), 48, m.notice.token);
   return out;
 }
 
@@ -470,6 +473,7 @@ StatusOr<SlotNotice> DecodeSlotNotice(std::span<const uint8_t> bytes) {
   m.notice.write = Get<uint64_t>(bytes.data(), 24);
   m.slot = Get<uint32_t>(bytes.data(), 32);
   m.payload_bytes = Get<uint64_t>(bytes.data(), 40);
+  m.notice.token = Get<uint64_t>(bytes.data(), 48);
   return m;
 }
 
@@ -484,6 +488,7 @@ std::vector<uint8_t> Encode(const Hello& m) {
   Put<uint64_t>(out.data(), 32, m.slot_bytes);
   Put<uint32_t>(out.data(), 40, m.slots);
   Put<uint32_t>(out.data(), 44, m.key_bytes);
+  Put<uint64_t>(out.data(), 48, m.token);
   return out;
 }
 
@@ -507,6 +512,13 @@ StatusOr<Hello> DecodeHello(std::span<const uint8_t> bytes) {
   m.slot_bytes = Get<uint64_t>(bytes.data(), 32);
   m.slots = Get<uint32_t>(bytes.data(), 40);
   m.key_bytes = Get<uint32_t>(bytes.data(), 44);
+  m.token = Get<uint64_t>(bytes.data(), 48);
+  if (m.token == 0) {
+    return DataLoss("staging hello of sender " + std::to_string(m.sender) + " link " +
+                    std::to_string(m.link) +
+                    " carries link token 0; a sender draws a random "
+                    "non-zero token for every link");
+  }
   if (m.slots > kMaxOfferedSlots || m.key_bytes > kMaxKeyBytes ||
       (m.slots == 0) != (m.key_bytes == 0)) {
     return DataLoss("staging hello offers " + std::to_string(m.slots) + " slots with a key of " +
@@ -535,6 +547,7 @@ std::vector<uint8_t> Encode(const HelloAck& m) {
   Put<uint32_t>(out.data(), 24, m.slots);
   Put<uint32_t>(out.data(), 28, m.in_place ? 1 : 0);
   Put<uint64_t>(out.data(), 32, m.slot_bytes);
+  Put<uint64_t>(out.data(), 40, m.token);
   return out;
 }
 
@@ -552,6 +565,7 @@ StatusOr<HelloAck> DecodeHelloAck(std::span<const uint8_t> bytes) {
   }
   m.in_place = flags == 1;
   m.slot_bytes = Get<uint64_t>(bytes.data(), 32);
+  m.token = Get<uint64_t>(bytes.data(), 40);
   return m;
 }
 
@@ -562,6 +576,7 @@ std::vector<uint8_t> Encode(const ChunkAck& m) {
   Put<uint64_t>(out.data(), 8, m.link);
   Put<uint64_t>(out.data(), 16, m.write);
   Put<uint32_t>(out.data(), 24, m.chunk);
+  Put<uint64_t>(out.data(), 32, m.token);
   return out;
 }
 
@@ -572,6 +587,10 @@ StatusOr<ChunkAck> DecodeChunkAck(std::span<const uint8_t> bytes) {
   m.link = Get<uint64_t>(bytes.data(), 8);
   m.write = Get<uint64_t>(bytes.data(), 16);
   m.chunk = Get<uint32_t>(bytes.data(), 24);
+  if (const uint32_t reserved = Get<uint32_t>(bytes.data(), 28); reserved != 0) {
+    return DataLoss("chunk ack reserved field is " + std::to_string(reserved) + "; expected 0");
+  }
+  m.token = Get<uint64_t>(bytes.data(), 32);
   return m;
 }
 
@@ -580,12 +599,14 @@ std::vector<uint8_t> Encode(const Bye& m) {
   Put<uint32_t>(out.data(), 0, kByeMagic);
   Put<uint64_t>(out.data(), 8, m.sender);
   Put<uint64_t>(out.data(), 16, m.link);
+  Put<uint64_t>(out.data(), 24, m.token);
   return out;
 }
 
 StatusOr<Bye> DecodeBye(std::span<const uint8_t> bytes) {
   KVT_RETURN_IF_ERROR(CheckMessage(bytes, kByeBytes, kByeMagic, "staging bye"));
-  return Bye{Get<uint64_t>(bytes.data(), 8), Get<uint64_t>(bytes.data(), 16)};
+  return Bye{Get<uint64_t>(bytes.data(), 8), Get<uint64_t>(bytes.data(), 16),
+             Get<uint64_t>(bytes.data(), 24)};
 }
 
 // ---- copy runs as active messages ------------------------------------------------------------
@@ -605,6 +626,7 @@ StatusOr<std::vector<uint8_t>> EncodeRuns(const RunsHeader& h,
   Put<uint64_t>(out.data(), 24, h.write);
   Put<uint32_t>(out.data(), 32, h.message);
   Put<uint32_t>(out.data(), 36, h.num_segments);
+  Put<uint64_t>(out.data(), 40, h.token);
   for (size_t i = 0; i < segments.size(); ++i) {
     uint8_t* seg = out.data() + RunsHeaderSize(i);
     Put<uint32_t>(seg, 0, segments[i].buffer);
@@ -612,6 +634,17 @@ StatusOr<std::vector<uint8_t>> EncodeRuns(const RunsHeader& h,
     Put<uint64_t>(seg, 16, segments[i].bytes);
   }
   return out;
+}
+
+std::optional<ChunkNotice> RunsNotice(std::span<const uint8_t> header) {
+  if (header.size() < kRunsHeaderBytes) return std::nullopt;
+  ChunkNotice notice;
+  notice.sender = Get<uint64_t>(header.data(), 8);
+  notice.link = Get<uint64_t>(header.data(), 16);
+  notice.write = Get<uint64_t>(header.data(), 24);
+  notice.chunk = Get<uint32_t>(header.data(), 32);
+  notice.token = Get<uint64_t>(header.data(), 40);
+  return notice;
 }
 
 StatusOr<DecodedRuns> DecodeRuns(std::span<const uint8_t> bytes,
@@ -640,6 +673,7 @@ StatusOr<DecodedRuns> DecodeRuns(std::span<const uint8_t> bytes,
   h.write = Get<uint64_t>(bytes.data(), 24);
   h.message = Get<uint32_t>(bytes.data(), 32);
   h.num_segments = Get<uint32_t>(bytes.data(), 36);
+  h.token = Get<uint64_t>(bytes.data(), 40);
   if (h.num_segments == 0 || h.num_segments > kMaxRunSegments) {
     return DataLoss("run message names " + std::to_string(h.num_segments) +
                     " segments; expected 1 to " + std::to_string(kMaxRunSegments));
@@ -722,8 +756,8 @@ SplitAddress SplitPeerAddress(std::string_view address) {
   // check then refuses what remains.
   if ((flags & 2) == 0 || trailer.runs_address_bytes >= rest) trailer.runs_address_bytes = 0;
   split.worker_address = address.substr(0, rest - trailer.runs_address_bytes);
-  split.runs_address = address.substr(rest - trailer.runs_address_bytes,
-                                      trailer.runs_address_bytes);
+  split.runs_address =
+      address.substr(rest - trailer.runs_address_bytes, trailer.runs_address_bytes);
   split.trailer = trailer;
   return split;
 }

@@ -47,7 +47,8 @@ inline constexpr uint32_t kChunkMagic = 0x4354564b;  // "KVTC"
 // 3: hellos name their mode (staged chunks or copy runs); the trailer may announce a worker for
 // copy runs sent as active messages.
 // 4: hellos offer the sender's slots for reading in place (SlotNotice instead of a payload).
-inline constexpr uint16_t kWireVersion = 4;
+// 5: every control message and run header carries its link's token (see "link tokens" below).
+inline constexpr uint16_t kWireVersion = 5;
 inline constexpr uint64_t kChunkHeaderBytes = 72;
 inline constexpr uint64_t kPayloadAlign = 256;
 // Caps that keep per-chunk metadata bounded (device index buffers are sized from them).
@@ -180,6 +181,16 @@ StatusOr<DecodedChunk> DecodeChunkPrefix(std::span<const uint8_t> prefix, uint64
 uint64_t ChunkPrefixBytes(std::span<const uint8_t> header);
 
 // ---- control messages (UCX active-message headers) --------------------------------------------
+//
+// Link tokens. A sender draws a random 64-bit token for each link (connection) it opens and
+// sends it in the link's hello; from then on every message on the link carries it both ways:
+// chunk and slot notices, run headers and byes (sender -> receiver), hello acks and chunk acks
+// (receiver -> sender, which echo the token of the message they answer). A receiver takes a
+// message only on a link opened by a hello with that token, and a sender counts an ack only when
+// it carries its link's token, so that a third party that can reach either worker but does not
+// see the link's traffic can neither complete, fail nor free another sender's chunks, nor write,
+// close or redirect another sender's link: its messages name sender ids and links it can guess
+// (small, sequential) but not a token.
 
 // Active-message ids on the staging worker (small: UCX sizes a table by the largest id).
 inline constexpr unsigned kAmChunk = 20;
@@ -196,9 +207,10 @@ struct ChunkNotice {
   uint64_t link = 0;
   uint64_t write = 0;
   uint32_t chunk = 0;
+  uint64_t token = 0;  // the link's
   friend bool operator==(const ChunkNotice&, const ChunkNotice&) = default;
 };
-inline constexpr size_t kChunkNoticeBytes = 32;
+inline constexpr size_t kChunkNoticeBytes = 40;
 
 // What a connection carries: staged chunks of a CUDA pool, or copy runs of host memory.
 enum class LinkMode : uint16_t { kStaged = 0, kRuns = 1 };
@@ -215,9 +227,10 @@ struct Hello {
   uint64_t slot_bytes = 0;
   uint32_t slots = 0;
   uint32_t key_bytes = 0;
+  uint64_t token = 0;  // the link's, never 0 (DecodeHello refuses 0)
   friend bool operator==(const Hello&, const Hello&) = default;
 };
-inline constexpr size_t kHelloBytes = 48;
+inline constexpr size_t kHelloBytes = 56;
 // Caps on an offer: slots and key bytes.
 inline constexpr uint32_t kMaxOfferedSlots = 1024;
 inline constexpr uint32_t kMaxKeyBytes = 4096;
@@ -232,9 +245,10 @@ struct HelloAck {
   uint32_t slots = 0;
   uint64_t slot_bytes = 0;
   bool in_place = false;
+  uint64_t token = 0;  // the hello's
   friend bool operator==(const HelloAck&, const HelloAck&) = default;
 };
-inline constexpr size_t kHelloAckBytes = 40;
+inline constexpr size_t kHelloAckBytes = 48;
 
 // Receiver -> sender once a chunk's bytes are in its pool (kOk) or it failed; the AM data is
 // the error message.
@@ -243,17 +257,19 @@ struct ChunkAck {
   uint64_t write = 0;
   uint32_t chunk = 0;
   StatusCode code = StatusCode::kOk;
+  uint64_t token = 0;  // the answered message's
   friend bool operator==(const ChunkAck&, const ChunkAck&) = default;
 };
-inline constexpr size_t kChunkAckBytes = 32;
+inline constexpr size_t kChunkAckBytes = 40;
 
 // Sender -> receiver on a graceful disconnect: forget this link.
 struct Bye {
   uint64_t sender = 0;
   uint64_t link = 0;
+  uint64_t token = 0;  // the link's
   friend bool operator==(const Bye&, const Bye&) = default;
 };
-inline constexpr size_t kByeBytes = 24;
+inline constexpr size_t kByeBytes = 32;
 
 // Sender -> receiver on an in-place link: chunk `notice` is gathered in the sender's offered
 // slot `slot`, payload_bytes long; the AM data is the payload's prefix (ChunkPrefixBytes of it:
@@ -264,7 +280,7 @@ struct SlotNotice {
   uint64_t payload_bytes = 0;
   friend bool operator==(const SlotNotice&, const SlotNotice&) = default;
 };
-inline constexpr size_t kSlotNoticeBytes = 48;
+inline constexpr size_t kSlotNoticeBytes = 56;
 
 std::vector<uint8_t> Encode(const ChunkNotice& m);
 std::vector<uint8_t> Encode(const SlotNotice& m);
@@ -291,8 +307,8 @@ StatusOr<Bye> DecodeBye(std::span<const uint8_t> bytes);
 // (rendezvous data lands there directly) and acknowledges each message with a ChunkAck
 // (chunk = message index) once its bytes are in place.
 //
-//   RunsHeader (40 bytes): 0 magic u32, 4 version u16, 6 reserved u16, 8 sender, 16 link,
-//                          24 write, 32 message u32, 36 num_segments u32
+//   RunsHeader (48 bytes): 0 magic u32, 4 version u16, 6 reserved u16, 8 sender, 16 link,
+//                          24 write, 32 message u32, 36 num_segments u32, 40 token
 //   RunSegment (24 bytes): 0 buffer u32, 4 reserved u32, 8 offset u64, 16 bytes u64
 
 struct RunsHeader {
@@ -301,6 +317,7 @@ struct RunsHeader {
   uint64_t write = 0;
   uint32_t message = 0;
   uint32_t num_segments = 0;
+  uint64_t token = 0;  // the link's
   friend bool operator==(const RunsHeader&, const RunsHeader&) = default;
 };
 struct RunSegment {
@@ -309,7 +326,7 @@ struct RunSegment {
   uint64_t bytes = 0;
   friend bool operator==(const RunSegment&, const RunSegment&) = default;
 };
-inline constexpr size_t kRunsHeaderBytes = 40;
+inline constexpr size_t kRunsHeaderBytes = 48;
 inline constexpr size_t kRunSegmentBytes = 24;
 // Segments per message (bounds the header a receiver parses).
 inline constexpr uint32_t kMaxRunSegments = 4096;
@@ -334,6 +351,9 @@ struct DecodedRuns {
 // its value.
 StatusOr<DecodedRuns> DecodeRuns(std::span<const uint8_t> header,
                                  std::span<const uint64_t> buffer_len, uint64_t data_bytes);
+// Whom to answer about a run message whose header may not decode: its sender, link, write,
+// message (as chunk) and token, read from the fixed part; nullopt when even that is short.
+std::optional<ChunkNotice> RunsNotice(std::span<const uint8_t> header);
 
 // ---- descriptor trailer -----------------------------------------------------------------------
 

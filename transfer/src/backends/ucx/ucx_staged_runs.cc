@@ -7,6 +7,7 @@
 #include <string>
 #include <utility>
 
+#include "backends/ucx/ucx_peer_check.h"
 #include "backends/ucx/ucx_staged_transport.h"
 #include "backends/ucx/ucx_util.h"
 #include "kvt/common/log.h"
@@ -21,6 +22,8 @@
 namespace kvt::transfer {
 namespace ucx_staging {
 namespace {
+
+using ucx_check::Hex;
 
 char runs_tag;
 void RunsRelease() { internal::TsanRelease(&runs_tag); }
@@ -170,9 +173,10 @@ bool StagedTransport::SendRunMessage(WriteId id, RunWrite& write, Peer& peer) {
       write.next_offset = 0;
     }
   }
-  StatusOr<std::vector<uint8_t>> header = EncodeRuns(
-      RunsHeader{instance_, write.link, id, send.message, static_cast<uint32_t>(segments.size())},
-      segments);
+  StatusOr<std::vector<uint8_t>> header =
+      EncodeRuns(RunsHeader{instance_, write.link, id, send.message,
+                            static_cast<uint32_t>(segments.size()), peer.token},
+                 segments);
   if (!header.ok()) {
     FailRunWrite(id, write, header.status().WithContext(MessageName(id, send.message)));
     return false;
@@ -278,14 +282,8 @@ ucs_status_t StagedTransport::OnRuns(void* arg, const void* header, size_t heade
   // may be alive and must fail the write at once) gets an ack carrying the error; a message
   // that does not name such a sender can only be dropped (its sender then learns nothing until
   // its own deadline), and a rendezvous one fails the sender's send.
-  ChunkNotice notice;
-  if (header_length >= kRunsHeaderBytes) {
-    const auto* h = static_cast<const uint8_t*>(header);
-    std::memcpy(&notice.sender, h + 8, 8);
-    std::memcpy(&notice.link, h + 16, 8);
-    std::memcpy(&notice.write, h + 24, 8);
-    std::memcpy(&notice.chunk, h + 32, 4);
-  }
+  const ChunkNotice notice =
+      RunsNotice({static_cast<const uint8_t*>(header), header_length}).value_or(ChunkNotice{});
   auto refuse = [&](ucs_status_t why, const Status& status) {
     WarnLimited(self->refusal_warnings_, "ucx", "refusing a run message: {}", status.ToString());
     if (self->senders_.count(notice.sender) != 0) self->pending_acks_.emplace_back(notice, status);
@@ -299,12 +297,30 @@ ucs_status_t StagedTransport::OnRuns(void* arg, const void* header, size_t heade
   if (self->dropped_.count(notice.sender) != 0) {
     return refuse(UCS_ERR_REJECTED, Aborted("its sender was disconnected here"));
   }
-  if (!self->LinkOpen(notice.sender, notice.link)) {
-    return refuse(UCS_ERR_REJECTED,
-                  self->ClosedLink(notice.sender, notice.link,
-                                   FailedPrecondition("its link " + std::to_string(notice.link) +
-                                                      " is not open here (closed, fenced, or no "
-                                                      "hello)")));
+  if (!self->LinkOpen(notice)) {
+    return refuse(
+        UCS_ERR_REJECTED,
+        self->ClosedLink(notice, FailedPrecondition("its link " + std::to_string(notice.link) +
+                                                    " is not open here (closed, fenced, or no "
+                                                    "hello)")));
+  }
+  if (rndv) {
+    // A landing holds UCX's descriptor and an IOV of up to kMaxRunSegments pieces until Pump
+    // receives it: no more per link than the window its hello ack granted, which the sender's
+    // credits never exceed.
+    const auto landing = std::count_if(
+        self->run_landings_.begin(), self->run_landings_.end(), [&](const RunLanding& l) {
+          return l.notice.sender == notice.sender && l.notice.link == notice.link;
+        });
+    if (static_cast<uint64_t>(landing) >= self->run_options_.window) {
+      return refuse(UCS_ERR_NO_RESOURCE,
+                    ResourceExhausted("link " + std::to_string(notice.link) + " of sender " +
+                                      Hex(notice.sender) + " has " + std::to_string(landing) +
+                                      " run messages landing here, its window (the hello ack "
+                                      "granted " +
+                                      std::to_string(self->run_options_.window) +
+                                      "); a sender sends no more than its window unacknowledged"));
+    }
   }
   std::vector<ucp_dt_iov_t> iov;
   iov.reserve(runs->segments.size());
@@ -315,6 +331,10 @@ ucs_status_t StagedTransport::OnRuns(void* arg, const void* header, size_t heade
   if (rndv) {
     // Received (straight into the destinations) from Pump: no UCX call inside its callback.
     self->run_landings_.push_back(RunLanding{notice, data, std::move(iov), nullptr});
+    if (self->run_options_.receive_delay.count() > 0) {
+      self->run_landings_.back().due =
+          std::chrono::steady_clock::now() + self->run_options_.receive_delay;
+    }
     return UCS_INPROGRESS;
   }
   RunsAcquire();
@@ -331,12 +351,16 @@ ucs_status_t StagedTransport::OnRuns(void* arg, const void* header, size_t heade
 void StagedTransport::PumpRunLandings() {
   for (auto it = run_landings_.begin(); it != run_landings_.end();) {
     RunLanding& l = *it;
+    if (l.request == nullptr && l.due != std::chrono::steady_clock::time_point::min() &&
+        l.due > std::chrono::steady_clock::now()) {
+      ++it;  // RunOptions::receive_delay
+      continue;
+    }
     if (l.request == nullptr) {
-      if (dropped_.count(l.notice.sender) != 0 || !LinkOpen(l.notice.sender, l.notice.link)) {
+      if (dropped_.count(l.notice.sender) != 0 || !LinkOpen(l.notice)) {
         ucp_am_data_release(worker_, l.data);
-        pending_acks_.emplace_back(l.notice,
-                                   ClosedLink(l.notice.sender, l.notice.link,
-                                              Aborted("its sender was disconnected here")));
+        pending_acks_.emplace_back(
+            l.notice, ClosedLink(l.notice, Aborted("its sender was disconnected here")));
         it = run_landings_.erase(it);
         continue;
       }

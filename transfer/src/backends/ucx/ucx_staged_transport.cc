@@ -14,6 +14,7 @@
 #include "backends/ucx/ucx_peer_check.h"
 #include "backends/ucx/ucx_util.h"
 #include "kvt/common/log.h"
+#include "kvt/common/random.h"
 #include "kvt/transfer/plan.h"
 
 namespace kvt::transfer {
@@ -361,6 +362,7 @@ Status StagedTransport::AddPeer(PeerId link, std::string_view worker_address,
   peer.remote = remote;
   peer.regions = std::move(regions);
   peer.credits.SetLimit(0);  // until the hello is acknowledged
+  peer.token = RandomNonZeroU64();
   ucp_ep_params_t ep = {};
   ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                   UCP_EP_PARAM_FIELD_ERR_HANDLER;
@@ -372,6 +374,7 @@ Status StagedTransport::AddPeer(PeerId link, std::string_view worker_address,
   ep.err_handler.arg = nullptr;
   KVT_RETURN_IF_ERROR(UcsStatus(ucp_ep_create(worker_, &ep, &peer.ep), "ucp_ep_create"));
   Hello h{instance_, link, mode};
+  h.token = peer.token;
   std::string data = worker_address_;
   if (mode == LinkMode::kStaged && !send_key_.empty()) {
     peer.offer = offer_generation_;
@@ -428,7 +431,8 @@ void StagedTransport::RemovePeer(PeerId link, bool peer_dead) {
     }
     it = peers_.find(link);
     if (it != peers_.end()) {
-      Status bye = SendControl(it->second.ep, kAmBye, Encode(Bye{instance_, link}), {});
+      Status bye =
+          SendControl(it->second.ep, kAmBye, Encode(Bye{instance_, link, it->second.token}), {});
       if (!bye.ok()) KVT_LOG_DEBUG("ucx", "staging bye not sent: {}", bye.ToString());
     }
   }
@@ -633,8 +637,8 @@ void StagedTransport::SendGathered(uint32_t i) {
     // The receiver reads the payload's data from this slot, which is ours again only after the
     // ack; its prefix (header, page ids, units) travels with the notice, so that the receiver
     // never reads our memory with its CPU.
-    s.notice =
-        Encode(SlotNotice{ChunkNotice{instance_, s.link, s.write, s.chunk}, i, s.payload_bytes});
+    s.notice = Encode(SlotNotice{ChunkNotice{instance_, s.link, s.write, s.chunk, p->second.token},
+                                 i, s.payload_bytes});
     const uint64_t prefix = std::min<uint64_t>(
         s.payload_bytes, ChunkPrefixBytes(std::span<const uint8_t>(SendPayload(i), slot_bytes_)));
     param.flags = UCP_AM_SEND_FLAG_EAGER;
@@ -749,12 +753,19 @@ void StagedTransport::StartChunk(uint32_t i, WriteId id, Write& write, Peer& pee
   s.write = id;
   s.chunk = index;
   s.link = write.link;
-  s.notice = Encode(ChunkNotice{instance_, write.link, id, index});
+  s.notice = Encode(ChunkNotice{instance_, write.link, id, index, peer.token});
   s.payload_bytes = layout.payload_bytes;
   s.request = nullptr;
 }
 
 void StagedTransport::HandleAck(const ChunkAck& ack, std::string_view message) {
+  // Only the receiver of the link knows its token: an ack without it is not that receiver's, and
+  // counts for nothing (it must not complete, fail or free another sender's chunks).
+  if (auto p = peers_.find(ack.link); p == peers_.end() || p->second.token != ack.token) {
+    KVT_LOG_DEBUG("ucx", "ignoring an ack of {} on link {}: {}", ChunkName(ack.write, ack.chunk),
+                  ack.link, p == peers_.end() ? "no such link" : "not the link's token");
+    return;
+  }
   if (run_writes_.count(ack.write) != 0) {
     HandleRunAck(ack, message);
     return;
@@ -873,21 +884,32 @@ void StagedTransport::TrimFencedSenders() {
   }
 }
 
-bool StagedTransport::LinkOpen(uint64_t sender, uint64_t link) const {
-  auto it = senders_.find(sender);
-  return it != senders_.end() && it->second.links.count(link) != 0;
+bool StagedTransport::LinkOpen(const ChunkNotice& notice) const {
+  auto it = senders_.find(notice.sender);
+  if (it == senders_.end()) return false;
+  auto link = it->second.links.find(notice.link);
+  return link != it->second.links.end() && link->second == notice.token;
 }
 
-Status StagedTransport::ClosedLink(uint64_t sender, uint64_t link, Status otherwise) const {
-  auto it = senders_.find(sender);
-  if (dropped_.count(sender) != 0 || it == senders_.end() ||
-      it->second.fenced_links.count(link) == 0) {
-    return otherwise;
+Status StagedTransport::ClosedLink(const ChunkNotice& notice, Status otherwise) const {
+  auto it = senders_.find(notice.sender);
+  if (dropped_.count(notice.sender) != 0 || it == senders_.end()) return otherwise;
+  const Sender& sender = it->second;
+  const auto open = sender.links.find(notice.link);
+  const auto fenced = sender.fenced_links.find(notice.link);
+  if ((open != sender.links.end() && open->second != notice.token) ||
+      (fenced != sender.fenced_links.end() && fenced->second != notice.token)) {
+    return FailedPrecondition(
+        "the message names link " + std::to_string(notice.link) + " of sender " +
+        Hex(notice.sender) +
+        " but not the token that link was opened with: it is not that sender's (a forged or "
+        "misrouted message); dropped");
   }
-  return Aborted("sender " + Hex(sender) +
+  if (fenced == sender.fenced_links.end()) return otherwise;
+  return Aborted("sender " + Hex(notice.sender) +
                  " was fenced here (the receiver's control plane lost it and declared it dead): "
                  "nothing it sent on link " +
-                 std::to_string(link) +
+                 std::to_string(notice.link) +
                  " lands any more; reconnect (a new session) to write again");
 }
 
@@ -921,9 +943,20 @@ void StagedTransport::HandleHellos() {
       }
       it = senders_.emplace(h.hello.sender, Sender{handle, {}, {}}).first;
     }
+    if (it->second.links.count(h.hello.link) != 0 ||
+        it->second.fenced_links.count(h.hello.link) != 0) {
+      // A sender opens each link once (its links are numbered afresh by each connect): a second
+      // hello for it is not that sender's, and must not replace the link's token.
+      WarnLimited(hello_warnings_, "ucx",
+                  "ignoring a staging hello for link {} of sender {}, which is open or fenced "
+                  "here already",
+                  h.hello.link, Hex(h.hello.sender));
+      continue;
+    }
     HelloAck ack;
     ack.receiver = instance_;
     ack.link = h.hello.link;
+    ack.token = h.hello.token;
     std::string message;
     if (dropped_.count(h.hello.sender) != 0) {
       ack.code = StatusCode::kFailedPrecondition;
@@ -936,7 +969,7 @@ void StagedTransport::HandleHellos() {
             "staged or CUDA pool, nothing, or its host_path is 'put')";
       } else {
         ack.slots = run_options_.window;
-        it->second.links.insert(h.hello.link);
+        it->second.links.emplace(h.hello.link, h.hello.token);
       }
     } else if (!attached()) {
       ack.code = StatusCode::kFailedPrecondition;
@@ -946,7 +979,7 @@ void StagedTransport::HandleHellos() {
     } else {
       ack.slots = slots();
       ack.slot_bytes = slot_bytes_;
-      it->second.links.insert(h.hello.link);
+      it->second.links.emplace(h.hello.link, h.hello.token);
       if (in_place_ && h.hello.slots != 0) {
         Status mapped = MapSenderSlots(it->second.ep, h.hello, h.key);
         ack.in_place = mapped.ok();
@@ -969,8 +1002,20 @@ void StagedTransport::HandleByes() {
   for (const Bye& bye : byes) {
     auto it = senders_.find(bye.sender);
     if (it == senders_.end()) continue;
-    it->second.links.erase(bye.link);
-    it->second.fenced_links.erase(bye.link);
+    // Only the link's own sender knows its token; a bye without it closes nothing.
+    auto open = it->second.links.find(bye.link);
+    auto fenced = it->second.fenced_links.find(bye.link);
+    if (open != it->second.links.end() && open->second == bye.token) {
+      it->second.links.erase(open);
+    } else if (fenced != it->second.fenced_links.end() && fenced->second == bye.token) {
+      it->second.fenced_links.erase(fenced);
+    } else {
+      WarnLimited(hello_warnings_, "ucx",
+                  "ignoring a staging bye for link {} of sender {}: no such link here, or not "
+                  "its token",
+                  bye.link, Hex(bye.sender));
+      continue;
+    }
     if (!it->second.links.empty()) continue;
     if (!it->second.fenced_links.empty()) {
       // Only fenced links left (their byes may never come: the sender dropped them as dead):
@@ -1015,6 +1060,9 @@ void StagedTransport::PumpRecvSlots() {
   }
   for (uint32_t i = 0; i < recv_.size() && !arrivals_.empty(); ++i) {
     if (recv_[i].state != RecvSlot::State::kFree) continue;
+    if (arrivals_.front().due != Clock::time_point::min() && arrivals_.front().due > Clock::now()) {
+      break;  // RunOptions::receive_delay
+    }
     Arrival arrival = std::move(arrivals_.front());
     arrivals_.pop_front();
     Land(i, std::move(arrival));
@@ -1030,10 +1078,10 @@ void StagedTransport::Land(uint32_t i, Arrival a) {
   r.source = nullptr;
   r.prefix = 0;
   if (a.in_place) {
-    if (!LinkOpen(a.notice.sender, a.notice.link)) {  // closed (a fence) while it was queued
-      FinishReceive(i, ClosedLink(a.notice.sender, a.notice.link,
-                                  Aborted("the receiver disconnected or fenced this sender; "
-                                          "chunk dropped")));
+    if (!LinkOpen(a.notice)) {  // closed (a fence) while it was queued
+      FinishReceive(i,
+                    ClosedLink(a.notice, Aborted("the receiver disconnected or fenced this sender; "
+                                                 "chunk dropped")));
       return;
     }
     auto m = sender_slots_.find(a.notice.sender);
@@ -1085,9 +1133,9 @@ void StagedTransport::Land(uint32_t i, Arrival a) {
 
 void StagedTransport::Landed(uint32_t i) {
   RecvSlot& r = recv_[i];
-  if (dropped_.count(r.notice.sender) != 0 || !LinkOpen(r.notice.sender, r.notice.link)) {
-    FinishReceive(i, ClosedLink(r.notice.sender, r.notice.link,
-                                Aborted("the receiver disconnected or fenced this sender; chunk "
+  if (dropped_.count(r.notice.sender) != 0 || !LinkOpen(r.notice)) {
+    FinishReceive(
+        i, ClosedLink(r.notice, Aborted("the receiver disconnected or fenced this sender; chunk "
                                         "dropped")));
     return;
   }
@@ -1157,10 +1205,22 @@ void StagedTransport::SendDelayedAcks() {
 void StagedTransport::SendAckNow(const ChunkNotice& notice, const Status& status) {
   auto it = senders_.find(notice.sender);
   if (it == senders_.end()) return;  // a dead or unknown sender: nobody to tell
-  ChunkAck ack{notice.link, notice.write, notice.chunk, status.code()};
+  ChunkAck ack{notice.link, notice.write, notice.chunk, status.code(), notice.token};
   std::string message = status.message().substr(0, kMaxAckMessage);
   Status sent = SendControl(it->second.ep, kAmChunkAck, Encode(ack), std::move(message));
   if (!sent.ok()) WarnLimited(delivery_warnings_, "ucx", "chunk ack not sent: {}", sent.ToString());
+}
+
+Status StagedTransport::ArrivalRoom(const ChunkNotice& notice) const {
+  const auto queued = std::count_if(arrivals_.begin(), arrivals_.end(), [&](const Arrival& a) {
+    return a.notice.sender == notice.sender && a.notice.link == notice.link;
+  });
+  if (static_cast<uint64_t>(queued) < slots()) return OkStatus();
+  return ResourceExhausted("link " + std::to_string(notice.link) + " of sender " +
+                           Hex(notice.sender) + " has " + std::to_string(queued) +
+                           " chunks queued here, the " + std::to_string(slots()) +
+                           " credits its hello ack granted; a sender sends no more chunks than "
+                           "its credits");
 }
 
 // ---- callbacks (inside ucp_worker_progress, mutex held) -----------------------------------------
@@ -1190,16 +1250,19 @@ ucs_status_t StagedTransport::OnChunk(void* arg, const void* header, size_t head
   if (self->dropped_.count(notice->sender) != 0) {
     return refuse(UCS_ERR_REJECTED, Aborted("its sender was disconnected here"));
   }
-  if (!self->LinkOpen(notice->sender, notice->link)) {
-    return refuse(UCS_ERR_REJECTED,
-                  self->ClosedLink(notice->sender, notice->link,
-                                   Aborted("its link " + std::to_string(notice->link) +
-                                           " is not open here (closed, fenced, or no hello)")));
+  if (!self->LinkOpen(*notice)) {
+    return refuse(
+        UCS_ERR_REJECTED,
+        self->ClosedLink(*notice, Aborted("its link " + std::to_string(notice->link) +
+                                          " is not open here (closed, fenced, or no hello)")));
   }
   if (length > self->slot_bytes_) {
     return refuse(UCS_ERR_MESSAGE_TRUNCATED,
                   OutOfRange("payload of " + std::to_string(length) +
                              " bytes exceeds the slots of " + std::to_string(self->slot_bytes_)));
+  }
+  if (Status room = self->ArrivalRoom(*notice); !room.ok()) {
+    return refuse(UCS_ERR_NO_RESOURCE, room);
   }
   Arrival arrival;
   arrival.notice = *notice;
@@ -1210,6 +1273,9 @@ ucs_status_t StagedTransport::OnChunk(void* arg, const void* header, size_t head
   } else {
     const auto* bytes = static_cast<const uint8_t*>(data);
     arrival.copy.assign(bytes, bytes + length);
+  }
+  if (self->run_options_.receive_delay.count() > 0) {
+    arrival.due = Clock::now() + self->run_options_.receive_delay;
   }
   self->arrivals_.push_back(std::move(arrival));
   return (rndv || persistent) ? UCS_INPROGRESS : UCS_OK;
@@ -1243,8 +1309,8 @@ ucs_status_t StagedTransport::OnSlotChunk(void* arg, const void* header, size_t 
   if (self->dropped_.count(sender) != 0) {
     return refuse(Aborted("its sender was disconnected here"));
   }
-  if (!self->LinkOpen(sender, notice->notice.link)) {
-    return refuse(self->ClosedLink(sender, notice->notice.link,
+  if (!self->LinkOpen(notice->notice)) {
+    return refuse(self->ClosedLink(notice->notice,
                                    Aborted("its link " + std::to_string(notice->notice.link) +
                                            " is not open here (closed, fenced, or no hello)")));
   }
@@ -1272,6 +1338,7 @@ ucs_status_t StagedTransport::OnSlotChunk(void* arg, const void* header, size_t 
                            std::to_string(notice->payload_bytes) +
                            " (the chunk's header, page ids and units)"));
   }
+  if (Status room = self->ArrivalRoom(notice->notice); !room.ok()) return refuse(room);
   Arrival arrival;
   arrival.notice = notice->notice;
   arrival.length = notice->payload_bytes;
@@ -1279,6 +1346,9 @@ ucs_status_t StagedTransport::OnSlotChunk(void* arg, const void* header, size_t 
   arrival.slot = notice->slot;
   const auto* prefix = static_cast<const uint8_t*>(data);
   arrival.copy.assign(prefix, prefix + length);
+  if (self->run_options_.receive_delay.count() > 0) {
+    arrival.due = Clock::now() + self->run_options_.receive_delay;
+  }
   self->arrivals_.push_back(std::move(arrival));
   return UCS_OK;
 }
@@ -1417,7 +1487,10 @@ ucs_status_t StagedTransport::OnHelloAck(void* arg, const void* header, size_t h
   StatusOr<HelloAck> ack = DecodeHelloAck(Bytes(header, header_length));
   if (!ack.ok() || (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0) return UCS_OK;
   auto it = self->peers_.find(ack->link);
-  if (it == self->peers_.end() || it->second.remote.instance != ack->receiver) return UCS_OK;
+  if (it == self->peers_.end() || it->second.remote.instance != ack->receiver ||
+      it->second.token != ack->token) {
+    return UCS_OK;
+  }
   Peer& peer = it->second;
   if (ack->code != StatusCode::kOk) {
     peer.error = Status(ack->code, "the peer refused staged writes: " +
@@ -1589,6 +1662,8 @@ bool StagedTransport::NeedsPolling() const {
   for (const RunLanding& l : run_landings_) {
     if (l.request == nullptr) return true;  // waiting to be received
   }
+  // Chunks held back (RunOptions::receive_delay) until they are due.
+  if (run_options_.receive_delay.count() > 0 && !arrivals_.empty()) return true;
   if (notified_) return false;
   for (const SendSlot& s : send_) {
     if (s.state == SendSlot::State::kGathering) return true;

@@ -104,6 +104,10 @@ struct RunOptions {
   // Tests: this side, receiving, sends each ack (of a run message or a chunk, landed or refused)
   // only this long after it was due, so that tests can hold a sender's writes unacknowledged.
   std::chrono::microseconds ack_delay{0};
+  // Tests: this side, receiving, starts taking each rendezvous run message and each staged chunk
+  // (queued until then) only this long after it arrived, so that tests can hold a sender's
+  // messages queued here (a hostile sender's past its window).
+  std::chrono::microseconds receive_delay{0};
 };
 
 struct StagingOptions {
@@ -244,6 +248,7 @@ class StagedTransport {
     uint64_t offer = 0;     // offer_generation_ of the slots the hello offered; 0: none
     Status error;           // the receiver refused us
     CreditWindow credits;
+    uint64_t token = 0;  // the link's (ucx_staged_protocol.h, "link tokens")
   };
   struct Write {
     PeerId link = 0;
@@ -276,6 +281,8 @@ class StagedTransport {
     std::vector<uint8_t> copy;  // data UCX would not keep
     bool in_place = false;      // a SlotNotice: the payload is in the sender's slot `slot`
     uint32_t slot = 0;
+    // Not taken before (RunOptions::receive_delay); min: at once.
+    std::chrono::steady_clock::time_point due = std::chrono::steady_clock::time_point::min();
   };
   struct RecvSlot {
     enum class State { kFree, kLanding, kScattering } state = State::kFree;
@@ -325,11 +332,13 @@ class StagedTransport {
     void* data = nullptr;  // UCX's descriptor
     std::vector<ucp_dt_iov_t> iov;
     void* request = nullptr;
+    // Not received before (RunOptions::receive_delay); min: at once.
+    std::chrono::steady_clock::time_point due = std::chrono::steady_clock::time_point::min();
   };
   struct Sender {  // a backend that sends to us, and our endpoint back to it for acks
     ucp_ep_h ep = nullptr;
-    std::set<uint64_t> links;
-    std::set<uint64_t> fenced_links;  // closed by FenceSender; their messages are refused
+    std::map<uint64_t, uint64_t> links;         // link -> the token its hello carried
+    std::map<uint64_t, uint64_t> fenced_links;  // closed by FenceSender; their messages are refused
   };
   struct PendingHello {
     Hello hello;
@@ -401,12 +410,14 @@ class StagedTransport {
   // Waits (bounded) until no chunk or run message of `instance` is landing in the pool; `which`
   // ("a disconnected", "a fenced") names the sender in the error when it does not settle.
   void WaitForLandings(uint64_t instance, const char* which);
-  // Whether `link` of `sender` was opened by a hello and not closed or fenced since.
-  bool LinkOpen(uint64_t sender, uint64_t link) const;
-  // Why a message of `sender` on a `link` that is not open is refused: the fence that closed
-  // it (Aborted, naming the sender and the link), or else `otherwise` (also for a sender
+  // Whether the notice's link of its sender was opened by a hello with the notice's token and not
+  // closed or fenced since.
+  bool LinkOpen(const ChunkNotice& notice) const;
+  // Why a message whose link is not open (LinkOpen) is refused: not its sender's, when it names
+  // an open or fenced link but not that link's token (FailedPrecondition); the fence that closed
+  // the link (Aborted, naming the sender and the link); or else `otherwise` (also for a sender
   // disconnected here since: the disconnect, not the fence, is what the caller names).
-  Status ClosedLink(uint64_t sender, uint64_t link, Status otherwise) const;
+  Status ClosedLink(const ChunkNotice& notice, Status otherwise) const;
   // Closes and forgets the oldest senders kept only for their fenced links, beyond 256.
   void TrimFencedSenders();
   void HandleByes();
@@ -419,6 +430,10 @@ class StagedTransport {
   void UnmapSenderSlots(uint64_t instance, bool force = false);
   bool SenderSlotsBusy(uint64_t instance) const;
   void UnmapRetiredSlots();
+  // ResourceExhausted when the notice's link already has as many chunks queued (arrivals_) as
+  // the credits its hello ack granted (slots()): a queued chunk holds UCX's descriptor or a copy
+  // of its data, which a sender past its credits must not pile up.
+  Status ArrivalRoom(const ChunkNotice& notice) const;
   void Land(uint32_t slot, Arrival arrival);
   void Landed(uint32_t slot);
   void FinishReceive(uint32_t slot, const Status& status);
