@@ -609,8 +609,8 @@ class RawSender {
   }
 
   template <typename Done>
-  bool Progress(Done&& done) {
-    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  bool Progress(Done&& done, std::chrono::milliseconds bound = std::chrono::seconds(10)) {
+    const auto give_up = std::chrono::steady_clock::now() + bound;
     while (!done()) {
       if (std::chrono::steady_clock::now() > give_up) return false;
       ucp_worker_progress(worker_);
@@ -887,6 +887,47 @@ TEST_F(UcxAmTest, StagedChunksPastTheGrantedCreditsAreRefusedNamingThem) {
         << by_chunk[i].second;
   }
   EXPECT_TRUE(std::all_of(dst_.begin(), dst_.end(), [](uint8_t b) { return b == kPoison; }));
+}
+
+// A sender that stopped part-way through a rendezvous run message (its data has not come: it is
+// behind a partition, or stopped) and is fenced: the fence returns at once, the buffers can be
+// registered again at once, and when the sender comes back and its data arrives, none of it
+// lands (the engine may have handed those pages out again); the message is refused instead.
+TEST_F(UcxAmTest, AFencedSendersRendezvousDataThatComesLaterLandsNothing) {
+  Start(Tcp());
+  ASSERT_TRUE(peer_.ok()) << peer_.status();
+  auto descriptor = receiver_->Register(DstRegions());
+  ASSERT_TRUE(descriptor.ok()) << descriptor.status();
+  RawSender raw;
+  ASSERT_TRUE(raw.Start(ucx_staging::SplitPeerAddress(descriptor->address).runs_address));
+  const uint64_t instance = 0x57a11;
+  ASSERT_TRUE(raw.OpenRunLink(instance, 1));
+
+  // The message's header goes out; the raw sender then stops progressing, so its data does not
+  // move while the receiver waits for it.
+  auto header = ucx_staging::EncodeRuns({instance, 1, 5, 0, 1, RawSender::token(1)},
+                                        std::vector<ucx_staging::RunSegment>{{0, 0, 65536}});
+  ASSERT_TRUE(header.ok());
+  ASSERT_TRUE(raw.PostRendezvous(ucx_staging::kAmRuns, *header, std::string(65536, 'L')));
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the receive is under way
+
+  PeerDescriptor sender;
+  sender.backend = "ucx";
+  sender.address = ucx_staging::AppendTrailer(raw.own_address(), {.instance = instance});
+  const auto fence_start = std::chrono::steady_clock::now();
+  receiver_->FenceSender(sender);
+  EXPECT_LT(std::chrono::steady_clock::now() - fence_start, std::chrono::seconds(2))
+      << "the fence waited for data that had not come";
+  auto again = receiver_->Register(DstRegions());
+  KVT_EXPECT_OK(again.status());
+
+  // The sender comes back: its data arrives, is refused naming the fence, and lands nothing.
+  ASSERT_TRUE(raw.Progress([&] { return !raw.acks.empty(); }));
+  EXPECT_EQ(raw.acks[0].first.code, StatusCode::kAborted) << raw.acks[0].second;
+  EXPECT_NE(raw.acks[0].second.find("fenced here"), std::string::npos) << raw.acks[0].second;
+  EXPECT_TRUE(std::all_of(dst_.begin(), dst_.begin() + 65536, [](uint8_t b) {
+    return b == kPoison;
+  })) << "the message landed after the fence";
 }
 
 // A staged receiver reads a sender's slots in place only where it mapped them for it: an offer

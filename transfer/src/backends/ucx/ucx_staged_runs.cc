@@ -36,18 +36,16 @@ std::string MessageName(uint64_t write, uint32_t message) {
 }  // namespace
 
 Status StagedTransport::AttachRuns(std::span<const LocalRegion> regions) {
-  for (const RunLanding& l : run_landings_) {
-    if (l.request != nullptr || l.data != nullptr) {
-      return FailedPrecondition(
-          "cannot re-register buffers while run messages are being received into them");
-    }
-  }
   for (size_t i = 0; i < regions.size(); ++i) {
     if (regions[i].kind != MemoryKind::kHost) {
       return InvalidArgument("copy runs as active messages write host memory, but buffer " +
                              std::to_string(i) + " is CUDA memory");
     }
   }
+  // The backend refuses to register again while a landing on an open link is under way
+  // (RunsBusy); those left are of links closed since, and name the old buffers: none of their
+  // bytes is copied.
+  for (RunLanding& l : run_landings_) l.stale = true;
   run_local_.assign(regions.begin(), regions.end());
   run_local_len_.clear();
   for (const LocalRegion& r : regions) run_local_len_.push_back(r.length);
@@ -58,7 +56,13 @@ bool StagedTransport::RunsBusy() const {
   for (const auto& [id, write] : run_writes_) {
     if (write.status.code() == StatusCode::kInProgress) return true;
   }
-  return !run_sends_.empty() || !run_landings_.empty();
+  if (!run_sends_.empty()) return true;
+  // Landings of closed links (a fence, a disconnect) will copy nothing: they do not hold the
+  // buffers, however long their data takes to come.
+  for (const RunLanding& l : run_landings_) {
+    if (!l.stale && dropped_.count(l.notice.sender) == 0 && LinkOpen(l.notice)) return true;
+  }
+  return false;
 }
 
 // ---- sending ------------------------------------------------------------------------------------
@@ -329,8 +333,12 @@ ucs_status_t StagedTransport::OnRuns(void* arg, const void* header, size_t heade
         reinterpret_cast<uint8_t*>(self->run_local_[seg.buffer].base) + seg.offset, seg.bytes});
   }
   if (rndv) {
-    // Received (straight into the destinations) from Pump: no UCX call inside its callback.
-    self->run_landings_.push_back(RunLanding{notice, data, std::move(iov), nullptr});
+    // Received from Pump (no UCX call inside its callback), and copied into place there.
+    RunLanding& landing = self->run_landings_.emplace_back();
+    landing.notice = notice;
+    landing.data = data;
+    landing.length = length;
+    landing.iov = std::move(iov);
     if (self->run_options_.receive_delay.count() > 0) {
       self->run_landings_.back().due =
           std::chrono::steady_clock::now() + self->run_options_.receive_delay;
@@ -357,27 +365,29 @@ void StagedTransport::PumpRunLandings() {
       continue;
     }
     if (l.request == nullptr) {
-      if (dropped_.count(l.notice.sender) != 0 || !LinkOpen(l.notice)) {
+      if (l.stale || dropped_.count(l.notice.sender) != 0 || !LinkOpen(l.notice)) {
         ucp_am_data_release(worker_, l.data);
-        pending_acks_.emplace_back(
-            l.notice, ClosedLink(l.notice, Aborted("its sender was disconnected here")));
+        DeliverLanding(l);  // refused, naming why
         it = run_landings_.erase(it);
         continue;
       }
-      RunsAcquire();
+      // Uninitialised: UCX writes all of it before a byte is read.
+      l.bounce = std::make_unique_for_overwrite<uint8_t[]>(l.length);
       ucp_request_param_t param = {};
       param.op_attr_mask = UCP_OP_ATTR_FIELD_DATATYPE | UCP_OP_ATTR_FIELD_MEMORY_TYPE;
-      param.datatype = ucp_dt_make_iov();
+      param.datatype = ucp_dt_make_contig(1);
       param.memory_type = UCS_MEMORY_TYPE_HOST;
       ucs_status_ptr_t req =
-          ucp_am_recv_data_nbx(worker_, l.data, l.iov.data(), l.iov.size(), &param);
+          ucp_am_recv_data_nbx(worker_, l.data, l.bounce.get(), l.length, &param);
       l.data = nullptr;  // UCX's from here on
-      if (UCS_PTR_IS_ERR(req) || req == nullptr) {
-        if (req == nullptr) RunsRelease();
+      if (UCS_PTR_IS_ERR(req)) {
         pending_acks_.emplace_back(
-            l.notice, UCS_PTR_IS_ERR(req)
-                          ? UcsStatus(UCS_PTR_STATUS(req), "ucp_am_recv_data_nbx of a run message")
-                          : OkStatus());
+            l.notice, UcsStatus(UCS_PTR_STATUS(req), "ucp_am_recv_data_nbx of a run message"));
+        it = run_landings_.erase(it);
+        continue;
+      }
+      if (req == nullptr) {
+        DeliverLanding(l);
         it = run_landings_.erase(it);
         continue;
       }
@@ -389,11 +399,37 @@ void StagedTransport::PumpRunLandings() {
       continue;
     }
     ucp_request_free(l.request);
-    RunsRelease();
-    pending_acks_.emplace_back(
-        l.notice, st == UCS_OK ? OkStatus() : UcsStatus(st, "receiving a run message"));
+    l.request = nullptr;
+    if (st == UCS_OK) {
+      DeliverLanding(l);
+    } else {
+      pending_acks_.emplace_back(l.notice, UcsStatus(st, "receiving a run message"));
+    }
     it = run_landings_.erase(it);
   }
+}
+
+void StagedTransport::DeliverLanding(RunLanding& l) {
+  if (dropped_.count(l.notice.sender) != 0 || !LinkOpen(l.notice)) {
+    pending_acks_.emplace_back(l.notice,
+                               ClosedLink(l.notice, Aborted("its sender was disconnected here; "
+                                                            "nothing of the message landed")));
+    return;
+  }
+  if (l.stale) {
+    pending_acks_.emplace_back(
+        l.notice, Aborted("the receiver registered its buffers again while the message was "
+                          "received; nothing of it landed; write it again"));
+    return;
+  }
+  RunsAcquire();
+  const uint8_t* src = l.bounce.get();
+  for (const ucp_dt_iov_t& piece : l.iov) {
+    std::memcpy(piece.buffer, src, piece.length);
+    src += piece.length;
+  }
+  RunsRelease();
+  pending_acks_.emplace_back(l.notice, OkStatus());
 }
 
 }  // namespace ucx_staging

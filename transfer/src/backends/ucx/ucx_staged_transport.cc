@@ -831,9 +831,6 @@ void StagedTransport::WaitForLandings(uint64_t instance, const char* which) {
         for (const RecvSlot& r : recv_) {
           if (r.state == RecvSlot::State::kScattering && r.notice.sender == instance) return false;
         }
-        for (const RunLanding& l : run_landings_) {
-          if (l.request != nullptr && l.notice.sender == instance) return false;
-        }
         return true;
       },
       kWaitBound);

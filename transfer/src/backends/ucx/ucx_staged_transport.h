@@ -40,8 +40,14 @@
 // sent from the source memory as an IOV (no gather copy) with a header naming the destination
 // of every piece, at most RunOptions::window messages unacknowledged per peer. The receiver
 // checks the pieces against its buffers, copies eager data into place inside the AM callback
-// (rendezvous data it receives straight into the destination IOV) and acknowledges each message
-// when its bytes are in place. A write completes when every message is acknowledged.
+// (rendezvous data it receives into a buffer of its own and copies into place once all of it
+// came and the link is still open: RunLanding) and acknowledges each message when its bytes are
+// in place. A write completes when every message is acknowledged. It holds no more of a link's
+// rendezvous messages than the window its hello ack granted, nor more of a link's queued chunks
+// than its slots; messages past them are refused (ResourceExhausted).
+//
+// Every message names its link's token (ucx_staged_protocol.h, "link tokens"): a receiver takes
+// messages, and a sender acks, only with it.
 //
 // A connection starts with a hello (sender -> receiver, carrying the sender's worker address so
 // the receiver can open an endpoint for acks) and its ack (with the receiver's slot count); no
@@ -326,12 +332,20 @@ class StagedTransport {
     std::vector<ucp_dt_iov_t> iov;
     void* request = nullptr;
   };
-  // A rendezvous run message waiting to be received, or being received, into its destinations.
+  // A rendezvous run message waiting to be received, or being received. UCX receives its data
+  // into `bounce`, never straight into the pool: a receive cannot be cancelled (UCX 1.13 ends
+  // it neither on ucp_request_cancel nor on a forced close of its endpoint), so a sender that
+  // stops part-way and comes back later, after a fence, would otherwise land its bytes in pages
+  // handed out again. Pump copies the data to `iov` once it is all here, and only while the
+  // message's link is still open and the buffers are the ones `iov` names.
   struct RunLanding {
-    ChunkNotice notice;    // chunk = the message index
-    void* data = nullptr;  // UCX's descriptor
-    std::vector<ucp_dt_iov_t> iov;
+    ChunkNotice notice;             // chunk = the message index
+    void* data = nullptr;           // UCX's descriptor, until the receive is posted
+    size_t length = 0;              // bytes of data
+    std::vector<ucp_dt_iov_t> iov;  // the destinations in the pool, piece by piece
+    std::unique_ptr<uint8_t[]> bounce;
     void* request = nullptr;
+    bool stale = false;  // the buffers were registered again since `iov` was made
     // Not received before (RunOptions::receive_delay); min: at once.
     std::chrono::steady_clock::time_point due = std::chrono::steady_clock::time_point::min();
   };
@@ -402,13 +416,18 @@ class StagedTransport {
   void FailRunWrite(WriteId id, RunWrite& write, const Status& status);
   void HandleRunAck(const ChunkAck& ack, std::string_view message);
   void PumpRunLandings();
+  // Copies a landing's received data into the pool if its link is still open and its buffers
+  // current, and acks it either way.
+  void DeliverLanding(RunLanding& landing);
   bool RunsBusy() const;
 
   // Receiving.
   void PumpRecvSlots();
   void HandleHellos();
-  // Waits (bounded) until no chunk or run message of `instance` is landing in the pool; `which`
-  // ("a disconnected", "a fenced") names the sender in the error when it does not settle.
+  // Waits (bounded) until no chunk of `instance` is being scattered into the pool; `which`
+  // ("a disconnected", "a fenced") names the sender in the error when it does not settle. Run
+  // messages need no wait: their bytes enter the pool only in Pump, after a check of the link
+  // (RunLanding).
   void WaitForLandings(uint64_t instance, const char* which);
   // Whether the notice's link of its sender was opened by a hello with the notice's token and not
   // closed or fenced since.
