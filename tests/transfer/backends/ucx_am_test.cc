@@ -775,6 +775,17 @@ TEST_F(UcxAmTest, AThirdPartyWithoutTheLinksTokenCanNeitherAckCloseNorWriteTheLi
       ucx_staging::kAmHello,
       ucx_staging::Encode(RawSender::HelloFor(instance, *link, ucx_staging::LinkMode::kRuns)),
       to_receiver.own_address()));
+  // Nor can it open a link of its own in the sender's name (from another worker) and write on it.
+  const uint64_t own_link = 77;
+  ASSERT_TRUE(to_receiver.Send(
+      ucx_staging::kAmHello,
+      ucx_staging::Encode(RawSender::HelloFor(instance, own_link, ucx_staging::LinkMode::kRuns)),
+      to_receiver.own_address()));
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));  // the hello has been handled
+  auto own_run = ucx_staging::EncodeRuns({instance, own_link, 98, 0, 1, RawSender::token(own_link)},
+                                         std::vector<ucx_staging::RunSegment>{{1, 64, 64}});
+  ASSERT_TRUE(own_run.ok());
+  ASSERT_TRUE(to_receiver.Send(ucx_staging::kAmRuns, *own_run, std::string(64, 'O')));
   std::this_thread::sleep_for(std::chrono::milliseconds(300));  // all of it has been handled
   EXPECT_EQ(sender_->Check(*write).code(), StatusCode::kInProgress)
       << "an ack without the link's token completed or failed the write: "
@@ -782,6 +793,10 @@ TEST_F(UcxAmTest, AThirdPartyWithoutTheLinksTokenCanNeitherAckCloseNorWriteTheLi
   EXPECT_TRUE(std::all_of(third_dst_.begin() + kBufferBytes, third_dst_.begin() + kBufferBytes + 64,
                           [](uint8_t b) { return b == kPoison; }))
       << "a run message without the link's token landed";
+  EXPECT_TRUE(std::all_of(third_dst_.begin() + kBufferBytes + 64,
+                          third_dst_.begin() + kBufferBytes + 128,
+                          [](uint8_t b) { return b == kPoison; }))
+      << "a link opened in another sender's name from another worker took a message";
   EXPECT_FALSE(to_receiver.hello_acked) << "a second hello for an open link was answered";
 
   // The real acks complete the write, and the link still carries the next one whole.

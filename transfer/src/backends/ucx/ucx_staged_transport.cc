@@ -938,7 +938,16 @@ void StagedTransport::HandleHellos() {
                     created.ToString());
         continue;
       }
-      it = senders_.emplace(h.hello.sender, Sender{handle, {}, {}}).first;
+      it = senders_.emplace(h.hello.sender, Sender{handle, {}, {}, h.address}).first;
+    } else if (it->second.address != h.address) {
+      // A backend's staging worker keeps its address for its lifetime: a hello naming this
+      // sender from another worker is not that sender's, and must not open a link on its
+      // endpoint (whose acks would carry the new link's token to it).
+      WarnLimited(hello_warnings_, "ucx",
+                  "ignoring a staging hello for link {} of sender {} from another worker address "
+                  "than the sender's",
+                  h.hello.link, Hex(h.hello.sender));
+      continue;
     }
     if (it->second.links.count(h.hello.link) != 0 ||
         it->second.fenced_links.count(h.hello.link) != 0) {

@@ -353,6 +353,7 @@ class StagedTransport {
     ucp_ep_h ep = nullptr;
     std::map<uint64_t, uint64_t> links;         // link -> the token its hello carried
     std::map<uint64_t, uint64_t> fenced_links;  // closed by FenceSender; their messages are refused
+    std::string address;  // the worker address its first hello gave (the endpoint's)
   };
   struct PendingHello {
     Hello hello;
