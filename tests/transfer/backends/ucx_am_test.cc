@@ -619,6 +619,12 @@ class RawSender {
   }
 
   const std::string& own_address() const { return own_address_; }
+  // The acks so far by message (chunk) index: code and text.
+  std::map<uint32_t, std::pair<StatusCode, std::string>> AcksByMessage() const {
+    std::map<uint32_t, std::pair<StatusCode, std::string>> by_message;
+    for (const auto& [ack, text] : acks) by_message[ack.chunk] = {ack.code, text};
+    return by_message;
+  }
   std::vector<std::pair<ucx_staging::ChunkAck, std::string>> acks;
   bool hello_acked = false;
   bool in_place = false;  // the hello ack said the receiver reads our slots in place
@@ -839,8 +845,7 @@ TEST_F(UcxAmTest, RunMessagesPastTheGrantedWindowAreRefusedAndTheOnesWithinLand)
     ASSERT_TRUE(raw.PostRendezvous(ucx_staging::kAmRuns, *header, std::string(64, 'W')));
   }
   ASSERT_TRUE(raw.Progress([&] { return raw.acks.size() >= 4; })) << raw.acks.size() << " acks";
-  std::map<uint32_t, std::pair<StatusCode, std::string>> by_message;
-  for (const auto& [ack, text] : raw.acks) by_message[ack.chunk] = {ack.code, text};
+  auto by_message = raw.AcksByMessage();
   ASSERT_EQ(by_message.size(), 4u);
   EXPECT_EQ(by_message[0].first, StatusCode::kOk) << by_message[0].second;
   EXPECT_EQ(by_message[1].first, StatusCode::kOk) << by_message[1].second;
@@ -889,8 +894,7 @@ TEST_F(UcxAmTest, StagedChunksPastTheGrantedCreditsAreRefusedNamingThem) {
   // The two past the credits are answered at once; the two queued ones once taken (they are no
   // chunks, and are refused as malformed then).
   ASSERT_TRUE(raw.Progress([&] { return raw.acks.size() >= 4; })) << raw.acks.size() << " acks";
-  std::map<uint32_t, std::pair<StatusCode, std::string>> by_chunk;
-  for (const auto& [ack, text] : raw.acks) by_chunk[ack.chunk] = {ack.code, text};
+  auto by_chunk = raw.AcksByMessage();
   ASSERT_EQ(by_chunk.size(), 4u);
   EXPECT_EQ(by_chunk[0].first, StatusCode::kDataLoss) << by_chunk[0].second;
   EXPECT_EQ(by_chunk[1].first, StatusCode::kDataLoss) << by_chunk[1].second;
@@ -902,47 +906,6 @@ TEST_F(UcxAmTest, StagedChunksPastTheGrantedCreditsAreRefusedNamingThem) {
         << by_chunk[i].second;
   }
   EXPECT_TRUE(std::all_of(dst_.begin(), dst_.end(), [](uint8_t b) { return b == kPoison; }));
-}
-
-// A sender that stopped part-way through a rendezvous run message (its data has not come: it is
-// behind a partition, or stopped) and is fenced: the fence returns at once, the buffers can be
-// registered again at once, and when the sender comes back and its data arrives, none of it
-// lands (the engine may have handed those pages out again); the message is refused instead.
-TEST_F(UcxAmTest, AFencedSendersRendezvousDataThatComesLaterLandsNothing) {
-  Start(Tcp());
-  ASSERT_TRUE(peer_.ok()) << peer_.status();
-  auto descriptor = receiver_->Register(DstRegions());
-  ASSERT_TRUE(descriptor.ok()) << descriptor.status();
-  RawSender raw;
-  ASSERT_TRUE(raw.Start(ucx_staging::SplitPeerAddress(descriptor->address).runs_address));
-  const uint64_t instance = 0x57a11;
-  ASSERT_TRUE(raw.OpenRunLink(instance, 1));
-
-  // The message's header goes out; the raw sender then stops progressing, so its data does not
-  // move while the receiver waits for it.
-  auto header = ucx_staging::EncodeRuns({instance, 1, 5, 0, 1, RawSender::token(1)},
-                                        std::vector<ucx_staging::RunSegment>{{0, 0, 65536}});
-  ASSERT_TRUE(header.ok());
-  ASSERT_TRUE(raw.PostRendezvous(ucx_staging::kAmRuns, *header, std::string(65536, 'L')));
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the receive is under way
-
-  PeerDescriptor sender;
-  sender.backend = "ucx";
-  sender.address = ucx_staging::AppendTrailer(raw.own_address(), {.instance = instance});
-  const auto fence_start = std::chrono::steady_clock::now();
-  receiver_->FenceSender(sender);
-  EXPECT_LT(std::chrono::steady_clock::now() - fence_start, std::chrono::seconds(2))
-      << "the fence waited for data that had not come";
-  auto again = receiver_->Register(DstRegions());
-  KVT_EXPECT_OK(again.status());
-
-  // The sender comes back: its data arrives, is refused naming the fence, and lands nothing.
-  ASSERT_TRUE(raw.Progress([&] { return !raw.acks.empty(); }));
-  EXPECT_EQ(raw.acks[0].first.code, StatusCode::kAborted) << raw.acks[0].second;
-  EXPECT_NE(raw.acks[0].second.find("fenced here"), std::string::npos) << raw.acks[0].second;
-  EXPECT_TRUE(std::all_of(dst_.begin(), dst_.begin() + 65536, [](uint8_t b) {
-    return b == kPoison;
-  })) << "the message landed after the fence";
 }
 
 // A staged receiver reads a sender's slots in place only where it mapped them for it: an offer
@@ -1079,6 +1042,42 @@ TEST_F(UcxAmTest, FencedSendersLinksLandNothingMoreAndANewLinkDoes) {
   }
   EXPECT_TRUE(landed) << "the new link's message was not acknowledged";
   EXPECT_TRUE(told) << "the refusal of the fenced link's message names the fence";
+}
+
+// A sender that stopped part-way through a rendezvous run message (its data has not come: it is
+// behind a partition, or stopped) and is fenced: the fence returns at once, the buffers can be
+// registered again at once, and when the sender comes back and its data arrives, none of it
+// lands (the engine may have handed those pages out again); the message is refused instead.
+TEST_F(UcxAmRawTest, AFencedSendersRendezvousDataThatComesLaterLandsNothing) {
+  const uint64_t instance = 0x57a11;
+  ASSERT_NO_FATAL_FAILURE(StartRaw(instance));
+  RawSender& raw = *raw_;
+
+  // The message's header goes out; the raw sender then stops progressing, so its data does not
+  // move while the receiver waits for it.
+  auto header = ucx_staging::EncodeRuns({instance, 1, 5, 0, 1, RawSender::token(1)},
+                                        std::vector<ucx_staging::RunSegment>{{0, 0, 65536}});
+  ASSERT_TRUE(header.ok());
+  ASSERT_TRUE(raw.PostRendezvous(ucx_staging::kAmRuns, *header, std::string(65536, 'L')));
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the receive is under way
+
+  PeerDescriptor sender;
+  sender.backend = "ucx";
+  sender.address = ucx_staging::AppendTrailer(raw.own_address(), {.instance = instance});
+  const auto fence_start = std::chrono::steady_clock::now();
+  receiver_->FenceSender(sender);
+  EXPECT_LT(std::chrono::steady_clock::now() - fence_start, std::chrono::seconds(2))
+      << "the fence waited for data that had not come";
+  auto again = receiver_->Register(DstRegions());
+  KVT_EXPECT_OK(again.status());
+
+  // The sender comes back: its data arrives, is refused naming the fence, and lands nothing.
+  ASSERT_TRUE(raw.Progress([&] { return !raw.acks.empty(); }));
+  EXPECT_EQ(raw.acks[0].first.code, StatusCode::kAborted) << raw.acks[0].second;
+  EXPECT_NE(raw.acks[0].second.find("fenced here"), std::string::npos) << raw.acks[0].second;
+  EXPECT_TRUE(std::all_of(dst_.begin(), dst_.begin() + 65536, [](uint8_t b) {
+    return b == kPoison;
+  })) << "the message landed after the fence";
 }
 
 // A sender that keeps writing on a fenced link has every message answered, but the receiver's
