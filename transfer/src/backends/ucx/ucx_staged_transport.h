@@ -333,10 +333,10 @@ class StagedTransport {
     void* request = nullptr;
   };
   // A rendezvous run message waiting to be received, or being received. UCX receives its data
-  // into `bounce`, never straight into the pool: a receive cannot be cancelled (UCX 1.13 ends
-  // it neither on ucp_request_cancel nor on a forced close of its endpoint), so a sender that
-  // stops part-way and comes back later, after a fence, would otherwise land its bytes in pages
-  // handed out again. Pump copies the data to `iov` once it is all here, and only while the
+  // into `bounce`, never straight into the pool: UCX offers no dependable way to end a receive
+  // under way (in UCX 1.13 a forced close of the endpoint its data comes on does not), so a
+  // sender that stops part-way and comes back later, after a fence, would otherwise land its
+  // bytes in pages handed out again. Pump copies the data to `iov` once it is all here, and only while the
   // message's link is still open and the buffers are the ones `iov` names.
   struct RunLanding {
     ChunkNotice notice;             // chunk = the message index
