@@ -1080,6 +1080,55 @@ TEST_F(UcxAmRawTest, AFencedSendersRendezvousDataThatComesLaterLandsNothing) {
   })) << "the message landed after the fence";
 }
 
+// A second hello for a link that is open, from the link's own sender worker, neither answers
+// nor replaces the link's token: messages with the first token still land, ones with the
+// second are refused as not the link's.
+TEST_F(UcxAmRawTest, ASecondHelloForAnOpenLinkKeepsItsToken) {
+  const uint64_t instance = 0x2e11;
+  ASSERT_NO_FATAL_FAILURE(StartRaw(instance));
+  RawSender& raw = *raw_;
+  ucx_staging::Hello again = RawSender::HelloFor(instance, 1, ucx_staging::LinkMode::kRuns);
+  again.token = 0x5ec0d;
+  raw.hello_acked = false;
+  ASSERT_TRUE(raw.Send(ucx_staging::kAmHello, ucx_staging::Encode(again), raw.own_address()));
+  auto second = ucx_staging::EncodeRuns({instance, 1, 6, 0, 1, again.token},
+                                        std::vector<ucx_staging::RunSegment>{{0, 0, 64}});
+  ASSERT_TRUE(second.ok());
+  ASSERT_TRUE(raw.Send(ucx_staging::kAmRuns, *second, std::string(64, 'S')));
+  ASSERT_TRUE(raw.SendRun(instance, 1, 7, 0, 64, 'F'));
+  ASSERT_TRUE(raw.Progress([&] { return raw.acks.size() >= 2; }));
+  EXPECT_FALSE(raw.hello_acked) << "a second hello for an open link was answered";
+  for (const auto& [ack, text] : raw.acks) {
+    if (ack.write == 6) {
+      EXPECT_EQ(ack.code, StatusCode::kFailedPrecondition) << text;
+      EXPECT_NE(text.find("not the token that link was opened with"), std::string::npos) << text;
+    } else {
+      EXPECT_EQ(ack.code, StatusCode::kOk) << text;
+    }
+  }
+  EXPECT_EQ(dst_[0], kPoison);
+  EXPECT_EQ(dst_[64], 'F');
+}
+
+// A rendezvous run message longer than any message a sender cuts (64 MiB) is refused, naming the
+// limit, before the receiver allocates anything to take it into.
+TEST_F(UcxAmRawTest, ARendezvousRunMessageLongerThanAnyMessageIsRefusedNamingTheLimit) {
+  const uint64_t instance = 0x61b;
+  ASSERT_NO_FATAL_FAILURE(StartRaw(instance));
+  RawSender& raw = *raw_;
+  // 65 pieces of all of buffer 0: each inside the buffer, 65 MiB together.
+  const std::vector<ucx_staging::RunSegment> segments(65, {0, 0, kBufferBytes});
+  auto header = ucx_staging::EncodeRuns({instance, 1, 3, 0, 65, RawSender::token(1)}, segments);
+  ASSERT_TRUE(header.ok());
+  ASSERT_TRUE(
+      raw.PostRendezvous(ucx_staging::kAmRuns, *header, std::string(65 * kBufferBytes, 'B')));
+  ASSERT_TRUE(raw.Progress([&] { return !raw.acks.empty(); }));
+  EXPECT_EQ(raw.acks[0].first.code, StatusCode::kOutOfRange) << raw.acks[0].second;
+  EXPECT_NE(raw.acks[0].second.find("of 68157440 data bytes; at most 67108864"), std::string::npos)
+      << raw.acks[0].second;
+  EXPECT_EQ(dst_[0], kPoison);
+}
+
 // A sender that keeps writing on a fenced link has every message answered, but the receiver's
 // warnings about them are bounded (10 a second), so that the sender cannot flood its log.
 TEST_F(UcxAmRawTest, RefusalsOfAFloodOfMessagesAreAllAnsweredButLoggedAtABoundedRate) {

@@ -304,8 +304,8 @@ StatusOr<Bye> DecodeBye(std::span<const uint8_t> bytes);
 // piece, in the receiver's buffers), and its AM data is the pieces' bytes back to back in
 // segment order, sent from the source runs as an IOV (no gather copy). The receiver checks
 // every segment against its own buffers before a byte moves, copies eager data into place
-// (rendezvous data lands there directly) and acknowledges each message with a ChunkAck
-// (chunk = message index) once its bytes are in place.
+// (rendezvous data it receives into a buffer of its own first, then copies) and acknowledges
+// each message with a ChunkAck (chunk = message index) once its bytes are in place.
 //
 //   RunsHeader (48 bytes): 0 magic u32, 4 version u16, 6 reserved u16, 8 sender, 16 link,
 //                          24 write, 32 message u32, 36 num_segments u32, 40 token
@@ -328,6 +328,9 @@ struct RunSegment {
 };
 inline constexpr size_t kRunsHeaderBytes = 48;
 inline constexpr size_t kRunSegmentBytes = 24;
+// Data bytes of one run message at most (the largest UcxOptions::am_message_bytes): a receiver
+// refuses a longer rendezvous message rather than allocate what a sender declares.
+inline constexpr uint64_t kMaxRunMessageBytes = uint64_t{64} << 20;
 // Segments per message (bounds the header a receiver parses).
 inline constexpr uint32_t kMaxRunSegments = 4096;
 // The AM header bytes of a message of `segments` segments.

@@ -45,7 +45,8 @@ Status StagedTransport::AttachRuns(std::span<const LocalRegion> regions) {
   // The backend refuses to register again while a landing on an open link is under way
   // (RunsBusy); those left are of links closed since, and name the old buffers: none of their
   // bytes is copied.
-  for (RunLanding& l : run_landings_) l.stale = true;
+  CutLandings(0, Aborted("the receiver registered its buffers again while the message was "
+                         "received; nothing of it landed; write it again"));
   run_local_.assign(regions.begin(), regions.end());
   run_local_len_.clear();
   for (const LocalRegion& r : regions) run_local_len_.push_back(r.length);
@@ -60,7 +61,7 @@ bool StagedTransport::RunsBusy() const {
   // Landings of closed links (a fence, a disconnect) will copy nothing: they do not hold the
   // buffers, however long their data takes to come.
   for (const RunLanding& l : run_landings_) {
-    if (!l.stale && dropped_.count(l.notice.sender) == 0 && LinkOpen(l.notice)) return true;
+    if (l.cut.ok() && dropped_.count(l.notice.sender) == 0 && LinkOpen(l.notice)) return true;
   }
   return false;
 }
@@ -197,7 +198,7 @@ bool StagedTransport::SendRunMessage(WriteId id, RunWrite& write, Peer& peer) {
   param.datatype = ucp_dt_make_iov();
   param.memory_type = UCS_MEMORY_TYPE_HOST;
   // Eager: the fastest call over tcp at these sizes (docs/performance.md); rendezvous: the
-  // receiver pulls the bytes straight into its pages.
+  // receiver pulls the bytes when it has taken the message.
   param.flags = run_options_.rendezvous ? UCP_AM_SEND_FLAG_RNDV : UCP_AM_SEND_FLAG_EAGER;
   run_sends_.push_back(std::move(send));
   RunSend& s = run_sends_.back();
@@ -255,7 +256,7 @@ void StagedTransport::HandleRunAck(const ChunkAck& ack, std::string_view message
   auto w = run_writes_.find(ack.write);
   if (w == run_writes_.end() || w->second.link != ack.link) return;
   auto p = peers_.find(ack.link);
-  // A duplicated or forged ack holds no credit and counts for nothing.
+  // A duplicated ack holds no credit and counts for nothing (HandleAck ignored forged ones).
   if (p == peers_.end() || !p->second.credits.Release(ack.write, ack.chunk)) return;
   RunWrite& write = w->second;
   RunsAcquire();
@@ -288,9 +289,14 @@ ucs_status_t StagedTransport::OnRuns(void* arg, const void* header, size_t heade
   // its own deadline), and a rendezvous one fails the sender's send.
   const ChunkNotice notice =
       RunsNotice({static_cast<const uint8_t*>(header), header_length}).value_or(ChunkNotice{});
+  // As for staged chunks (OnChunk): a rendezvous message refused with an ack completes as
+  // taken, so that the ack's reason is the one its sender reports.
   auto refuse = [&](ucs_status_t why, const Status& status) {
     WarnLimited(self->refusal_warnings_, "ucx", "refusing a run message: {}", status.ToString());
-    if (self->senders_.count(notice.sender) != 0) self->pending_acks_.emplace_back(notice, status);
+    if (self->senders_.count(notice.sender) != 0) {
+      self->pending_acks_.emplace_back(notice, status);
+      return UCS_OK;
+    }
     return rndv ? why : UCS_OK;
   };
   if (!self->runs_attached()) {
@@ -307,6 +313,12 @@ ucs_status_t StagedTransport::OnRuns(void* arg, const void* header, size_t heade
         self->ClosedLink(notice, FailedPrecondition("its link " + std::to_string(notice.link) +
                                                     " is not open here (closed, fenced, or no "
                                                     "hello)")));
+  }
+  if (rndv && length > kMaxRunMessageBytes) {
+    return refuse(UCS_ERR_MESSAGE_TRUNCATED,
+                  OutOfRange("a rendezvous run message of " + std::to_string(length) +
+                             " data bytes; at most " + std::to_string(kMaxRunMessageBytes) +
+                             " (the largest am_message_bytes) are taken"));
   }
   if (rndv) {
     // A landing holds UCX's descriptor and an IOV of up to kMaxRunSegments pieces until Pump
@@ -365,14 +377,23 @@ void StagedTransport::PumpRunLandings() {
       continue;
     }
     if (l.request == nullptr) {
-      if (l.stale || dropped_.count(l.notice.sender) != 0 || !LinkOpen(l.notice)) {
+      if (!l.cut.ok() || dropped_.count(l.notice.sender) != 0 || !LinkOpen(l.notice)) {
         ucp_am_data_release(worker_, l.data);
         DeliverLanding(l);  // refused, naming why
         it = run_landings_.erase(it);
         continue;
       }
-      // Uninitialised: UCX writes all of it before a byte is read.
-      l.bounce = std::make_unique_for_overwrite<uint8_t[]>(l.length);
+      // Uninitialised: UCX writes all of it before a byte is read. At most kMaxRunMessageBytes
+      // (OnRuns), a window of them per link; refused, not thrown, when memory runs out.
+      l.bounce.reset(new (std::nothrow) uint8_t[l.length]);
+      if (l.bounce == nullptr) {
+        ucp_am_data_release(worker_, l.data);
+        pending_acks_.emplace_back(
+            l.notice, ResourceExhausted("no memory for a buffer of " + std::to_string(l.length) +
+                                        " bytes to receive the run message into"));
+        it = run_landings_.erase(it);
+        continue;
+      }
       ucp_request_param_t param = {};
       param.op_attr_mask = UCP_OP_ATTR_FIELD_DATATYPE | UCP_OP_ATTR_FIELD_MEMORY_TYPE;
       param.datatype = ucp_dt_make_contig(1);
@@ -409,6 +430,12 @@ void StagedTransport::PumpRunLandings() {
   }
 }
 
+void StagedTransport::CutLandings(uint64_t sender, const Status& why) {
+  for (RunLanding& l : run_landings_) {
+    if ((sender == 0 || l.notice.sender == sender) && l.cut.ok()) l.cut = why;
+  }
+}
+
 void StagedTransport::DeliverLanding(RunLanding& l) {
   if (dropped_.count(l.notice.sender) != 0 || !LinkOpen(l.notice)) {
     pending_acks_.emplace_back(l.notice,
@@ -416,10 +443,8 @@ void StagedTransport::DeliverLanding(RunLanding& l) {
                                                             "nothing of the message landed")));
     return;
   }
-  if (l.stale) {
-    pending_acks_.emplace_back(
-        l.notice, Aborted("the receiver registered its buffers again while the message was "
-                          "received; nothing of it landed; write it again"));
+  if (!l.cut.ok()) {
+    pending_acks_.emplace_back(l.notice, l.cut);
     return;
   }
   RunsAcquire();

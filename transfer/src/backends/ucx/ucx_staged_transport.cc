@@ -555,9 +555,9 @@ void StagedTransport::Release(WriteId id) {
                   "released write {} still has {} chunks unacknowledged after {} ms; its bytes "
                   "may land later",
                   id, held(), kWaitBound.count());
-    // Slots the receiver may still read stay lent: a late ack, or the peer's removal, frees
-    // them (filling one with another write's bytes could land those in this write's pages).
-    if (auto p = peers_.find(link); p != peers_.end()) p->second.credits.ReleaseWrite(id);
+    // Slots the receiver may still read stay lent, and the credits stay taken: the receiver
+    // still holds those chunks or messages (a sender that took the credits back could send
+    // past what it holds); a late ack, or the peer's removal, frees both.
   }
   writes_.erase(id);
   run_writes_.erase(id);
@@ -772,10 +772,12 @@ void StagedTransport::HandleAck(const ChunkAck& ack, std::string_view message) {
   }
   // Whatever the write's state: the receiver no longer reads the slot.
   ReturnSlot(ack.link, ack.write, ack.chunk);
+  // A duplicated ack holds no credit and counts for nothing.
+  if (!peers_.at(ack.link).credits.Release(ack.write, ack.chunk)) return;
+  // A write released before its acks came (Release gave up waiting), of either kind, kept its
+  // credits until now: the receiver held its chunks or messages all along.
   auto w = writes_.find(ack.write);
   if (w == writes_.end() || w->second.link != ack.link) return;
-  auto p = peers_.find(ack.link);
-  if (p == peers_.end() || !p->second.credits.Release(ack.write, ack.chunk)) return;
   Write& write = w->second;
   if (ack.code == StatusCode::kOk) {
     ++write.acked;
@@ -818,8 +820,12 @@ void StagedTransport::DropSender(uint64_t instance, bool peer_dead) {
     senders_.erase(sender);
   }
   // Before the wait, which may let a new link of the sender in: its slots go now, or (retired)
-  // once no chunk read from them is in flight, never a mapping made for the new link.
+  // once no chunk read from them is in flight, never a mapping made for the new link. Its run
+  // messages still being received land nothing: its links stay open for a reconnect (AdmitSender),
+  // which must not find the old session's bytes landing.
   if (peer_dead) UnmapSenderSlots(instance);
+  CutLandings(instance, Aborted("the receiver disconnected this sender while the message was "
+                                "received; nothing of it landed"));
   // Bytes being scattered cannot be stopped; wait for them so none lands after we return.
   // Queued and landing chunks are dropped as they come up (Landed sees the drop).
   WaitForLandings(instance, "a disconnected");

@@ -96,8 +96,9 @@ namespace ucx_staging {
 struct RunOptions {
   // Bytes of data per message (a run longer than this is cut).
   uint64_t message_bytes = uint64_t{1} << 20;
-  // Eager messages (the receiver copies each once from UCX's buffer) or rendezvous (UCX moves
-  // the bytes straight into the destination pages after a handshake per message).
+  // Eager messages (the receiver copies each once from UCX's buffer) or rendezvous (a handshake
+  // per message; UCX moves the bytes into a buffer of the receiver's, which copies them into
+  // place: RunLanding).
   bool rendezvous = false;
   // Messages a sender has unacknowledged at one receiver.
   uint32_t window = 32;
@@ -168,7 +169,11 @@ class StagedTransport {
   // The host buffers (by index, as registered) that peers' run messages may write, replacing
   // earlier ones; FailedPrecondition while run messages are being received.
   Status AttachRuns(std::span<const LocalRegion> regions);
-  void DetachRuns() { run_local_.clear(); }
+  void DetachRuns() {
+    CutLandings(0, Aborted("the receiver let go of the buffers that took copy runs while the "
+                           "message was received; nothing of it landed"));
+    run_local_.clear();
+  }
   bool runs_attached() const { return !run_local_.empty(); }
 
   // ---- sending ------------------------------------------------------------------------------
@@ -336,8 +341,8 @@ class StagedTransport {
   // into `bounce`, never straight into the pool: UCX offers no dependable way to end a receive
   // under way (in UCX 1.13 a forced close of the endpoint its data comes on does not), so a
   // sender that stops part-way and comes back later, after a fence, would otherwise land its
-  // bytes in pages handed out again. Pump copies the data to `iov` once it is all here, and only while the
-  // message's link is still open and the buffers are the ones `iov` names.
+  // bytes in pages handed out again. Pump copies the data to `iov` once it is all here, and only
+  // while the message's link is still open and the buffers are the ones `iov` names.
   struct RunLanding {
     ChunkNotice notice;             // chunk = the message index
     void* data = nullptr;           // UCX's descriptor, until the receive is posted
@@ -345,7 +350,9 @@ class StagedTransport {
     std::vector<ucp_dt_iov_t> iov;  // the destinations in the pool, piece by piece
     std::unique_ptr<uint8_t[]> bounce;
     void* request = nullptr;
-    bool stale = false;  // the buffers were registered again since `iov` was made
+    // Not OK: none of its data is copied (the buffers were registered again or let go since
+    // `iov` was made, or its sender was disconnected here); the ack carries this instead.
+    Status cut;
     // Not received before (RunOptions::receive_delay); min: at once.
     std::chrono::steady_clock::time_point due = std::chrono::steady_clock::time_point::min();
   };
@@ -417,6 +424,9 @@ class StagedTransport {
   void FailRunWrite(WriteId id, RunWrite& write, const Status& status);
   void HandleRunAck(const ChunkAck& ack, std::string_view message);
   void PumpRunLandings();
+  // Marks the run landings of `sender` (0: of every sender) as cut with `why`, unless they are
+  // already.
+  void CutLandings(uint64_t sender, const Status& why);
   // Copies a landing's received data into the pool if its link is still open and its buffers
   // current, and acks it either way.
   void DeliverLanding(RunLanding& landing);
