@@ -1669,7 +1669,8 @@ Status ValidateUcxOptions(const UcxOptions& options) {
                            std::to_string(static_cast<int>(options.host_path)) +
                            "; use UcxHostPath::kAuto, kPut or kActiveMessages");
   }
-  if (options.am_message_bytes < 4096 || options.am_message_bytes > (size_t{64} << 20)) {
+  if (options.am_message_bytes < 4096 ||
+      options.am_message_bytes > ucx_staging::kMaxRunMessageBytes) {
     return InvalidArgument("ucx am_message_bytes is " + std::to_string(options.am_message_bytes) +
                            "; give 4096 bytes to 64 MiB of data per active message");
   }
