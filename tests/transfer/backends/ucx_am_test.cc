@@ -908,6 +908,49 @@ TEST_F(UcxAmTest, StagedChunksPastTheGrantedCreditsAreRefusedNamingThem) {
   EXPECT_TRUE(std::all_of(dst_.begin(), dst_.end(), [](uint8_t b) { return b == kPoison; }));
 }
 
+// A Release that gives up waiting for its write's acks keeps the write's credits taken: the
+// receiver still holds those messages, and a next write sent on returned credits would pass the
+// window the receiver granted (and be refused). The next write waits for the late acks instead,
+// and lands whole.
+TEST_F(UcxAmTest, AReleaseThatGaveUpKeepsTheCreditsTheReceiverStillHolds) {
+  UcxOptions options = Tcp();
+  options.am_message_bytes = 4096;  // a window of 64 messages of 4 KiB
+  UcxOptions rendezvous = options;
+  rendezvous.am_rendezvous = true;  // the receiver holds each message until it is received
+  UcxTestHooks impatient;
+  impatient.release_bound_ms = 300;
+  UcxTestHooks slow;
+  slow.receive_delay_us = 1'500'000;
+  auto sender = CreateUcxBackendForTest(rendezvous, impatient);
+  ASSERT_TRUE(sender.ok()) << sender.status();
+  auto receiver = CreateUcxBackendForTest(options, slow);
+  ASSERT_TRUE(receiver.ok()) << receiver.status();
+  sender_ = std::move(sender).value();
+  receiver_ = std::move(receiver).value();
+  for (int b = 0; b < kBuffers; ++b) src_.push_back(testing::RandomBytes(kBufferBytes, 60 + b));
+  dst_.assign(kBuffers * kBufferBytes, kPoison);
+  std::vector<const uint8_t*> src;
+  for (const auto& buffer : src_) src.push_back(buffer.data());
+  auto link =
+      testing::RegisterAndConnect(*sender_, *receiver_, src, dst_.data(), kBufferBytes, kItem);
+  ASSERT_TRUE(link.ok()) << link.status();
+  ASSERT_EQ(PathOf(*sender_, *link), "am");
+
+  // 64 messages: the whole window, held at the receiver for 1.5 s; the release gives up first.
+  const std::vector<CopyRun> first = {{0, 0, 0, 64 * 4096}};
+  auto held = sender_->PostWrite(*link, first);
+  ASSERT_TRUE(held.ok()) << held.status();
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // all 64 are out
+  sender_->Release(*held);
+
+  const std::vector<CopyRun> second = {{1, 0, 0, 4096}};
+  auto next = sender_->PostWrite(*link, second);
+  ASSERT_TRUE(next.ok()) << next.status();
+  KVT_ASSERT_OK(WaitFor(*sender_, *next, std::chrono::seconds(10)));
+  sender_->Release(*next);
+  ExpectLanded(second);
+}
+
 // A staged receiver reads a sender's slots in place only where it mapped them for it: an offer
 // whose key is no key is answered "not in place", and slot notices it did not accept, or on a
 // link no hello opened, are refused with an ack naming the slot or the link; nothing lands.

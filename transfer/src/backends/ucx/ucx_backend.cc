@@ -116,7 +116,10 @@ class UcxBackend final : public Backend {
                      .window = RunWindow(options.am_message_bytes),
                      .fail_send_at = hooks.fail_run_send_at,
                      .ack_delay = std::chrono::microseconds(hooks.ack_delay_us),
-                     .receive_delay = std::chrono::microseconds(hooks.receive_delay_us)},
+                     .receive_delay = std::chrono::microseconds(hooks.receive_delay_us),
+                     .release_bound = hooks.release_bound_ms > 0
+                                          ? std::chrono::milliseconds(hooks.release_bound_ms)
+                                          : ucx_staging::RunOptions{}.release_bound},
         hooks_(hooks),
         instance_(NewInstanceId()) {}
 

@@ -53,6 +53,9 @@ struct UcxTestHooks {
   // only this long after it arrived, so that tests can hold a sender's messages queued (a
   // hostile sender's past its window).
   int receive_delay_us = 0;
+  // How long a Release waits for the acks of the write's messages in flight; 0: the backend's
+  // 10 s.
+  int release_bound_ms = 0;
   // While it reads true, this backend's progress thread does not progress its worker, so that
   // tests can hold a peer's writes to it (a put's flush waits for the target's progress over
   // tcp) as an unresponsive peer would.

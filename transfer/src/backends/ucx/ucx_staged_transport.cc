@@ -550,11 +550,11 @@ void StagedTransport::Release(WriteId id) {
     auto p = peers_.find(link);
     return p == peers_.end() ? 0u : p->second.credits.HeldBy(id);
   };
-  if (held() > 0 && !WaitUntil([&] { return held() == 0; }, kWaitBound)) {
+  if (held() > 0 && !WaitUntil([&] { return held() == 0; }, run_options_.release_bound)) {
     KVT_LOG_ERROR("ucx",
                   "released write {} still has {} chunks unacknowledged after {} ms; its bytes "
                   "may land later",
-                  id, held(), kWaitBound.count());
+                  id, held(), run_options_.release_bound.count());
     // Slots the receiver may still read stay lent, and the credits stay taken: the receiver
     // still holds those chunks or messages (a sender that took the credits back could send
     // past what it holds); a late ack, or the peer's removal, frees both.

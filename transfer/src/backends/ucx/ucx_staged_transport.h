@@ -115,6 +115,8 @@ struct RunOptions {
   // (queued until then) only this long after it arrived, so that tests can hold a sender's
   // messages queued here (a hostile sender's past its window).
   std::chrono::microseconds receive_delay{0};
+  // How long Release waits for the acks of a write's chunks or messages in flight.
+  std::chrono::milliseconds release_bound{10000};
 };
 
 struct StagingOptions {
