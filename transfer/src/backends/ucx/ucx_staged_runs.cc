@@ -351,10 +351,7 @@ ucs_status_t StagedTransport::OnRuns(void* arg, const void* header, size_t heade
     landing.data = data;
     landing.length = length;
     landing.iov = std::move(iov);
-    if (self->run_options_.receive_delay.count() > 0) {
-      self->run_landings_.back().due =
-          std::chrono::steady_clock::now() + self->run_options_.receive_delay;
-    }
+    landing.due = self->ReceiveDue();
     return UCS_INPROGRESS;
   }
   RunsAcquire();
@@ -371,8 +368,7 @@ ucs_status_t StagedTransport::OnRuns(void* arg, const void* header, size_t heade
 void StagedTransport::PumpRunLandings() {
   for (auto it = run_landings_.begin(); it != run_landings_.end();) {
     RunLanding& l = *it;
-    if (l.request == nullptr && l.due != std::chrono::steady_clock::time_point::min() &&
-        l.due > std::chrono::steady_clock::now()) {
+    if (l.request == nullptr && !Due(l.due)) {
       ++it;  // RunOptions::receive_delay
       continue;
     }

@@ -761,9 +761,10 @@ void StagedTransport::StartChunk(uint32_t i, WriteId id, Write& write, Peer& pee
 void StagedTransport::HandleAck(const ChunkAck& ack, std::string_view message) {
   // Only the receiver of the link knows its token: an ack without it is not that receiver's, and
   // counts for nothing (it must not complete, fail or free another sender's chunks).
-  if (auto p = peers_.find(ack.link); p == peers_.end() || p->second.token != ack.token) {
+  auto peer = peers_.find(ack.link);
+  if (peer == peers_.end() || peer->second.token != ack.token) {
     KVT_LOG_DEBUG("ucx", "ignoring an ack of {} on link {}: {}", ChunkName(ack.write, ack.chunk),
-                  ack.link, p == peers_.end() ? "no such link" : "not the link's token");
+                  ack.link, peer == peers_.end() ? "no such link" : "not the link's token");
     return;
   }
   if (run_writes_.count(ack.write) != 0) {
@@ -773,7 +774,7 @@ void StagedTransport::HandleAck(const ChunkAck& ack, std::string_view message) {
   // Whatever the write's state: the receiver no longer reads the slot.
   ReturnSlot(ack.link, ack.write, ack.chunk);
   // A duplicated ack holds no credit and counts for nothing.
-  if (!peers_.at(ack.link).credits.Release(ack.write, ack.chunk)) return;
+  if (!peer->second.credits.Release(ack.write, ack.chunk)) return;
   // A write released before its acks came (Release gave up waiting), of either kind, kept its
   // credits until now: the receiver held its chunks or messages all along.
   auto w = writes_.find(ack.write);
@@ -1072,9 +1073,7 @@ void StagedTransport::PumpRecvSlots() {
   }
   for (uint32_t i = 0; i < recv_.size() && !arrivals_.empty(); ++i) {
     if (recv_[i].state != RecvSlot::State::kFree) continue;
-    if (arrivals_.front().due != Clock::time_point::min() && arrivals_.front().due > Clock::now()) {
-      break;  // RunOptions::receive_delay
-    }
+    if (!Due(arrivals_.front().due)) break;  // RunOptions::receive_delay
     Arrival arrival = std::move(arrivals_.front());
     arrivals_.pop_front();
     Land(i, std::move(arrival));
@@ -1286,9 +1285,7 @@ ucs_status_t StagedTransport::OnChunk(void* arg, const void* header, size_t head
     const auto* bytes = static_cast<const uint8_t*>(data);
     arrival.copy.assign(bytes, bytes + length);
   }
-  if (self->run_options_.receive_delay.count() > 0) {
-    arrival.due = Clock::now() + self->run_options_.receive_delay;
-  }
+  arrival.due = self->ReceiveDue();
   self->arrivals_.push_back(std::move(arrival));
   return (rndv || persistent) ? UCS_INPROGRESS : UCS_OK;
 }
@@ -1358,9 +1355,7 @@ ucs_status_t StagedTransport::OnSlotChunk(void* arg, const void* header, size_t 
   arrival.slot = notice->slot;
   const auto* prefix = static_cast<const uint8_t*>(data);
   arrival.copy.assign(prefix, prefix + length);
-  if (self->run_options_.receive_delay.count() > 0) {
-    arrival.due = Clock::now() + self->run_options_.receive_delay;
-  }
+  arrival.due = self->ReceiveDue();
   self->arrivals_.push_back(std::move(arrival));
   return UCS_OK;
 }

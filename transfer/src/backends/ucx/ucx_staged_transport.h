@@ -462,6 +462,17 @@ class StagedTransport {
   void UnmapSenderSlots(uint64_t instance, bool force = false);
   bool SenderSlotsBusy(uint64_t instance) const;
   void UnmapRetiredSlots();
+  // When a message arriving now may be taken (RunOptions::receive_delay); min: at once. Due:
+  // whether a message with that time may be taken now (reads the clock only under a delay).
+  std::chrono::steady_clock::time_point ReceiveDue() const {
+    return run_options_.receive_delay.count() > 0
+               ? std::chrono::steady_clock::now() + run_options_.receive_delay
+               : std::chrono::steady_clock::time_point::min();
+  }
+  static bool Due(std::chrono::steady_clock::time_point due) {
+    return due == std::chrono::steady_clock::time_point::min() ||
+           due <= std::chrono::steady_clock::now();
+  }
   // ResourceExhausted when the notice's link already has as many chunks queued (arrivals_) as
   // the credits its hello ack granted (slots()): a queued chunk holds UCX's descriptor or a copy
   // of its data, which a sender past its credits must not pile up.
