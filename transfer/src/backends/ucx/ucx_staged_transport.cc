@@ -907,7 +907,7 @@ Status StagedTransport::ClosedLink(const ChunkNotice& notice, Status otherwise) 
         "the message names link " + std::to_string(notice.link) + " of sender " +
         Hex(notice.sender) +
         " but not the token that link was opened with: it is not that sender's (a forged or "
-        "misrouted message); dropped");
+        "misrouted message); dropped. A sender of ours that gets this reconnects (a new link)");
   }
   if (fenced == sender.fenced_links.end()) return otherwise;
   return Aborted("sender " + Hex(notice.sender) +
