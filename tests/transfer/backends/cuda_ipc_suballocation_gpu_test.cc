@@ -15,12 +15,12 @@
 #include <signal.h>
 #include <unistd.h>
 
-#include <cstdio>
 #include <cstdlib>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "kvt/common/hex.h"
 #include "kvt/kernels/cuda_util.h"
 #include "kvt/testing/gpu.h"
 #include "kvt/testing/status.h"
@@ -50,12 +50,6 @@ std::unique_ptr<Backend> NewBackend() {
   auto backend = CreateBackend("cuda_ipc");
   EXPECT_TRUE(backend.ok()) << backend.status();
   return backend.ok() ? std::move(backend).value() : nullptr;
-}
-
-std::string Hex(uint64_t v) {
-  char buf[24];
-  std::snprintf(buf, sizeof(buf), "%#llx", static_cast<unsigned long long>(v));
-  return buf;
 }
 
 // ---- The descriptor -----------------------------------------------------------------------

@@ -9,6 +9,7 @@
 #include <limits>
 
 #include "backends/common/host_memory.h"
+#include "kvt/common/hex.h"
 #include "kvt/pool/kv_pool.h"
 
 namespace kvt::transfer {
@@ -22,8 +23,6 @@ constexpr size_t kMaxGroups = 16;
 constexpr size_t kMaxAuxBuffers = 64;
 // Aux bytes of one request travel in its TransferDone frame (at most 16 MiB by default).
 constexpr uint64_t kMaxAuxRequestBytes = uint64_t{8} << 20;
-
-std::string Hex(uint64_t v) { return fmt::format("0x{:x}", v); }
 
 // What the buffer is, for messages: "buffer 5 (group 0, V of layer 1)".
 std::string BufferName(const TransferLayout& layout, size_t index) {

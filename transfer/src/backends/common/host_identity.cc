@@ -43,7 +43,7 @@ std::string ReadBootId(std::string_view log_tag) {
   return fallback;
 }
 
-std::string Hex(uint64_t v) {
+std::string HexDigits(uint64_t v) {
   char buf[17];
   auto [end, ec] = std::to_chars(buf, buf + sizeof(buf), v, 16);
   return std::string(buf, end);

@@ -21,8 +21,9 @@ namespace kvt::transfer {
 // every call: callers keep the result.
 std::string ReadBootId(std::string_view log_tag);
 
-// Lower-case hex digits of `v`, without a prefix.
-std::string Hex(uint64_t v);
+// Lower-case hex digits of `v`, without a prefix, as peer addresses show process and instance ids
+// (kvt::Hex, with "0x", is for messages).
+std::string HexDigits(uint64_t v);
 
 // `text` as a whole is a number in `base`; `out` is set only then.
 template <typename T>

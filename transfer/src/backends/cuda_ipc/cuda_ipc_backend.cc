@@ -29,7 +29,6 @@
 #include <atomic>
 #include <bit>
 #include <chrono>
-#include <cstdio>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -42,6 +41,7 @@
 #include "backends/common/run_check.h"
 #include "backends/cuda_ipc/cuda_ipc_codec.h"
 #include "backends/cuda_ipc/cuda_ipc_program.h"
+#include "kvt/common/hex.h"
 #include "kvt/common/log.h"
 #include "kvt/common/random.h"
 #include "kvt/kernels/cuda_util.h"
@@ -65,12 +65,6 @@ constexpr auto kGpuWaitLimit = std::chrono::seconds(30);
 
 // Scratch blocks are at least this large and grow in powers of two.
 constexpr size_t kMinScratchBytes = 4096;
-
-std::string Hex(uint64_t v) {
-  char buf[24];
-  std::snprintf(buf, sizeof(buf), "%#llx", static_cast<unsigned long long>(v));
-  return buf;
-}
 
 std::string Num(uint64_t v) { return std::to_string(v); }
 

@@ -160,10 +160,10 @@ std::string EncodeAddress(const ProcessAddress& a) {
   std::string out(kAddressPrefix);
   out += " boot=" + a.boot_id;
   out += " pid=" + std::to_string(a.pid);
-  out += " proc=" + Hex(a.process);
+  out += " proc=" + HexDigits(a.process);
   out += " dev=" + std::to_string(a.device);
   out += " pci=" + a.pci_bus_id;
-  out += " inst=" + Hex(a.instance);
+  out += " inst=" + HexDigits(a.instance);
   return out;
 }
 

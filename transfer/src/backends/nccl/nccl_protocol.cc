@@ -146,7 +146,7 @@ std::string EncodeToken(const PairToken& token) {
     id.push_back(kDigits[b & 0xF]);
   }
   return std::string(kTokenPrefix) + " slot=" + Num(token.slot_bytes) +
-         " tick=" + Num(token.idle_tick_ms) + " nonce=" + Hex(token.nonce) + " id=" + id;
+         " tick=" + Num(token.idle_tick_ms) + " nonce=" + HexDigits(token.nonce) + " id=" + id;
 }
 
 StatusOr<PairToken> DecodeToken(std::string_view text) {

@@ -7,7 +7,6 @@
 
 #include <cerrno>
 #include <cmath>
-#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <iterator>
@@ -209,12 +208,6 @@ bool Readable(uint64_t address) {
 }
 
 }  // namespace
-
-std::string Hex(uint64_t value) {
-  char text[24];
-  std::snprintf(text, sizeof(text), "0x%llx", static_cast<unsigned long long>(value));
-  return text;
-}
 
 Status CheckWorkerAddress(std::span<const uint8_t> address) {
   Reader r(address);

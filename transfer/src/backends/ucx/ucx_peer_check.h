@@ -22,12 +22,10 @@
 #include <string_view>
 #include <vector>
 
+#include "kvt/common/hex.h"
 #include "kvt/common/status.h"
 
 namespace kvt::transfer::ucx_check {
-
-// "0x" and the value in hex, as the checks' messages name addresses and ids.
-std::string Hex(uint64_t value);
 
 // OK for a worker address in UCX 1.13's packed format, as ucp_worker_get_address produces it
 // (with at least one device); InvalidArgument naming the record that is wrong, otherwise.

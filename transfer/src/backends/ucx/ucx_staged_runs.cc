@@ -10,6 +10,7 @@
 #include "backends/ucx/ucx_peer_check.h"
 #include "backends/ucx/ucx_staged_transport.h"
 #include "backends/ucx/ucx_util.h"
+#include "kvt/common/hex.h"
 #include "kvt/common/log.h"
 #include "tsan_annotations.h"
 
@@ -22,8 +23,6 @@
 namespace kvt::transfer {
 namespace ucx_staging {
 namespace {
-
-using ucx_check::Hex;
 
 char runs_tag;
 void RunsRelease() { internal::TsanRelease(&runs_tag); }

@@ -13,6 +13,7 @@
 #include "backends/common/layer_table.h"
 #include "backends/ucx/ucx_peer_check.h"
 #include "backends/ucx/ucx_util.h"
+#include "kvt/common/hex.h"
 #include "kvt/common/log.h"
 #include "kvt/common/random.h"
 #include "kvt/transfer/plan.h"
@@ -40,8 +41,6 @@ constexpr size_t kMaxFencedSenders = 256;
 std::span<const uint8_t> Bytes(const void* p, size_t n) {
   return {static_cast<const uint8_t*>(p), n};
 }
-
-using ucx_check::Hex;
 
 std::string ChunkName(uint64_t write, uint32_t chunk) {
   return "chunk " + std::to_string(chunk) + " of write " + std::to_string(write);
