@@ -2542,7 +2542,9 @@ Status RunTransferGpu(const TransferOptions& o, int device) {
         "side); "
         "D2H / H2D = contiguous cudaMemcpyAsync of the same bytes with pinned host memory (the "
         "PCIe ceiling), D2D = contiguous device copy, all in the prefill process, same GPU, CUDA "
-        "events.\n");
+        "events. Both processes use the one GPU: unless they run under MPS, each gather and "
+        "scatter also waits for the GPU to switch between them, which dominates the one-page "
+        "latency (docs/performance.md, \"Staged UCX on CUDA pools\").\n");
   }
   if (!o.json_path.empty()) {
     KVT_RETURN_IF_ERROR(WriteJson(o.json_path, doc));
