@@ -108,12 +108,12 @@ struct TransferOptions {
   std::string backend = "ucx";
   std::string ucx_tls;  // empty: UCX's default (or UCX_TLS from the environment)
   int ucx_spin_us = 200;
-  int ucx_copy_threads = 0;          // UcxOptions::copy_threads (both sides; 0 = auto)
-  std::string ucx_host_path = "auto";  // UcxOptions::host_path (both sides)
+  int ucx_copy_threads = 0;                   // UcxOptions::copy_threads (both sides; 0 = auto)
+  std::string ucx_host_path = "auto";         // UcxOptions::host_path (both sides)
   std::string ucx_am_message_bytes = "1MiB";  // UcxOptions::am_message_bytes (both sides)
-  int64_t control_busy_poll_us = 0;  // both engines' EngineOptions::control_busy_poll
-  bool control_lanes = true;         // both engines' EngineOptions::control_lanes
-  bool cuda_ipc_completion_word = true;  // CudaIpcOptions::completion_word (both sides)
+  int64_t control_busy_poll_us = 0;           // both engines' EngineOptions::control_busy_poll
+  bool control_lanes = true;                  // both engines' EngineOptions::control_lanes
+  bool cuda_ipc_completion_word = true;       // CudaIpcOptions::completion_word (both sides)
   std::string page_tokens = "1,16,64";
   int64_t tokens = 0;  // 0: 1024 on host pools, >= 1 GiB per request on CUDA pools
   int iters = 10;
@@ -2243,7 +2243,7 @@ Status RunGpuPageSizeBody(const TransferOptions& o, const SideConfig& c, int64_t
         Cell(SafeRatio(kvt_gbps, contiguous), 3), Cell(per_page, 2),
         RatioX(SafeRatio(kvt_gbps, per_page)), Cell(batch, 2), RatioX(SafeRatio(kvt_gbps, batch)),
         Cell(post_ms, 3), check, Cell(pipe_gbps, 1), Cell(SafeRatio(pipe_gbps, contiguous), 3));
-    // The issue's targets.
+    // The targets set for cuda_ipc on one GPU (docs/performance.md).
     const std::map<int, double> contiguous_target = {{1, 0.80}, {16, 0.90}, {64, 0.90}};
     json targets = json::array();
     if (auto it = contiguous_target.find(pt); it != contiguous_target.end()) {
@@ -2283,7 +2283,7 @@ Status RunGpuPageSizeBody(const TransferOptions& o, const SideConfig& c, int64_t
         Cell(Percentile(big.engine_ms, 0.99), 2), Cell(d2h, 1), Cell(SafeRatio(kvt_gbps, d2h), 3),
         Cell(h2d, 1), Cell(contiguous, 1), Cell(SafeRatio(kvt_gbps, contiguous), 4),
         Cell(post_ms, 2), check, Cell(pipe_gbps, 2), Cell(SafeRatio(pipe_gbps, d2h), 3));
-    out["targets"] = json::array();  // the issue sets none for the staged path
+    out["targets"] = json::array();  // none are set for the staged path here
   }
   out["ratios"] = ratios;
   rows.lat = fmt::format("{:>6} {:>9.0f} {:>8} {:>8} {:>9} {:>9} {:>9}", pt,
@@ -2515,7 +2515,7 @@ Status RunTransferGpu(const TransferOptions& o, int device) {
              "wait p50", "wait p99", "post p50");
   for (const GpuRows& r : all_rows) fmt::print("{}\n", r.lat);
   if (!targets.empty()) {
-    fmt::print("\ntargets (issue: GPU pools and the NVLink path)\n");
+    fmt::print("\ntargets (cuda_ipc on one GPU)\n");
     for (const GpuRows& r : all_rows) {
       for (const std::string& t : r.targets) fmt::print("{}\n", t);
     }
