@@ -169,6 +169,28 @@ TEST(EngineFaultTest, AnAbortAckWaitsForTheReleaseOfAnEarlierAbort) {
   EXPECT_TRUE(w.decode->Forget("both").ok());
 }
 
+// The decode side aborts a room while the prefill engine's shutdown is releasing that room's
+// write (which lands 400 ms after its post, as a network card that took the data would). The
+// shutdown already failed the room, so the abort finds it over; its AbortAck says the writes are
+// quiesced, so it must not go out before the shutdown's release returned: the decode pages may
+// not change once they are reported reusable.
+TEST(EngineFaultTest, AnAbortAckDuringPrefillShutdownWaitsForTheShutdownsRelease) {
+  SlowWrites w(400ms);
+  ASSERT_TRUE(w.ready());
+  const std::vector<int32_t> dst = {10, 11, 12, 40};
+  ASSERT_TRUE(w.Post("closing", {3, 4, 5, 9}, dst, 93));
+  std::thread shutdown([&] { w.prefill.reset(); });
+  std::this_thread::sleep_for(50ms);  // the shutdown has failed the room and is releasing
+  const Status aborted = w.decode->Abort("closing", "decode gives up");
+  const auto at_reusable = w.BytesOnceReusable("closing", dst);
+  shutdown.join();
+  ASSERT_TRUE(at_reusable) << "the decode room never became reusable (abort: " << aborted << ")";
+  std::this_thread::sleep_for(600ms);  // past the write's delay
+  EXPECT_EQ(Snapshot(*w.dst_pool, dst), *at_reusable)
+      << "bytes landed in the decode pages after they were reported reusable (abort: " << aborted
+      << ")";
+}
+
 // A prefill engine whose connection ends right after its hello-ack (it went away while the
 // decode side was still setting the peer up): ConnectPeer never hands out that dead connection
 // for good. Either it fails naming what happened, or the loss is noticed and the next

@@ -43,7 +43,8 @@ StatusOr<bool> EventDone(cudaEvent_t event) {
 }  // namespace
 
 Status PrefillSide::SilenceStatus(const Session& session, Clock::time_point now) const {
-  const auto quiet = std::chrono::duration_cast<std::chrono::milliseconds>(now - session.last_heard);
+  const auto quiet =
+      std::chrono::duration_cast<std::chrono::milliseconds>(now - session.last_heard);
   return Unavailable("nothing heard from the decode peer '" + session.info.name() + "' for " +
                      std::to_string(quiet.count()) + " ms (peer_timeout " +
                      std::to_string(ctx_.options.peer_timeout.count()) +
@@ -88,13 +89,12 @@ Status PrefillSide::Send(const std::string& room_id, std::vector<int32_t> src_pa
       if (table_.active_size() == 1 && server_) server_->Wake();
     } else {
       if (IsFinal(room->state)) {
-        return AlreadyExists("room '" + room_id + "' is already " +
-                             RequestStateName(room->state) + "; it takes no more pages");
+        return AlreadyExists("room '" + room_id + "' is already " + RequestStateName(room->state) +
+                             "; it takes no more pages");
       }
       if (room->last_chunk) {
         return AlreadyExists("room '" + room_id + "' already has all its source pages (" +
-                             std::to_string(room->src_pages.size()) +
-                             "; its last chunk was sent)");
+                             std::to_string(room->src_pages.size()) + "; its last chunk was sent)");
       }
       if (!room->chunks.empty() && !src_pages.empty()) {
         const SourceChunk& previous = room->chunks.back();
@@ -108,9 +108,9 @@ Status PrefillSide::Send(const std::string& room_id, std::vector<int32_t> src_pa
       }
       if (room->have_request &&
           room->src_pages.size() + src_pages.size() > room->dst_pages.size()) {
-        return OutOfRange("room '" + room_id + "': a chunk of " +
-                          std::to_string(src_pages.size()) + " pages after " +
-                          std::to_string(room->src_pages.size()) + " would make " +
+        return OutOfRange("room '" + room_id + "': a chunk of " + std::to_string(src_pages.size()) +
+                          " pages after " + std::to_string(room->src_pages.size()) +
+                          " would make " +
                           std::to_string(room->src_pages.size() + src_pages.size()) +
                           " source pages, but the decode side asked for " +
                           std::to_string(room->dst_pages.size()) +
@@ -293,9 +293,16 @@ void PrefillSide::Shutdown() {
                       "); send the room to a running prefill engine"),
           after);
     }
+    // The releases and TransferDones go to the worker before the lock goes, and are waited for
+    // below, before the connections close. A decode side's abort that comes meanwhile finds
+    // these rooms over and queues its AbortAck ("writes quiesced") on the worker too: behind
+    // these releases, never before them.
+    if (ctx_.worker) {
+      ctx_.worker->Post(std::move(after));
+      after = AfterUnlock();
+    }
   }
-  // Here, not on the worker: the TransferDones must be queued before the connections close.
-  after.Run(*ctx_.backend);
+  after.Run(*ctx_.backend);  // without a worker: here
   if (ctx_.worker) ctx_.worker->Drain();
   // Every write is quiesced and no request is acted on any more: say so to every peer, which
   // may then reuse the pages of every room of the session (even one whose request is still on
@@ -365,10 +372,9 @@ void PrefillSide::OnDisconnect(ConnectionId conn, const Status& why) {
   {
     MutexLock lock(ctx_.mu);
     if (sessions_.count(conn) == 0) return;
-    EndSessionLocked(conn,
-                     Unavailable("the decode peer's control connection was lost (" +
-                                 why.ToString() + ")"),
-                     after);
+    EndSessionLocked(
+        conn, Unavailable("the decode peer's control connection was lost (" + why.ToString() + ")"),
+        after);
   }
   Run(after);
 }
@@ -445,8 +451,7 @@ void PrefillSide::OnHello(ConnectionId conn, const v1::Hello& hello) {
   for (size_t i = 0; i < ctx_.buffers.size(); ++i) {
     const v1::MemoryDescriptor& remote = hello.peer().buffers(static_cast<int>(i));
     buffers.push_back(PlanBuffer{ctx_.buffers[i].layer, ctx_.buffers[i].info.item_len,
-                                 remote.item_len(), ctx_.buffers[i].info.length,
-                                 remote.length()});
+                                 remote.item_len(), ctx_.buffers[i].info.length, remote.length()});
   }
   {
     MutexLock lock(ctx_.mu);
@@ -501,8 +506,7 @@ void PrefillSide::OnTransferRequest(ConnectionId conn, const v1::Envelope& envel
     } else {
       if (IsFinal(room->state) && !room->have_request) {
         // Ended here (aborted, failed, out of time) before the decode side asked: say why.
-        const StatusCode code =
-            room->status.ok() ? StatusCode::kAborted : room->status.code();
+        const StatusCode code = room->status.ok() ? StatusCode::kAborted : room->status.code();
         return reject(Status(code, "room '" + req.room_id() +
                                        "' ended on the prefill side before this request "
                                        "arrived: " +
@@ -583,20 +587,18 @@ void PrefillSide::AdvanceLocked(PrefillRoom& room, AfterUnlock& after) {
   if (have > want || (room.last_chunk && have != want)) {
     return FailAndReportLocked(
         room,
-        InvalidArgument("room '" + room.id + "': the decode side asked for " +
-                        std::to_string(want) + " pages but the prefill side has " +
-                        std::to_string(have) +
-                        (room.chunks.size() > 1
-                             ? " in " + std::to_string(room.chunks.size()) + " chunks"
-                             : std::string()) +
-                        (room.last_chunk ? "" : " before its last chunk")),
+        InvalidArgument(
+            "room '" + room.id + "': the decode side asked for " + std::to_string(want) +
+            " pages but the prefill side has " + std::to_string(have) +
+            (room.chunks.size() > 1 ? " in " + std::to_string(room.chunks.size()) + " chunks"
+                                    : std::string()) +
+            (room.last_chunk ? "" : " before its last chunk")),
         after);
   }
   table_.Advance(room, RequestState::kWaitingForInput);
   if (room.source_ready == Clock::time_point() && room.last_chunk &&
-      std::all_of(room.chunks.begin(), room.chunks.end(), [&](const SourceChunk& c) {
-        return c.layers_ready >= room.layer_end;
-      })) {
+      std::all_of(room.chunks.begin(), room.chunks.end(),
+                  [&](const SourceChunk& c) { return c.layers_ready >= room.layer_end; })) {
     room.source_ready = Clock::now();
   }
   bool posted = false;
@@ -645,14 +647,14 @@ void PrefillSide::AdvanceLocked(PrefillRoom& room, AfterUnlock& after) {
   if (posted) {
     // Layers posted for every page declared so far.
     int32_t posted_end = room.layer_end;
-    for (const SourceChunk& chunk : room.chunks) posted_end = std::min(posted_end, chunk.posted_end);
+    for (const SourceChunk& chunk : room.chunks)
+      posted_end = std::min(posted_end, chunk.posted_end);
     room.layers_posted = posted_end - room.layer_begin;
     table_.Advance(room, RequestState::kTransferring);
     if (!AllPostedLocked(room)) {
       v1::Envelope progress;
       progress.mutable_layer_progress()->set_room_id(room.id);
-      progress.mutable_layer_progress()->set_layers_done(
-          static_cast<uint32_t>(room.layers_posted));
+      progress.mutable_layer_progress()->set_layers_done(static_cast<uint32_t>(room.layers_posted));
       progress.mutable_layer_progress()->set_bytes_done(room.bytes);
       SendTo(room.conn, progress);
     }
@@ -660,8 +662,7 @@ void PrefillSide::AdvanceLocked(PrefillRoom& room, AfterUnlock& after) {
   CheckWritesLocked(room, after);
 }
 
-Status PrefillSide::PlanChunkLocked(PrefillRoom& room, SourceChunk& chunk,
-                                    const Session& session) {
+Status PrefillSide::PlanChunkLocked(PrefillRoom& room, SourceChunk& chunk, const Session& session) {
   PlanSpec spec;
   spec.src_pages = std::span<const int32_t>(room.src_pages).subspan(chunk.offset, chunk.count);
   spec.dst_pages = std::span<const int32_t>(room.dst_pages).subspan(chunk.offset, chunk.count);
