@@ -379,6 +379,60 @@ TEST_F(CudaIpcSameProcess, NoticesComePerWriteOrOnlyWhenArmed) {
   KVT_ASSERT_OK(held.stream.Synchronize());
 }
 
+// A notice armed behind a write fires when that write completes; if nobody Checks the write
+// afterwards (the engine hands a failed room's writes to its worker, which may not have got to
+// them), the write still reads in progress inside the backend. Arming again for a later write
+// must not take that fired notice for one behind the later write: the completed write gets a
+// notice at once, and the next arming waits behind the later write, whose completion notifies.
+TEST_F(CudaIpcSameProcess, AnArmedNoticeThatFiredDoesNotStandForTheWritesBehindIt) {
+  auto notices = std::make_shared<std::atomic<int>>(0);
+  sender_->SetCompletionNotifier([notices] { notices->fetch_add(1); });
+  sender_->SetNoticesOnDemand(true);
+  const auto wait_for_notices = [&](int n) {
+    const auto give_up = Clock::now() + std::chrono::seconds(10);
+    while (notices->load() < n && Clock::now() < give_up) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    return notices->load();
+  };
+  PageWrite first_write = OnePage(3, 5);
+  PageWrite second_write = OnePage(4, 6);
+
+  HeldProducer first;
+  auto a = first.PostGated(*sender_, peer_, first_write);
+  ASSERT_TRUE(a.ok()) << a.status();
+  sender_->ArmCompletionNotice();
+  first.gate.Open();
+  ASSERT_EQ(wait_for_notices(1), 1) << "the notice armed behind the first write";
+  // The first write is not Checked: inside the backend it still reads in progress.
+
+  HeldProducer second;
+  auto b = second.PostGated(*sender_, peer_, second_write);
+  ASSERT_TRUE(b.ok()) << b.status();
+  sender_->ArmCompletionNotice();
+  const int after_arming = wait_for_notices(2);
+  sender_->ArmCompletionNotice();  // after looking, as the engine's poller does before it sleeps
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  const int while_gated = notices->load();
+  const Status gated_status = sender_->Check(*b);
+  second.gate.Open();
+  EXPECT_EQ(after_arming, 2) << "the first write completed unseen: a notice at once";
+  EXPECT_EQ(while_gated, 2) << "a notice came before the second write completed";
+  EXPECT_EQ(gated_status.code(), StatusCode::kInProgress) << gated_status;
+  EXPECT_EQ(wait_for_notices(3), 3)
+      << "the second write completed and no notice came: a caller that sleeps until the next "
+         "notice would wait for its next poll";
+  KVT_EXPECT_OK(WaitFor(*sender_, *a));
+  KVT_EXPECT_OK(WaitFor(*sender_, *b));
+  EXPECT_FALSE(first.gate.timed_out());
+  EXPECT_FALSE(second.gate.timed_out());
+  sender_->Release(*a);
+  sender_->Release(*b);
+  sender_->SetCompletionNotifier(nullptr);
+  KVT_ASSERT_OK(first.stream.Synchronize());
+  KVT_ASSERT_OK(second.stream.Synchronize());
+}
+
 // Completion hints (the completion word): false while a write waits for its producer, and for
 // a write queued behind it; true for both once they ran, and their bytes are in place then;
 // never true for ids not yet posted. A backend with the word off reports no hints and still

@@ -944,6 +944,15 @@ class CudaIpcBackend final : public Backend {
     }
   }
 
+  // A notice as soon as the side stream gets to it (anything queued there waits behind writes
+  // older than every write in flight, which have completed). mutex_ held, our device current.
+  void NoticeNowLocked() {
+    if (cudaLaunchHostFunc(notify_stream_.get(), &CudaIpcBackend::NotifyFromStream, this) !=
+        cudaSuccess) {
+      (void)cudaGetLastError();  // the caller's poll still sees the write complete
+    }
+  }
+
   // CUDA host function (no CUDA calls allowed): tells the installed notifier, if any.
   static void CUDART_CB NotifyFromStream(void* self) {
     auto* backend = static_cast<CudaIpcBackend*>(self);
@@ -969,19 +978,31 @@ class CudaIpcBackend final : public Backend {
   }
 
   // One notice behind the oldest write in flight, unless one is armed behind it already (writes
-  // complete in the transfer stream's order, so the oldest completes first).
+  // complete in the transfer stream's order, so the oldest completes first). The writes are
+  // polled first: one that completed but that no caller has Checked since still reads in
+  // progress here, and the notice armed behind it may have fired already, so it must not stand
+  // for the writes behind it. A write seen completing here has been seen by no caller yet: it
+  // gets a notice at once, and the caller arms again after it has looked.
   void ArmCompletionNotice() override {
     std::lock_guard<std::mutex> lock(mutex_);
+    DeviceGuard guard(device_);
+    if (!guard.status().ok()) return;  // the caller's next poll still sees the writes complete
     WriteId oldest = 0;
-    for (const auto& [id, write] : writes_) {
-      if (write.status.code() == StatusCode::kInProgress && write.slot &&
-          (oldest == 0 || id < oldest)) {
+    bool completed_here = false;
+    for (auto& [id, write] : writes_) {
+      if (write.status.code() != StatusCode::kInProgress || !write.slot) continue;
+      PollLocked(id, write);
+      if (write.status.code() != StatusCode::kInProgress) {
+        completed_here = true;
+      } else if (oldest == 0 || id < oldest) {
         oldest = id;
       }
     }
+    if (completed_here) {
+      NoticeNowLocked();
+      return;
+    }
     if (oldest == 0 || oldest <= armed_write_) return;
-    DeviceGuard guard(device_);
-    if (!guard.status().ok()) return;  // the caller's next poll still sees the write complete
     NoticeAfterLocked(writes_.at(oldest).slot->done.get());
     armed_write_ = oldest;
   }
