@@ -956,6 +956,52 @@ TEST_F(CudaIpcTwoProcesses, OneMappingPerAllocationWhateverTheConnections) {
   EXPECT_EQ(*exit_code, 0);
 }
 
+// A write to the peer waits for its producer while one thread releases it (the release waits
+// for the GPU without the backend's lock, and the write is no longer listed) and another
+// disconnects the peer. The disconnect must not close the peer's mappings while the write may
+// still go through them: it waits for that write too, and the bytes land.
+TEST_F(CudaIpcTwoProcesses, ADisconnectWaitsForAWriteAnotherThreadIsReleasing) {
+  auto peer = sender_->Connect(child_descriptor_);
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  const std::vector<int32_t> src_pages = {2, 6}, dst_pages = {30, 31};
+  PageWrite w;
+  w.src_pages = src_pages;
+  w.dst_pages = dst_pages;
+  w.num_layers = kLayers;
+  w.layer_begin = 0;
+  w.layer_end = kLayers;
+  HeldProducer held;
+  auto id = held.PostGated(*sender_, *peer, w);
+  ASSERT_TRUE(id.ok()) << id.status();
+  std::thread releasing([&] { sender_->Release(*id); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));  // the release is waiting
+  std::atomic<bool> disconnected{false};
+  Status disconnect_status;
+  std::thread disconnecting([&] {
+    disconnect_status = sender_->Disconnect(*peer);
+    disconnected = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const bool disconnected_while_held = disconnected.load();
+  const size_t mappings_while_held = CudaIpcOpenMappingsForTest();
+  held.gate.Open();
+  releasing.join();
+  disconnecting.join();
+  EXPECT_FALSE(disconnected_while_held)
+      << "Disconnect returned while a write to the peer was still waiting for its producer";
+  EXPECT_EQ(mappings_while_held, mappings_before_ + 1)
+      << "the peer's mapping closed while a write through it was still to run";
+  KVT_EXPECT_OK(disconnect_status);
+  EXPECT_EQ(CudaIpcOpenMappingsForTest(), mappings_before_);
+  EXPECT_FALSE(held.gate.timed_out());
+  KVT_ASSERT_OK(held.stream.Synchronize());
+  ApplyPageWrite(w, src_image_, expected_, src_.buffer_bytes(), kItem);
+  ExpectChildHasExpected();
+  auto exit_code = child_.Stop();
+  ASSERT_TRUE(exit_code.ok()) << exit_code.status();
+  EXPECT_EQ(*exit_code, 0);
+}
+
 TEST_F(CudaIpcTwoProcesses, AKilledPeerIsDisconnectedCleanly) {
   auto peer = sender_->Connect(child_descriptor_);
   ASSERT_TRUE(peer.ok()) << peer.status();

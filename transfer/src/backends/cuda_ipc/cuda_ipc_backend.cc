@@ -310,7 +310,7 @@ class CudaIpcBackend final : public Backend {
                     "its scratch memory and its peers' mappings",
                     drained.ToString());
       for (auto& [id, write] : writes_) (void)write.slot.release();
-      for (auto& slot : retiring_) (void)slot.release();
+      for (auto& [peer, slot] : retiring_) (void)slot.release();
       for (auto& word : words_) (void)word.release();  // the stream may still set it
       writes_.clear();
       retiring_.clear();
@@ -590,6 +590,15 @@ class CudaIpcBackend final : public Backend {
         ++in_flight;
       }
     }
+    // Work for this peer that no longer has an entry here may still be on the stream: a write
+    // another thread is releasing (it waits without the lock), one whose release gave up, the
+    // launches of a post that failed part-way. The stream runs in order, so a marker behind
+    // them tells when they are done.
+    if (auto u = untracked_.find(id); u != untracked_.end()) in_flight += u->second;
+    SweepRetiringLocked();
+    for (const auto& [retiring_peer, slot] : retiring_) {
+      if (retiring_peer == id) ++in_flight;
+    }
     Status drained = OkStatus();
     if (in_flight > 0) {
       DeviceGuard guard(device_);
@@ -658,13 +667,19 @@ class CudaIpcBackend final : public Backend {
     PollLocked(id, write);
     if (!write.slot) return;  // finished (its scratch is recycled) or failed
     // Still running: a launched kernel cannot be cancelled, so wait for it (without the lock).
+    // Meanwhile a Disconnect of its peer counts it (untracked_) and waits too.
     const cudaEvent_t done = write.slot->done.get();
+    ++untracked_[write.peer];
     lock.unlock();
     const Status waited = WaitForEvent(done, kGpuWaitLimit, "cuda_ipc write " + Num(id));
     lock.lock();
     if (waited.ok()) {
+      if (auto u = untracked_.find(write.peer); u != untracked_.end() && --u->second == 0) {
+        untracked_.erase(u);
+      }
       RecycleLocked(std::move(write.slot));
     } else {
+      // The GPU may still write through the peer's mappings: it stays counted, for good.
       KVT_LOG_ERROR("ipc", "released write {} did not finish ({}); leaking its scratch", id,
                     waited.ToString());
       (void)write.slot.release();
@@ -799,17 +814,17 @@ class CudaIpcBackend final : public Backend {
   // Recycles the scratch of failed posts once the GPU is done with it. mutex_ held.
   void SweepRetiringLocked() {
     for (size_t i = 0; i < retiring_.size();) {
-      const cudaError_t err = cudaEventQuery(retiring_[i]->done.get());
+      const cudaError_t err = cudaEventQuery(retiring_[i].second->done.get());
       if (err == cudaErrorNotReady) {
         (void)cudaGetLastError();
         ++i;
         continue;
       }
       if (err == cudaSuccess) {
-        RecycleLocked(std::move(retiring_[i]));
+        RecycleLocked(std::move(retiring_[i].second));
       } else {
         (void)cudaGetLastError();
-        retiring_[i].reset();
+        retiring_[i].second.reset();
       }
       retiring_.erase(retiring_.begin() + static_cast<std::ptrdiff_t>(i));
     }
@@ -903,10 +918,13 @@ class CudaIpcBackend final : public Backend {
       KVT_LOG_ERROR("ipc", "cannot record a write's completion ({}); leaking its scratch",
                     recorded.ToString());
       (void)slot.release();
+      ++untracked_[peer];  // launches may have gone out, and nothing tells when they end
       return posted.ok() ? recorded : posted;
     }
     if (!posted.ok()) {
-      retiring_.push_back(std::move(slot));  // the staging copy may still read it
+      // The staging copy may still read it, and launches before the failed one may still write
+      // to the peer.
+      retiring_.emplace_back(peer, std::move(slot));
       return posted;
     }
     Write write;
@@ -1029,8 +1047,12 @@ class CudaIpcBackend final : public Backend {
   cuda_ipc::LocalBuffers local_;
   std::unordered_map<PeerId, Peer> peers_;
   std::unordered_map<WriteId, Write> writes_;
-  std::vector<std::unique_ptr<Slot>> free_;      // recycled scratch
-  std::vector<std::unique_ptr<Slot>> retiring_;  // scratch of failed posts, until their event
+  std::vector<std::unique_ptr<Slot>> free_;  // recycled scratch
+  // Scratch of failed posts, with the peer they wrote to, until their event.
+  std::vector<std::pair<PeerId, std::unique_ptr<Slot>>> retiring_;
+  // Per peer: writes no longer in writes_ whose GPU work may still run (a release waiting
+  // without the lock, or one that gave up; a post whose completion could not be recorded).
+  std::unordered_map<PeerId, size_t> untracked_;
   std::vector<std::unique_ptr<cuda::CompletionWord>> words_;
   CopyProgram program_;  // the page write being posted; its storage is reused write after write
   PeerId next_peer_ = 1;
