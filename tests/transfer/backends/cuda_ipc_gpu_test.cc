@@ -73,15 +73,21 @@ void ApplyRuns(std::span<const CopyRun> runs, const std::vector<uint8_t>& src,
 }
 
 // A write of one page (`src` to `dst`, which must outlive it) over layers [begin, end).
-PageWrite OnePage(const int32_t& src, const int32_t& dst, int32_t begin = 0,
-                  int32_t end = kLayers) {
+// Layers [begin, end) of the pages `src` into `dst` (the spans must outlive the write's post).
+PageWrite Pages(std::span<const int32_t> src, std::span<const int32_t> dst, int32_t begin = 0,
+                int32_t end = kLayers) {
   PageWrite w;
-  w.src_pages = {&src, 1};
-  w.dst_pages = {&dst, 1};
+  w.src_pages = src;
+  w.dst_pages = dst;
   w.num_layers = kLayers;
   w.layer_begin = begin;
   w.layer_end = end;
   return w;
+}
+
+PageWrite OnePage(const int32_t& src, const int32_t& dst, int32_t begin = 0,
+                  int32_t end = kLayers) {
+  return Pages({&src, 1}, {&dst, 1}, begin, end);
 }
 
 std::unique_ptr<Backend> NewBackend() {
@@ -964,12 +970,7 @@ TEST_F(CudaIpcTwoProcesses, ADisconnectWaitsForAWriteAnotherThreadIsReleasing) {
   auto peer = sender_->Connect(child_descriptor_);
   ASSERT_TRUE(peer.ok()) << peer.status();
   const std::vector<int32_t> src_pages = {2, 6}, dst_pages = {30, 31};
-  PageWrite w;
-  w.src_pages = src_pages;
-  w.dst_pages = dst_pages;
-  w.num_layers = kLayers;
-  w.layer_begin = 0;
-  w.layer_end = kLayers;
+  const PageWrite w = Pages(src_pages, dst_pages);
   HeldProducer held;
   auto id = held.PostGated(*sender_, *peer, w);
   ASSERT_TRUE(id.ok()) << id.status();
