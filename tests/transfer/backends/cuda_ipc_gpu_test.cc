@@ -90,6 +90,15 @@ PageWrite OnePage(const int32_t& src, const int32_t& dst, int32_t begin = 0,
   return Pages({&src, 1}, {&dst, 1}, begin, end);
 }
 
+// Waits (at most 10 s) until `count` reaches `n`; its value then.
+int WaitForCount(const std::atomic<int>& count, int n) {
+  const auto give_up = Clock::now() + std::chrono::seconds(10);
+  while (count.load() < n && Clock::now() < give_up) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return count.load();
+}
+
 std::unique_ptr<Backend> NewBackend() {
   auto backend = CreateBackend("cuda_ipc");
   EXPECT_TRUE(backend.ok()) << backend.status();
@@ -370,10 +379,7 @@ TEST_F(CudaIpcSameProcess, NoticesComePerWriteOrOnlyWhenArmed) {
   held.gate.Open();
   EXPECT_EQ(while_gated, 1) << "a notice came before the armed write completed";
   EXPECT_EQ(gated_status.code(), StatusCode::kInProgress) << gated_status;
-  const auto give_up = Clock::now() + std::chrono::seconds(10);
-  while (notices->load() < 2 && Clock::now() < give_up) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
+  WaitForCount(*notices, 2);
   KVT_ASSERT_OK(WaitFor(*sender_, *gated));
   KVT_ASSERT_OK(WaitFor(*sender_, *behind));
   settle();
@@ -394,13 +400,7 @@ TEST_F(CudaIpcSameProcess, AnArmedNoticeThatFiredDoesNotStandForTheWritesBehindI
   auto notices = std::make_shared<std::atomic<int>>(0);
   sender_->SetCompletionNotifier([notices] { notices->fetch_add(1); });
   sender_->SetNoticesOnDemand(true);
-  const auto wait_for_notices = [&](int n) {
-    const auto give_up = Clock::now() + std::chrono::seconds(10);
-    while (notices->load() < n && Clock::now() < give_up) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
-    return notices->load();
-  };
+  const auto wait_for_notices = [&](int n) { return WaitForCount(*notices, n); };
   PageWrite first_write = OnePage(3, 5);
   PageWrite second_write = OnePage(4, 6);
 

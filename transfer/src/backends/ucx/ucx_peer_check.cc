@@ -12,6 +12,8 @@
 #include <iterator>
 #include <sstream>
 
+#include "kvt/common/hex.h"
+
 namespace kvt::transfer::ucx_check {
 namespace {
 

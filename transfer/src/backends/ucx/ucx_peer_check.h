@@ -22,7 +22,6 @@
 #include <string_view>
 #include <vector>
 
-#include "kvt/common/hex.h"
 #include "kvt/common/status.h"
 
 namespace kvt::transfer::ucx_check {
